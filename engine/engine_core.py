@@ -1,0 +1,201 @@
+"""`EngineCore`: one model, one cache, and the step `schedule() -> execute() -> update()`.
+
+It is single-threaded and synchronous; `ContinuousBatchingManager` owns the thread and the queues.
+Tests drive it directly: `add_request`, then `step()` until `has_unfinished_requests()` is False.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import ContinuousBatchingConfig
+from engine.kv.cache_manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
+from engine.runner.kv_cache import KVCacheShape, PagedKVCache, resolve_cache_sizes
+from engine.runner.model_runner import ModelRunner
+from engine.sampling import Sampler
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUESTS_PER_BATCH = 1024
+
+
+@dataclass
+class StepResult:
+    # Requests that gained a token this step (streaming consumers want each of these).
+    advanced: list[Request] = field(default_factory=list)
+    # Requests that ended this step: finished, failed by scheduling, or failed with the step.
+    finished: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    # Requests scheduled for the first time this step (they left the queue).
+    num_newly_scheduled: int = 0
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def cb_attention_implementation(current: str | None) -> str:
+    """The paged implementation that stands in for `current` while the engine runs the model."""
+    if current is not None and current.startswith(CBSERVE_ATTENTION_PREFIX):
+        return current
+    if current in (None, "sdpa", "paged|sdpa"):
+        return f"{CBSERVE_ATTENTION_PREFIX}sdpa"
+    if current in ("eager", "paged|eager"):
+        return f"{CBSERVE_ATTENTION_PREFIX}eager"
+    raise ValueError(
+        f"attn_implementation {current!r} is not supported by cbserve's engine on this machine; "
+        "load the model with attn_implementation='sdpa' or 'eager'"
+    )
+
+
+class EngineCore:
+    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
+        self.model = model
+        self.config = config
+        self.device = model_device(model)
+        text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
+        self.vocab_size: int = text_config.vocab_size
+        self.max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.max_requests_per_batch = config.max_requests_per_batch or DEFAULT_MAX_REQUESTS_PER_BATCH
+        shape = KVCacheShape.from_model_config(model.config, model_dtype(model))
+        activation_bytes = 16 * text_config.hidden_size * shape.dtype.itemsize
+        max_tokens_needed = self.max_requests_per_batch * (self.max_model_len or 4096)
+        num_blocks, max_batch_tokens = resolve_cache_sizes(
+            shape,
+            self.device,
+            config.page_size,
+            config.num_blocks,
+            config.max_batch_tokens,
+            config.resolved_max_memory_percent(has_logit_processing=config.per_request_processors),
+            max_tokens_needed,
+            activation_bytes,
+        )
+        self.max_batch_tokens = max_batch_tokens
+        self.has_sliding_layers = _has_sliding_layers(text_config)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            config.page_size,
+            enable_prefix_caching=config.allow_block_sharing and not self.has_sliding_layers,
+        )
+        self.scheduler = Scheduler(
+            self.kv_cache_manager,
+            max_batch_tokens=max_batch_tokens,
+            max_requests_per_batch=self.max_requests_per_batch,
+            safety_margin=config.resolved_safety_margin(),
+            policy=config.scheduler_type,
+            max_model_len=self.max_model_len,
+        )
+        self.kv_cache = PagedKVCache(shape, num_blocks, config.page_size, self.device)
+        self.runner = ModelRunner(
+            model, self.kv_cache, self.kv_cache_manager, Sampler(self.device, config.seed)
+        )
+        self.requests: dict[str, Request] = {}
+        self.num_failed_steps = 0
+        register_paged_attention()
+
+    def add_request(self, request: Request) -> bool:
+        """Queues `request`, or fails it at once (returns False) when it can never fit."""
+        error = self.scheduler.admission_error(request)
+        if error is not None:
+            request.status = RequestStatus.FAILED
+            request.finish_reason = FinishReason.ERROR
+            request.error = error
+            return False
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+        return True
+
+    def cancel_request(self, request_id: str) -> Request | None:
+        """Cancels a live request and frees its blocks; returns it, or None if it is not live."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish_request(request, RequestStatus.CANCELLED, FinishReason.CANCELLED)
+        self.scheduler.remove_finished_running()
+        return request
+
+    def fail_all(self, error: str) -> list[Request]:
+        failed = []
+        for request in list(self.requests.values()):
+            self.scheduler.finish_request(request, RequestStatus.FAILED, FinishReason.ERROR, error)
+            failed.append(request)
+        self.requests.clear()
+        self.scheduler.waiting.clear()
+        self.scheduler.remove_finished_running()
+        return failed
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> StepResult:
+        result = StepResult()
+        scheduler_output = self.scheduler.schedule()
+        now = time.time()
+        for failed in scheduler_output.failed:
+            self.requests.pop(failed.request_id, None)
+            result.finished.append(failed)
+        if not scheduler_output.scheduled:
+            return result
+        for item in scheduler_output.scheduled:
+            if item.request.scheduled_time is None:
+                item.request.scheduled_time = now
+                result.num_newly_scheduled += 1
+        result.num_scheduled_tokens = scheduler_output.num_batched_tokens
+        try:
+            runner_output = self.runner.execute(scheduler_output)
+        except Exception as exc:  # a bad step fails its own requests, never the engine
+            logger.exception(
+                "engine step failed; failing the %d requests in it", len(scheduler_output.scheduled)
+            )
+            self.num_failed_steps += 1
+            error = f"engine step failed: {type(exc).__name__}: {exc}"
+            for item in scheduler_output.scheduled:
+                self.scheduler.finish_request(item.request, RequestStatus.FAILED, FinishReason.ERROR, error)
+                self.requests.pop(item.request.request_id, None)
+                result.finished.append(item.request)
+            self.scheduler.remove_finished_running()
+            # Blocks registered for this step may never have been written.
+            self.kv_cache_manager.reset_prefix_cache()
+            return result
+
+        advanced = self.scheduler.update_from_output(scheduler_output, runner_output.token_ids)
+        now = time.time()
+        for item, logprob, top in zip(
+            scheduler_output.scheduled, runner_output.logprobs, runner_output.top_logprobs, strict=True
+        ):
+            request = item.request
+            if logprob is not None and request.sampling.logprobs:
+                request.logprobs.append(logprob)
+            if top is not None and request.sampling.top_logprobs:
+                request.top_logprobs.append(top)
+        for item in advanced:
+            request = item.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if request.record_timestamps:
+                request.timestamps.append(now)
+            result.advanced.append(request)
+            if request.is_finished:
+                self.requests.pop(request.request_id, None)
+                result.finished.append(request)
+        return result
+
+
+def _has_sliding_layers(text_config: object) -> bool:
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types:
+        return any(layer_type == "sliding_attention" for layer_type in layer_types)
+    return getattr(text_config, "sliding_window", None) is not None and getattr(
+        text_config, "use_sliding_window", True
+    )

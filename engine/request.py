@@ -1,0 +1,173 @@
+"""A request's state inside the engine, its sampling parameters, and the output users receive."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RequestStatus(IntEnum):
+    """Ordered so that a request is over exactly when `status >= RequestStatus.FINISHED`."""
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    CANCELLED = 4
+    FAILED = 5
+
+
+class FinishReason:
+    EOS = "eos"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. `temperature` None or 0 means greedy decoding."""
+
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature is None or self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class GenerationOutput:
+    """What a user receives for a request: one per step when streaming, else one at the end.
+
+    `generated_tokens` and `logprobs` are cumulative. Every request ends with exactly one output whose
+    status is FINISHED, CANCELLED or FAILED.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: str | None = None
+    error: str | None = None
+    created_time: float = 0.0
+    # Wall-clock time (time.time()) of each generated token, when the request records timestamps.
+    timestamps: list[float] | None = None
+    # Prompt tokens whose KV came from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0
+
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+
+class Request:
+    """Engine-side state of one request.
+
+    Progress is tracked as in vLLM: `all_token_ids` holds prompt + generated tokens and
+    `num_computed_tokens` counts those whose KV is in the cache. Every step the scheduler gives a
+    request some tokens so that computed catches up with `num_tokens`; prefill, chunked prefill,
+    prefix-cache hits and recompute after preemption are all that one rule, with no phase flags.
+    """
+
+    __slots__ = (
+        "all_token_ids",
+        "block_hashes",
+        "created_time",
+        "error",
+        "finish_reason",
+        "first_token_time",
+        "generator",
+        "logprobs",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "record_timestamps",
+        "request_id",
+        "sampling",
+        "scheduled_time",
+        "status",
+        "streaming",
+        "timestamps",
+        "top_logprobs",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.all_token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.sampling = sampling
+        self.streaming = streaming
+        self.record_timestamps = record_timestamps
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.PENDING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.block_hashes: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.timestamps: list[float] = []
+        self.created_time = time.time()
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        # A torch.Generator, created on first sampled step, when the request carries a seed.
+        self.generator: object | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def generated_tokens(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+    def to_output(self) -> GenerationOutput:
+        return GenerationOutput(
+            request_id=self.request_id,
+            prompt_ids=self.prompt_ids,
+            generated_tokens=self.generated_tokens,
+            logprobs=list(self.logprobs),
+            top_logprobs=list(self.top_logprobs),
+            status=self.status,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            created_time=self.created_time,
+            timestamps=list(self.timestamps) if self.record_timestamps else None,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -1,0 +1,230 @@
+"""Paged attention functions plugged into transformers' `AttentionInterface`.
+
+Unmodified model code calls `attention_interface(module, query, key, value, attention_mask, ...)` with
+the step's tokens packed into one sequence (batch dimension 1). These functions write the new keys and
+values into the paged cache, then attend each request to its own cached tokens:
+
+- decode rows (one query token each) run as one padded batch over their own lengths;
+- every prefill chunk runs alone against its own prefix.
+
+So attention work follows each request's own length; there is never one dense mask over every token
+in flight. All new tokens of a layer are written before any are read, which lets requests scheduled in
+the same step share prefix blocks that step fills.
+
+Grouped-query attention never repeats keys: the query heads that share a key head are folded into the
+query-length axis, `[H, Tq, D] -> [H_kv, G * Tq, D]`, and the mask is tiled to match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+CBSERVE_ATTENTION_PREFIX = "cbserve|"
+
+
+@dataclass
+class PrefillSegment:
+    """One request's query chunk: packed rows [query_start, query_end) attend to `key_slots`."""
+
+    query_start: int
+    query_end: int
+    key_slots: torch.Tensor  # [num_keys] cache slots of positions 0..num_keys-1
+    # Positions of the query rows; keys are at positions 0..num_keys-1.
+    first_query_position: int
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Everything a layer needs to read and write the paged cache for one step, built once per step."""
+
+    key_caches: list[torch.Tensor]  # per layer [num_slots, num_kv_heads, head_dim]
+    value_caches: list[torch.Tensor]
+    write_slots: torch.Tensor  # [num_packed_tokens]: where each new token's KV goes
+    decode_rows: torch.Tensor | None  # [num_decode] packed row of each decode query
+    decode_key_slots: torch.Tensor | None  # [num_decode, max_len] slots, padding points at the null block
+    decode_lengths: torch.Tensor | None  # [num_decode] keys of each decode row (its position + 1)
+    prefill_segments: list[PrefillSegment]
+    decode_rows_are_all_rows: bool
+    # Masks depend on the sliding window only, so each distinct window is built once per step.
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _prefill_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [num_decode, 1, 1, max_len]: 0 where a row may attend, -inf elsewhere."""
+        mask = self._decode_masks.get(sliding_window)
+        if mask is None:
+            assert self.decode_key_slots is not None and self.decode_lengths is not None
+            key_positions = torch.arange(self.decode_key_slots.shape[1], device=self.decode_key_slots.device)
+            lengths = self.decode_lengths.unsqueeze(1)
+            allowed = key_positions.unsqueeze(0) < lengths
+            if sliding_window is not None:
+                allowed &= key_positions.unsqueeze(0) > lengths - 1 - sliding_window
+            mask = _additive(allowed, dtype)[:, None, None, :]
+            self._decode_masks[sliding_window] = mask
+        return mask
+
+    def prefill_mask(
+        self, index: int, sliding_window: int | None, group: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Additive causal mask [group * num_queries, num_keys] for one prefill segment."""
+        key = (index, sliding_window)
+        mask = self._prefill_masks.get(key)
+        if mask is None:
+            segment = self.prefill_segments[index]
+            num_queries = segment.query_end - segment.query_start
+            device = segment.key_slots.device
+            query_positions = torch.arange(num_queries, device=device) + segment.first_query_position
+            key_positions = torch.arange(segment.key_slots.shape[0], device=device)
+            allowed = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
+            if sliding_window is not None:
+                allowed &= key_positions.unsqueeze(0) > query_positions.unsqueeze(1) - sliding_window
+            mask = _additive(allowed, dtype).repeat(group, 1)
+            self._prefill_masks[key] = mask
+        return mask
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min
+    )
+
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float | None], torch.Tensor]
+
+
+def sdpa_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    if softcap is not None:
+        return eager_kernel(query, key, value, mask, scale, softcap)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+
+
+def eager_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)
+
+
+def paged_attention(
+    kernel: Kernel,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    paged_metadata: PagedAttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """query [1, H, T, D], key/value [1, H_kv, T, D] -> output [1, T, H, D]."""
+    if paged_metadata is None:
+        raise RuntimeError(
+            "cbserve paged attention was called without paged_metadata: this model is switched to the "
+            "continuous-batching engine's attention; run it through the engine, not model.generate"
+        )
+    meta = paged_metadata
+    layer_idx: int = module.layer_idx  # type: ignore[assignment]
+    key_cache, value_cache = meta.key_caches[layer_idx], meta.value_caches[layer_idx]
+    num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    scale = scaling if scaling is not None else head_dim**-0.5
+
+    key_cache.index_copy_(0, meta.write_slots, key[0].transpose(0, 1))
+    value_cache.index_copy_(0, meta.write_slots, value[0].transpose(0, 1))
+
+    rows = query[0].transpose(0, 1)  # [T, H, D]
+    if meta.decode_rows_are_all_rows:
+        return _decode(kernel, meta, rows, key_cache, value_cache, group, scale, sliding_window, softcap)[
+            None
+        ], None
+
+    output = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if meta.decode_rows is not None:
+        decode_queries = rows.index_select(0, meta.decode_rows)
+        output[meta.decode_rows] = _decode(
+            kernel, meta, decode_queries, key_cache, value_cache, group, scale, sliding_window, softcap
+        )
+    for index, segment in enumerate(meta.prefill_segments):
+        num_queries = segment.query_end - segment.query_start
+        segment_query = query[0, :, segment.query_start : segment.query_end]  # [H, Tq, D]
+        grouped_query = segment_query.reshape(num_kv_heads, group * num_queries, head_dim)
+        keys = key_cache.index_select(0, segment.key_slots).transpose(0, 1)  # [H_kv, K, D]
+        values = value_cache.index_select(0, segment.key_slots).transpose(0, 1)
+        mask = meta.prefill_mask(index, sliding_window, group, query.dtype)
+        attended = kernel(grouped_query, keys, values, mask, scale, softcap)  # [H_kv, G*Tq, D]
+        output[segment.query_start : segment.query_end] = attended.reshape(
+            num_heads, num_queries, head_dim
+        ).transpose(0, 1)
+    return output[None], None
+
+
+def _decode(
+    kernel: Kernel,
+    meta: PagedAttentionMetadata,
+    queries: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    group: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """queries [B, H, D] -> [B, H, D], each row attending to its own `decode_lengths` keys."""
+    assert meta.decode_key_slots is not None
+    num_rows, num_heads, head_dim = queries.shape
+    num_kv_heads = num_heads // group
+    keys = key_cache[meta.decode_key_slots].transpose(1, 2)  # [B, H_kv, L, D]
+    values = value_cache[meta.decode_key_slots].transpose(1, 2)
+    grouped = queries.reshape(num_rows, num_kv_heads, group, head_dim)
+    mask = meta.decode_mask(sliding_window, queries.dtype)
+    attended = kernel(grouped, keys, values, mask, scale, softcap)  # [B, H_kv, G, D]
+    return attended.reshape(num_rows, num_heads, head_dim)
+
+
+def paged_sdpa_attention(*args: object, **kwargs: object) -> tuple[torch.Tensor, None]:
+    return paged_attention(sdpa_kernel, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def paged_eager_attention(*args: object, **kwargs: object) -> tuple[torch.Tensor, None]:
+    return paged_attention(eager_kernel, *args, **kwargs)  # type: ignore[arg-type]
+
+
+PAGED_ATTENTION_FUNCTIONS = {
+    f"{CBSERVE_ATTENTION_PREFIX}sdpa": paged_sdpa_attention,
+    f"{CBSERVE_ATTENTION_PREFIX}eager": paged_eager_attention,
+}
+
+
+def register_paged_attention() -> None:
+    """Registers the paged functions in transformers' global attention interface (idempotent).
+
+    The names carry our own prefix: `paged|...` belongs to transformers' own continuous batching, which
+    may run in the same process.
+    """
+    from transformers import AttentionInterface
+
+    for name, function in PAGED_ATTENTION_FUNCTIONS.items():
+        AttentionInterface.register(name, function)

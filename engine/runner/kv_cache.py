@@ -1,0 +1,128 @@
+"""The KV cache tensors and how many blocks fit in memory.
+
+Each layer has one key and one value tensor of shape `[num_blocks * page_size, num_kv_heads, head_dim]`;
+a block is `page_size` consecutive rows of every layer's tensors::
+
+    layer l keys:  | block 0 (null, zeros) | block 1 | block 2 | ... |
+                     <-- page_size rows -->
+
+Rows are addressed as slots (`block_id * page_size + offset`), so attention reads and writes with
+plain `index_select` / `index_copy_`. The tensors are created with `torch.empty`: on the CPU the
+kernel only backs the pages a request actually writes, so a large cache costs address space, not RSS,
+until it fills. Only the null block is zeroed, because padding reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.kv.block_pool import NULL_BLOCK_ID
+
+logger = logging.getLogger(__name__)
+
+# Hard bound on the block count the pool tracks (one Python object each), whatever the memory.
+MAX_AUTO_BLOCKS = 1 << 18
+DEFAULT_MAX_BATCH_TOKENS_GPU = 8192
+DEFAULT_MAX_BATCH_TOKENS_CPU = 2048
+MIN_MAX_BATCH_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_model_config(cls, config: Any, dtype: torch.dtype, tp_size: int = 1) -> KVCacheShape:
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        num_heads = text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        if num_kv_heads % tp_size:
+            raise ValueError(
+                f"tensor-parallel size {tp_size} must divide the model's num_key_value_heads ({num_kv_heads})"
+            )
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+        return cls(text_config.num_hidden_layers, num_kv_heads // tp_size, head_dim, dtype)
+
+    def bytes_per_token(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def resolve_cache_sizes(
+    shape: KVCacheShape,
+    device: torch.device,
+    page_size: int,
+    num_blocks: int | None,
+    max_batch_tokens: int | None,
+    max_memory_percent: float,
+    max_tokens_needed: int,
+    activation_bytes_per_token: int,
+) -> tuple[int, int]:
+    """(num_blocks, max_batch_tokens), filling in whichever the user left as None.
+
+    `max_batch_tokens` comes first (a fixed default capped so its activations take at most a tenth of
+    the budget); the cache gets the rest of the budget, but never more blocks than `max_tokens_needed`
+    tokens could use.
+    """
+    budget = int(free_memory_bytes(device) * max_memory_percent)
+    if max_batch_tokens is None:
+        default = DEFAULT_MAX_BATCH_TOKENS_GPU if device.type == "cuda" else DEFAULT_MAX_BATCH_TOKENS_CPU
+        affordable = budget // 10 // max(1, activation_bytes_per_token)
+        max_batch_tokens = max(MIN_MAX_BATCH_TOKENS, min(default, affordable))
+    if num_blocks is None:
+        bytes_per_block = shape.bytes_per_token() * page_size
+        cache_budget = budget - max_batch_tokens * activation_bytes_per_token
+        useful_blocks = -(-max_tokens_needed // page_size) + 1
+        num_blocks = max(2, min(cache_budget // bytes_per_block, useful_blocks, MAX_AUTO_BLOCKS))
+        logger.info(
+            "KV cache sized from free memory: %d blocks of %d tokens (%.2f GiB), max_batch_tokens=%d",
+            num_blocks,
+            page_size,
+            num_blocks * bytes_per_block / 2**30,
+            max_batch_tokens,
+        )
+    return num_blocks, max_batch_tokens
+
+
+class PagedKVCache:
+    def __init__(self, shape: KVCacheShape, num_blocks: int, page_size: int, device: torch.device) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.device = device
+        num_slots = num_blocks * page_size
+        row_shape = (num_slots, shape.num_kv_heads, shape.head_dim)
+        self.key_caches = [
+            torch.empty(row_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)
+        ]
+        self.value_caches = [
+            torch.empty(row_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)
+        ]
+        null_rows = slice(NULL_BLOCK_ID * page_size, (NULL_BLOCK_ID + 1) * page_size)
+        for cache in (*self.key_caches, *self.value_caches):
+            cache[null_rows].zero_()
+
+    def block_bytes(self, block_id: int) -> bytes:
+        """The raw bytes of one block across all layers; for round-trip tests of block copies."""
+        rows = slice(block_id * self.page_size, (block_id + 1) * self.page_size)
+        parts = [
+            cache[rows].contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            for cache in (*self.key_caches, *self.value_caches)
+        ]
+        return b"".join(parts)

@@ -1,0 +1,252 @@
+"""The scheduler: which requests run this step, with how many tokens each. It never touches tensors.
+
+There is no prefill phase and no decode phase. Each request has `num_computed_tokens` catching up with
+`num_tokens` (prompt + generated); a step hands out at most `max_batch_tokens` tokens. A fresh prompt
+gets many (chunked when it does not fit the budget), a decoding request gets one, a request resumed
+after preemption recomputes what it lost — all the same rule. A request samples a token in the step
+where it catches up.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.kv.cache_manager import KVCacheManager, blocks_for_tokens
+from engine.request import FinishReason, Request, RequestStatus
+
+SCHEDULING_POLICIES = ("fifo", "prefill_first")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # Tokens of this request already in the cache when the step starts (after prefix hits).
+    num_computed_tokens: int
+
+    @property
+    def samples_token(self) -> bool:
+        """True when this step catches the request up, so its last position yields the next token."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that can never run (they outgrew the whole cache), failed by this step's scheduling.
+    failed: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+
+@dataclass
+class SchedulerCounters:
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    admitted: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_batch_tokens: int,
+        max_requests_per_batch: int,
+        safety_margin: float,
+        policy: str = "fifo",
+        max_model_len: int | None = None,
+    ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduler_type must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests_per_batch = max_requests_per_batch
+        self.safety_margin = safety_margin
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.counters = SchedulerCounters()
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for request in self.waiting if not request.is_finished)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or any(not request.is_finished for request in self.waiting)
+
+    def admission_error(self, request: Request) -> str | None:
+        """Why `request` can never run, or None. Checked once, when it is added."""
+        max_tokens = request.num_prompt_tokens + request.sampling.max_new_tokens
+        capacity = self.kv_cache_manager.capacity_tokens
+        if max_tokens > capacity:
+            return (
+                f"request {request.request_id!r} needs up to {max_tokens} tokens of KV cache "
+                f"({request.num_prompt_tokens} prompt + {request.sampling.max_new_tokens} max_new_tokens) "
+                f"but the whole cache holds {capacity} tokens "
+                f"({self.kv_cache_manager.block_pool.num_usable_blocks} blocks of "
+                f"{self.kv_cache_manager.page_size}); raise num_blocks or lower max_new_tokens"
+            )
+        if self.max_model_len is not None and max_tokens > self.max_model_len:
+            return (
+                f"request {request.request_id!r} needs {max_tokens} positions "
+                f"({request.num_prompt_tokens} prompt + {request.sampling.max_new_tokens} max_new_tokens) "
+                f"but the model supports at most {self.max_model_len} (max_position_embeddings)"
+            )
+        return None
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_batch_tokens
+        if self.policy == "prefill_first":
+            budget = self._schedule_waiting(output, budget)
+            self._schedule_running(output, budget)
+        else:
+            budget = self._schedule_running(output, budget)
+            if not output.preempted:
+                self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        newly_admitted = {item.request.request_id for item in output.scheduled}
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            if request.request_id in newly_admitted:
+                index += 1
+                continue
+            if len(output.scheduled) >= self.max_requests_per_batch:
+                break
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+                victim = self._lowest_priority_victim(index, newly_admitted) or request
+                self._preempt(victim, output)
+                if victim is request:
+                    break
+            else:
+                output.scheduled.append(
+                    ScheduledRequest(request, num_new_tokens, request.num_computed_tokens)
+                )
+                budget -= num_new_tokens
+                index += 1
+                continue
+            # `request` itself was preempted; everything after it was already preempted too.
+            break
+        return budget
+
+    def _lowest_priority_victim(self, index: int, newly_admitted: set[str]) -> Request | None:
+        """The latest-admitted running request not yet scheduled this step (after position `index`)."""
+        for candidate in reversed(self.running[index + 1 :]):
+            if candidate.request_id not in newly_admitted:
+                return candidate
+        return None
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            if request.is_finished:
+                self.waiting.popleft()
+                continue
+            if len(self.running) >= self.max_requests_per_batch:
+                break
+            if len(output.scheduled) >= self.max_requests_per_batch:
+                break
+            if self.kv_cache_manager.free_fraction < self.safety_margin and self.running:
+                break
+            computed_blocks = self.kv_cache_manager.get_computed_blocks(request)
+            num_hit_tokens = len(computed_blocks) * self.kv_cache_manager.page_size
+            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+                if not self.running and not output.scheduled:
+                    self._fail_unschedulable(request, output)
+                    continue
+                break
+            self.waiting.popleft()
+            self.kv_cache_manager.record_prefix_lookup(request, num_hit_tokens)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_hit_tokens
+                self.counters.admitted += 1
+            else:
+                self.counters.recomputed_tokens += max(0, num_new_tokens)
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.PREFILLING
+            self.running.append(request)
+            output.scheduled.append(ScheduledRequest(request, num_new_tokens, num_hit_tokens))
+            budget -= num_new_tokens
+        return budget
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        """Preempts by recompute: the blocks go back to the pool and the request rejoins the queue head."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PENDING
+        self.waiting.appendleft(request)
+        self.counters.preemptions += 1
+        output.preempted.append(request)
+
+    def _fail_unschedulable(self, request: Request, output: SchedulerOutput) -> None:
+        # Nothing else holds blocks, so the pool is as free as it will ever be: this request cannot fit.
+        self.waiting.popleft()
+        page_size = self.kv_cache_manager.page_size
+        needed = blocks_for_tokens(request.num_tokens, page_size)
+        request.status = RequestStatus.FAILED
+        request.finish_reason = FinishReason.ERROR
+        request.error = (
+            f"request {request.request_id!r} needs {needed} KV blocks for its {request.num_tokens} tokens "
+            f"but only {self.kv_cache_manager.block_pool.num_free_blocks} of "
+            f"{self.kv_cache_manager.block_pool.num_usable_blocks} can ever be free; raise num_blocks"
+        )
+        output.failed.append(request)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: list[int | None]
+    ) -> list[ScheduledRequest]:
+        """Folds a step's sampled tokens back into its requests; returns the items that gained a token.
+
+        A request that reached EOS or its length limit is finished here and its blocks are freed.
+        """
+        advanced = []
+        for item, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
+            request = item.request
+            if request.is_finished:
+                continue
+            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            if token_id is None:
+                continue
+            request.all_token_ids.append(token_id)
+            request.status = RequestStatus.DECODING
+            advanced.append(item)
+            if token_id in request.sampling.eos_token_ids:
+                self.finish_request(request, RequestStatus.FINISHED, FinishReason.EOS)
+            elif request.num_generated_tokens >= request.sampling.max_new_tokens:
+                self.finish_request(request, RequestStatus.FINISHED, FinishReason.LENGTH)
+        self.remove_finished_running()
+        return advanced
+
+    def finish_request(
+        self, request: Request, status: RequestStatus, reason: str, error: str | None = None
+    ) -> None:
+        """Ends a request wherever it is (waiting, running) and frees its blocks. Idempotent."""
+        if request.is_finished:
+            return
+        request.status = status
+        request.finish_reason = reason
+        request.error = error
+        self.kv_cache_manager.free(request)
+
+    def remove_finished_running(self) -> None:
+        if any(request.is_finished for request in self.running):
+            self.running = [request for request in self.running if not request.is_finished]

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The project's one test command (README "Run the tests"): install, lint, type-check, test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+python3 -m ruff check engine service tests bench
+python3 -m ruff format --check engine service tests bench
+python3 -m mypy engine
+# pytest exits 5 when it collected nothing; that is a failure here, as is any other non-zero status.
+python3 -m pytest -q -p no:cacheprovider "$@"
