@@ -344,6 +344,8 @@ class ContinuousBatchingManager:
                 self._inbox.clear()
             for command, payload in commands:
                 self._apply(engine, command, payload)
+            if commands:
+                self._refresh_stats()
             with self._cond:
                 if self._hard_stop_requested:
                     break

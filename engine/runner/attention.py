@@ -17,8 +17,10 @@ query-length axis, `[H, Tq, D] -> [H_kv, G * Tq, D]`, and the mask is tiled to m
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -140,9 +142,18 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """query [1, H, T, D], key/value [1, H_kv, T, D] -> output [1, T, H, D]."""
     if paged_metadata is None:
-        raise RuntimeError(
-            "cbserve paged attention was called without paged_metadata: this model is switched to the "
-            "continuous-batching engine's attention; run it through the engine, not model.generate"
+        # A plain forward (model.generate, a trainer computing logprobs) while the engine owns the model.
+        fallback = _sdpa_fallback if kernel is sdpa_kernel else _eager_fallback(module)
+        return fallback(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            **kwargs,
         )
     meta = paged_metadata
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
@@ -218,13 +229,32 @@ PAGED_ATTENTION_FUNCTIONS = {
 }
 
 
+def _sdpa_fallback(*args: Any, **kwargs: Any) -> Any:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("softcap", None)
+    return sdpa_attention_forward(*args, **kwargs)
+
+
+def _eager_fallback(module: torch.nn.Module) -> Callable[..., Any]:
+    """The model's own eager attention (models define it next to their attention class)."""
+    function = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if function is None:
+        raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to fall back to")
+    return function
+
+
 def register_paged_attention() -> None:
-    """Registers the paged functions in transformers' global attention interface (idempotent).
+    """Registers the paged functions in transformers' attention and mask interfaces (idempotent).
 
     The names carry our own prefix: `paged|...` belongs to transformers' own continuous batching, which
-    may run in the same process.
+    may run in the same process. The mask functions serve plain forwards (padding masks); the engine's
+    own forwards pass a ready 4-D placeholder mask, which mask creation returns untouched.
     """
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
     for name, function in PAGED_ATTENTION_FUNCTIONS.items():
         AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(f"{CBSERVE_ATTENTION_PREFIX}sdpa", sdpa_mask)
+    AttentionMaskInterface.register(f"{CBSERVE_ATTENTION_PREFIX}eager", eager_mask)

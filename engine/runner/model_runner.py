@@ -46,6 +46,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = kv_cache.device
         self.page_size = kv_cache.page_size
+        self._placeholder_mask = torch.zeros(1, 1, 0, 0, device=self.device)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
         page_size = self.page_size
@@ -124,6 +125,8 @@ class ModelRunner:
         outputs = self.model(
             input_ids=inputs.input_ids,
             position_ids=inputs.position_ids,
+            # A ready 4-D mask makes transformers skip mask creation; paged attention masks by itself.
+            attention_mask=self._placeholder_mask,
             use_cache=False,
             logits_to_keep=inputs.logits_indices,
             paged_metadata=inputs.metadata,

@@ -1,0 +1,82 @@
+"""Tiny random causal LMs built from configs with a fixed seed (model hubs are unreachable in tests)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.models.gemma2 import Gemma2Config
+from transformers.models.llama import LlamaConfig
+from transformers.models.mistral import MistralConfig
+from transformers.models.qwen3 import Qwen3Config
+
+VOCAB_SIZE = 256
+COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+FULL_ATTENTION_FAMILIES = ("llama", "qwen3")
+
+
+def tiny_config(family: str) -> PretrainedConfig:
+    if family == "llama":
+        return LlamaConfig(**COMMON)
+    if family == "qwen3":
+        return Qwen3Config(**COMMON, head_dim=16)
+    if family == "mistral":
+        return MistralConfig(**COMMON, sliding_window=24)
+    if family == "gemma2":
+        return Gemma2Config(**COMMON, head_dim=16, sliding_window=24, attn_implementation="eager")
+    raise ValueError(family)
+
+
+@functools.cache
+def _build(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = tiny_config(family)
+    attn = "eager" if family == "gemma2" else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_model(family: str) -> torch.nn.Module:
+    """A shared tiny model of `family`; engines restore its attention implementation when destroyed."""
+    return _build(family)
+
+
+@pytest.fixture(params=FULL_ATTENTION_FAMILIES)
+def full_attention_model(request: pytest.FixtureRequest) -> torch.nn.Module:
+    return tiny_model(request.param)
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    # Ids from 3 up: 0..2 are pad, bos and eos in the tiny configs.
+    return torch.randint(3, VOCAB_SIZE, (length,), generator=generator).tolist()
+
+
+def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: transformers' own `model.generate`, greedy, EOS ignored, no padding."""
+    with torch.no_grad():
+        output = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return output[0, len(prompt) :].tolist()

@@ -1,0 +1,97 @@
+"""Per-request sampling: greedy limits, seeds independent of batch companions, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import ContinuousBatchingConfig, RequestStatus, continuous_batching_context_manager
+from tests.conftest import random_prompt, reference_greedy, tiny_model
+
+TIMEOUT = 60
+CONFIG = dict(page_size=8, num_blocks=256, max_batch_tokens=256)
+
+
+@pytest.fixture
+def model():
+    return tiny_model("qwen3")
+
+
+def _generate(manager, prompt, **kwargs):
+    request_id = manager.add_request(prompt, eos_token_id=[], **kwargs)
+    output = manager.get_result(request_id, timeout=TIMEOUT)
+    assert output.status == RequestStatus.FINISHED, output.error
+    return output
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1e-4, "do_sample": True},
+        {"top_k": 1, "temperature": 1.5},
+        {"top_p": 1e-6, "temperature": 1.0},
+    ],
+)
+def test_limits_of_sampling_equal_greedy(model, sampling):
+    prompt = random_prompt(30, seed=1)
+    expected = reference_greedy(model, prompt, 12)
+    with continuous_batching_context_manager(
+        model, continuous_batching_config=ContinuousBatchingConfig(**CONFIG)
+    ) as m:
+        output = _generate(m, prompt, max_new_tokens=12, seed=3, **sampling)
+    assert output.generated_tokens == expected
+
+
+def test_same_seed_gives_same_tokens_whatever_the_batch_companions(model):
+    prompt = random_prompt(20, seed=2)
+    sampling = dict(max_new_tokens=16, temperature=1.3, top_k=50, top_p=0.95, seed=1234)
+    with continuous_batching_context_manager(
+        model, continuous_batching_config=ContinuousBatchingConfig(**CONFIG)
+    ) as m:
+        alone = _generate(m, prompt, **sampling).generated_tokens
+        companions = [
+            m.add_request(
+                random_prompt(10 + index, seed=50 + index),
+                max_new_tokens=20,
+                temperature=1.0,
+                eos_token_id=[],
+            )
+            for index in range(5)
+        ]
+        in_batch = _generate(m, prompt, **sampling).generated_tokens
+        for request_id in companions:
+            m.get_result(request_id, timeout=TIMEOUT)
+        other_seed = _generate(m, prompt, **{**sampling, "seed": 99}).generated_tokens
+    assert alone == in_batch
+    assert alone != other_seed, "different seeds should (overwhelmingly likely) sample differently"
+
+
+def test_sampling_without_seed_differs_between_runs(model):
+    prompt = random_prompt(20, seed=3)
+    with continuous_batching_context_manager(
+        model, continuous_batching_config=ContinuousBatchingConfig(**CONFIG)
+    ) as m:
+        runs = {
+            tuple(_generate(m, prompt, max_new_tokens=16, temperature=2.0).generated_tokens) for _ in range(3)
+        }
+    assert len(runs) > 1
+
+
+def test_logprobs_equal_log_softmax_of_the_models_logits(model):
+    prompt = random_prompt(40, seed=4)
+    config = ContinuousBatchingConfig(**CONFIG, return_logprobs=True)
+    with continuous_batching_context_manager(model, continuous_batching_config=config) as m:
+        output = _generate(m, prompt, max_new_tokens=10, top_logprobs=3)
+    sequence = torch.tensor([prompt + output.generated_tokens])
+    with torch.no_grad():
+        logits = model(sequence).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    chosen = expected.gather(1, torch.tensor(output.generated_tokens).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(torch.tensor(output.logprobs), chosen, atol=1e-4), (
+        output.logprobs,
+        chosen.tolist(),
+    )
+    for step, top in enumerate(output.top_logprobs):
+        values, indices = expected[step].topk(3)
+        assert list(top) == indices.tolist()
+        assert torch.allclose(torch.tensor(list(top.values())), values, atol=1e-4)
