@@ -1,0 +1,74 @@
+"""Python client of cbserve, a continuous-batching LLM inference service (gRPC).
+
+    from cbserve_client import Client
+
+    with Client("localhost:50051") as client:
+        print(client.generate("The capital of France is", max_new_tokens=8).text)
+
+Public API: :class:`Client` (sync), :class:`AsyncClient` (asyncio), :class:`AdminClient` (pause,
+stop/start, status, weight updates), the result dataclasses, and the exceptions of
+:mod:`cbserve_client.errors`. The raw protobuf modules are in :mod:`cbserve_client.proto`.
+"""
+
+from cbserve_client._convert import Prompt
+from cbserve_client._types import (
+    Chunk,
+    Completion,
+    ModelInfo,
+    PauseInfo,
+    Status,
+    StopResult,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    WeightsUpdate,
+)
+from cbserve_client.admin import AdminClient
+from cbserve_client.aio import AsyncChunkStream, AsyncClient
+from cbserve_client.client import ChunkStream, Client
+from cbserve_client.errors import (
+    AlreadyExistsError,
+    CancelledError,
+    CbserveError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdminClient",
+    "AlreadyExistsError",
+    "AsyncChunkStream",
+    "AsyncClient",
+    "CancelledError",
+    "CbserveError",
+    "Chunk",
+    "ChunkStream",
+    "Client",
+    "Completion",
+    "DeadlineExceededError",
+    "InternalError",
+    "InvalidArgumentError",
+    "ModelInfo",
+    "NotFoundError",
+    "PauseInfo",
+    "Prompt",
+    "ResourceExhaustedError",
+    "Status",
+    "StopResult",
+    "Timings",
+    "TokenLogprob",
+    "TopLogprob",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "Usage",
+    "WeightsUpdate",
+    "__version__",
+]

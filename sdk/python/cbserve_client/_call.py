@@ -1,0 +1,207 @@
+"""Call plumbing shared by the sync and async clients: metadata, trace context, retries."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from cbserve_client.errors import AlreadyExistsError, from_rpc_error
+
+T = TypeVar("T")
+
+Metadata = tuple[tuple[str, str], ...]
+
+#: Codes on which AddRequest is retried: the server queued nothing, so trying again is safe.
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+RETRY_ATTEMPTS = 3
+RETRY_BASE_DELAY_S = 0.1
+
+
+class _Default(enum.Enum):
+    TIMEOUT = "default timeout"
+
+
+#: Sentinel for "the client's default timeout" (None means no deadline).
+DEFAULT_TIMEOUT = _Default.TIMEOUT
+Timeout = float | None | _Default
+
+
+def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
+    return default if isinstance(timeout, _Default) else timeout
+
+
+_NOT_LOADED: Any = object()
+_propagate: Any = _NOT_LOADED
+
+
+def _load_propagate() -> Any:
+    """opentelemetry.propagate if importable (imported once, lazily), else None."""
+    global _propagate
+    if _propagate is _NOT_LOADED:
+        try:
+            from opentelemetry import propagate
+        except ImportError:
+            _propagate = None
+        else:
+            _propagate = propagate
+    return _propagate
+
+
+def trace_metadata() -> list[tuple[str, str]]:
+    """W3C trace-context headers (traceparent, tracestate, baggage) of the current OpenTelemetry
+    context, as gRPC metadata; empty when opentelemetry is not installed or no span is active."""
+    propagate = _load_propagate()
+    if propagate is None:
+        return []
+    carrier: dict[str, str] = {}
+    try:
+        propagate.inject(carrier)
+    except Exception:  # tracing must never break a call
+        return []
+    return [(key.lower(), str(value)) for key, value in carrier.items()]
+
+
+def call_metadata(token: str | None, extra: Sequence[tuple[str, str]] = ()) -> Metadata:
+    """Metadata for one call: bearer token, trace context, then any extra pairs."""
+    items: list[tuple[str, str]] = []
+    if token:
+        items.append(("authorization", f"Bearer {token}"))
+    items.extend(trace_metadata())
+    items.extend(extra)
+    return tuple(items)
+
+
+def backoff_delay(
+    attempt: int, base: float = RETRY_BASE_DELAY_S, rng: Callable[[], float] = random.random
+) -> float:
+    """Delay before retry number ``attempt`` (0-based): exponential, with +-50% jitter."""
+    return float(base * (2**attempt) * (0.5 + rng()))
+
+
+def _remaining(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    return max(0.0, deadline - time.monotonic())
+
+
+def call_with_retry(
+    fn: Callable[[float | None], T],
+    *,
+    timeout: float | None,
+    attempts: int = RETRY_ATTEMPTS,
+    base_delay: float = RETRY_BASE_DELAY_S,
+    sleep: Callable[[float], None] | None = None,
+    rng: Callable[[], float] | None = None,
+    on_already_exists: Callable[[], T] | None = None,
+) -> T:
+    """Calls ``fn(timeout_left)``, retrying on UNAVAILABLE / RESOURCE_EXHAUSTED only.
+
+    ``timeout`` bounds all attempts together. ``on_already_exists``, when given, turns an
+    ALREADY_EXISTS on a retry into a success: the previous attempt did queue the request (its
+    answer was lost), which a client-chosen request id lets us recognise.
+    Raises the mapped :class:`CbserveError`.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for attempt in range(attempts):
+        try:
+            return fn(_remaining(deadline))
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc)
+        if attempt > 0 and on_already_exists is not None and isinstance(error, AlreadyExistsError):
+            return on_already_exists()
+        if error.code not in RETRYABLE_CODES or attempt == attempts - 1:
+            raise error
+        delay = backoff_delay(attempt, base_delay, rng or random.random)
+        left = _remaining(deadline)
+        if left is not None and left <= delay:
+            raise error
+        (sleep or time.sleep)(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def acall_with_retry(
+    fn: Callable[[float | None], Awaitable[T]],
+    *,
+    timeout: float | None,
+    attempts: int = RETRY_ATTEMPTS,
+    base_delay: float = RETRY_BASE_DELAY_S,
+    sleep: Callable[[float], Awaitable[None]] | None = None,
+    rng: Callable[[], float] | None = None,
+    on_already_exists: Callable[[], T] | None = None,
+) -> T:
+    """The asyncio twin of :func:`call_with_retry`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for attempt in range(attempts):
+        try:
+            return await fn(_remaining(deadline))
+        except grpc.RpcError as exc:
+            error = from_rpc_error(exc)
+        if attempt > 0 and on_already_exists is not None and isinstance(error, AlreadyExistsError):
+            return on_already_exists()
+        if error.code not in RETRYABLE_CODES or attempt == attempts - 1:
+            raise error
+        delay = backoff_delay(attempt, base_delay, rng or random.random)
+        left = _remaining(deadline)
+        if left is not None and left <= delay:
+            raise error
+        await (sleep or asyncio.sleep)(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def call_once(fn: Callable[[], T]) -> T:
+    """Calls ``fn()``, mapping a grpc.RpcError to the matching CbserveError."""
+    try:
+        return fn()
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from exc
+
+
+async def acall_once(fn: Callable[[], Awaitable[T]]) -> T:
+    """The asyncio twin of :func:`call_once`."""
+    try:
+        return await fn()
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from exc
+
+
+def make_channel(
+    target: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: Sequence[tuple[str, Any]],
+) -> grpc.Channel:
+    if credentials is not None:
+        return grpc.secure_channel(target, credentials, options=list(options))
+    return grpc.insecure_channel(target, options=list(options))
+
+
+def make_aio_channel(
+    target: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: Sequence[tuple[str, Any]],
+) -> grpc.aio.Channel:
+    if credentials is not None:
+        return grpc.aio.secure_channel(target, credentials, options=list(options))
+    return grpc.aio.insecure_channel(target, options=list(options))
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "RETRYABLE_CODES",
+    "Timeout",
+    "acall_once",
+    "acall_with_retry",
+    "backoff_delay",
+    "call_metadata",
+    "call_once",
+    "call_with_retry",
+    "make_aio_channel",
+    "make_channel",
+    "resolve_timeout",
+    "trace_metadata",
+]

@@ -1,0 +1,407 @@
+"""Conversions between Python values and the cbserve.v1 protobuf messages."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias
+
+import grpc
+from google.protobuf import timestamp_pb2
+
+from cbserve_client._generated.cbserve.v1 import admin_pb2, generation_pb2, types_pb2
+from cbserve_client._types import (
+    Chunk,
+    Completion,
+    ModelInfo,
+    PauseInfo,
+    Status,
+    StopResult,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    WeightsUpdate,
+)
+from cbserve_client.errors import CbserveError, error_from_code
+
+#: A prompt: text, token ids, or chat messages ({"role": ..., "content": ...} mappings).
+Prompt: TypeAlias = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+SAMPLING_KWARGS = frozenset(
+    {
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "eos_token_ids",
+        "ignore_eos",
+        "logprobs",
+        "top_logprobs",
+        "request_id",
+        "record_timestamps",
+        "add_generation_prompt",
+    }
+)
+
+_STATUS_NAMES = {
+    types_pb2.REQUEST_STATUS_UNSPECIFIED: "unspecified",
+    types_pb2.REQUEST_STATUS_QUEUED: "queued",
+    types_pb2.REQUEST_STATUS_PREFILLING: "prefilling",
+    types_pb2.REQUEST_STATUS_DECODING: "decoding",
+    types_pb2.REQUEST_STATUS_FINISHED: "finished",
+    types_pb2.REQUEST_STATUS_CANCELLED: "cancelled",
+    types_pb2.REQUEST_STATUS_FAILED: "failed",
+}
+_FINISH_NAMES = {
+    types_pb2.FINISH_REASON_EOS: "eos",
+    types_pb2.FINISH_REASON_LENGTH: "length",
+    types_pb2.FINISH_REASON_CANCELLED: "cancelled",
+    types_pb2.FINISH_REASON_ERROR: "error",
+}
+_PAUSE_MODES = {
+    "keep": admin_pb2.PAUSE_MODE_KEEP,
+    "wait": admin_pb2.PAUSE_MODE_WAIT,
+    "abort": admin_pb2.PAUSE_MODE_ABORT,
+}
+
+# Failures of a Generate-stream add that AddRequest would have reported as a status code: the SDK
+# raises them (as it would for AddRequest) instead of returning a failed result.
+REJECTION_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT.value[0],
+        grpc.StatusCode.ALREADY_EXISTS.value[0],
+        grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+        grpc.StatusCode.UNAVAILABLE.value[0],
+        grpc.StatusCode.NOT_FOUND.value[0],
+    }
+)
+
+
+def new_request_id() -> str:
+    """A fresh client-side request id (client-chosen ids make retries of AddRequest idempotent)."""
+    return uuid.uuid4().hex
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return value
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_int_list(name: str, value: object) -> list[int]:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(value).__name__}")
+    return [_check_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
+
+
+def build_sampling(
+    *,
+    max_new_tokens: int | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    ignore_eos: bool | None = None,
+    logprobs: bool | None = None,
+    top_logprobs: int | None = None,
+) -> types_pb2.SamplingParams:
+    """A SamplingParams message with only the given fields set (None leaves a field unset)."""
+    params = types_pb2.SamplingParams()
+    if max_new_tokens is not None:
+        params.max_new_tokens = _check_int("max_new_tokens", max_new_tokens)
+    if temperature is not None:
+        params.temperature = _check_float("temperature", temperature)
+    if top_k is not None:
+        params.top_k = _check_int("top_k", top_k)
+    if top_p is not None:
+        params.top_p = _check_float("top_p", top_p)
+    if seed is not None:
+        params.seed = _check_int("seed", seed)
+    if eos_token_ids is not None:
+        params.eos_token_ids.extend(_check_int_list("eos_token_ids", eos_token_ids))
+    if ignore_eos is not None:
+        params.ignore_eos = _check_bool("ignore_eos", ignore_eos)
+    if logprobs is not None:
+        params.logprobs = _check_bool("logprobs", logprobs)
+    if top_logprobs is not None:
+        params.top_logprobs = _check_int("top_logprobs", top_logprobs)
+    return params
+
+
+def build_request(
+    prompt: Prompt,
+    *,
+    request_id: str | None = None,
+    record_timestamps: bool | None = None,
+    add_generation_prompt: bool | None = None,
+    **sampling: Any,
+) -> types_pb2.GenerationRequest:
+    """A GenerationRequest from a prompt and the client's sampling keyword arguments.
+
+    ``prompt`` is a str (text), a sequence of ints (token ids) or a sequence of
+    ``{"role", "content"}`` mappings (chat, rendered with the model's template on the server).
+    Only trivial type checks happen here; the server validates values and bounds.
+    """
+    unknown = set(sampling) - SAMPLING_KWARGS
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+    request = types_pb2.GenerationRequest(sampling=build_sampling(**sampling))
+    if request_id is not None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        request.request_id = request_id
+    if record_timestamps is not None:
+        request.record_timestamps = _check_bool("record_timestamps", record_timestamps)
+    if isinstance(prompt, str):
+        if add_generation_prompt is not None:
+            raise TypeError("add_generation_prompt applies to chat prompts only")
+        request.text = prompt
+    elif isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+        raise TypeError(
+            "prompt must be a str, a sequence of token ids, or a sequence of chat messages, "
+            f"got {type(prompt).__name__}"
+        )
+    elif len(prompt) > 0 and isinstance(prompt[0], Mapping):
+        messages = types_pb2.ChatMessages()
+        for i, message in enumerate(prompt):
+            if not isinstance(message, Mapping) or set(message) - {"role", "content"}:
+                raise TypeError(f"prompt[{i}] must be a mapping with keys 'role' and 'content'")
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise TypeError(f"prompt[{i}]: 'role' and 'content' must be str")
+            messages.messages.add(role=role, content=content)
+        if add_generation_prompt is not None:
+            messages.add_generation_prompt = _check_bool("add_generation_prompt", add_generation_prompt)
+        request.messages.CopyFrom(messages)
+    else:
+        if add_generation_prompt is not None:
+            raise TypeError("add_generation_prompt applies to chat prompts only")
+        request.token_ids.CopyFrom(types_pb2.TokenIds(ids=_check_int_list("prompt", prompt)))
+    return request
+
+
+def _timestamp(message: Any, name: str) -> _dt.datetime | None:
+    if not message.HasField(name):
+        return None
+    ts: timestamp_pb2.Timestamp = getattr(message, name)
+    return ts.ToDatetime(tzinfo=_dt.UTC)
+
+
+def usage_from_proto(usage: types_pb2.Usage) -> Usage:
+    return Usage(
+        prompt_tokens=usage.prompt_tokens,
+        generated_tokens=usage.generated_tokens,
+        cached_tokens=usage.cached_tokens,
+    )
+
+
+def timings_from_proto(timings: types_pb2.Timings) -> Timings:
+    return Timings(
+        queued_at=_timestamp(timings, "queued_at"),
+        scheduled_at=_timestamp(timings, "scheduled_at"),
+        first_token_at=_timestamp(timings, "first_token_at"),
+        finished_at=_timestamp(timings, "finished_at"),
+        queue_time_s=timings.queue_time_s if timings.HasField("queue_time_s") else None,
+        time_to_first_token_s=(
+            timings.time_to_first_token_s if timings.HasField("time_to_first_token_s") else None
+        ),
+    )
+
+
+def chunk_from_proto(chunk: types_pb2.GenerationChunk) -> Chunk:
+    """The client-side view of a GenerationChunk."""
+    token_ids = tuple(chunk.token_ids)
+    logprobs = tuple(
+        TokenLogprob(
+            token_id=token_ids[i] if i < len(token_ids) else -1,
+            logprob=lp.logprob,
+            top=tuple(TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top_logprobs),
+        )
+        for i, lp in enumerate(chunk.logprobs)
+    )
+    return Chunk(
+        request_id=chunk.request_id,
+        token_index=chunk.token_index,
+        token_ids=token_ids,
+        text=chunk.text if chunk.HasField("text") else None,
+        status=_STATUS_NAMES.get(chunk.status, "unspecified"),
+        finish_reason=_FINISH_NAMES.get(chunk.finish_reason),
+        error=chunk.error or None,
+        error_code=chunk.error_code,
+        logprobs=logprobs,
+        usage=usage_from_proto(chunk.usage) if chunk.HasField("usage") else None,
+        timings=timings_from_proto(chunk.timings) if chunk.HasField("timings") else None,
+        weight_version=chunk.weight_version,
+        token_timestamps=tuple(chunk.token_timestamps),
+    )
+
+
+def rejection_error(chunk: Chunk) -> CbserveError | None:
+    """The exception to raise for a FAILED chunk that reports a rejected request, else None."""
+    if chunk.status == "failed" and chunk.error_code in REJECTION_CODES:
+        return error_from_code(chunk.error_code, chunk.error or "")
+    return None
+
+
+class CompletionBuilder:
+    """Assembles a request's chunks, in order, into a :class:`Completion`.
+
+    Tokens are placed by ``token_index``: a chunk overlapping tokens already received (a resumed
+    stream) only contributes the new ones; a gap raises an error.
+    """
+
+    def __init__(self, request_id: str, *, from_index: int = 0) -> None:
+        self.request_id = request_id
+        self._start = from_index
+        self.token_ids: list[int] = []
+        self._text: list[str] | None = None
+        self._logprobs: list[TokenLogprob] = []
+        self._timestamps: list[float] = []
+        self.usage: Usage | None = None
+        self.timings: Timings | None = None
+        self.weight_versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        have = self._start + len(self.token_ids)
+        if chunk.token_index > have and chunk.token_ids:
+            raise CbserveError(
+                grpc.StatusCode.DATA_LOSS,
+                f"request {self.request_id}: got tokens from index {chunk.token_index}, expected {have}",
+            )
+        skip = max(0, have - chunk.token_index)
+        self.token_ids.extend(chunk.token_ids[skip:])
+        self._logprobs.extend(chunk.logprobs[skip:])
+        self._timestamps.extend(chunk.token_timestamps[skip:])
+        if chunk.text is not None:
+            if self._text is None:
+                self._text = []
+            self._text.append(chunk.text)
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if chunk.timings is not None:
+            self.timings = chunk.timings
+        if (
+            chunk.token_ids
+            and chunk.weight_version
+            and (not self.weight_versions or self.weight_versions[-1] != chunk.weight_version)
+        ):
+            self.weight_versions.append(chunk.weight_version)
+        if chunk.finished:
+            fallback = {"cancelled": "cancelled", "failed": "error"}.get(chunk.status, "unknown")
+            self.finish_reason = chunk.finish_reason or fallback
+            self.error = chunk.error
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def build(self, *, logprobs_requested: bool = False, timestamps_requested: bool = False) -> Completion:
+        if self.finish_reason is None:
+            raise CbserveError(
+                grpc.StatusCode.UNKNOWN,
+                f"the stream of request {self.request_id} ended before the request finished",
+            )
+        return Completion(
+            request_id=self.request_id,
+            token_ids=list(self.token_ids),
+            text="".join(self._text) if self._text is not None else None,
+            finish_reason=self.finish_reason,
+            usage=self.usage,
+            logprobs=list(self._logprobs) if (logprobs_requested or self._logprobs) else None,
+            weight_version=self.weight_versions[-1] if self.weight_versions else 0,
+            weight_versions=list(self.weight_versions),
+            error=self.error,
+            timings=self.timings,
+            token_timestamps=list(self._timestamps) if (timestamps_requested or self._timestamps) else None,
+        )
+
+
+def model_info_from_proto(info: generation_pb2.GetModelInfoResponse) -> ModelInfo:
+    return ModelInfo(
+        model_name=info.model_name,
+        vocab_size=info.vocab_size,
+        max_context_length=info.max_context_length,
+        eos_token_ids=tuple(info.eos_token_ids),
+        has_chat_template=info.has_chat_template,
+        has_tokenizer=info.has_tokenizer,
+        weight_version=info.weight_version,
+    )
+
+
+def status_from_proto(status: admin_pb2.GetStatusResponse) -> Status:
+    return Status(
+        running=status.running,
+        paused=status.paused,
+        pause_holders=status.pause_holders,
+        queued_requests=status.queued_requests,
+        active_requests=status.active_requests,
+        kv_blocks_used=status.kv_blocks_used,
+        kv_blocks_total=status.kv_blocks_total,
+        prefix_cache_hit_rate=status.prefix_cache_hit_rate,
+        weight_version=status.weight_version,
+        preemptions=status.preemptions,
+        offloads=status.offloads,
+        restores=status.restores,
+        recomputed_tokens=status.recomputed_tokens,
+        prefix_cache_queries=status.prefix_cache_queries,
+        prefix_cache_hits=status.prefix_cache_hits,
+        finished_requests=status.finished_requests,
+        prompt_tokens=status.prompt_tokens,
+        generated_tokens=status.generated_tokens,
+        counters=dict(status.counters),
+    )
+
+
+def pause_request(mode: str, lease_s: float | None) -> admin_pb2.PauseRequest:
+    try:
+        pb_mode = _PAUSE_MODES[mode]
+    except KeyError:
+        raise ValueError(f"mode must be one of {sorted(_PAUSE_MODES)}, got {mode!r}") from None
+    request = admin_pb2.PauseRequest(mode=pb_mode)
+    if lease_s is not None:
+        request.lease_s = _check_float("lease_s", lease_s)
+    return request
+
+
+def pause_info_from_proto(message: admin_pb2.PauseResponse) -> PauseInfo:
+    return PauseInfo(
+        paused=message.paused,
+        holders=message.holders,
+        lease_expires_at=_timestamp(message, "lease_expires_at"),
+        weight_version=message.weight_version,
+        cancelled_requests=message.cancelled_requests,
+    )
+
+
+def stop_result_from_proto(message: admin_pb2.StopResponse) -> StopResult:
+    return StopResult(
+        drained_requests=message.drained_requests,
+        failed_requests=message.failed_requests,
+        already_stopped=message.already_stopped,
+    )
+
+
+def weights_update_from_proto(message: admin_pb2.UpdateWeightsResponse) -> WeightsUpdate:
+    return WeightsUpdate(
+        weight_version=message.weight_version,
+        tensors_updated=message.tensors_updated,
+        version_label=message.version_label,
+    )

@@ -1,0 +1,179 @@
+"""Plain Python values returned by the client (no protobuf objects leak out)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+
+__all__ = [
+    "Chunk",
+    "Completion",
+    "ModelInfo",
+    "PauseInfo",
+    "Status",
+    "StopResult",
+    "Timings",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+    "WeightsUpdate",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of the most likely alternatives at a generation step."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of one generated token, with the top-n alternatives when requested."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one request."""
+
+    prompt_tokens: int
+    generated_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """When a request went through its stages (server wall clock, UTC); None when not reached."""
+
+    queued_at: _dt.datetime | None
+    scheduled_at: _dt.datetime | None
+    first_token_at: _dt.datetime | None
+    finished_at: _dt.datetime | None
+    queue_time_s: float | None
+    time_to_first_token_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A piece of one request's output (a delta).
+
+    ``token_index`` is the index, among the request's generated tokens, of ``token_ids[0]``.
+    ``text`` is the decoded text delta (never a split UTF-8 character), or None when the server has
+    no tokenizer. ``status`` is one of "queued", "prefilling", "decoding", "finished", "cancelled",
+    "failed"; ``finish_reason`` is None until the request ends, then "eos", "length", "cancelled"
+    or "error".
+    """
+
+    request_id: str
+    token_index: int
+    token_ids: tuple[int, ...]
+    text: str | None
+    status: str
+    finish_reason: str | None = None
+    error: str | None = None
+    error_code: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    usage: Usage | None = None
+    timings: Timings | None = None
+    weight_version: int = 0
+    token_timestamps: tuple[float, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        """True when this chunk ends its request (finished, cancelled or failed)."""
+        return self.status in ("finished", "cancelled", "failed")
+
+
+@dataclass(slots=True)
+class Completion:
+    """The whole output of one request.
+
+    ``text`` is None when the server has no tokenizer. ``finish_reason`` is "eos", "length",
+    "cancelled" or "error" (then ``error`` says why). ``logprobs`` is None unless logprobs were
+    requested. ``weight_version`` is the version of the weights that produced the last token
+    (``weight_versions`` lists every version seen, when a weight update happened mid-request).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None
+    weight_version: int = 0
+    weight_versions: list[int] = field(default_factory=list)
+    error: str | None = None
+    timings: Timings | None = None
+    token_timestamps: list[float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model (GenerationService.GetModelInfo)."""
+
+    model_name: str
+    vocab_size: int
+    max_context_length: int
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+    has_tokenizer: bool
+    weight_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """The engine's state and counters (AdminService.GetStatus)."""
+
+    running: bool
+    paused: bool
+    pause_holders: int
+    queued_requests: int
+    active_requests: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_hit_rate: float
+    weight_version: int
+    preemptions: int
+    offloads: int
+    restores: int
+    recomputed_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    finished_requests: int
+    prompt_tokens: int
+    generated_tokens: int
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PauseInfo:
+    """A message of the Pause stream: the engine is paused while the call is held."""
+
+    paused: bool
+    holders: int
+    lease_expires_at: _dt.datetime | None
+    weight_version: int
+    cancelled_requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class StopResult:
+    """What AdminService.Stop did."""
+
+    drained_requests: int
+    failed_requests: int
+    already_stopped: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsUpdate:
+    """What AdminService.UpdateWeights did."""
+
+    weight_version: int
+    tensors_updated: int
+    version_label: str

@@ -1,0 +1,200 @@
+"""Synchronous client of the cbserve AdminService (pause, stop/start, status, weight updates)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from cbserve_client._call import (
+    DEFAULT_TIMEOUT,
+    Timeout,
+    call_metadata,
+    call_once,
+    make_channel,
+    resolve_timeout,
+)
+from cbserve_client._convert import (
+    pause_info_from_proto,
+    pause_request,
+    status_from_proto,
+    stop_result_from_proto,
+    weights_update_from_proto,
+)
+from cbserve_client._generated.cbserve.v1 import admin_pb2, admin_pb2_grpc
+from cbserve_client._types import PauseInfo, Status, StopResult, WeightsUpdate
+from cbserve_client._weights import MAX_CHUNK_BYTES, WeightsSource, update_weights_requests
+from cbserve_client.errors import CbserveError, DeadlineExceededError, from_rpc_error
+
+__all__ = ["AdminClient"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class AdminClient:
+    """A connection to a cbserve server's AdminService (usually on its own port).
+
+    Args:
+        target: the admin address, e.g. ``"localhost:50052"``.
+        token: the admin bearer token, sent as ``authorization: Bearer <token>`` on every call
+            (None only for a server run without admin authentication).
+        credentials: TLS (or mTLS) channel credentials; None for a plaintext channel.
+        timeout: default deadline, in seconds, of unary calls (stop, start, status). Streaming
+            calls (paused, update_weights) have no deadline unless given one.
+        options: extra gRPC channel options.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        token: str | None,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._token = token
+        self._channel = make_channel(target, credentials, options)
+        self._stub: Any = admin_pb2_grpc.AdminServiceStub(self._channel)
+
+    def close(self) -> None:
+        """Closes the channel (an open pause is released)."""
+        self._channel.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return call_metadata(self._token)
+
+    @contextlib.contextmanager
+    def paused(
+        self, mode: str = "keep", lease_s: float | None = None, *, timeout: float | None = None
+    ) -> Iterator[PauseInfo]:
+        """Holds the engine paused for the duration of a ``with`` block.
+
+        Opens the Pause stream, waits for the server's first message (the engine is paused),
+        yields it as a :class:`PauseInfo`, and cancels the call when the block exits, which
+        releases this hold. ``mode``: "keep" (in-flight requests stay, with their KV cache),
+        "wait" (let in-flight requests finish first) or "abort" (cancel them). ``lease_s`` caps
+        the hold (the server also has a maximum). ``timeout`` bounds the wait for the pause.
+        """
+        request = pause_request(mode, lease_s)
+        call = call_once(lambda: self._stub.Pause(request, metadata=self._metadata()))
+        timed_out = threading.Event()
+        timer: threading.Timer | None = None
+        if timeout is not None:
+
+            def expire() -> None:
+                timed_out.set()
+                call.cancel()
+
+            timer = threading.Timer(timeout, expire)
+            timer.daemon = True
+            timer.start()
+        try:
+            try:
+                first = next(call)
+            except StopIteration:
+                raise CbserveError(
+                    grpc.StatusCode.UNKNOWN, "the Pause stream ended before the engine was paused"
+                ) from None
+            except grpc.RpcError as exc:
+                if timed_out.is_set():
+                    raise DeadlineExceededError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, f"the engine did not pause within {timeout} s"
+                    ) from exc
+                raise from_rpc_error(exc) from exc
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            yield pause_info_from_proto(first)
+        finally:
+            call.cancel()
+
+    def stop(
+        self, hard: bool = False, *, drain_timeout_s: float | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> StopResult:
+        """Stops the engine: drains in-flight requests (up to ``drain_timeout_s``), or with
+        ``hard=True`` fails them at once. Returns once the engine has stopped."""
+        request = admin_pb2.StopRequest(hard=hard)
+        if drain_timeout_s is not None:
+            request.drain_timeout_s = float(drain_timeout_s)
+        deadline = resolve_timeout(timeout, self.timeout)
+        if deadline is not None and drain_timeout_s is not None and timeout is DEFAULT_TIMEOUT:
+            deadline += drain_timeout_s  # the call lasts as long as the drain
+        response = call_once(lambda: self._stub.Stop(request, timeout=deadline, metadata=self._metadata()))
+        return stop_result_from_proto(response)
+
+    def start(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
+        """Starts the engine after a stop. Returns False if it was already running."""
+        response = call_once(
+            lambda: self._stub.Start(
+                admin_pb2.StartRequest(),
+                timeout=resolve_timeout(timeout, self.timeout),
+                metadata=self._metadata(),
+            )
+        )
+        return not response.already_running
+
+    def status(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> Status:
+        """The engine's state and counters."""
+        response = call_once(
+            lambda: self._stub.GetStatus(
+                admin_pb2.GetStatusRequest(),
+                timeout=resolve_timeout(timeout, self.timeout),
+                metadata=self._metadata(),
+            )
+        )
+        return status_from_proto(response)
+
+    def update_weights(
+        self,
+        state_dict_or_path: WeightsSource,
+        version: str | None = None,
+        *,
+        chunk_size: int = MAX_CHUNK_BYTES,
+        timeout: float | None = None,
+    ) -> WeightsUpdate:
+        """Replaces model weights in place.
+
+        ``state_dict_or_path``: a mapping of parameter name -> tensor (torch tensors, numpy-like
+        arrays, or ``(dtype, shape, bytes)`` triples), an iterable of (name, tensor) pairs, or
+        the path of a safetensors file on the server. Tensors are streamed in chunks of at most
+        ``chunk_size`` bytes (1 MiB), each with the sha256 of the whole tensor; ``version`` is a
+        free-form label. torch is never imported by this package.
+        """
+        if not 0 < chunk_size <= MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_size must be in [1, {MAX_CHUNK_BYTES}], got {chunk_size}")
+        failures: list[BaseException] = []
+
+        def requests() -> Iterator[admin_pb2.UpdateWeightsRequest]:
+            try:
+                yield from update_weights_requests(state_dict_or_path, version, chunk_size=chunk_size)
+            except Exception as exc:  # surfaced below: gRPC would only report "iterating requests"
+                failures.append(exc)
+                raise
+
+        try:
+            response = self._stub.UpdateWeights(requests(), timeout=timeout, metadata=self._metadata())
+        except grpc.RpcError as exc:
+            if failures:
+                raise failures[0] from None
+            raise from_rpc_error(exc) from exc
+        if failures:  # pragma: no cover - gRPC fails the call when the iterator raises
+            raise failures[0]
+        return weights_update_from_proto(response)

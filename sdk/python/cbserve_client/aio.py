@@ -1,0 +1,235 @@
+"""asyncio client of the cbserve GenerationService, on ``grpc.aio``.
+
+Create and use an :class:`AsyncClient` inside a running event loop::
+
+    async with AsyncClient("localhost:50051") as client:
+        completion = await client.generate("Hello", max_new_tokens=16)
+        async for chunk in client.stream("Hello", max_new_tokens=16):
+            print(chunk.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from cbserve_client._call import (
+    DEFAULT_TIMEOUT,
+    Timeout,
+    acall_once,
+    acall_with_retry,
+    call_metadata,
+    make_aio_channel,
+    resolve_timeout,
+)
+from cbserve_client._convert import (
+    CompletionBuilder,
+    Prompt,
+    build_request,
+    chunk_from_proto,
+    model_info_from_proto,
+    new_request_id,
+    rejection_error,
+)
+from cbserve_client._generated.cbserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
+from cbserve_client._types import Chunk, Completion, ModelInfo
+from cbserve_client.errors import CancelledError, from_rpc_error
+
+__all__ = ["AsyncChunkStream", "AsyncClient"]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class AsyncChunkStream(AsyncIterator[Chunk]):
+    """An async iterator over a streaming call's chunks.
+
+    ``await aclose()`` / ``cancel()`` (or leaving an ``async with`` block) cancels the RPC: for
+    :meth:`AsyncClient.stream` the server then cancels the request; for
+    :meth:`AsyncClient.results` only the reading stops.
+    """
+
+    def __init__(
+        self,
+        call: Any,
+        extract: Callable[[Any], types_pb2.GenerationChunk],
+        request_id: str,
+        *,
+        raise_rejections: bool = False,
+    ) -> None:
+        self._call = call
+        self._extract = extract
+        self._raise_rejections = raise_rejections
+        self._cancelled = False
+        #: The id of the request this stream follows.
+        self.request_id = request_id
+
+    def __aiter__(self) -> AsyncChunkStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        try:
+            message = await self._call.read()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        except asyncio.CancelledError:
+            if self._cancelled:  # our own cancel(): report it like the sync client does
+                raise CancelledError(grpc.StatusCode.CANCELLED, "the stream was cancelled") from None
+            raise
+        if message is grpc.aio.EOF:
+            raise StopAsyncIteration
+        chunk = chunk_from_proto(self._extract(message))
+        if self._raise_rejections:
+            error = rejection_error(chunk)
+            if error is not None:
+                self.cancel()
+                raise error
+        return chunk
+
+    def cancel(self) -> None:
+        """Cancels the RPC (no-op once it has completed)."""
+        self._cancelled = True
+        self._call.cancel()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self) -> AsyncChunkStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cancel()
+
+
+class AsyncClient:
+    """The asyncio twin of :class:`cbserve_client.Client` (same arguments, same calls, awaited)."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._token = token
+        self._channel = make_aio_channel(target, credentials, options)
+        self._stub: Any = generation_pb2_grpc.GenerationServiceStub(self._channel)
+
+    async def close(self) -> None:
+        """Closes the channel (in-flight calls are cancelled)."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return call_metadata(self._token)
+
+    async def generate(self, prompt: Prompt, *, timeout: float | None = None, **sampling: Any) -> Completion:
+        """Generates a completion for ``prompt`` and returns it whole (see ``Client.generate``)."""
+        async with self.stream(prompt, timeout=timeout, **sampling) as stream:
+            builder = CompletionBuilder(stream.request_id)
+            async for chunk in stream:
+                if chunk.request_id != stream.request_id:
+                    continue
+                builder.add(chunk)
+                if builder.done:
+                    break
+        return builder.build(
+            logprobs_requested=bool(sampling.get("logprobs") or sampling.get("top_logprobs")),
+            timestamps_requested=bool(sampling.get("record_timestamps")),
+        )
+
+    def stream(self, prompt: Prompt, *, timeout: float | None = None, **sampling: Any) -> AsyncChunkStream:
+        """Starts generating; returns an async iterator over the output chunks (see ``Client.stream``).
+
+        Cancelling the iterator (``cancel()``, ``aclose()``, leaving ``async with``) cancels the RPC
+        and thus the request.
+        """
+        sampling.setdefault("request_id", None)
+        if sampling["request_id"] is None:
+            sampling["request_id"] = new_request_id()
+        request = build_request(prompt, **sampling)
+        call = self._stub.Generate(
+            iter([generation_pb2.GenerateRequest(add=request)]),
+            timeout=timeout,
+            metadata=self._metadata(),
+        )
+        return AsyncChunkStream(call, _generate_chunk, request.request_id, raise_rejections=True)
+
+    async def submit(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> str:
+        """Queues a request (``AddRequest``) and returns its id; retried like ``Client.submit``."""
+        sampling.setdefault("request_id", None)
+        if sampling["request_id"] is None:
+            sampling["request_id"] = new_request_id()
+        request = build_request(prompt, **sampling)
+        message = generation_pb2.AddRequestRequest(request=request)
+        metadata = self._metadata()
+
+        async def attempt(left: float | None) -> str:
+            response = await self._stub.AddRequest(message, timeout=left, metadata=metadata)
+            return str(response.request_id)
+
+        return await acall_with_retry(
+            attempt,
+            timeout=resolve_timeout(timeout, self.timeout),
+            on_already_exists=lambda: request.request_id,
+        )
+
+    def results(
+        self, request_id: str, from_index: int = 0, *, timeout: float | None = None
+    ) -> AsyncChunkStream:
+        """Streams a request's outputs from token index ``from_index`` on (``StreamResults``)."""
+        message = generation_pb2.StreamResultsRequest(request_id=request_id, from_token_index=from_index)
+        call = self._stub.StreamResults(message, timeout=timeout, metadata=self._metadata())
+        return AsyncChunkStream(call, _results_chunk, request_id)
+
+    async def cancel(self, request_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
+        """Cancels a request. Returns True if it was live, False if it had already ended."""
+        message = generation_pb2.CancelRequest(request_id=request_id)
+        response = await acall_once(
+            lambda: self._stub.Cancel(
+                message, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+            )
+        )
+        return bool(response.cancelled)
+
+    async def model_info(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> ModelInfo:
+        """Describes the served model."""
+        response = await acall_once(
+            lambda: self._stub.GetModelInfo(
+                generation_pb2.GetModelInfoRequest(),
+                timeout=resolve_timeout(timeout, self.timeout),
+                metadata=self._metadata(),
+            )
+        )
+        return model_info_from_proto(response)
+
+
+def _generate_chunk(message: generation_pb2.GenerateResponse) -> types_pb2.GenerationChunk:
+    return message.chunk
+
+
+def _results_chunk(message: generation_pb2.StreamResultsResponse) -> types_pb2.GenerationChunk:
+    return message.chunk

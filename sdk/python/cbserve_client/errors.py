@@ -1,0 +1,112 @@
+"""Exceptions raised by the cbserve client, one per meaningful gRPC status code.
+
+Every public call of :class:`~cbserve_client.Client`, :class:`~cbserve_client.AsyncClient` and
+:class:`~cbserve_client.AdminClient` converts :class:`grpc.RpcError` into these (the original error
+is kept as ``__cause__``). Codes without a dedicated class raise :class:`CbserveError` itself.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = [
+    "AlreadyExistsError",
+    "CancelledError",
+    "CbserveError",
+    "DeadlineExceededError",
+    "InternalError",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "ResourceExhaustedError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "error_from_code",
+    "from_rpc_error",
+]
+
+
+class CbserveError(Exception):
+    """A failed cbserve call.
+
+    Attributes:
+        code: the gRPC status code.
+        details: the server's (or gRPC's) description of the failure.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
+        self.code = code
+        self.details = details
+        super().__init__(f"{code.name}: {details}" if details else code.name)
+
+
+class InvalidArgumentError(CbserveError):
+    """INVALID_ARGUMENT: the request is malformed (bad prompt, out-of-range sampling parameter, ...)."""
+
+
+class NotFoundError(CbserveError):
+    """NOT_FOUND: unknown (or expired) request id."""
+
+
+class AlreadyExistsError(CbserveError):
+    """ALREADY_EXISTS: the request id is already used by a live request."""
+
+
+class ResourceExhaustedError(CbserveError):
+    """RESOURCE_EXHAUSTED: the server's request queue is full; nothing was queued."""
+
+
+class UnavailableError(CbserveError):
+    """UNAVAILABLE: the server is unreachable, stopping, stopped, or paused past the deadline."""
+
+
+class UnauthenticatedError(CbserveError):
+    """UNAUTHENTICATED: missing or wrong bearer token (admin calls)."""
+
+
+class CancelledError(CbserveError):
+    """CANCELLED: the call was cancelled (by this client or the server)."""
+
+
+class DeadlineExceededError(CbserveError):
+    """DEADLINE_EXCEEDED: the call's deadline (timeout) passed before it completed."""
+
+
+class InternalError(CbserveError):
+    """INTERNAL, UNKNOWN or DATA_LOSS: a server-side failure."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[CbserveError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.CANCELLED: CancelledError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.INTERNAL: InternalError,
+    grpc.StatusCode.UNKNOWN: InternalError,
+    grpc.StatusCode.DATA_LOSS: InternalError,
+}
+
+_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def error_from_code(code: grpc.StatusCode | int, details: str = "") -> CbserveError:
+    """Builds the exception for a status code (a :class:`grpc.StatusCode` or its number)."""
+    if isinstance(code, int):
+        code = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(code, CbserveError)(code, details)
+
+
+def from_rpc_error(error: grpc.RpcError) -> CbserveError:
+    """Maps a :class:`grpc.RpcError` (sync or ``grpc.aio``) to the matching :class:`CbserveError`."""
+    code_fn = getattr(error, "code", None)
+    details_fn = getattr(error, "details", None)
+    code = code_fn() if callable(code_fn) else None
+    details = details_fn() if callable(details_fn) else None
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.UNKNOWN
+    mapped = error_from_code(code, details if isinstance(details, str) else str(error))
+    mapped.__cause__ = error
+    return mapped

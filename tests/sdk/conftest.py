@@ -1,0 +1,27 @@
+"""Fixtures of the Python SDK tests (the fakes live in sdk_fakes.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+# The SDK is its own distribution (pip install -e sdk/python). When it is not installed, test the
+# checkout's copy rather than failing to import it.
+if importlib.util.find_spec("cbserve_client") is None:
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "sdk" / "python"))
+
+from sdk_fakes import FakeServer, start_fake_server
+
+
+@pytest.fixture
+def fake_server() -> Iterator[FakeServer]:
+    """A real gRPC server on 127.0.0.1 (free port) with fake servicers; always stopped afterwards."""
+    server, fake = start_fake_server()
+    try:
+        yield fake
+    finally:
+        server.stop(grace=None).wait(5)
