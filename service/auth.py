@@ -1,0 +1,76 @@
+"""Bearer-token authentication of the Admin service, as a grpc.aio server interceptor."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+TOKEN_ENV = "CBSERVE_ADMIN_TOKEN"
+ADMIN_METHOD_PREFIX = "/cbserve.v1.AdminService/"
+
+
+def load_admin_token(token_file: str | None) -> str | None:
+    """The configured token: the file's first line when a file is given, else $CBSERVE_ADMIN_TOKEN."""
+    if token_file:
+        with open(token_file, encoding="utf-8") as handle:
+            token = handle.readline().strip()
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+    return token or None
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every AdminService call whose `authorization` metadata is not `Bearer <token>`.
+
+    With no token configured every admin call is refused: an open admin port would let anyone stop the
+    server or swap its weights. Other services on the port (health, reflection) stay open.
+    """
+
+    def __init__(self, token: str | None) -> None:
+        self._expected = f"Bearer {token}".encode() if token else None
+
+    def _authorized(self, metadata: Any) -> bool:
+        if self._expected is None:
+            return False
+        for key, value in metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(given, self._expected)
+        return False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method: str = handler_call_details.method
+        if handler is None or not method.startswith(ADMIN_METHOD_PREFIX):
+            return handler
+        if self._authorized(handler_call_details.invocation_metadata):
+            return handler
+        reason = "admin token required" if self._expected else "no admin token is configured on the server"
+        return _refusal(handler, reason)
+
+
+def _refusal(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler` that fails with UNAUTHENTICATED."""
+
+    async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(abort, **kwargs)

@@ -1,0 +1,107 @@
+"""`cbserve serve` (run the server) and `cbserve generate` (stream a completion through the SDK)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from engine import ContinuousBatchingConfig
+from service.auth import load_admin_token
+from service.engine_host import EngineHost
+from service.server import CbserveServer, ServerOptions
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cbserve", description="Continuous-batching LLM inference over gRPC"
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve a model")
+    serve.add_argument(
+        "--model", required=True, help="folder of a transformers causal LM (and its tokenizer)"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=50051)
+    serve.add_argument("--admin-port", type=int, default=50052)
+    serve.add_argument(
+        "--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+    )
+    serve.add_argument(
+        "--max-pause-lease", type=float, default=300.0, help="longest hold of one Pause call (s)"
+    )
+    serve.add_argument(
+        "--admin-token-file", help="file holding the admin bearer token (else $CBSERVE_ADMIN_TOKEN)"
+    )
+    engine = serve.add_argument_group("engine")
+    engine.add_argument("--page-size", type=int)
+    engine.add_argument("--num-blocks", type=int)
+    engine.add_argument("--max-batch-tokens", type=int)
+    engine.add_argument("--max-requests-per-batch", type=int)
+    engine.add_argument("--max-queue-size", type=int)
+    engine.add_argument("--scheduler-type", choices=("fifo", "prefill_first"))
+
+    generate = commands.add_parser("generate", help="stream a completion from a running server")
+    generate.add_argument("prompt")
+    generate.add_argument("--target", default="127.0.0.1:50051")
+    generate.add_argument("--max-new-tokens", type=int)
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
+    """The engine config from the flags given; the others keep the engine's defaults."""
+    knobs = ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_queue_size")
+    values = {
+        name: getattr(args, name) for name in (*knobs, "scheduler_type") if getattr(args, name) is not None
+    }
+    return ContinuousBatchingConfig(**values)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        admin_port=args.admin_port,
+        grace_period_s=args.grace_period,
+        max_pause_lease_s=args.max_pause_lease,
+        admin_token=load_admin_token(args.admin_token_file),
+    )
+    server = CbserveServer(options)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    await server.start()
+    config = engine_config(args)
+    loading = asyncio.ensure_future(server.load(lambda: EngineHost.from_path(args.model, config)))
+    await asyncio.wait([loading, asyncio.ensure_future(stopping.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if loading.done():
+        loading.result()
+        logging.getLogger(__name__).info("serving %s", args.model)
+        await stopping.wait()
+    await server.shutdown()
+
+
+def generate(args: argparse.Namespace) -> None:
+    from cbserve_client import Client
+
+    sampling = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    with Client(args.target) as client:
+        for chunk in client.stream(args.prompt, **sampling):
+            if chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        asyncio.run(serve(args))
+    else:
+        generate(args)
+    return 0

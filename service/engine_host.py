@@ -1,0 +1,234 @@
+"""Owns the model, its tokenizer and the engine, and the wire-side state of every request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from engine import ContinuousBatchingConfig, ContinuousBatchingManager, ManagerStats, QueueFullError
+from service.request_record import RequestRecord
+from service.validation import ModelLimits, PreparedRequest, RequestRejected
+
+logger = logging.getLogger(__name__)
+
+# How long an ended request's outputs stay readable through StreamResults.
+DEFAULT_RETENTION_S = 300.0
+# transformers' GenerationConfig default (max_length=20) read as a number of new tokens, as the engine does.
+FALLBACK_MAX_NEW_TOKENS = 20
+WEIGHT_VERSION = 1
+
+
+def load_pretrained(path: str) -> tuple[torch.nn.Module, Any | None]:
+    """The model at `path` in fp32 with SDPA attention, and its tokenizer when the folder has one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        logger.info("no tokenizer at %s: only token-id prompts will be accepted", path)
+        tokenizer = None
+    return model.eval(), tokenizer
+
+
+@dataclass
+class Counters:
+    """Totals since the server started (the engine's own counters reset on restart)."""
+
+    finished_requests: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class EngineHost:
+    """The engine plus the per-request records that StreamResults, Generate and Cancel read.
+
+    Every method runs on the server's event loop (the engine calls back onto it), so records need no
+    lock. Ended requests stay readable for `retention_s` seconds so that a reader can reconnect.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any | None = None,
+        config: ContinuousBatchingConfig | None = None,
+        model_name: str = "",
+        retention_s: float = DEFAULT_RETENTION_S,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name or str(getattr(model.config, "name_or_path", "") or type(model).__name__)
+        self.manager = ContinuousBatchingManager(model, continuous_batching_config=config)
+        self.retention_s = retention_s
+        self.counters = Counters()
+        self._records: dict[str, RequestRecord] = {}
+        self._draining = False
+        self._state_listeners: list[Callable[[], None]] = []
+        model_config: Any = model.config
+        text_config = model_config.get_text_config()
+        generation_config = getattr(model, "generation_config", None)
+        self.eos_token_ids = _as_list(getattr(generation_config, "eos_token_id", None))
+        self.limits = ModelLimits(
+            vocab_size=int(text_config.vocab_size),
+            max_context_length=int(getattr(text_config, "max_position_embeddings", 0) or 2**31 - 1),
+            default_max_new_tokens=int(
+                getattr(generation_config, "max_new_tokens", None) or FALLBACK_MAX_NEW_TOKENS
+            ),
+        )
+
+    @classmethod
+    def from_path(cls, path: str, config: ContinuousBatchingConfig | None = None) -> EngineHost:
+        model, tokenizer = load_pretrained(path)
+        return cls(model, tokenizer, config, model_name=os.path.basename(os.path.normpath(path)))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def serving(self) -> bool:
+        """Whether new requests are accepted: the engine runs and no drain or stop is under way."""
+        return self.manager.is_running() and not self._draining
+
+    def add_state_listener(self, listener: Callable[[], None]) -> None:
+        """`listener()` runs on the event loop whenever `serving` may have changed (health follows it)."""
+        self._state_listeners.append(listener)
+
+    def _state_changed(self) -> None:
+        for listener in self._state_listeners:
+            listener()
+
+    def start(self) -> bool:
+        """Starts the engine; False when it already ran. Blocking (builds the KV cache the first time)."""
+        if self.manager.is_running():
+            return False
+        self.manager.start()
+        self._draining = False
+        return True
+
+    async def start_async(self) -> bool:
+        started = await asyncio.get_running_loop().run_in_executor(None, self.start)
+        self._state_changed()
+        return started
+
+    async def stop(self, hard: bool, drain_timeout_s: float | None) -> tuple[int, int]:
+        """Stops the engine, draining first unless `hard`; returns (finished normally, failed or cancelled).
+
+        A drain that outlives `drain_timeout_s` fails the requests still running.
+        """
+        live = [record for record in self._records.values() if not record.finished]
+        self._draining = True
+        self._state_changed()
+        try:
+            if not hard:
+                await self.wait_idle(drain_timeout_s)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, lambda: self.manager.stop(block=True, hard_stop=True))
+            await asyncio.gather(*(record.wait_finished() for record in live))
+        finally:
+            self._state_changed()
+        drained = sum(1 for record in live if record.finish_reason in ("eos", "length"))
+        return drained, len(live) - drained
+
+    def begin_drain(self) -> None:
+        """Refuses new requests from now on; in-flight ones keep running."""
+        self._draining = True
+        self._state_changed()
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Waits until no request is live (at most `timeout` seconds); True when that happened."""
+        live = [record.wait_finished() for record in self._records.values() if not record.finished]
+        if not live:
+            return True
+        _, pending = await asyncio.wait([asyncio.ensure_future(wait) for wait in live], timeout=timeout)
+        for task in pending:
+            task.cancel()
+        return not pending
+
+    def destroy(self) -> None:
+        self.manager.destroy()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prepared: PreparedRequest) -> RequestRecord:
+        """Queues a validated request; raises RequestRejected with the code the caller gets."""
+        if not self.serving:
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the server is stopped or draining")
+        existing = self._records.get(prepared.request_id)
+        if existing is not None and not existing.finished:
+            raise RequestRejected(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {prepared.request_id!r} is already in flight"
+            )
+        try:
+            request_id = self.manager.add_request(
+                prepared.input_ids,
+                request_id=prepared.request_id,
+                max_new_tokens=prepared.max_new_tokens,
+                streaming=True,
+                record_timestamps=prepared.record_timestamps,
+                eos_token_id=prepared.eos_token_id,
+                **prepared.sampling,
+            )
+        except QueueFullError as exc:
+            raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        except ValueError as exc:  # a check only the engine makes
+            raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        if request_id is None:
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the engine is stopped")
+        record = RequestRecord(
+            request_id,
+            len(prepared.input_ids),
+            self.tokenizer,
+            WEIGHT_VERSION,
+            logprobs=prepared.wants_logprobs,
+            record_timestamps=prepared.record_timestamps,
+        )
+        self._records[request_id] = record
+        self.counters.prompt_tokens += len(prepared.input_ids)
+        self.manager.register_result_handler(request_id, lambda output: self._on_output(record, output))
+        return record
+
+    def _on_output(self, record: RequestRecord, output: Any) -> None:
+        record.on_output(output)
+        if record.finished:
+            self.counters.finished_requests += 1
+            self.counters.generated_tokens += len(record.token_ids)
+            asyncio.get_running_loop().call_later(self.retention_s, self._forget, record)
+
+    def _forget(self, record: RequestRecord) -> None:
+        # A later request may have reused the id; only drop the record this timer was set for.
+        if self._records.get(record.request_id) is record:
+            del self._records[record.request_id]
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        return self._records.get(request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancels a live request; False when it is unknown or already ended."""
+        record = self._records.get(request_id)
+        if record is None or record.finished:
+            return False
+        self.manager.cancel_request(request_id)
+        return True
+
+    def cancel_all(self) -> int:
+        live = [record.request_id for record in self._records.values() if not record.finished]
+        for request_id in live:
+            self.manager.cancel_request(request_id)
+        return len(live)
+
+    def stats(self) -> ManagerStats:
+        return self.manager.stats()
+
+
+def _as_list(eos_token_id: Any) -> list[int]:
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, int):
+        return [eos_token_id]
+    return [int(token) for token in eos_token_id]

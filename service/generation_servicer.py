@@ -1,0 +1,158 @@
+"""The GenerationService: queue requests, stream their outputs, cancel them, describe the model."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
+
+from service.engine_host import WEIGHT_VERSION, EngineHost
+from service.host_slot import HostSlot
+from service.request_record import RequestRecord
+from service.validation import RequestRejected, invalid, prepare
+
+# Marks the end of a Generate stream's output queue.
+_END = object()
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, slot: HostSlot) -> None:
+        self.slot = slot
+
+    async def AddRequest(
+        self, request: generation_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.AddRequestResponse:
+        if not request.HasField("request"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request must be set")
+        host = await self.slot.require(context)
+        try:
+            record = submit(host, request.request)
+        except RequestRejected as exc:
+            await context.abort(exc.code, exc.message)
+        return generation_pb2.AddRequestResponse(request_id=record.request_id)
+
+    async def StreamResults(
+        self, request: generation_pb2.StreamResultsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.StreamResultsResponse]:
+        record = (await self.slot.require(context)).get(request.request_id)
+        if record is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"unknown or expired request_id {request.request_id!r}"
+            )
+        assert record is not None  # context.abort raised otherwise
+        # Ending this call leaves the request running (the proto's contract): readers reconnect with
+        # from_token_index and only Cancel stops it.
+        async for chunk in record.follow(request.from_token_index, send_current=True):
+            yield generation_pb2.StreamResultsResponse(chunk=chunk)
+
+    async def Cancel(
+        self, request: generation_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.CancelResponse:
+        host = await self.slot.require(context)
+        return generation_pb2.CancelResponse(cancelled=host.cancel(request.request_id))
+
+    async def GetModelInfo(
+        self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.GetModelInfoResponse:
+        host = await self.slot.require(context)
+        tokenizer = host.tokenizer
+        return generation_pb2.GetModelInfoResponse(
+            model_name=host.model_name,
+            vocab_size=host.limits.vocab_size,
+            max_context_length=host.limits.max_context_length,
+            eos_token_ids=host.eos_token_ids,
+            has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
+            has_tokenizer=tokenizer is not None,
+            weight_version=WEIGHT_VERSION,
+        )
+
+    async def Generate(
+        self,
+        request_iterator: AsyncIterator[generation_pb2.GenerateRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        session = _GenerateSession(await self.slot.require(context))
+        reader = asyncio.create_task(session.read(request_iterator))
+        try:
+            while True:
+                item = await session.outbox.get()
+                if item is _END:
+                    break
+                if isinstance(item, RequestRejected):
+                    await context.abort(item.code, item.message)
+                assert isinstance(item, types_pb2.GenerationChunk)
+                yield generation_pb2.GenerateResponse(chunk=item)
+        finally:
+            # Runs however the call ends (completion, client cancel, deadline, broken connection), so
+            # the stream's unfinished requests never keep their KV blocks.
+            reader.cancel()
+            session.close()
+
+
+class _GenerateSession:
+    """The requests of one Generate call, their readers, and the queue that interleaves their chunks."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.host = host
+        self.outbox: asyncio.Queue[object] = asyncio.Queue()
+        self.records: dict[str, RequestRecord] = {}
+        self.followers: set[asyncio.Task[None]] = set()
+
+    async def read(self, request_iterator: AsyncIterator[generation_pb2.GenerateRequest]) -> None:
+        async for message in request_iterator:
+            action = message.WhichOneof("action")
+            if action == "add":
+                self._add(message.add)
+            elif action == "cancel":
+                if message.cancel.request_id in self.records:
+                    self.host.cancel(message.cancel.request_id)
+            else:
+                self.outbox.put_nowait(invalid("GenerateRequest.action: one of add or cancel must be set"))
+                return
+        # Half-closed: the call completes once every request made on it has ended.
+        if self.followers:
+            await asyncio.wait(set(self.followers))
+        self.outbox.put_nowait(_END)
+
+    def _add(self, request: types_pb2.GenerationRequest) -> None:
+        try:
+            record = submit(self.host, request)
+        except RequestRejected as exc:
+            self.outbox.put_nowait(_rejection(request.request_id, exc))
+            return
+        self.records[record.request_id] = record
+        self.outbox.put_nowait(record.chunk(0, 0))
+        task = asyncio.create_task(self._follow(record))
+        self.followers.add(task)
+        task.add_done_callback(self.followers.discard)
+
+    async def _follow(self, record: RequestRecord) -> None:
+        async for chunk in record.follow(0, send_current=False):
+            self.outbox.put_nowait(chunk)
+
+    def close(self) -> None:
+        for task in list(self.followers):
+            task.cancel()
+        for request_id, record in self.records.items():
+            if not record.finished:
+                self.host.cancel(request_id)
+
+
+def submit(host: EngineHost, request: types_pb2.GenerationRequest) -> RequestRecord:
+    """Validates and queues one request; raises RequestRejected with the caller's status code."""
+    if not host.serving:
+        raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the server is stopped or draining")
+    return host.submit(prepare(request, host.limits, host.tokenizer))
+
+
+def _rejection(request_id: str, exc: RequestRejected) -> types_pb2.GenerationChunk:
+    code = exc.code.value[0]
+    return types_pb2.GenerationChunk(
+        request_id=request_id,
+        status=types_pb2.REQUEST_STATUS_FAILED,
+        finish_reason=types_pb2.FINISH_REASON_ERROR,
+        error=exc.message,
+        error_code=code,
+    )

@@ -1,0 +1,186 @@
+"""One request's outputs as the wire sees them: kept, fanned out to readers, cut into deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cbserve_client.proto import types_pb2
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from engine import GenerationOutput, RequestStatus
+from service.detokenizer import IncrementalDetokenizer
+
+_STATUS = {
+    RequestStatus.PENDING: types_pb2.REQUEST_STATUS_QUEUED,
+    RequestStatus.PREFILLING: types_pb2.REQUEST_STATUS_PREFILLING,
+    RequestStatus.DECODING: types_pb2.REQUEST_STATUS_DECODING,
+    RequestStatus.FINISHED: types_pb2.REQUEST_STATUS_FINISHED,
+    RequestStatus.CANCELLED: types_pb2.REQUEST_STATUS_CANCELLED,
+    RequestStatus.FAILED: types_pb2.REQUEST_STATUS_FAILED,
+}
+_FINISH_REASON = {
+    "eos": types_pb2.FINISH_REASON_EOS,
+    "length": types_pb2.FINISH_REASON_LENGTH,
+    "cancelled": types_pb2.FINISH_REASON_CANCELLED,
+    "error": types_pb2.FINISH_REASON_ERROR,
+}
+_INTERNAL = 13  # google.rpc.Code INTERNAL: an engine failure while the request ran
+
+
+class RequestRecord:
+    """Everything sent about one request, kept so that any reader can start from any token index.
+
+    Lives on the server's event loop: `on_output` (the engine's result handler) and the readers run
+    there, so no lock is needed. Readers wait on `_changed`, an event replaced after every update, which
+    fans one update out to any number of readers without a queue per reader.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_len: int,
+        tokenizer: Any | None,
+        weight_version: int,
+        logprobs: bool,
+        record_timestamps: bool,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_len = prompt_len
+        self.weight_version = weight_version
+        self.status = RequestStatus.PENDING
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.error = ""
+        self.num_cached_tokens = 0
+        self.queued_at = time.time()
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._want_logprobs = logprobs
+        self._want_timestamps = record_timestamps
+        self._logprobs: list[types_pb2.TokenLogprob] = []
+        self._token_times: list[float] = []
+        self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        # Text completed by each token (often "" while a character is incomplete), plus what only the
+        # end of the request releases, so a reader resuming at token k gets exactly the text after k.
+        self._text_by_token: list[str] = []
+        self._tail_text = ""
+        self._changed = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+    def on_output(self, output: GenerationOutput) -> None:
+        """Records one cumulative engine output (runs on the event loop, via the engine's handler)."""
+        if self.finished:
+            return
+        now = time.time()
+        new_tokens = output.generated_tokens[len(self.token_ids) :]
+        if output.status > RequestStatus.PENDING and self.scheduled_at is None:
+            self.scheduled_at = now
+        if new_tokens and self.first_token_at is None:
+            self.first_token_at = now
+        for token in new_tokens:
+            index = len(self.token_ids)
+            self.token_ids.append(token)
+            self._text_by_token.append(self._detokenizer.step(self.token_ids) if self._detokenizer else "")
+            if self._want_logprobs and index < len(output.logprobs):
+                self._logprobs.append(_token_logprob(output, index))
+            stamps = output.timestamps
+            self._token_times.append(stamps[index] if stamps and index < len(stamps) else now)
+        self.num_cached_tokens = output.num_cached_tokens
+        self.status = output.status
+        if self.finished:
+            self.finish_reason = output.finish_reason
+            self.error = output.error or ""
+            self.finished_at = now
+            if self._detokenizer is not None:
+                self._tail_text = self._detokenizer.flush(self.token_ids)
+        self._notify()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait_finished(self) -> None:
+        while not self.finished:
+            await self._changed.wait()
+
+    async def follow(self, from_index: int, send_current: bool) -> AsyncIterator[types_pb2.GenerationChunk]:
+        """Chunks from token `from_index` on, until the terminal one.
+
+        Tokens that arrive while a reader is busy are merged into its next chunk, so a slow reader never
+        makes the engine wait. `send_current` sends the present status first even when nothing is new.
+        """
+        cursor = from_index
+        sent_status = None if send_current else self.status
+        while True:
+            changed = self._changed
+            end = len(self.token_ids)
+            if cursor < end or self.status != sent_status or self.finished:
+                chunk = self.chunk(cursor, end)
+                cursor = max(cursor, end)
+                sent_status = self.status
+                yield chunk
+                if chunk.status >= types_pb2.REQUEST_STATUS_FINISHED:
+                    return
+            await changed.wait()
+
+    def chunk(self, start: int, end: int) -> types_pb2.GenerationChunk:
+        """The delta of tokens [start, end) with the request's present status."""
+        chunk = types_pb2.GenerationChunk(
+            request_id=self.request_id,
+            token_index=start,
+            token_ids=self.token_ids[start:end],
+            logprobs=self._logprobs[start:end],
+            status=_STATUS[self.status],
+            weight_version=self.weight_version,
+            token_timestamps=self._token_times[start:end] if self._want_timestamps else [],
+        )
+        if self._detokenizer is not None:
+            text = "".join(self._text_by_token[start:end])
+            chunk.text = text + self._tail_text if self.finished else text
+        if self.finished:
+            chunk.finish_reason = _FINISH_REASON.get(self.finish_reason or "", types_pb2.FINISH_REASON_ERROR)
+            chunk.error = self.error
+            if self.status == RequestStatus.FAILED:
+                chunk.error_code = _INTERNAL
+        chunk.usage.CopyFrom(
+            types_pb2.Usage(
+                prompt_tokens=self.prompt_len,
+                generated_tokens=len(self.token_ids),
+                cached_tokens=self.num_cached_tokens,
+            )
+        )
+        self._fill_timings(chunk.timings)
+        return chunk
+
+    def _fill_timings(self, timings: types_pb2.Timings) -> None:
+        timings.queued_at.CopyFrom(_timestamp(self.queued_at))
+        if self.scheduled_at is not None:
+            timings.scheduled_at.CopyFrom(_timestamp(self.scheduled_at))
+            timings.queue_time_s = self.scheduled_at - self.queued_at
+        if self.first_token_at is not None:
+            timings.first_token_at.CopyFrom(_timestamp(self.first_token_at))
+            timings.time_to_first_token_s = self.first_token_at - self.queued_at
+        if self.finished_at is not None:
+            timings.finished_at.CopyFrom(_timestamp(self.finished_at))
+
+
+def _token_logprob(output: GenerationOutput, index: int) -> types_pb2.TokenLogprob:
+    top = output.top_logprobs[index] if index < len(output.top_logprobs) else {}
+    ranked = sorted(top.items(), key=lambda item: item[1], reverse=True)
+    return types_pb2.TokenLogprob(
+        logprob=output.logprobs[index],
+        top_logprobs=[types_pb2.TopLogprob(token_id=token, logprob=value) for token, value in ranked],
+    )
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp

@@ -1,0 +1,113 @@
+"""The two grpc.aio servers (generation + health + reflection; admin + reflection) around one engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from cbserve_client.proto import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from service.admin_servicer import AdminServicer
+from service.auth import BearerTokenInterceptor
+from service.engine_host import EngineHost
+from service.generation_servicer import GenerationServicer
+from service.host_slot import HostSlot
+
+logger = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# How long the servers wait for open calls once the engine has drained (streams then end promptly).
+SERVER_STOP_GRACE_S = 5.0
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    admin_port: int = 50052
+    grace_period_s: float = 30.0
+    max_pause_lease_s: float = 300.0
+    admin_token: str | None = None
+
+
+class CbserveServer:
+    """Serves one engine: health is NOT_SERVING until `load` finishes and again while draining or stopped.
+
+    The ports open before the model loads, so orchestrators can watch health during a long load.
+    """
+
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.slot = HostSlot()
+        # Health updates run as tasks (listeners are plain callbacks); kept here so none is collected early.
+        self._health_updates: set[asyncio.Future[None]] = set()
+        self.health = health.aio.HealthServicer()
+        self.main_server = grpc.aio.server()
+        self.admin_server = grpc.aio.server(interceptors=[BearerTokenInterceptor(options.admin_token)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.main_server)
+        generation_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(self.slot), self.main_server
+        )
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(
+            AdminServicer(self.slot, options.max_pause_lease_s), self.admin_server
+        )
+        reflection.enable_server_reflection(
+            (GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.main_server
+        )
+        reflection.enable_server_reflection((ADMIN_SERVICE, reflection.SERVICE_NAME), self.admin_server)
+        address = options.host
+        self.port = self.main_server.add_insecure_port(f"{address}:{options.port}")
+        self.admin_port = self.admin_server.add_insecure_port(f"{address}:{options.admin_port}")
+
+    async def start(self) -> None:
+        """Opens both ports with health NOT_SERVING."""
+        await self._set_health(False)
+        await self.main_server.start()
+        await self.admin_server.start()
+        logger.info("listening on %s:%d (admin port %d)", self.options.host, self.port, self.admin_port)
+
+    async def load(self, make_host: Callable[[], EngineHost]) -> EngineHost:
+        """Builds the engine host off the event loop, starts it, hands it to the servicers, turns SERVING."""
+        loop = asyncio.get_running_loop()
+        host = await loop.run_in_executor(None, make_host)
+        host.add_state_listener(lambda: self._follow_host(host))
+        await host.start_async()
+        self.slot.host = host
+        return host
+
+    def _follow_host(self, host: EngineHost) -> None:
+        update = asyncio.ensure_future(self._set_health(host.serving))
+        self._health_updates.add(update)
+        update.add_done_callback(self._health_updates.discard)
+
+    async def _set_health(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", GENERATION_SERVICE):
+            await self.health.set(service, status)
+
+    async def shutdown(self) -> None:
+        """Graceful: NOT_SERVING, refuse new work, let in-flight requests finish within the grace period."""
+        host = self.slot.host
+        if host is not None:
+            host.begin_drain()
+            if not await host.wait_idle(self.options.grace_period_s):
+                logger.warning(
+                    "grace period of %s s over: failing the requests still running",
+                    self.options.grace_period_s,
+                )
+            await host.stop(hard=True, drain_timeout_s=None)
+        await self._set_health(False)
+        await asyncio.gather(
+            self.main_server.stop(SERVER_STOP_GRACE_S), self.admin_server.stop(SERVER_STOP_GRACE_S)
+        )
+        if host is not None:
+            host.destroy()

@@ -1,0 +1,97 @@
+"""A real cbserve server on loopback, run in a background thread with its own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import torch
+
+from engine import ContinuousBatchingConfig
+from service.engine_host import EngineHost
+from service.server import CbserveServer, ServerOptions
+
+T = TypeVar("T")
+ADMIN_TOKEN = "s3cret-admin-token"
+CALL_TIMEOUT_S = 60.0
+
+
+class ByteTokenizer:
+    """A tokenizer whose tokens are UTF-8 bytes (the tiny models' vocab is 256), so text prompts and text
+    deltas can be checked, including characters split across tokens."""
+
+    chat_template = None
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        return {"input_ids": list(text.encode())}
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+def engine_config_for_tests(**overrides: Any) -> ContinuousBatchingConfig:
+    values: dict[str, Any] = dict(page_size=16, num_blocks=64, max_batch_tokens=256)
+    values.update(overrides)
+    return ContinuousBatchingConfig(**values)
+
+
+class RunningServer:
+    """Starts the server on free ports; `close()` shuts it down and frees the engine."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        tokenizer: Any | None = None,
+        admin_token: str | None = ADMIN_TOKEN,
+        config: ContinuousBatchingConfig | None = None,
+        max_pause_lease_s: float = 300.0,
+        grace_period_s: float = 10.0,
+    ) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="cbserve-test-server", daemon=True)
+        self._thread.start()
+        options = ServerOptions(
+            port=0,
+            admin_port=0,
+            admin_token=admin_token,
+            max_pause_lease_s=max_pause_lease_s,
+            grace_period_s=grace_period_s,
+        )
+        self.server: CbserveServer = self.call(self._open(options))
+        self._model = model
+        self._tokenizer = tokenizer
+        self._config = config or engine_config_for_tests()
+
+    async def _open(self, options: ServerOptions) -> CbserveServer:
+        server = CbserveServer(options)
+        await server.start()
+        return server
+
+    def load(self) -> EngineHost:
+        return self.call(
+            self.server.load(
+                lambda: EngineHost(self._model, self._tokenizer, self._config, model_name="tiny")
+            )
+        )
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(CALL_TIMEOUT_S)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    @property
+    def admin_target(self) -> str:
+        return f"127.0.0.1:{self.server.admin_port}"
+
+    def close(self) -> None:
+        try:
+            self.call(self.server.shutdown())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(CALL_TIMEOUT_S)
+            self.loop.close()

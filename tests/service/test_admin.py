@@ -1,0 +1,114 @@
+"""The Admin service: bearer-token auth, pause held by an open call, status, stop and start."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from cbserve_client import AdminClient, Client, UnauthenticatedError, UnavailableError
+from cbserve_client.proto import admin_pb2, admin_pb2_grpc
+from conftest import wait_until
+from service_harness import RunningServer
+
+from tests.conftest import random_prompt
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_admin_without_the_right_token_is_unauthenticated(served: RunningServer, token: str | None) -> None:
+    with AdminClient(served.admin_target, token=token) as admin, pytest.raises(UnauthenticatedError):
+        admin.status()
+
+
+def test_no_token_configured_refuses_every_admin_call(model) -> None:
+    running = RunningServer(model, admin_token=None)
+    try:
+        with (
+            AdminClient(running.admin_target, token="anything") as admin,
+            pytest.raises(UnauthenticatedError),
+        ):
+            admin.status()
+    finally:
+        running.close()
+
+
+def test_update_weights_is_unimplemented_for_now(served: RunningServer) -> None:
+    from service_harness import ADMIN_TOKEN
+
+    with grpc.insecure_channel(served.admin_target) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.UpdateWeights(
+                iter([admin_pb2.UpdateWeightsRequest(version_label="x")]),
+                metadata=[("authorization", f"Bearer {ADMIN_TOKEN}")],
+                timeout=10,
+            )
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "issue 7" in caught.value.details()
+
+
+def test_pause_stops_tokens_while_held_and_nests(client: Client, admin: AdminClient) -> None:
+    request_id = client.submit(random_prompt(20, 11), max_new_tokens=900, ignore_eos=True)
+    next(chunk for chunk in client.results(request_id) if chunk.token_ids)
+    with admin.paused() as outer:
+        assert outer.paused
+        with admin.paused() as inner:
+            assert inner.holders == 2
+        assert admin.status().pause_holders == 1
+        before = _status_generated(client, request_id)
+        time.sleep(0.3)
+        assert _status_generated(client, request_id) == before
+        assert admin.status().paused
+    wait_until(lambda: _status_generated(client, request_id) > before, what="tokens after the resume")
+    client.cancel(request_id)
+
+
+def _status_generated(client: Client, request_id: str) -> int:
+    chunk = next(iter(client.results(request_id, from_index=10**6)))
+    assert chunk.usage is not None
+    return chunk.usage.generated_tokens
+
+
+def test_a_cancelled_pause_call_releases_the_pause(served: RunningServer, admin: AdminClient) -> None:
+    from service_harness import ADMIN_TOKEN
+
+    with grpc.insecure_channel(served.admin_target) as channel:
+        call = admin_pb2_grpc.AdminServiceStub(channel).Pause(
+            admin_pb2.PauseRequest(), metadata=[("authorization", f"Bearer {ADMIN_TOKEN}")]
+        )
+        assert next(call).paused
+        assert admin.status().paused
+        call.cancel()  # what a crashed caller's broken connection amounts to
+    wait_until(lambda: not admin.status().paused, what="the pause released")
+
+
+def test_pause_lease_expires(served: RunningServer, admin: AdminClient) -> None:
+    from service_harness import ADMIN_TOKEN
+
+    with grpc.insecure_channel(served.admin_target) as channel:
+        messages = list(
+            admin_pb2_grpc.AdminServiceStub(channel).Pause(
+                admin_pb2.PauseRequest(lease_s=0.2), metadata=[("authorization", f"Bearer {ADMIN_TOKEN}")]
+            )
+        )
+    assert [message.paused for message in messages] == [True, False]
+    wait_until(lambda: not admin.status().paused, what="the pause released")
+
+
+def test_stop_then_start(model) -> None:
+    from service_harness import ADMIN_TOKEN
+
+    running = RunningServer(model)
+    try:
+        running.load()
+        with Client(running.target) as client, AdminClient(running.admin_target, token=ADMIN_TOKEN) as admin:
+            assert client.generate([5, 6], max_new_tokens=2).token_ids
+            result = admin.stop()
+            assert not admin.status().running
+            with pytest.raises(UnavailableError):
+                client.submit([5, 6], max_new_tokens=2, timeout=2)
+            assert admin.stop().already_stopped and not result.already_stopped
+            assert admin.start() is True
+            assert client.generate([5, 6], max_new_tokens=2).finish_reason in ("length", "eos")
+    finally:
+        running.close()

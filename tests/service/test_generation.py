@@ -1,0 +1,138 @@
+"""Generation RPCs through the real SDK and gRPC stack: parity, resume, cancellation, text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cbserve_client import AdminClient, Client, DeadlineExceededError
+from conftest import wait_all_blocks_free
+from service_harness import RunningServer
+
+from tests.conftest import random_prompt, reference_greedy
+
+# Long enough that a request is still decoding when the test acts on it.
+LONG = 900
+
+
+@pytest.fixture(scope="module")
+def references(model: torch.nn.Module) -> dict[int, tuple[list[int], list[int]]]:
+    # Computed before the server takes the model (plain forwards are the oracle).
+    prompts = {seed: random_prompt(12 + seed, seed) for seed in (1, 2, 3)}
+    return {seed: (prompt, reference_greedy(model, prompt, 24)) for seed, prompt in prompts.items()}
+
+
+def test_generate_equals_in_process_greedy(client: Client, references: dict) -> None:
+    for prompt, expected in references.values():
+        completion = client.generate(prompt, max_new_tokens=24, ignore_eos=True)
+        assert completion.token_ids == expected
+        assert completion.finish_reason == "length"
+        assert completion.usage is not None and completion.usage.prompt_tokens == len(prompt)
+
+
+def test_stream_chunks_concatenate_to_the_greedy_output(client: Client, references: dict) -> None:
+    prompt, expected = references[1]
+    tokens: list[int] = []
+    with client.stream(prompt, max_new_tokens=24, ignore_eos=True) as stream:
+        for chunk in stream:
+            assert chunk.token_index == len(tokens)
+            tokens.extend(chunk.token_ids)
+            if chunk.finished:
+                break
+    assert tokens == expected
+
+
+def test_results_resumed_from_k_returns_exactly_the_tokens_from_k(client: Client, references: dict) -> None:
+    prompt, expected = references[2]
+    request_id = client.submit(prompt, max_new_tokens=24, ignore_eos=True)
+    for k in (0, 5, 23, 24):
+        tokens: list[int] = []
+        for chunk in client.results(request_id, from_index=k):
+            tokens.extend(chunk.token_ids)
+            last = chunk
+        assert tokens == expected[k:]
+        assert last.status == "finished" and last.finish_reason == "length"
+
+
+def test_results_of_an_unknown_id_is_not_found(client: Client) -> None:
+    from cbserve_client import NotFoundError
+
+    with pytest.raises(NotFoundError):
+        list(client.results("no-such-request"))
+
+
+def test_text_deltas_never_split_a_character(client: Client) -> None:
+    # The byte tokenizer turns "é" into two tokens: the first alone must not produce text.
+    completion = client.generate(list("xé€".encode()), max_new_tokens=8, ignore_eos=True)
+    chunks_text = "".join(chunk.text or "" for chunk in client.results(completion.request_id))
+    assert chunks_text == bytes(completion.token_ids).decode("utf-8", errors="replace")
+    assert completion.text == chunks_text
+
+
+def test_text_prompt_and_model_info(client: Client) -> None:
+    info = client.model_info()
+    assert (info.vocab_size, info.max_context_length, info.has_tokenizer) == (256, 1024, True)
+    assert info.eos_token_ids == (2,) and info.weight_version == 1
+    assert client.generate("hello", max_new_tokens=3).usage.prompt_tokens == 5
+
+
+def _decoding(client: Client, admin: AdminClient, timeout: float | None = None):
+    """A long streamed request that has produced tokens (so it holds KV blocks)."""
+    stream = client.stream(random_prompt(40, 7), max_new_tokens=LONG, ignore_eos=True, timeout=timeout)
+    for chunk in stream:
+        if chunk.token_ids:
+            break
+    assert admin.status().kv_blocks_used > 0
+    return stream
+
+
+def _final_status(client: Client, request_id: str) -> str:
+    return [chunk for chunk in client.results(request_id)][-1].status
+
+
+def test_cancel_frees_the_kv_blocks(client: Client, admin: AdminClient) -> None:
+    request_id = client.submit(random_prompt(40, 8), max_new_tokens=LONG, ignore_eos=True)
+    next(chunk for chunk in client.results(request_id) if chunk.token_ids)
+    assert client.cancel(request_id) is True
+    wait_all_blocks_free(admin)
+    assert _final_status(client, request_id) == "cancelled"
+    assert client.cancel(request_id) is False  # idempotent
+    assert client.cancel("never-seen") is False
+
+
+def test_closing_a_generate_stream_cancels_its_request(client: Client, admin: AdminClient) -> None:
+    stream = _decoding(client, admin)
+    stream.close()
+    wait_all_blocks_free(admin)
+    assert _final_status(client, stream.request_id) == "cancelled"
+
+
+def test_a_client_deadline_cancels_the_request(client: Client, admin: AdminClient) -> None:
+    stream = _decoding(client, admin, timeout=2.0)
+    with admin.paused(), pytest.raises(DeadlineExceededError):  # held, so the deadline surely comes first
+        for _ in stream:
+            pass
+    wait_all_blocks_free(admin)
+    assert _final_status(client, stream.request_id) == "cancelled"
+
+
+def test_one_generate_stream_carries_several_requests(served: RunningServer, references: dict) -> None:
+    import grpc
+    from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
+
+    adds = [
+        generation_pb2.GenerateRequest(
+            add=types_pb2.GenerationRequest(
+                request_id=f"multi-{seed}",
+                token_ids=types_pb2.TokenIds(ids=prompt),
+                sampling=types_pb2.SamplingParams(max_new_tokens=24, ignore_eos=True),
+            )
+        )
+        for seed, (prompt, _) in references.items()
+    ]
+    with grpc.insecure_channel(served.target) as channel:
+        responses = list(generation_pb2_grpc.GenerationServiceStub(channel).Generate(iter(adds), timeout=60))
+    tokens: dict[str, list[int]] = {}
+    for response in responses:
+        tokens.setdefault(response.chunk.request_id, []).extend(response.chunk.token_ids)
+    assert [response.chunk.request_id for response in responses[:1]] == ["multi-1"]
+    assert tokens == {f"multi-{seed}": expected for seed, (_, expected) in references.items()}

@@ -1,0 +1,88 @@
+"""Every bad input gets its status code before the engine sees it, and the server keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from cbserve_client import AdminClient, Client, ResourceExhaustedError
+from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
+from service_harness import ADMIN_TOKEN, RunningServer, engine_config_for_tests
+
+OK_PROMPT = types_pb2.TokenIds(ids=[5, 6, 7])
+
+
+def _request(**fields: object) -> types_pb2.GenerationRequest:
+    if not {"token_ids", "text", "messages"} & set(fields):
+        fields["token_ids"] = OK_PROMPT
+    return types_pb2.GenerationRequest(**fields)  # type: ignore[arg-type]
+
+
+def _sampling(**fields: object) -> types_pb2.GenerationRequest:
+    return _request(sampling=types_pb2.SamplingParams(**fields))  # type: ignore[arg-type]
+
+
+BAD_REQUESTS = {
+    "no prompt": (types_pb2.GenerationRequest(), "prompt"),
+    "empty token ids": (_request(token_ids=types_pb2.TokenIds(ids=[])), "token_ids"),
+    "token id >= vocab": (_request(token_ids=types_pb2.TokenIds(ids=[5, 256])), "vocab"),
+    "empty text": (_request(text=""), "text"),
+    "chat without template": (
+        _request(
+            messages=types_pb2.ChatMessages(messages=[types_pb2.ChatMessage(role="user", content="hi")])
+        ),
+        "messages",
+    ),
+    "max_new_tokens 0": (_sampling(max_new_tokens=0), "max_new_tokens"),
+    "max_new_tokens past the context": (_sampling(max_new_tokens=1022), "max_new_tokens"),
+    "temperature < 0": (_sampling(temperature=-0.5), "temperature"),
+    "temperature NaN": (_sampling(temperature=float("nan")), "temperature"),
+    "top_p 0": (_sampling(top_p=0.0), "top_p"),
+    "top_p > 1": (_sampling(top_p=1.5), "top_p"),
+    "top_logprobs too many": (_sampling(top_logprobs=21), "top_logprobs"),
+    "eos id >= vocab": (_sampling(eos_token_ids=[300]), "eos_token_ids"),
+    "request id not printable": (_request(request_id="a b\n"), "request_id"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_bad_field_is_invalid_argument_naming_it(served: RunningServer, client: Client, name: str) -> None:
+    request, field = BAD_REQUESTS[name]
+    with grpc.insecure_channel(served.target) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.AddRequest(generation_pb2.AddRequestRequest(request=request), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in caught.value.details()
+    assert client.generate([5, 6, 7], max_new_tokens=2).token_ids  # still serving
+
+
+def test_duplicate_live_id_is_already_exists_and_rejection_on_generate_is_a_failed_chunk(
+    served: RunningServer, client: Client
+) -> None:
+    with grpc.insecure_channel(served.target) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        long = _sampling(max_new_tokens=900, ignore_eos=True)
+        long.request_id = "dup"
+        stub.AddRequest(generation_pb2.AddRequestRequest(request=long), timeout=10)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.AddRequest(generation_pb2.AddRequestRequest(request=long), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        first = next(stub.Generate(iter([generation_pb2.GenerateRequest(add=long)]), timeout=10))
+        assert first.chunk.status == types_pb2.REQUEST_STATUS_FAILED
+        assert first.chunk.error_code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+    assert client.cancel("dup") is True
+
+
+def test_full_queue_is_resource_exhausted(model: torch.nn.Module) -> None:
+    running = RunningServer(model, config=engine_config_for_tests(max_queue_size=1))
+    try:
+        running.load()
+        with Client(running.target) as client, AdminClient(running.admin_target, token=ADMIN_TOKEN) as admin:
+            with admin.paused():  # nothing gets scheduled, so the queue fills
+                first = client.submit([5, 6, 7], max_new_tokens=2)
+                with pytest.raises(ResourceExhaustedError):
+                    client.submit([5, 6, 7], max_new_tokens=2, timeout=3)
+            assert [chunk for chunk in client.results(first)][-1].status == "finished"
+    finally:
+        running.close()
