@@ -164,7 +164,7 @@ class CancelResponse(_message.Message):
     CANCELLED_FIELD_NUMBER: _builtins.int
     cancelled: _builtins.bool
     """True when this call cancelled a live request; false when the request had already ended
-    (finished, failed or cancelled before).
+    (finished, failed or cancelled before) or was unknown.
     """
     def __init__(
         self,

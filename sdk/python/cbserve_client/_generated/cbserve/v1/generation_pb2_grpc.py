@@ -89,8 +89,8 @@ class GenerationServiceServicer:
 
     def Cancel(self, request, context):
         """Cancels a request: it stops at the next engine step, frees its KV cache blocks, and its
-        streams end with status CANCELLED. Idempotent: cancelling a request that already ended is OK
-        and changes nothing. NOT_FOUND for an id the server never knew (or has forgotten).
+        streams end with status CANCELLED. Idempotent: cancelling a request that already ended, or an
+        id the server never knew (or has forgotten), is OK and changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

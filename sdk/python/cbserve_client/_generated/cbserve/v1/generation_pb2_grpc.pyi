@@ -60,8 +60,8 @@ class GenerationServiceStub:
     """
     Cancel: _grpc.UnaryUnaryMultiCallable[_generation_pb2.CancelRequest, _generation_pb2.CancelResponse]
     """Cancels a request: it stops at the next engine step, frees its KV cache blocks, and its
-    streams end with status CANCELLED. Idempotent: cancelling a request that already ended is OK
-    and changes nothing. NOT_FOUND for an id the server never knew (or has forgotten).
+    streams end with status CANCELLED. Idempotent: cancelling a request that already ended, or an
+    id the server never knew (or has forgotten), is OK and changes nothing.
     """
     Generate: _grpc.StreamStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]
     """A bidirectional session: the client sends add and cancel messages; the server streams the
@@ -97,8 +97,8 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     """
     Cancel: _aio.UnaryUnaryMultiCallable[_generation_pb2.CancelRequest, _generation_pb2.CancelResponse]  # type: ignore[assignment]
     """Cancels a request: it stops at the next engine step, frees its KV cache blocks, and its
-    streams end with status CANCELLED. Idempotent: cancelling a request that already ended is OK
-    and changes nothing. NOT_FOUND for an id the server never knew (or has forgotten).
+    streams end with status CANCELLED. Idempotent: cancelling a request that already ended, or an
+    id the server never knew (or has forgotten), is OK and changes nothing.
     """
     Generate: _aio.StreamStreamMultiCallable[_generation_pb2.GenerateRequest, _generation_pb2.GenerateResponse]  # type: ignore[assignment]
     """A bidirectional session: the client sends add and cancel messages; the server streams the
@@ -149,8 +149,8 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_generation_pb2.CancelResponse, _abc.Awaitable[_generation_pb2.CancelResponse]]:
         """Cancels a request: it stops at the next engine step, frees its KV cache blocks, and its
-        streams end with status CANCELLED. Idempotent: cancelling a request that already ended is OK
-        and changes nothing. NOT_FOUND for an id the server never knew (or has forgotten).
+        streams end with status CANCELLED. Idempotent: cancelling a request that already ended, or an
+        id the server never knew (or has forgotten), is OK and changes nothing.
         """
 
     @_abc_1.abstractmethod
