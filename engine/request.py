@@ -60,6 +60,9 @@ class GenerationOutput:
     finish_reason: str | None = None
     error: str | None = None
     created_time: float = 0.0
+    # Wall-clock times (time.time()) the request was first scheduled and produced its first token.
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
     # Wall-clock time (time.time()) of each generated token, when the request records timestamps.
     timestamps: list[float] | None = None
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
@@ -162,6 +165,8 @@ class Request:
             finish_reason=self.finish_reason,
             error=self.error,
             created_time=self.created_time,
+            scheduled_time=self.scheduled_time,
+            first_token_time=self.first_token_time,
             timestamps=list(self.timestamps) if self.record_timestamps else None,
             num_cached_tokens=self.num_cached_tokens,
         )

@@ -324,6 +324,7 @@ def test_timestamps_are_recorded_per_generated_token(manager):
     )
     output = manager.get_result(request_id, timeout=TIMEOUT)
     assert len(output.timestamps) == 5 and output.timestamps == sorted(output.timestamps)
+    assert output.created_time <= output.scheduled_time <= output.first_token_time == output.timestamps[0]
 
 
 def test_persistent_manager_is_reused_and_serves_prefix_hits_across_calls(model):
