@@ -94,6 +94,7 @@ class Request:
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_tokens_to_recompute",
         "record_timestamps",
         "request_id",
         "sampling",
@@ -121,10 +122,12 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # Tokens whose KV was computed before the last preemption: recomputing them is counted.
+        self.num_tokens_to_recompute = 0
         self.status = RequestStatus.PENDING
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.timestamps: list[float] = []

@@ -135,13 +135,14 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                self._count_recompute(request, request.num_computed_tokens, num_new_tokens)
                 output.scheduled.append(
                     ScheduledRequest(request, num_new_tokens, request.num_computed_tokens)
                 )
                 budget -= num_new_tokens
                 index += 1
                 continue
-            # `request` itself was preempted; everything after it was already preempted too.
+            # `request` itself was preempted: nothing after it in `running` can be scheduled either.
             break
         return budget
 
@@ -177,8 +178,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
                 self.counters.admitted += 1
-            else:
-                self.counters.recomputed_tokens += max(0, num_new_tokens)
+            self._count_recompute(request, num_hit_tokens, num_new_tokens)
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
@@ -186,10 +186,16 @@ class Scheduler:
             budget -= num_new_tokens
         return budget
 
+    def _count_recompute(self, request: Request, num_computed: int, num_new_tokens: int) -> None:
+        recomputed = min(num_computed + num_new_tokens, request.num_tokens_to_recompute) - num_computed
+        if recomputed > 0:
+            self.counters.recomputed_tokens += recomputed
+
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         """Preempts by recompute: the blocks go back to the pool and the request rejoins the queue head."""
         self.running.remove(request)
         self.kv_cache_manager.free(request)
+        request.num_tokens_to_recompute = max(request.num_tokens_to_recompute, request.num_computed_tokens)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PENDING

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from engine.kv.prefix_hash import BlockHash
+
 NULL_BLOCK_ID = 0
 
 
@@ -32,14 +34,15 @@ class KVBlock:
         self.ref_count = 0
         # Set only while the block is registered in the prefix cache. `token_ids` and `parent_hash`
         # let a lookup re-check a hash hit, so a hash collision can never serve another prompt's KV.
-        self.block_hash: int | None = None
-        self.parent_hash: int | None = None
+        self.block_hash: BlockHash | None = None
+        self.parent_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] | None = None
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVBlock(id={self.block_id}, ref={self.ref_count}, hash={self.block_hash})"
+        short_hash = self.block_hash.hex()[:12] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_count}, hash={short_hash})"
 
 
 class FreeBlockQueue:
@@ -105,7 +108,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks[NULL_BLOCK_ID + 1 :])
-        self._cached_blocks: dict[int, KVBlock] = {}
+        self._cached_blocks: dict[BlockHash, KVBlock] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -155,7 +158,9 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.append(block)
 
-    def lookup(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> KVBlock | None:
+    def lookup(
+        self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]
+    ) -> KVBlock | None:
         """Returns the cached block for this exact (parent, tokens) pair, or None."""
         block = self._cached_blocks.get(block_hash)
         if block is None or block.parent_hash != parent_hash or block.token_ids != token_ids:
@@ -163,7 +168,7 @@ class BlockPool:
         return block
 
     def cache_block(
-        self, block: KVBlock, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]
+        self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]
     ) -> None:
         """Registers a full block under its prefix hash. A hash already taken keeps its first owner."""
         if block.block_hash is not None or block_hash in self._cached_blocks:

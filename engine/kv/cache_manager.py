@@ -65,7 +65,7 @@ class KVCacheManager:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.page_size)
         max_hit_blocks = (request.num_tokens - 1) // self.page_size
         hits: list[KVBlock] = []
-        parent_hash: int | None = None
+        parent_hash: bytes | None = None
         for index in range(min(max_hit_blocks, len(request.block_hashes))):
             block_hash = request.block_hashes[index]
             start = index * self.page_size
@@ -137,6 +137,12 @@ class KVCacheManager:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.page_size)
         for index in range(start, num_full):
             parent_hash = request.block_hashes[index - 1] if index else None
+            if index and table[index - 1].block_hash != parent_hash:
+                # Another block owns the parent's hash (this request computed the same page twice, or
+                # the registration was refused): a lookup reaching this block through that owner
+                # would be trusting KV computed after a block it never checked. Register no further.
+                num_full = index
+                break
             page = tuple(request.all_token_ids[index * self.page_size : (index + 1) * self.page_size])
             self.block_pool.cache_block(table[index], request.block_hashes[index], parent_hash, page)
         self._num_registered_blocks[request.request_id] = num_full
