@@ -12,6 +12,7 @@ from engine import ContinuousBatchingConfig
 from service.auth import load_admin_token
 from service.engine_host import EngineHost
 from service.server import CbserveServer, ServerOptions
+from service.tls import ServerTls, TlsConfigError, client_credentials, load_server_tls
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +37,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--admin-token-file", help="file holding the admin bearer token (else $CBSERVE_ADMIN_TOKEN)"
     )
+    tls = serve.add_argument_group("TLS (both ports; plaintext when not given)")
+    tls.add_argument("--tls-cert", help="PEM certificate chain of the server (needs --tls-key)")
+    tls.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    tls.add_argument(
+        "--tls-client-ca",
+        help="PEM CA bundle: clients must present a certificate it signed (mutual TLS)",
+    )
+    serve.add_argument(
+        "--otlp-endpoint",
+        help="OTLP/gRPC collector for request traces (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)",
+    )
     engine = serve.add_argument_group("engine")
     engine.add_argument("--page-size", type=int)
     engine.add_argument("--num-blocks", type=int)
@@ -48,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     generate.add_argument("--target", default="127.0.0.1:50051")
     generate.add_argument("--max-new-tokens", type=int)
+    generate.add_argument("--tls-ca", help="PEM CA that signed the server's certificate (turns TLS on)")
+    generate.add_argument("--tls-cert", help="PEM client certificate, for a mutual-TLS server")
+    generate.add_argument("--tls-key", help="PEM private key of --tls-cert")
     return parser
 
 
@@ -60,7 +75,7 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(**values)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, tls: ServerTls | None = None) -> None:
     options = ServerOptions(
         host=args.host,
         port=args.port,
@@ -68,6 +83,8 @@ async def serve(args: argparse.Namespace) -> None:
         grace_period_s=args.grace_period,
         max_pause_lease_s=args.max_pause_lease,
         admin_token=load_admin_token(args.admin_token_file),
+        tls=tls,
+        otlp_endpoint=args.otlp_endpoint,
     )
     server = CbserveServer(options)
     stopping = asyncio.Event()
@@ -89,7 +106,9 @@ def generate(args: argparse.Namespace) -> None:
     from cbserve_client import Client
 
     sampling = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
-    with Client(args.target) as client:
+    use_tls = args.tls_ca is not None or args.tls_cert is not None
+    credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
+    with Client(args.target, credentials=credentials) as client:
         for chunk in client.stream(args.prompt, **sampling):
             if chunk.text:
                 sys.stdout.write(chunk.text)
@@ -98,10 +117,16 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "serve":
-        asyncio.run(serve(args))
-    else:
-        generate(args)
+    try:
+        if args.command == "serve":
+            # Read before anything starts, so a bad TLS flag fails at once, naming the flag.
+            tls = load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+            asyncio.run(serve(args, tls))
+        else:
+            generate(args)
+    except TlsConfigError as exc:
+        parser.error(str(exc))
     return 0

@@ -7,10 +7,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
+from opentelemetry.context import Context
 
 from service.engine_host import WEIGHT_VERSION, EngineHost
 from service.host_slot import HostSlot
 from service.request_record import RequestRecord
+from service.tracing import RequestTracer, parent_context
 from service.validation import RequestRejected, invalid, prepare
 
 # Marks the end of a Generate stream's output queue.
@@ -18,8 +20,9 @@ _END = object()
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, slot: HostSlot) -> None:
+    def __init__(self, slot: HostSlot, tracer: RequestTracer) -> None:
         self.slot = slot
+        self.tracer = tracer
 
     async def AddRequest(
         self, request: generation_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
@@ -28,7 +31,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request must be set")
         host = await self.slot.require(context)
         try:
-            record = submit(host, request.request)
+            record = submit(host, request.request, self.tracer, parent_context(context.invocation_metadata()))
         except RequestRejected as exc:
             await context.abort(exc.code, exc.message)
         return generation_pb2.AddRequestResponse(request_id=record.request_id)
@@ -73,7 +76,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         request_iterator: AsyncIterator[generation_pb2.GenerateRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        session = _GenerateSession(await self.slot.require(context))
+        host = await self.slot.require(context)
+        session = _GenerateSession(host, self.tracer, parent_context(context.invocation_metadata()))
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             while True:
@@ -94,8 +98,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 class _GenerateSession:
     """The requests of one Generate call, their readers, and the queue that interleaves their chunks."""
 
-    def __init__(self, host: EngineHost) -> None:
+    def __init__(self, host: EngineHost, tracer: RequestTracer, trace_parent: Context) -> None:
         self.host = host
+        self.tracer = tracer
+        # The caller's trace context, read from the call's metadata: the parent of every request's span.
+        self.trace_parent = trace_parent
         self.outbox: asyncio.Queue[object] = asyncio.Queue()
         self.records: dict[str, RequestRecord] = {}
         self.followers: set[asyncio.Task[None]] = set()
@@ -118,7 +125,7 @@ class _GenerateSession:
 
     def _add(self, request: types_pb2.GenerationRequest) -> None:
         try:
-            record = submit(self.host, request)
+            record = submit(self.host, request, self.tracer, self.trace_parent)
         except RequestRejected as exc:
             self.outbox.put_nowait(_rejection(request.request_id, exc))
             return
@@ -140,11 +147,26 @@ class _GenerateSession:
                 self.host.cancel(request_id)
 
 
-def submit(host: EngineHost, request: types_pb2.GenerationRequest) -> RequestRecord:
-    """Validates and queues one request; raises RequestRejected with the caller's status code."""
-    if not host.serving:
-        raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the server is stopped or draining")
-    return host.submit(prepare(request, host.limits, host.tokenizer))
+def submit(
+    host: EngineHost, request: types_pb2.GenerationRequest, tracer: RequestTracer, trace_parent: Context
+) -> RequestRecord:
+    """Validates and queues one request; raises RequestRejected with the caller's status code.
+
+    The request's span starts here and ends with the request (or now, with an error, if it is refused).
+    """
+    span = tracer.start(request, host.model_name, trace_parent)
+    try:
+        if not host.serving:
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the server is stopped or draining")
+        record = host.submit(prepare(request, host.limits, host.tokenizer))
+    except RequestRejected as exc:
+        span.reject(exc.code.name, exc.message)
+        raise
+    except Exception as exc:
+        span.reject("INTERNAL", str(exc) or type(exc).__name__)
+        raise
+    span.attach(record)
+    return record
 
 
 def _rejection(request_id: str, exc: RequestRejected) -> types_pb2.GenerationChunk:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from cbserve_client.proto import types_pb2
@@ -28,6 +29,8 @@ _FINISH_REASON = {
     "error": types_pb2.FINISH_REASON_ERROR,
 }
 _INTERNAL = 13  # google.rpc.Code INTERNAL: an engine failure while the request ran
+
+logger = logging.getLogger(__name__)
 
 
 class RequestRecord:
@@ -69,6 +72,7 @@ class RequestRecord:
         self._text_by_token: list[str] = []
         self._tail_text = ""
         self._changed = asyncio.Event()
+        self._listeners: list[Callable[[RequestRecord], None]] = []
 
     @property
     def finished(self) -> bool:
@@ -80,7 +84,9 @@ class RequestRecord:
             return
         now = time.time()
         new_tokens = output.generated_tokens[len(self.token_ids) :]
-        if output.status > RequestStatus.PENDING and self.scheduled_at is None:
+        # Scheduled: prefilling or decoding, or ended having run (not a request cancelled while queued).
+        ran = output.status in (RequestStatus.PREFILLING, RequestStatus.DECODING, RequestStatus.FINISHED)
+        if (ran or output.generated_tokens) and self.scheduled_at is None:
             self.scheduled_at = now
         if new_tokens and self.first_token_at is None:
             self.first_token_at = now
@@ -101,6 +107,23 @@ class RequestRecord:
             if self._detokenizer is not None:
                 self._tail_text = self._detokenizer.flush(self.token_ids)
         self._notify()
+        self._call_listeners()
+
+    def add_listener(self, listener: Callable[[RequestRecord], None]) -> None:
+        """`listener(record)` runs on the event loop after every update, the last time once the request
+        has ended (never if it already has). Its errors are logged, never raised into the engine's handler."""
+        if not self.finished:
+            self._listeners.append(listener)
+
+    def _call_listeners(self) -> None:
+        listeners = self._listeners
+        if self.finished:
+            self._listeners = []
+        for listener in listeners:
+            try:
+                listener(self)
+            except Exception:
+                logger.exception("a listener of request %s failed", self.request_id)
 
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()

@@ -11,12 +11,15 @@ import grpc
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.sdk.trace import TracerProvider
 
 from service.admin_servicer import AdminServicer
 from service.auth import BearerTokenInterceptor
 from service.engine_host import EngineHost
 from service.generation_servicer import GenerationServicer
 from service.host_slot import HostSlot
+from service.tls import ServerTls
+from service.tracing import RequestTracer, build_tracer_provider
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,7 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # How long the servers wait for open calls once the engine has drained (streams then end promptly).
 SERVER_STOP_GRACE_S = 5.0
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "[::1]", "localhost"})
 
 
 @dataclass
@@ -35,16 +39,26 @@ class ServerOptions:
     grace_period_s: float = 30.0
     max_pause_lease_s: float = 300.0
     admin_token: str | None = None
+    # Both ports serve TLS (mutual TLS when it has a client CA) when set; plaintext otherwise.
+    tls: ServerTls | None = None
+    # OTLP/gRPC collector for traces; None: $OTEL_EXPORTER_OTLP_ENDPOINT, and no export when that is unset.
+    otlp_endpoint: str | None = None
 
 
 class CbserveServer:
     """Serves one engine: health is NOT_SERVING until `load` finishes and again while draining or stopped.
 
     The ports open before the model loads, so orchestrators can watch health during a long load.
+    Request spans go to `tracer_provider` when given (the caller keeps ownership: tests pass one with an
+    in-memory exporter), else to a provider the server builds from the options and shuts down itself.
     """
 
-    def __init__(self, options: ServerOptions) -> None:
+    def __init__(self, options: ServerOptions, tracer_provider: TracerProvider | None = None) -> None:
         self.options = options
+        self._owns_tracer_provider = tracer_provider is None
+        if tracer_provider is None:
+            tracer_provider = build_tracer_provider(options.otlp_endpoint)
+        self.tracer_provider = tracer_provider
         self.slot = HostSlot()
         # Health updates run as tasks (listeners are plain callbacks); kept here so none is collected early.
         self._health_updates: set[asyncio.Future[None]] = set()
@@ -53,7 +67,7 @@ class CbserveServer:
         self.admin_server = grpc.aio.server(interceptors=[BearerTokenInterceptor(options.admin_token)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.main_server)
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.slot), self.main_server
+            GenerationServicer(self.slot, RequestTracer(self.tracer_provider)), self.main_server
         )
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
             AdminServicer(self.slot, options.max_pause_lease_s), self.admin_server
@@ -63,15 +77,27 @@ class CbserveServer:
         )
         reflection.enable_server_reflection((ADMIN_SERVICE, reflection.SERVICE_NAME), self.admin_server)
         address = options.host
-        self.port = self.main_server.add_insecure_port(f"{address}:{options.port}")
-        self.admin_port = self.admin_server.add_insecure_port(f"{address}:{options.admin_port}")
+        if options.tls is not None:
+            credentials = options.tls.credentials()
+            self.port = self.main_server.add_secure_port(f"{address}:{options.port}", credentials)
+            admin_address = f"{address}:{options.admin_port}"
+            self.admin_port = self.admin_server.add_secure_port(admin_address, credentials)
+        else:
+            if address not in LOOPBACK_HOSTS:
+                logger.warning("serving plaintext on %s: pass --tls-cert and --tls-key for TLS", address)
+            self.port = self.main_server.add_insecure_port(f"{address}:{options.port}")
+            self.admin_port = self.admin_server.add_insecure_port(f"{address}:{options.admin_port}")
 
     async def start(self) -> None:
         """Opens both ports with health NOT_SERVING."""
         await self._set_health(False)
         await self.main_server.start()
         await self.admin_server.start()
-        logger.info("listening on %s:%d (admin port %d)", self.options.host, self.port, self.admin_port)
+        tls = self.options.tls
+        security = "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS"
+        logger.info(
+            "listening on %s:%d (admin port %d, %s)", self.options.host, self.port, self.admin_port, security
+        )
 
     async def load(self, make_host: Callable[[], EngineHost]) -> EngineHost:
         """Builds the engine host off the event loop, starts it, hands it to the servicers, turns SERVING."""
@@ -111,3 +137,7 @@ class CbserveServer:
         )
         if host is not None:
             host.destroy()
+        # Every request has ended by now, so every span has ended: flush them (and stop the exporter).
+        provider = self.tracer_provider
+        flush = provider.shutdown if self._owns_tracer_provider else provider.force_flush
+        await asyncio.get_running_loop().run_in_executor(None, flush)

@@ -8,10 +8,12 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import torch
+from opentelemetry.sdk.trace import TracerProvider
 
 from engine import ContinuousBatchingConfig
 from service.engine_host import EngineHost
 from service.server import CbserveServer, ServerOptions
+from service.tls import ServerTls
 
 T = TypeVar("T")
 ADMIN_TOKEN = "s3cret-admin-token"
@@ -22,7 +24,7 @@ class ByteTokenizer:
     """A tokenizer whose tokens are UTF-8 bytes (the tiny models' vocab is 256), so text prompts and text
     deltas can be checked, including characters split across tokens."""
 
-    chat_template = None
+    chat_template: str | None = None
 
     def __call__(self, text: str) -> dict[str, list[int]]:
         return {"input_ids": list(text.encode())}
@@ -38,7 +40,11 @@ def engine_config_for_tests(**overrides: Any) -> ContinuousBatchingConfig:
 
 
 class RunningServer:
-    """Starts the server on free ports; `close()` shuts it down and frees the engine."""
+    """Starts the server on free ports; `close()` shuts it down and frees the engine.
+
+    `tls` makes both ports TLS (or mutual TLS); `tracer_provider` receives the request spans (without
+    one, the server builds its own, exporting to `otlp_endpoint` if given).
+    """
 
     def __init__(
         self,
@@ -49,6 +55,9 @@ class RunningServer:
         config: ContinuousBatchingConfig | None = None,
         max_pause_lease_s: float = 300.0,
         grace_period_s: float = 10.0,
+        tls: ServerTls | None = None,
+        tracer_provider: TracerProvider | None = None,
+        otlp_endpoint: str | None = None,
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="cbserve-test-server", daemon=True)
@@ -59,14 +68,16 @@ class RunningServer:
             admin_token=admin_token,
             max_pause_lease_s=max_pause_lease_s,
             grace_period_s=grace_period_s,
+            tls=tls,
+            otlp_endpoint=otlp_endpoint,
         )
-        self.server: CbserveServer = self.call(self._open(options))
+        self.server: CbserveServer = self.call(self._open(options, tracer_provider))
         self._model = model
         self._tokenizer = tokenizer
         self._config = config or engine_config_for_tests()
 
-    async def _open(self, options: ServerOptions) -> CbserveServer:
-        server = CbserveServer(options)
+    async def _open(self, options: ServerOptions, tracer_provider: TracerProvider | None) -> CbserveServer:
+        server = CbserveServer(options, tracer_provider)
         await server.start()
         return server
 

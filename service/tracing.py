@@ -1,0 +1,194 @@
+"""OpenTelemetry traces: one SERVER span per generation request, after the GenAI semantic conventions.
+
+The server owns its TracerProvider (never installed as the global one): it exports over OTLP/gRPC when
+an endpoint is configured (`--otlp-endpoint` or `OTEL_EXPORTER_OTLP_ENDPOINT`) and exports nothing
+otherwise. The caller's W3C trace context (`traceparent` / `tracestate` gRPC metadata) is the parent of
+each request's span. A span starts when the request arrives and ends when the request ends: for
+AddRequest that is long after the unary call returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from cbserve_client.proto import types_pb2
+from opentelemetry import propagate
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+from engine import RequestStatus
+
+if TYPE_CHECKING:
+    from service.request_record import RequestRecord
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "cbserve"
+INSTRUMENTATION_SCOPE = "cbserve.service"
+# Environment variables that turn OTLP export on (the exporter reads them itself too).
+OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+# GenAI semantic convention names.
+OPERATION_NAME = "gen_ai.operation.name"
+REQUEST_MODEL = "gen_ai.request.model"
+REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+REQUEST_TOP_P = "gen_ai.request.top_p"
+REQUEST_TOP_K = "gen_ai.request.top_k"
+REQUEST_SEED = "gen_ai.request.seed"
+RESPONSE_ID = "gen_ai.response.id"
+RESPONSE_MODEL = "gen_ai.response.model"
+RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+ERROR_TYPE = "error.type"
+OPERATION_CHAT = "chat"
+OPERATION_TEXT_COMPLETION = "text_completion"
+EVENT_QUEUED = "queued"
+EVENT_SCHEDULED = "scheduled"
+EVENT_FIRST_TOKEN = "first_token"
+
+# The engine's finish reasons as the conventions spell them ("stop": the model ended the text itself).
+FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
+
+
+def otlp_endpoint_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    environ = os.environ if environ is None else environ
+    return next((environ[name] for name in OTLP_ENDPOINT_VARIABLES if environ.get(name)), None)
+
+
+def build_tracer_provider(otlp_endpoint: str | None = None) -> TracerProvider:
+    """The server's own provider (resource `service.name=cbserve`), never made the global one.
+
+    Spans go to an OTLP/gRPC exporter through a BatchSpanProcessor when `otlp_endpoint` is given or the
+    OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT environment variable is set; otherwise no processor is added and
+    nothing is exported.
+    """
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: SERVICE}))
+    if otlp_endpoint or otlp_endpoint_from_env():
+        # Imported only when used: the exporter pulls in a gRPC client stack of its own.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint or None)))
+        logger.info("exporting traces over OTLP to %s", otlp_endpoint or otlp_endpoint_from_env())
+    return provider
+
+
+def parent_context(metadata: Iterable[tuple[str, Any]] | None) -> Context:
+    """The caller's trace context, extracted from gRPC invocation metadata with the global propagator
+    (W3C TraceContext and Baggage unless OTEL_PROPAGATORS says otherwise)."""
+    carrier: dict[str, str] = {}
+    for key, value in metadata or ():
+        if isinstance(value, str):  # binary (-bin) metadata carries no trace context
+            carrier[key.lower()] = value
+    try:
+        return propagate.extract(carrier, context=Context())
+    except Exception:  # a malformed header must never fail the request
+        logger.debug("ignoring unreadable trace context", exc_info=True)
+        return Context()
+
+
+def _float32(value: float) -> float:
+    """A proto float field as the caller wrote it (0.7, not 0.699999988079071)."""
+    return float(f"{value:.7g}")
+
+
+class RequestTracer:
+    """Starts the span of each generation request."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        self.provider = provider
+        self.tracer: Tracer = provider.get_tracer(INSTRUMENTATION_SCOPE)
+
+    def start(self, request: types_pb2.GenerationRequest, model: str, parent: Context) -> RequestSpan:
+        chat = request.WhichOneof("prompt") == "messages"
+        operation = OPERATION_CHAT if chat else OPERATION_TEXT_COMPLETION
+        attributes: dict[str, Any] = {OPERATION_NAME: operation, REQUEST_MODEL: model}
+        params = request.sampling
+        if params.HasField("max_new_tokens"):
+            attributes[REQUEST_MAX_TOKENS] = params.max_new_tokens
+        if params.HasField("temperature"):
+            attributes[REQUEST_TEMPERATURE] = _float32(params.temperature)
+        if params.HasField("top_p"):
+            attributes[REQUEST_TOP_P] = _float32(params.top_p)
+        if params.HasField("top_k"):
+            attributes[REQUEST_TOP_K] = params.top_k
+        if params.HasField("seed"):
+            attributes[REQUEST_SEED] = params.seed
+        span = self.tracer.start_span(
+            f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attributes
+        )
+        return RequestSpan(span, model)
+
+
+def _nanoseconds(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+class RequestSpan:
+    """One request's span: `reject` ends it for a request refused before the engine saw it, `attach`
+    follows the queued request's record until it ends. Tracing errors are logged, never raised."""
+
+    def __init__(self, span: Span, model: str) -> None:
+        self.span = span
+        self.model = model
+        self._scheduled = False
+        self._first_token = False
+        self._ended = False
+
+    def reject(self, code_name: str, message: str) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.span.set_attribute(ERROR_TYPE, code_name)
+        self.span.set_status(Status(StatusCode.ERROR, message))
+        self.span.end()
+
+    def attach(self, record: RequestRecord) -> None:
+        """Follows `record` (on the event loop) and ends the span when the request ends."""
+        self.span.set_attributes(
+            {
+                RESPONSE_ID: record.request_id,
+                RESPONSE_MODEL: self.model,
+                USAGE_INPUT_TOKENS: record.prompt_len,
+            }
+        )
+        self.span.add_event(EVENT_QUEUED, timestamp=_nanoseconds(record.queued_at))
+        record.add_listener(self.update)
+        self.update(record)
+
+    def update(self, record: RequestRecord) -> None:
+        if self._ended:
+            return
+        if record.scheduled_at is not None and not self._scheduled:
+            self._scheduled = True
+            self.span.add_event(EVENT_SCHEDULED, timestamp=_nanoseconds(record.scheduled_at))
+        if record.first_token_at is not None and not self._first_token:
+            self._first_token = True
+            self.span.add_event(EVENT_FIRST_TOKEN, timestamp=_nanoseconds(record.first_token_at))
+        if record.finished:
+            self._finish(record)
+
+    def _finish(self, record: RequestRecord) -> None:
+        self._ended = True
+        reason = record.finish_reason or "error"
+        self.span.set_attributes(
+            {
+                USAGE_OUTPUT_TOKENS: len(record.token_ids),
+                USAGE_CACHE_READ_INPUT_TOKENS: record.num_cached_tokens,
+                RESPONSE_FINISH_REASONS: [FINISH_REASONS.get(reason, reason)],
+            }
+        )
+        if record.status == RequestStatus.FAILED:
+            self.span.set_attribute(ERROR_TYPE, "INTERNAL")
+            self.span.set_status(Status(StatusCode.ERROR, record.error or "the request failed"))
+        end = record.finished_at if record.finished_at is not None else time.time()
+        self.span.end(end_time=_nanoseconds(end))
