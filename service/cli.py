@@ -10,6 +10,7 @@ import sys
 
 from engine import ContinuousBatchingConfig
 from service.auth import load_admin_token
+from service.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from service.engine_host import EngineHost
 from service.server import CbserveServer, ServerOptions
 from service.tls import ServerTls, TlsConfigError, client_credentials, load_server_tls
@@ -23,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="serve a model")
     serve.add_argument(
-        "--model", required=True, help="folder of a transformers causal LM (and its tokenizer)"
+        "--model",
+        default=None,
+        help=f"folder of a causal LM and its tokenizer (default: the embedded {DEFAULT_MODEL_NAME})",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50051)
@@ -60,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     generate.add_argument("--target", default="127.0.0.1:50051")
     generate.add_argument("--max-new-tokens", type=int)
+    generate.add_argument(
+        "--raw", action="store_true", help="send the prompt as plain text, not as a chat message"
+    )
     generate.add_argument("--tls-ca", help="PEM CA that signed the server's certificate (turns TLS on)")
     generate.add_argument("--tls-cert", help="PEM client certificate, for a mutual-TLS server")
     generate.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -93,11 +99,15 @@ async def serve(args: argparse.Namespace, tls: ServerTls | None = None) -> None:
         loop.add_signal_handler(signum, stopping.set)
     await server.start()
     config = engine_config(args)
-    loading = asyncio.ensure_future(server.load(lambda: EngineHost.from_path(args.model, config)))
+    # The first start on the embedded model converts it once (~80 s), in load's worker thread, while
+    # health reports NOT_SERVING.
+    loading = asyncio.ensure_future(
+        server.load(lambda: EngineHost.from_path(args.model or ensure_default_model(), config))
+    )
     await asyncio.wait([loading, asyncio.ensure_future(stopping.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loading.done():
         loading.result()
-        logging.getLogger(__name__).info("serving %s", args.model)
+        logging.getLogger(__name__).info("serving %s", args.model or DEFAULT_MODEL_NAME)
         await stopping.wait()
     await server.shutdown()
 
@@ -109,7 +119,12 @@ def generate(args: argparse.Namespace) -> None:
     use_tls = args.tls_ca is not None or args.tls_cert is not None
     credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
     with Client(args.target, credentials=credentials) as client:
-        for chunk in client.stream(args.prompt, **sampling):
+        # An instruction-tuned model answers a question only through its chat template.
+        chat = not args.raw and client.model_info().has_chat_template
+        prompt: str | list[dict[str, str]] = (
+            [{"role": "user", "content": args.prompt}] if chat else args.prompt
+        )
+        for chunk in client.stream(prompt, **sampling):
             if chunk.text:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
