@@ -1,0 +1,444 @@
+"""Offline throughput of cbserve against transformers' continuous batching and padded static batching.
+
+All engines run in one process on the same random-weight Llama and the same prompts, in alternating rounds
+(A B C A B C ...) so that drift in machine load hits every engine alike. Each engine first gets one untimed
+warmup run. Results are JSON lines: one per engine, then one summary with the throughput ratios, the
+machine's measured fp32 matmul rate (the roofline for model-FLOPs utilisation) and greedy token parity.
+
+Run from the repository root:
+
+    PYTHONPATH=. python bench/offline_throughput.py --model tiny
+
+Importable: `run_benchmark(parse_args([...]))` returns the same records it prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import transformers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+import engine
+
+BENCH_NAME = "offline_throughput"
+ENGINES = ("cbserve", "transformers_cb", "static")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+
+
+MODEL_PRESETS: dict[str, ModelShape] = {
+    "tiny": ModelShape(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1024,
+    ),
+    "medium": ModelShape(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+    ),
+}
+VOCAB_SIZE = 32000
+MAX_POSITION_EMBEDDINGS = 2048
+# The configuration the peer measurements (shared/references/peer-on-this-cpu.md) were taken with, so our
+# transformers_cb figures are comparable to theirs.
+TRANSFORMERS_CB_PAGE_SIZE = 256
+TRANSFORMERS_CB_NUM_BLOCKS = 128
+TRANSFORMERS_CB_MAX_BATCH_TOKENS = 2048
+# Left padding for static batching; any id works because the attention mask hides it.
+PAD_TOKEN_ID = 0
+MFU_FORMULA = (
+    "mfu = (2 * n_body * (prompt_tokens + generated_tokens) + 2 * n_lm_head * generated_tokens)"
+    " / median_s / matmul_flops_per_s; n_body = parameters outside the input embedding and the LM head"
+    " (the embedding is a lookup, and the LM head only runs for positions that produce a token);"
+    " attention-score FLOPs and padding are not counted, so padded work lowers mfu"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """Knobs of the engines under test; transformers_cb always uses the peer's fixed configuration."""
+
+    page_size: int = 16
+    max_batch_tokens: int = 2048
+    num_blocks: int | None = None
+    static_batch_size: int = 16
+
+
+# Every engine takes (model, prompts, a fresh greedy config, options) and returns the generated tokens of
+# each prompt, in input order.
+EngineRunner = Callable[[LlamaForCausalLM, list[list[int]], GenerationConfig, EngineOptions], list[list[int]]]
+
+
+def build_model(preset: str) -> LlamaForCausalLM:
+    """A random-weight fp32 Llama with seeded weights and no EOS anywhere in its configs."""
+    # eos_token_id=None in the model config too: transformers fills a generation config's unset fields from
+    # the model's, and LlamaConfig's default eos (2) would stop requests early.
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **dataclasses.asdict(MODEL_PRESETS[preset]),
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return model.eval()
+
+
+def make_prompts(num_requests: int, min_prompt: int, max_prompt: int, vocab_size: int) -> list[list[int]]:
+    """Prompt lengths uniform in [min_prompt, max_prompt], ids uniform in [1, vocab_size); seed 0."""
+    rng = random.Random(0)
+    # Lengths are drawn before any token so they do not depend on the vocabulary size.
+    lengths = [rng.randint(min_prompt, max_prompt) for _ in range(num_requests)]
+    return [[rng.randrange(1, vocab_size) for _ in range(length)] for length in lengths]
+
+
+def greedy_config(new_tokens: int) -> GenerationConfig:
+    """Greedy decoding of exactly `new_tokens` tokens: no EOS, so no request stops early.
+
+    Built fresh for each run because transformers' continuous batching rewrites a missing EOS to -1 in
+    the config it is given.
+    """
+    return GenerationConfig(
+        do_sample=False, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=PAD_TOKEN_ID
+    )
+
+
+def _ordered_tokens(engine_name: str, outputs: Mapping[str, Any], num_prompts: int) -> list[list[int]]:
+    """Generated tokens per request from a `generate_batch` result (both APIs keep input order)."""
+    if len(outputs) != num_prompts:
+        raise RuntimeError(f"{engine_name} returned {len(outputs)} results for {num_prompts} prompts")
+    failed = {request_id: output.error for request_id, output in outputs.items() if output.error is not None}
+    if failed:
+        raise RuntimeError(f"{engine_name}: {len(failed)} requests failed, e.g. {next(iter(failed.items()))}")
+    return [list(output.generated_tokens) for output in outputs.values()]
+
+
+def run_cbserve(
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    generation_config: GenerationConfig,
+    options: EngineOptions,
+) -> list[list[int]]:
+    config = engine.ContinuousBatchingConfig(
+        page_size=options.page_size, num_blocks=options.num_blocks, max_batch_tokens=options.max_batch_tokens
+    )
+    outputs = engine.generate_batch(
+        model, prompts, generation_config=generation_config, continuous_batching_config=config
+    )
+    return _ordered_tokens("cbserve", outputs, len(prompts))
+
+
+def run_transformers_cb(
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    generation_config: GenerationConfig,
+    options: EngineOptions,
+) -> list[list[int]]:
+    config = transformers.ContinuousBatchingConfig(
+        page_size=TRANSFORMERS_CB_PAGE_SIZE,
+        num_blocks=TRANSFORMERS_CB_NUM_BLOCKS,
+        max_batch_tokens=TRANSFORMERS_CB_MAX_BATCH_TOKENS,
+    )
+    outputs = model.generate_batch(
+        inputs=prompts, generation_config=generation_config, continuous_batching_config=config
+    )
+    return _ordered_tokens("transformers_cb", outputs, len(prompts))
+
+
+def run_static(
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    generation_config: GenerationConfig,
+    options: EngineOptions,
+) -> list[list[int]]:
+    """`model.generate` on consecutive batches of prompts, each left-padded to its longest prompt."""
+    generated: list[list[int]] = []
+    for start in range(0, len(prompts), options.static_batch_size):
+        batch = prompts[start : start + options.static_batch_size]
+        width = max(len(prompt) for prompt in batch)
+        input_ids = torch.tensor([[PAD_TOKEN_ID] * (width - len(prompt)) + prompt for prompt in batch])
+        attention_mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in batch])
+        # transformers annotates `generate`'s self as a protocol that LlamaForCausalLM does not match.
+        output = model.generate(  # type: ignore[misc]
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
+        )
+        generated.extend(output[:, width:].tolist())
+    return generated
+
+
+RUNNERS: dict[str, EngineRunner] = {
+    "cbserve": run_cbserve,
+    "transformers_cb": run_transformers_cb,
+    "static": run_static,
+}
+
+
+def timed_run(
+    engine_name: str,
+    model: LlamaForCausalLM,
+    prompts: list[list[int]],
+    new_tokens: int,
+    options: EngineOptions,
+) -> tuple[float, list[list[int]]]:
+    """Wall seconds of one end-to-end run (engine setup and teardown included) and its tokens."""
+    # cbserve and transformers' CB both swap in a paged attention while they run; resetting here keeps an
+    # engine that failed to restore it from changing how the next one runs.
+    model.set_attn_implementation("sdpa")
+    generation_config = greedy_config(new_tokens)
+    start = time.perf_counter()
+    tokens = RUNNERS[engine_name](model, prompts, generation_config, options)
+    return time.perf_counter() - start, tokens
+
+
+def measure_matmul_flops(size: int = 2048, repeats: int = 10) -> float:
+    """Achieved fp32 FLOP/s of a square `torch.matmul` (median of `repeats`, after two warmup calls)."""
+    generator = torch.Generator().manual_seed(0)
+    left = torch.randn(size, size, generator=generator)
+    right = torch.randn(size, size, generator=generator)
+    for _ in range(2):
+        torch.matmul(left, right)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(left, right)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def parameter_counts(model: LlamaForCausalLM) -> tuple[int, int]:
+    """(n_body, n_lm_head): parameters outside both vocabulary matrices, and those of the LM head."""
+    embedding = model.get_input_embeddings().weight
+    lm_head = model.get_output_embeddings().weight
+    vocabulary_ids = {id(embedding), id(lm_head)}
+    n_body = sum(parameter.numel() for parameter in model.parameters() if id(parameter) not in vocabulary_ids)
+    return n_body, lm_head.numel()
+
+
+def parity_fraction(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    return sum(ours == theirs for ours, theirs in zip(tokens, reference, strict=True)) / len(reference)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Runs the benchmark that `args` (from `parse_args`) describes: per-engine records, then the summary."""
+    engines: list[str] = args.engines
+    options = EngineOptions(
+        page_size=args.page_size,
+        max_batch_tokens=args.max_batch_tokens,
+        num_blocks=args.num_blocks,
+        static_batch_size=args.static_batch_size,
+    )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    # Other processes on a small machine skew every figure; the load averages let a reader judge a run.
+    load_at_start = os.getloadavg()[0]
+    model = build_model(args.model)
+    prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt, VOCAB_SIZE)
+    prompt_tokens = sum(len(prompt) for prompt in prompts)
+    generated_tokens = args.requests * args.new_tokens
+    n_params = sum(parameter.numel() for parameter in model.parameters())
+    n_body, n_lm_head = parameter_counts(model)
+    matmul_flops = measure_matmul_flops(args.matmul_size)
+    _log(
+        f"model {args.model}: {n_params:,} params; "
+        f"{args.requests} requests, {prompt_tokens} prompt tokens; matmul {matmul_flops / 1e9:.1f} GFLOP/s; "
+        f"{torch.get_num_threads()} threads"
+    )
+
+    warmup_prompts = prompts[: args.warmup_requests]
+    if warmup_prompts:
+        for engine_name in engines:
+            seconds, _ = timed_run(engine_name, model, warmup_prompts, args.new_tokens, options)
+            _log(f"warmup {engine_name}: {seconds:.2f} s ({len(warmup_prompts)} requests)")
+
+    wall_s: dict[str, list[float]] = {name: [] for name in engines}
+    first_tokens: dict[str, list[list[int]]] = {}
+    repeat_consistent = dict.fromkeys(engines, True)
+    for round_index in range(args.repeats):
+        for engine_name in engines:
+            seconds, tokens = timed_run(engine_name, model, prompts, args.new_tokens, options)
+            wall_s[engine_name].append(seconds)
+            reference = first_tokens.setdefault(engine_name, tokens)
+            repeat_consistent[engine_name] &= tokens == reference
+            _log(f"round {round_index + 1}/{args.repeats} {engine_name}: {seconds:.2f} s")
+
+    useful_flops = 2 * n_body * (prompt_tokens + generated_tokens) + 2 * n_lm_head * generated_tokens
+    static_tokens = first_tokens.get("static")
+    records: list[dict[str, Any]] = []
+    throughput: dict[str, float] = {}
+    for engine_name in engines:
+        median_s = statistics.median(wall_s[engine_name])
+        throughput[engine_name] = generated_tokens / median_s
+        tokens = first_tokens[engine_name]
+        records.append(
+            {
+                "bench": BENCH_NAME,
+                "engine": engine_name,
+                "model": args.model,
+                "requests": args.requests,
+                "new_tokens": args.new_tokens,
+                "prompt_tokens": prompt_tokens,
+                "wall_s": [round(seconds, 3) for seconds in wall_s[engine_name]],
+                "median_s": round(median_s, 3),
+                "tokens_per_s": round(throughput[engine_name], 1),
+                "mfu": round(useful_flops / median_s / matmul_flops, 4),
+                "requests_with_exact_new_tokens": sum(len(row) == args.new_tokens for row in tokens),
+                "repeat_consistent": repeat_consistent[engine_name],
+                "parity_vs_static": None if static_tokens is None else parity_fraction(tokens, static_tokens),
+            }
+        )
+
+    def ratio(peer: str) -> float | None:
+        if "cbserve" not in throughput or peer not in throughput:
+            return None
+        return round(throughput["cbserve"] / throughput[peer], 3)
+
+    records.append(
+        {
+            "bench": BENCH_NAME,
+            "summary": True,
+            "model": args.model,
+            "cbserve_vs_transformers_cb": ratio("transformers_cb"),
+            "cbserve_vs_static": ratio("static"),
+            "parity_cbserve_vs_static": next(
+                (record["parity_vs_static"] for record in records if record["engine"] == "cbserve"), None
+            ),
+            "matmul_gflops": round(matmul_flops / 1e9, 1),
+            "mfu_formula": MFU_FORMULA,
+            "n_params": n_params,
+            "n_params_body": n_body,
+            "n_params_lm_head": n_lm_head,
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "load_avg_1min_start": round(load_at_start, 2),
+            "load_avg_1min_end": round(os.getloadavg()[0], 2),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "cbserve_config": {
+                "page_size": options.page_size,
+                "num_blocks": options.num_blocks,
+                "max_batch_tokens": options.max_batch_tokens,
+            },
+            "transformers_cb_config": {
+                "page_size": TRANSFORMERS_CB_PAGE_SIZE,
+                "num_blocks": TRANSFORMERS_CB_NUM_BLOCKS,
+                "max_batch_tokens": TRANSFORMERS_CB_MAX_BATCH_TOKENS,
+                "attn_implementation": "sdpa",
+            },
+            "static_batch_size": options.static_batch_size,
+        }
+    )
+    return records
+
+
+def plot_throughput(records: Sequence[Mapping[str, Any]], path: str) -> None:
+    """Bar chart of median tokens/s per engine, with the range over repeats as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on benchmark machines
+    import matplotlib.pyplot as plt
+
+    engine_records = [record for record in records if "engine" in record]
+    names = [record["engine"] for record in engine_records]
+    medians = [record["tokens_per_s"] for record in engine_records]
+    fastest = [record["requests"] * record["new_tokens"] / min(record["wall_s"]) for record in engine_records]
+    slowest = [record["requests"] * record["new_tokens"] / max(record["wall_s"]) for record in engine_records]
+    error_bars = [
+        [median - low for median, low in zip(medians, slowest, strict=True)],
+        [high - median for median, high in zip(medians, fastest, strict=True)],
+    ]
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.bar(names, medians, yerr=error_bars, capsize=6)
+    axes.set_ylabel("generated tokens/s (median)")
+    axes.set_xlabel("error bars: slowest to fastest repeat")
+    model = engine_records[0]["model"] if engine_records else "?"
+    axes.set_title(f"offline throughput, {model} model")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="tiny")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup-requests", type=int, default=8, help="requests in each untimed warmup run")
+    parser.add_argument("--page-size", type=int, default=16, help="cbserve only")
+    parser.add_argument("--max-batch-tokens", type=int, default=2048, help="cbserve only")
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="cbserve only; default sizes from memory"
+    )
+    parser.add_argument("--static-batch-size", type=int, default=16)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's choice); on a busy machine, 1 avoids waits for a"
+        " descheduled worker thread on every small op",
+    )
+    parser.add_argument("--matmul-size", type=int, default=2048, help="side of the square matmul roofline")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of tokens/s (needs matplotlib)")
+    parser.add_argument("--json-out", metavar="PATH", help="also write the JSON lines to this file")
+    args = parser.parse_args(argv)
+    if args.requests < 1 or args.new_tokens < 1 or args.repeats < 1:
+        parser.error("--requests, --new-tokens and --repeats must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.warmup_requests < 0:
+        parser.error(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+    if not 1 <= args.min_prompt <= args.max_prompt:
+        parser.error(f"need 1 <= --min-prompt <= --max-prompt, got {args.min_prompt} and {args.max_prompt}")
+    # Keep the CLI order but run each engine once per round.
+    args.engines = list(dict.fromkeys(args.engines))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    records = run_benchmark(args)
+    lines = [json.dumps(record) for record in records]
+    print("\n".join(lines), flush=True)
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as file:
+            file.write("\n".join(lines) + "\n")
+    if args.plot:
+        plot_throughput(records, args.plot)
+
+
+if __name__ == "__main__":
+    main()
