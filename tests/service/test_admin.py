@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -112,3 +115,31 @@ def test_stop_then_start(model) -> None:
             assert client.generate([5, 6], max_new_tokens=2).finish_reason in ("length", "eos")
     finally:
         running.close()
+
+
+def test_a_pause_holder_killed_with_sigkill_releases_the_pause(
+    served: RunningServer, client: Client, admin: AdminClient
+) -> None:
+    from service_harness import ADMIN_TOKEN
+
+    holder_script = (
+        "import sys, time\n"
+        "from cbserve_client import AdminClient\n"
+        f"admin = AdminClient({served.admin_target!r}, token={ADMIN_TOKEN!r})\n"
+        "with admin.paused():\n"
+        "    print('paused', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", holder_script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "paused"
+        assert admin.status().paused
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        wait_until(lambda: not admin.status().paused, what="the pause to end after its holder died")
+        completion = client.generate(random_prompt(8, 12), max_new_tokens=4, ignore_eos=True)
+        assert len(completion.token_ids) == 4
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=10)
