@@ -14,9 +14,16 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.kv.cache_manager import KVCacheManager
+from engine.kv.offload import HostBlockPool
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
-from engine.runner.kv_cache import KVCacheShape, PagedKVCache, resolve_cache_sizes
+from engine.runner.kv_cache import (
+    HostKVCache,
+    KVCacheShape,
+    PagedKVCache,
+    resolve_cache_sizes,
+    resolve_offload_blocks,
+)
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler
@@ -83,6 +90,18 @@ class EngineCore:
         )
         self.max_batch_tokens = max_batch_tokens
         self.has_sliding_layers = _has_sliding_layers(text_config)
+        if self.has_sliding_layers and config.allow_block_sharing:
+            logger.info(
+                "prefix caching is off: the model has sliding-window layers, whose blocks cannot be shared"
+            )
+        self.kv_cache = PagedKVCache(shape, num_blocks, config.page_size, self.device)
+        num_host_blocks = resolve_offload_blocks(
+            config.cpu_offload_space,
+            config.cpu_offload_space_safety_threshold,
+            shape.bytes_per_token() * config.page_size,
+        )
+        self.host_kv_cache = HostKVCache(self.kv_cache, num_host_blocks) if num_host_blocks else None
+        host_block_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             config.page_size,
@@ -95,10 +114,10 @@ class EngineCore:
             safety_margin=config.resolved_safety_margin(),
             policy=config.scheduler_type,
             max_model_len=self.max_model_len,
+            host_block_pool=host_block_pool,
         )
-        self.kv_cache = PagedKVCache(shape, num_blocks, config.page_size, self.device)
         self.runner = ModelRunner(
-            model, self.kv_cache, self.kv_cache_manager, Sampler(self.device, config.seed)
+            model, self.kv_cache, self.kv_cache_manager, Sampler(self.device, config.seed), self.host_kv_cache
         )
         self.requests: dict[str, Request] = {}
         self.num_failed_steps = 0
@@ -135,6 +154,10 @@ class EngineCore:
         self.scheduler.remove_finished_running()
         return failed
 
+    def _release_host_blocks(self) -> None:
+        if self.scheduler.host_block_pool is not None:
+            self.scheduler.host_block_pool.release_pending()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -165,9 +188,12 @@ class EngineCore:
                 self.requests.pop(item.request.request_id, None)
                 result.finished.append(item.request)
             self.scheduler.remove_finished_running()
-            # Blocks registered for this step may never have been written.
+            # Blocks registered for this step may never have been written, nor offloads copied.
             self.kv_cache_manager.reset_prefix_cache()
+            self.scheduler.forget_offloads(scheduler_output)
+            self._release_host_blocks()
             return result
+        self._release_host_blocks()
 
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.token_ids)
         now = time.time()

@@ -53,6 +53,8 @@ class ManagerStats:
     prefix_cache_hit_tokens: int
     prefix_cache_hit_rate: float
     preemptions: int
+    offloaded_blocks: int
+    restored_blocks: int
     recomputed_tokens: int
     failed_steps: int
     prefix_caching_enabled: bool
@@ -438,6 +440,8 @@ class ContinuousBatchingManager:
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_hit_rate=prefix.hit_rate,
             preemptions=engine.scheduler.counters.preemptions,
+            offloaded_blocks=engine.scheduler.counters.offloaded_blocks,
+            restored_blocks=engine.scheduler.counters.restored_blocks,
             recomputed_tokens=engine.scheduler.counters.recomputed_tokens,
             failed_steps=engine.num_failed_steps,
             prefix_caching_enabled=engine.kv_cache_manager.enable_prefix_caching,

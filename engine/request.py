@@ -5,6 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.kv.offload import OffloadedKV
 
 
 class RequestStatus(IntEnum):
@@ -95,6 +99,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "num_tokens_to_recompute",
+        "offloaded",
         "record_timestamps",
         "request_id",
         "sampling",
@@ -124,6 +129,8 @@ class Request:
         self.num_preemptions = 0
         # Tokens whose KV was computed before the last preemption: recomputing them is counted.
         self.num_tokens_to_recompute = 0
+        # Set while the request waits with its KV parked in host memory (engine.kv.offload).
+        self.offloaded: OffloadedKV | None = None
         self.status = RequestStatus.PENDING
         self.finish_reason: str | None = None
         self.error: str | None = None

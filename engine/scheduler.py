@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv.cache_manager import KVCacheManager, blocks_for_tokens
+from engine.kv.offload import BlockCopy, HostBlockPool, OffloadedKV
 from engine.request import FinishReason, Request, RequestStatus
 
 SCHEDULING_POLICIES = ("fifo", "prefill_first")
@@ -37,6 +38,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     # Requests that can never run (they outgrew the whole cache), failed by this step's scheduling.
     failed: list[Request] = field(default_factory=list)
+    # KV copies the runner makes before the forward pass: offloads first, then restores.
+    offloads: list[BlockCopy] = field(default_factory=list)
+    restores: list[BlockCopy] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -48,6 +52,9 @@ class SchedulerCounters:
     preemptions: int = 0
     recomputed_tokens: int = 0
     admitted: int = 0
+    # Blocks copied to and from host memory by offloading preemptions and their resumptions.
+    offloaded_blocks: int = 0
+    restored_blocks: int = 0
 
 
 class Scheduler:
@@ -59,6 +66,7 @@ class Scheduler:
         safety_margin: float,
         policy: str = "fifo",
         max_model_len: int | None = None,
+        host_block_pool: HostBlockPool | None = None,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduler_type must be one of {SCHEDULING_POLICIES}, got {policy!r}")
@@ -68,6 +76,8 @@ class Scheduler:
         self.safety_margin = safety_margin
         self.policy = policy
         self.max_model_len = max_model_len
+        # Preemption offloads to this pool when it has room, and falls back to recompute otherwise.
+        self.host_block_pool = host_block_pool
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
@@ -165,6 +175,11 @@ class Scheduler:
                 break
             if self.kv_cache_manager.free_fraction < self.safety_margin and self.running:
                 break
+            if request.offloaded is not None:
+                if not self._restore(request, output, budget):
+                    break
+                budget -= output.scheduled[-1].num_new_tokens
+                continue
             computed_blocks = self.kv_cache_manager.get_computed_blocks(request)
             num_hit_tokens = len(computed_blocks) * self.kv_cache_manager.page_size
             num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
@@ -186,16 +201,69 @@ class Scheduler:
             budget -= num_new_tokens
         return budget
 
+    def _restore(self, request: Request, output: SchedulerOutput, budget: int) -> bool:
+        """Re-admits an offloaded request: its KV comes back from the host instead of being recomputed."""
+        offloaded = request.offloaded
+        assert offloaded is not None and self.host_block_pool is not None
+        num_new_tokens = min(request.num_tokens - offloaded.num_tokens, budget)
+        if self.kv_cache_manager.allocate_slots(request, offloaded.num_tokens + num_new_tokens) is None:
+            return False
+        self.waiting.popleft()
+        table = self.kv_cache_manager.block_ids(request.request_id)
+        num_blocks = len(offloaded.host_block_ids)
+        output.restores.append(BlockCopy(tuple(table[:num_blocks]), offloaded.host_block_ids))
+        self.host_block_pool.free_after_step(offloaded.host_block_ids)
+        request.offloaded = None
+        request.num_computed_tokens = offloaded.num_tokens
+        request.status = RequestStatus.PREFILLING
+        self.running.append(request)
+        self.counters.restored_blocks += num_blocks
+        output.scheduled.append(ScheduledRequest(request, num_new_tokens, offloaded.num_tokens))
+        return True
+
+    def _offload(self, request: Request, output: SchedulerOutput) -> bool:
+        """Parks a request's computed KV in host blocks, if the host pool has room for it."""
+        num_tokens = request.num_computed_tokens
+        if self.host_block_pool is None or num_tokens == 0:
+            return False
+        device_blocks = self.kv_cache_manager.block_ids(request.request_id)
+        device_blocks = device_blocks[: blocks_for_tokens(num_tokens, self.kv_cache_manager.page_size)]
+        host_blocks = self.host_block_pool.allocate(len(device_blocks))
+        if host_blocks is None:
+            return False
+        output.offloads.append(BlockCopy(tuple(device_blocks), host_blocks))
+        request.offloaded = OffloadedKV(host_blocks, num_tokens)
+        self.counters.offloaded_blocks += len(device_blocks)
+        return True
+
+    def forget_offloads(self, output: SchedulerOutput) -> None:
+        """The step's copies may not have happened (it failed): its offloaded requests will recompute."""
+        assert self.host_block_pool is not None or not output.offloads
+        for request in output.preempted:
+            if request.offloaded is not None and self.host_block_pool is not None:
+                self.host_block_pool.free_now(request.offloaded.host_block_ids)
+                request.num_tokens_to_recompute = max(
+                    request.num_tokens_to_recompute, request.offloaded.num_tokens
+                )
+                request.offloaded = None
+
     def _count_recompute(self, request: Request, num_computed: int, num_new_tokens: int) -> None:
         recomputed = min(num_computed + num_new_tokens, request.num_tokens_to_recompute) - num_computed
         if recomputed > 0:
             self.counters.recomputed_tokens += recomputed
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
-        """Preempts by recompute: the blocks go back to the pool and the request rejoins the queue head."""
+        """Frees a running request's blocks and puts it back at the head of the queue.
+
+        Its computed KV is offloaded to host memory when the pool has room (it resumes where it
+        stopped), else recomputed when it is scheduled again.
+        """
         self.running.remove(request)
+        if not self._offload(request, output):
+            request.num_tokens_to_recompute = max(
+                request.num_tokens_to_recompute, request.num_computed_tokens
+            )
         self.kv_cache_manager.free(request)
-        request.num_tokens_to_recompute = max(request.num_tokens_to_recompute, request.num_computed_tokens)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PENDING
@@ -252,6 +320,9 @@ class Scheduler:
         request.finish_reason = reason
         request.error = error
         self.kv_cache_manager.free(request)
+        if request.offloaded is not None and self.host_block_pool is not None:
+            self.host_block_pool.free_now(request.offloaded.host_block_ids)
+            request.offloaded = None
 
     def remove_finished_running(self) -> None:
         if any(request.is_finished for request in self.running):

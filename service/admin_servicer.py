@@ -93,6 +93,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             weight_version=WEIGHT_VERSION,
             preemptions=stats.preemptions,
+            offloads=stats.offloaded_blocks,
+            restores=stats.restored_blocks,
             recomputed_tokens=stats.recomputed_tokens,
             prefix_cache_queries=stats.prefix_cache_queried_tokens,
             prefix_cache_hits=stats.prefix_cache_hit_tokens,
@@ -100,6 +102,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             prompt_tokens=counters.prompt_tokens,
             generated_tokens=counters.generated_tokens,
             counters={"failed_steps": float(stats.failed_steps)},
+            prefix_caching_enabled=stats.prefix_caching_enabled,
         )
 
     async def UpdateWeights(

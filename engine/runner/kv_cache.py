@@ -126,3 +126,81 @@ class PagedKVCache:
             for cache in (*self.key_caches, *self.value_caches)
         ]
         return b"".join(parts)
+
+
+class HostKVCache:
+    """Host-memory copies of KV blocks for CPU offload, laid out like `PagedKVCache` (pinned on CUDA).
+
+    Copies go through `index_select` / `index_copy_` on whole block ranges: an advanced-indexing copy
+    into a temporary (`host[rows].copy_(...)`) would silently copy nothing.
+    """
+
+    def __init__(self, device_cache: PagedKVCache, num_blocks: int) -> None:
+        self.device_cache = device_cache
+        self.num_blocks = num_blocks
+        self.page_size = device_cache.page_size
+        shape = device_cache.shape
+        row_shape = (num_blocks * self.page_size, shape.num_kv_heads, shape.head_dim)
+        pin = device_cache.device.type == "cuda"
+        self.key_caches = [
+            torch.empty(row_shape, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)
+        ]
+        self.value_caches = [
+            torch.empty(row_shape, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)
+        ]
+
+    def _slots(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
+        return (blocks.unsqueeze(1) * self.page_size + torch.arange(self.page_size, device=device)).flatten()
+
+    def offload(self, device_block_ids: list[int], host_block_ids: list[int]) -> None:
+        """Copies device blocks to host blocks, every layer."""
+        if not device_block_ids:
+            return
+        device_slots = self._slots(device_block_ids, self.device_cache.device)
+        host_slots = self._slots(host_block_ids, torch.device("cpu"))
+        pairs = zip(
+            (*self.device_cache.key_caches, *self.device_cache.value_caches),
+            (*self.key_caches, *self.value_caches),
+            strict=True,
+        )
+        for device_cache, host_cache in pairs:
+            host_cache.index_copy_(0, host_slots, device_cache.index_select(0, device_slots).cpu())
+
+    def restore(self, device_block_ids: list[int], host_block_ids: list[int]) -> None:
+        """Copies host blocks back into device blocks, every layer."""
+        if not device_block_ids:
+            return
+        device = self.device_cache.device
+        device_slots = self._slots(device_block_ids, device)
+        host_slots = self._slots(host_block_ids, torch.device("cpu"))
+        pairs = zip(
+            (*self.device_cache.key_caches, *self.device_cache.value_caches),
+            (*self.key_caches, *self.value_caches),
+            strict=True,
+        )
+        for device_cache, host_cache in pairs:
+            rows = host_cache.index_select(0, host_slots).to(device, non_blocking=True)
+            device_cache.index_copy_(0, device_slots, rows)
+
+
+def resolve_offload_blocks(
+    cpu_offload_space_gib: float | None, safety_threshold: float, bytes_per_block: int
+) -> int:
+    """Host blocks for CPU offload: `cpu_offload_space` GiB, capped at `safety_threshold` of total RAM
+    (None: that cap itself). 0 disables offload."""
+    if cpu_offload_space_gib == 0:
+        return 0
+    import psutil
+
+    cap = int(psutil.virtual_memory().total * safety_threshold)
+    requested = cap if cpu_offload_space_gib is None else int(cpu_offload_space_gib * 2**30)
+    if requested > cap:
+        logger.warning(
+            "cpu_offload_space %.2f GiB is above %.0f%% of RAM; capped at %.2f GiB "
+            "(cpu_offload_space_safety_threshold)",
+            requested / 2**30,
+            safety_threshold * 100,
+            cap / 2**30,
+        )
+    return min(requested, cap) // bytes_per_block

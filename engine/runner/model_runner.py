@@ -10,7 +10,7 @@ from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager
 from engine.request import SamplingParams
 from engine.runner.attention import PagedAttentionMetadata, PrefillSegment
-from engine.runner.kv_cache import PagedKVCache
+from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.sampling import Sampler, request_generator
 from engine.scheduler import SchedulerOutput
 
@@ -39,11 +39,13 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         kv_cache_manager: KVCacheManager,
         sampler: Sampler,
+        host_kv_cache: HostKVCache | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv_cache_manager = kv_cache_manager
         self.sampler = sampler
+        self.host_kv_cache = host_kv_cache
         self.device = kv_cache.device
         self.page_size = kv_cache.page_size
         self._placeholder_mask = torch.zeros(1, 1, 0, 0, device=self.device)
@@ -133,7 +135,17 @@ class ModelRunner:
         )
         return outputs.logits[0]
 
+    def copy_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Offloads before restores: a restore may land in a device block an offload just freed."""
+        if self.host_kv_cache is None:
+            return
+        for copy in scheduler_output.offloads:
+            self.host_kv_cache.offload(list(copy.device_block_ids), list(copy.host_block_ids))
+        for copy in scheduler_output.restores:
+            self.host_kv_cache.restore(list(copy.device_block_ids), list(copy.host_block_ids))
+
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.copy_blocks(scheduler_output)
         inputs = self.prepare_inputs(scheduler_output)
         logits = self.forward(inputs)
         sampling_items = [item for item in scheduler_output.scheduled if item.samples_token]

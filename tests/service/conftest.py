@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -38,19 +37,3 @@ def client(served: RunningServer) -> Iterator[Client]:
 def admin(served: RunningServer) -> Iterator[AdminClient]:
     with AdminClient(served.admin_target, token=ADMIN_TOKEN, timeout=30) as connected:
         yield connected
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def wait_all_blocks_free(admin: AdminClient) -> None:
-    """Every request has ended and released its KV blocks (prefix-cached blocks count as free)."""
-    wait_until(
-        lambda: (status := admin.status()).kv_blocks_used == 0 and status.active_requests == 0,
-        what="all KV blocks free",
-    )

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import torch
+from cbserve_client import AdminClient
 from opentelemetry.sdk.trace import TracerProvider
 
 from engine import ContinuousBatchingConfig
@@ -106,3 +108,19 @@ class RunningServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(CALL_TIMEOUT_S)
             self.loop.close()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def wait_all_blocks_free(admin: AdminClient) -> None:
+    """Every request has ended and released its KV blocks (prefix-cached blocks count as free)."""
+    wait_until(
+        lambda: (status := admin.status()).kv_blocks_used == 0 and status.active_requests == 0,
+        what="all KV blocks free",
+    )

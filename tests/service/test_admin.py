@@ -11,8 +11,7 @@ import grpc
 import pytest
 from cbserve_client import AdminClient, Client, UnauthenticatedError, UnavailableError
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc
-from conftest import wait_until
-from service_harness import RunningServer
+from service_harness import RunningServer, wait_until
 
 from tests.conftest import random_prompt
 
@@ -143,3 +142,18 @@ def test_a_pause_holder_killed_with_sigkill_releases_the_pause(
         if holder.poll() is None:
             holder.kill()
             holder.wait(timeout=10)
+
+
+@pytest.mark.parametrize(("family", "enabled"), [("llama", True), ("mistral", False)])
+def test_status_says_whether_prefix_caching_is_on(family: str, enabled: bool) -> None:
+    from service_harness import ADMIN_TOKEN
+
+    from tests.conftest import tiny_model
+
+    running = RunningServer(tiny_model(family))
+    try:
+        running.load()
+        with AdminClient(running.admin_target, token=ADMIN_TOKEN) as admin:
+            assert admin.status().prefix_caching_enabled is enabled
+    finally:
+        running.close()

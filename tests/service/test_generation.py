@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cbserve_client import AdminClient, Client, DeadlineExceededError
-from conftest import wait_all_blocks_free
-from service_harness import RunningServer
+from service_harness import RunningServer, wait_all_blocks_free
 
 from tests.conftest import random_prompt, reference_greedy
 

@@ -13,10 +13,9 @@ import pytest
 import torch
 from cbserve_client import AdminClient, Client
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc
-from conftest import wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_harness import ADMIN_TOKEN, RunningServer
+from service_harness import ADMIN_TOKEN, RunningServer, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

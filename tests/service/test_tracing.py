@@ -18,14 +18,13 @@ import torch
 from cbserve_client import AdminClient, Client
 from cbserve_client.errors import InvalidArgumentError
 from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
-from conftest import wait_until
 from opentelemetry import propagate, trace
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from service_harness import ADMIN_TOKEN, ByteTokenizer, RunningServer
+from service_harness import ADMIN_TOKEN, ByteTokenizer, RunningServer, wait_until
 
 from service import tracing
 

@@ -367,6 +367,7 @@ def status_from_proto(status: admin_pb2.GetStatusResponse) -> Status:
         prompt_tokens=status.prompt_tokens,
         generated_tokens=status.generated_tokens,
         counters=dict(status.counters),
+        prefix_caching_enabled=status.prefix_caching_enabled,
     )
 
 

@@ -148,6 +148,7 @@ class Status:
     prompt_tokens: int
     generated_tokens: int
     counters: dict[str, float] = field(default_factory=dict)
+    prefix_caching_enabled: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x62serve/v1/admin.proto\x12\ncbserve.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"U\n\x0cPauseRequest\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.cbserve.v1.PauseMode\x12\x14\n\x07lease_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_lease_s\"\x9a\x01\n\rPauseResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x0f\n\x07holders\x18\x02 \x01(\r\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x05 \x01(\r\"M\n\x0bStopRequest\x12\x0c\n\x04hard\x18\x01 \x01(\x08\x12\x1c\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_drain_timeout_s\"Z\n\x0cStopResponse\x12\x18\n\x10\x64rained_requests\x18\x01 \x01(\r\x12\x17\n\x0f\x66\x61iled_requests\x18\x02 \x01(\r\x12\x17\n\x0f\x61lready_stopped\x18\x03 \x01(\x08\"\x0e\n\x0cStartRequest\"(\n\rStartResponse\x12\x17\n\x0f\x61lready_running\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\xae\x04\n\x11GetStatusResponse\x12\x0f\n\x07running\x18\x01 \x01(\x08\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x15\n\rpause_holders\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x16\n\x0eweight_version\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x10\n\x08offloads\x18\x0b \x01(\x04\x12\x10\n\x08restores\x18\x0c \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\r \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x10 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x11 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x12 \x01(\x04\x12=\n\x08\x63ounters\x18\x13 \x03(\x0b\x32+.cbserve.v1.GetStatusResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"l\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"\x80\x01\n\x14UpdateWeightsRequest\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.cbserve.v1.TensorChunkH\x00\x12\x1a\n\x10safetensors_path\x18\x02 \x01(\tH\x00\x12\x17\n\rversion_label\x18\x03 \x01(\tH\x00\x42\t\n\x07payload\"_\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x17\n\x0ftensors_updated\x18\x02 \x01(\r\x12\x15\n\rversion_label\x18\x03 \x01(\t*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03\x32\xe9\x02\n\x0c\x41\x64minService\x12>\n\x05Pause\x12\x18.cbserve.v1.PauseRequest\x1a\x19.cbserve.v1.PauseResponse0\x01\x12\x39\n\x04Stop\x12\x17.cbserve.v1.StopRequest\x1a\x18.cbserve.v1.StopResponse\x12<\n\x05Start\x12\x18.cbserve.v1.StartRequest\x1a\x19.cbserve.v1.StartResponse\x12H\n\tGetStatus\x12\x1c.cbserve.v1.GetStatusRequest\x1a\x1d.cbserve.v1.GetStatusResponse\x12V\n\rUpdateWeights\x12 .cbserve.v1.UpdateWeightsRequest\x1a!.cbserve.v1.UpdateWeightsResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x62serve/v1/admin.proto\x12\ncbserve.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"U\n\x0cPauseRequest\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.cbserve.v1.PauseMode\x12\x14\n\x07lease_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_lease_s\"\x9a\x01\n\rPauseResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x0f\n\x07holders\x18\x02 \x01(\r\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x05 \x01(\r\"M\n\x0bStopRequest\x12\x0c\n\x04hard\x18\x01 \x01(\x08\x12\x1c\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_drain_timeout_s\"Z\n\x0cStopResponse\x12\x18\n\x10\x64rained_requests\x18\x01 \x01(\r\x12\x17\n\x0f\x66\x61iled_requests\x18\x02 \x01(\r\x12\x17\n\x0f\x61lready_stopped\x18\x03 \x01(\x08\"\x0e\n\x0cStartRequest\"(\n\rStartResponse\x12\x17\n\x0f\x61lready_running\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\xce\x04\n\x11GetStatusResponse\x12\x0f\n\x07running\x18\x01 \x01(\x08\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x15\n\rpause_holders\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x16\n\x0eweight_version\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x10\n\x08offloads\x18\x0b \x01(\x04\x12\x10\n\x08restores\x18\x0c \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\r \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x10 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x11 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x12 \x01(\x04\x12=\n\x08\x63ounters\x18\x13 \x03(\x0b\x32+.cbserve.v1.GetStatusResponse.CountersEntry\x12\x1e\n\x16prefix_caching_enabled\x18\x14 \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"l\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"\x80\x01\n\x14UpdateWeightsRequest\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.cbserve.v1.TensorChunkH\x00\x12\x1a\n\x10safetensors_path\x18\x02 \x01(\tH\x00\x12\x17\n\rversion_label\x18\x03 \x01(\tH\x00\x42\t\n\x07payload\"_\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x17\n\x0ftensors_updated\x18\x02 \x01(\r\x12\x15\n\rversion_label\x18\x03 \x01(\t*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03\x32\xe9\x02\n\x0c\x41\x64minService\x12>\n\x05Pause\x12\x18.cbserve.v1.PauseRequest\x1a\x19.cbserve.v1.PauseResponse0\x01\x12\x39\n\x04Stop\x12\x17.cbserve.v1.StopRequest\x1a\x18.cbserve.v1.StopResponse\x12<\n\x05Start\x12\x18.cbserve.v1.StartRequest\x1a\x19.cbserve.v1.StartResponse\x12H\n\tGetStatus\x12\x1c.cbserve.v1.GetStatusRequest\x1a\x1d.cbserve.v1.GetStatusResponse\x12V\n\rUpdateWeights\x12 .cbserve.v1.UpdateWeightsRequest\x1a!.cbserve.v1.UpdateWeightsResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_PAUSEMODE']._serialized_start=1463
-  _globals['_PAUSEMODE']._serialized_end=1566
+  _globals['_PAUSEMODE']._serialized_start=1495
+  _globals['_PAUSEMODE']._serialized_end=1598
   _globals['_PAUSEREQUEST']._serialized_start=71
   _globals['_PAUSEREQUEST']._serialized_end=156
   _globals['_PAUSERESPONSE']._serialized_start=159
@@ -51,15 +51,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=544
   _globals['_GETSTATUSREQUEST']._serialized_end=562
   _globals['_GETSTATUSRESPONSE']._serialized_start=565
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1123
-  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_start=1076
-  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_end=1123
-  _globals['_TENSORCHUNK']._serialized_start=1125
-  _globals['_TENSORCHUNK']._serialized_end=1233
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1236
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1364
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1366
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1461
-  _globals['_ADMINSERVICE']._serialized_start=1569
-  _globals['_ADMINSERVICE']._serialized_end=1930
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1155
+  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_start=1108
+  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_end=1155
+  _globals['_TENSORCHUNK']._serialized_start=1157
+  _globals['_TENSORCHUNK']._serialized_end=1265
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1268
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1396
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1398
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1493
+  _globals['_ADMINSERVICE']._serialized_start=1601
+  _globals['_ADMINSERVICE']._serialized_end=1962
 # @@protoc_insertion_point(module_scope)

@@ -297,6 +297,7 @@ class GetStatusResponse(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHING_ENABLED_FIELD_NUMBER: _builtins.int
     running: _builtins.bool
     """Whether the engine is running (started and not stopped)."""
     paused: _builtins.bool
@@ -318,21 +319,25 @@ class GetStatusResponse(_message.Message):
     preemptions: _builtins.int
     """Number of times a running request was preempted to free KV blocks."""
     offloads: _builtins.int
-    """Number of KV blocks copied to the CPU offload pool."""
+    """Number of KV blocks copied to the CPU offload pool by preemptions."""
     restores: _builtins.int
-    """Number of KV blocks copied back from the CPU offload pool."""
+    """Number of KV blocks copied back from the CPU offload pool when their requests resumed."""
     recomputed_tokens: _builtins.int
     """Number of tokens computed again after a preemption without offload."""
     prefix_cache_queries: _builtins.int
-    """Number of prefix cache lookups (one per full prompt block looked up)."""
+    """Prompt tokens looked up in the prefix cache (one lookup per admitted request)."""
     prefix_cache_hits: _builtins.int
-    """Number of prefix cache lookups that found a block."""
+    """Prompt tokens served from the prefix cache instead of being computed."""
     finished_requests: _builtins.int
     """Number of requests that reached a terminal status."""
     prompt_tokens: _builtins.int
     """Total prompt tokens of all requests accepted."""
     generated_tokens: _builtins.int
     """Total generated tokens."""
+    prefix_caching_enabled: _builtins.bool
+    """Whether prefix caching is on. It is turned off for models with sliding-window layers, whose
+    blocks cannot be shared, even when the configuration allows block sharing.
+    """
     @_builtins.property
     def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Further server-defined counters, by name (for metrics not yet promoted to fields)."""
@@ -359,10 +364,11 @@ class GetStatusResponse(_message.Message):
         prompt_tokens: _builtins.int = ...,
         generated_tokens: _builtins.int = ...,
         counters: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        prefix_caching_enabled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "counters", b"counters", "finished_requests", b"finished_requests", "generated_tokens", b"generated_tokens", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "offloads", b"offloads", "pause_holders", b"pause_holders", "paused", b"paused", "preemptions", b"preemptions", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prompt_tokens", b"prompt_tokens", "queued_requests", b"queued_requests", "recomputed_tokens", b"recomputed_tokens", "restores", b"restores", "running", b"running", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "counters", b"counters", "finished_requests", b"finished_requests", "generated_tokens", b"generated_tokens", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "offloads", b"offloads", "pause_holders", b"pause_holders", "paused", b"paused", "preemptions", b"preemptions", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prefix_caching_enabled", b"prefix_caching_enabled", "prompt_tokens", b"prompt_tokens", "queued_requests", b"queued_requests", "recomputed_tokens", b"recomputed_tokens", "restores", b"restores", "running", b"running", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
