@@ -12,5 +12,9 @@ python3 -m ruff check engine service tests bench scripts sdk/python
 python3 -m ruff format --check engine service tests bench scripts sdk/python
 python3 -m mypy engine service
 python3 -m mypy --strict sdk/python/cbserve_client
+# Go SDK: committed stubs current, vet, gofmt, and its tests against a live server (-count=1: Go's
+# test cache cannot see changes to the Python server).
+scripts/generate_go_stubs.sh --check
+(cd sdk/go && go vet ./... && test -z "$(gofmt -l . | tee /dev/stderr)" && go test -count=1 ./...)
 # pytest exits 5 when it collected nothing; that is a failure here, as is any other non-zero status.
 python3 -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,339 @@
+package cbserve
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"io"
+	"iter"
+	"math/rand/v2"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+
+	pb "github.com/cbserve/cbserve/sdk/go/gen/cbserve/v1"
+)
+
+// DefaultTimeout is the default deadline of unary calls (Submit, Cancel, ModelInfo, and the
+// admin Stop, Start, Status); see WithDefaultTimeout.
+const DefaultTimeout = 60 * time.Second
+
+// Submit's retries: attempts, and the first backoff delay (doubled each time, +-50% jitter).
+const (
+	retryAttempts  = 3
+	retryBaseDelay = 100 * time.Millisecond
+)
+
+// Option configures a connection made by Dial or DialAdmin.
+type Option func(*dialConfig)
+
+type dialConfig struct {
+	creds    credentials.TransportCredentials
+	token    string
+	timeout  time.Duration
+	dialOpts []grpc.DialOption
+}
+
+// WithTLS connects over TLS with the given configuration (nil: the system's root CAs and the
+// target's host name). For mutual TLS, set its Certificates.
+func WithTLS(config *tls.Config) Option {
+	if config == nil {
+		config = &tls.Config{MinVersion: tls.VersionTLS12}
+	}
+	return WithTransportCredentials(credentials.NewTLS(config))
+}
+
+// WithTransportCredentials connects with the given gRPC transport credentials (TLS from
+// credentials.NewClientTLSFromFile, ALTS, ...).
+func WithTransportCredentials(creds credentials.TransportCredentials) Option {
+	return func(c *dialConfig) { c.creds = creds }
+}
+
+// WithInsecure connects in plaintext (the default).
+func WithInsecure() Option {
+	return func(c *dialConfig) { c.creds = insecure.NewCredentials() }
+}
+
+// WithBearerToken sends "authorization: Bearer <token>" with every call (also in plaintext:
+// use TLS beyond a trusted network).
+func WithBearerToken(token string) Option {
+	return func(c *dialConfig) { c.token = token }
+}
+
+// WithDefaultTimeout sets the deadline of unary calls (Submit, Cancel, ModelInfo, admin Stop,
+// Start and Status, and the wait of admin Pause for the engine to pause) whose context has
+// none; 0 means no deadline. Default: DefaultTimeout. Streaming calls (Generate, Stream,
+// Results) get no default deadline: bound them with their context.
+func WithDefaultTimeout(d time.Duration) Option {
+	return func(c *dialConfig) { c.timeout = d }
+}
+
+// WithDialOptions adds options to the underlying grpc.NewClient call (interceptors, a stats
+// handler for tracing, keepalive, a load-balancing service config, ...).
+func WithDialOptions(opts ...grpc.DialOption) Option {
+	return func(c *dialConfig) { c.dialOpts = append(c.dialOpts, opts...) }
+}
+
+// bearerToken sends the token on every call; plaintext is allowed, as the server's admin port
+// may run without TLS on a trusted network.
+type bearerToken string
+
+func (t bearerToken) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(t)}, nil
+}
+
+func (bearerToken) RequireTransportSecurity() bool { return false }
+
+func dial(ctx context.Context, target string, opts []Option) (*grpc.ClientConn, dialConfig, error) {
+	cfg := dialConfig{creds: insecure.NewCredentials(), timeout: DefaultTimeout}
+	for _, opt := range opts {
+		opt(&cfg)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, cfg, convertError(ctx, err)
+	}
+	dialOpts := []grpc.DialOption{grpc.WithTransportCredentials(cfg.creds)}
+	if cfg.token != "" {
+		dialOpts = append(dialOpts, grpc.WithPerRPCCredentials(bearerToken(cfg.token)))
+	}
+	dialOpts = append(dialOpts, cfg.dialOpts...)
+	conn, err := grpc.NewClient(target, dialOpts...)
+	if err != nil {
+		return nil, cfg, newError(codes.InvalidArgument, "dial %q: %v", target, err)
+	}
+	conn.Connect()
+	return conn, cfg, nil
+}
+
+// withTimeout bounds ctx with the default timeout unless it already has a deadline.
+func withTimeout(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok || timeout <= 0 {
+		return context.WithCancel(ctx)
+	}
+	return context.WithTimeout(ctx, timeout)
+}
+
+// Client is a connection to a cbserve server's GenerationService. It is safe for concurrent
+// use; make one per server and share it.
+type Client struct {
+	conn    *grpc.ClientConn
+	gen     pb.GenerationServiceClient
+	timeout time.Duration
+}
+
+// Dial returns a client of the cbserve server at target (e.g. "127.0.0.1:50051", or any gRPC
+// target such as "dns:///cbserve.ns.svc:50051"). It does not wait for the connection: it starts
+// connecting in the background, and calls wait for it (or fail with ErrUnavailable). ctx only
+// matters if it is already done. Close the client when done with it.
+func Dial(ctx context.Context, target string, opts ...Option) (*Client, error) {
+	conn, cfg, err := dial(ctx, target, opts)
+	if err != nil {
+		return nil, err
+	}
+	return &Client{conn: conn, gen: pb.NewGenerationServiceClient(conn), timeout: cfg.timeout}, nil
+}
+
+// Close closes the connection; calls in flight fail with ErrCanceled, and their Generate and
+// Stream requests are cancelled on the server.
+func (c *Client) Close() error { return c.conn.Close() }
+
+// Conn returns the underlying connection, e.g. for the raw stubs of
+// github.com/cbserve/cbserve/sdk/go/gen/cbserve/v1.
+func (c *Client) Conn() *grpc.ClientConn { return c.conn }
+
+// Generate generates a completion for prompt and returns it whole, on the bidirectional
+// Generate RPC. A request the server refuses returns an *Error (ErrInvalidArgument for an empty
+// prompt or an out-of-vocabulary token, ErrAlreadyExists, ErrResourceExhausted,
+// ErrUnavailable); a request that fails while it runs returns a Completion with FinishReason
+// FinishError and Error set. Cancelling ctx cancels the request on the server and returns
+// ErrCanceled (which also matches context.Canceled).
+func (c *Client) Generate(ctx context.Context, prompt Prompt, opts ...GenerateOption) (*Completion, error) {
+	var b completionBuilder
+	for chunk, err := range c.Stream(ctx, prompt, opts...) {
+		if err != nil {
+			return nil, err
+		}
+		if b.c.RequestID == "" {
+			b.c.RequestID = chunk.RequestID
+		}
+		if chunk.RequestID != b.c.RequestID || b.done {
+			continue
+		}
+		if err := b.add(chunk); err != nil {
+			return nil, err
+		}
+	}
+	if !b.done { // Stream reports a stream that ends early; this is a safety net.
+		return nil, newError(codes.Internal, "the stream of request %s ended before the request finished", b.c.RequestID)
+	}
+	return b.build(), nil
+}
+
+// Stream generates from prompt and yields the output chunks as they come, on the bidirectional
+// Generate RPC: first a chunk with status RequestQueued, then the token deltas, the last with a
+// terminal status and a FinishReason. An error ends the sequence (it is yielded with a nil
+// chunk): a refused request yields its *Error, as Generate returns it.
+//
+// Each range over the sequence makes one request (with a fresh random id unless
+// WithRequestID). Breaking out of the loop, or cancelling ctx, cancels the call, and the server
+// then cancels the request and frees its KV cache.
+func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOption) iter.Seq2[*Chunk, error] {
+	return func(yield func(*Chunk, error) bool) {
+		request, err := buildRequest(prompt, opts)
+		if err != nil {
+			yield(nil, err)
+			return
+		}
+		if request.RequestId == "" {
+			request.RequestId = newRequestID()
+		}
+		callCtx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		stream, err := c.gen.Generate(callCtx)
+		if err != nil {
+			yield(nil, convertError(ctx, err))
+			return
+		}
+		// On io.EOF the call has already ended: Recv returns its status.
+		add := &pb.GenerateRequest{Action: &pb.GenerateRequest_Add{Add: request}}
+		if err := stream.Send(add); err != nil && !errors.Is(err, io.EOF) {
+			yield(nil, convertError(ctx, err))
+			return
+		}
+		// Half-close: the server ends the call with OK once the request has ended.
+		_ = stream.CloseSend()
+		finished := false
+		for {
+			message, err := stream.Recv()
+			if errors.Is(err, io.EOF) {
+				if !finished {
+					yield(nil, newError(codes.Internal, "the Generate stream ended before request %s finished", request.RequestId))
+				}
+				return
+			}
+			if err != nil {
+				yield(nil, convertError(ctx, err))
+				return
+			}
+			chunk := chunkFromProto(message.GetChunk())
+			if err := rejection(chunk); err != nil {
+				yield(nil, err)
+				return
+			}
+			if finished && chunk.RequestID == request.RequestId {
+				continue // never from a conforming server: nothing follows the terminal chunk
+			}
+			if chunk.RequestID == request.RequestId && chunk.Finished() {
+				finished = true
+			}
+			if !yield(chunk, nil) {
+				return
+			}
+		}
+	}
+}
+
+// Submit queues a request (AddRequest) and returns its id without waiting for any output; read
+// the outputs with Results. The request runs whether or not anyone reads it; stop it with
+// Cancel. Submit retries (3 tries, exponential backoff from 100 ms) when the server answers
+// ErrUnavailable or ErrResourceExhausted, which mean nothing was queued; the id is chosen
+// client-side (unless WithRequestID), so a retry never queues a request twice.
+func (c *Client) Submit(ctx context.Context, prompt Prompt, opts ...GenerateOption) (string, error) {
+	request, err := buildRequest(prompt, opts)
+	if err != nil {
+		return "", err
+	}
+	if request.RequestId == "" {
+		request.RequestId = newRequestID()
+	}
+	callCtx, cancel := withTimeout(ctx, c.timeout)
+	defer cancel()
+	message := &pb.AddRequestRequest{Request: request}
+	for attempt := 0; ; attempt++ {
+		response, err := c.gen.AddRequest(callCtx, message)
+		if err == nil {
+			return response.GetRequestId(), nil
+		}
+		var e *Error
+		errors.As(convertError(ctx, err), &e)
+		if attempt > 0 && e.Code == codes.AlreadyExists {
+			return request.RequestId, nil // the previous attempt queued it; its answer was lost
+		}
+		if (e.Code != codes.Unavailable && e.Code != codes.ResourceExhausted) || attempt == retryAttempts-1 {
+			return "", e
+		}
+		delay := time.Duration(float64(retryBaseDelay<<attempt) * (0.5 + rand.Float64()))
+		if deadline, ok := callCtx.Deadline(); ok && time.Until(deadline) <= delay {
+			return "", e
+		}
+		timer := time.NewTimer(delay)
+		select {
+		case <-timer.C:
+		case <-callCtx.Done():
+			timer.Stop()
+			return "", e
+		}
+	}
+}
+
+// Results streams the outputs of a request (StreamResults) from token index fromIndex on: pass
+// 0 for everything, or the number of tokens already received to resume after a broken
+// connection. The first chunk's TokenIndex is fromIndex. The sequence ends after the chunk with
+// the terminal status; an unknown or expired id yields ErrNotFound. Breaking out of the loop
+// stops reading but does not cancel the request (use Cancel).
+func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) iter.Seq2[*Chunk, error] {
+	return func(yield func(*Chunk, error) bool) {
+		from, err := nonNegativeUint32("fromIndex", fromIndex)
+		if err != nil {
+			yield(nil, err)
+			return
+		}
+		callCtx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		stream, err := c.gen.StreamResults(callCtx, &pb.StreamResultsRequest{RequestId: requestID, FromTokenIndex: from})
+		if err != nil {
+			yield(nil, convertError(ctx, err))
+			return
+		}
+		for {
+			message, err := stream.Recv()
+			if errors.Is(err, io.EOF) {
+				return
+			}
+			if err != nil {
+				yield(nil, convertError(ctx, err))
+				return
+			}
+			if !yield(chunkFromProto(message.GetChunk()), nil) {
+				return
+			}
+		}
+	}
+}
+
+// Cancel cancels a request: it stops at the next engine step and frees its KV cache. It
+// returns true if the request was live, false if it had already ended or is unknown (Cancel is
+// idempotent).
+func (c *Client) Cancel(ctx context.Context, requestID string) (bool, error) {
+	callCtx, cancel := withTimeout(ctx, c.timeout)
+	defer cancel()
+	response, err := c.gen.Cancel(callCtx, &pb.CancelRequest{RequestId: requestID})
+	if err != nil {
+		return false, convertError(ctx, err)
+	}
+	return response.GetCancelled(), nil
+}
+
+// ModelInfo describes the served model.
+func (c *Client) ModelInfo(ctx context.Context) (*ModelInfo, error) {
+	callCtx, cancel := withTimeout(ctx, c.timeout)
+	defer cancel()
+	response, err := c.gen.GetModelInfo(callCtx, &pb.GetModelInfoRequest{})
+	if err != nil {
+		return nil, convertError(ctx, err)
+	}
+	return modelInfoFromProto(response), nil
+}

@@ -1,0 +1,24 @@
+// Package cbserve is the Go client of cbserve, a continuous-batching LLM inference service
+// with a gRPC API (proto/cbserve/v1; the generated stubs are in the gen/cbserve/v1 package).
+//
+// [Dial] connects to the generation service:
+//
+//	client, err := cbserve.Dial(ctx, "127.0.0.1:50051")
+//	if err != nil { ... }
+//	defer client.Close()
+//	completion, err := client.Generate(ctx, cbserve.Text("Once upon a time"), cbserve.WithMaxNewTokens(16))
+//
+// [Client.Generate] returns a whole [Completion]; [Client.Stream] yields its [Chunk]s as they
+// come, as a range-over-func iterator (breaking out of the loop cancels the request);
+// [Client.Submit] queues a request whose outputs [Client.Results] streams from any token index;
+// [Client.Cancel] cancels one. Prompts are [Text], [Tokens] or [Chat]; sampling options
+// (WithMaxNewTokens, WithTemperature, ...) left out take the server's defaults.
+//
+// [DialAdmin] connects to the admin service (its own port, bearer token): [Admin.Pause] holds
+// the engine paused until its release function is called; [Admin.Stop], [Admin.Start] and
+// [Admin.Status] manage and inspect the engine.
+//
+// Cancelling a call's context cancels the call, and a cancelled Generate or Stream call cancels
+// its request on the server. Every error is an [*Error] with the gRPC status code, matching the
+// sentinel of its code ([ErrInvalidArgument], [ErrNotFound], ...) with [errors.Is].
+package cbserve

@@ -1,0 +1,133 @@
+package cbserve
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Error is the error every call of this package returns: the gRPC status code of the failure
+// and its description. Test it against the sentinel errors with [errors.Is]:
+//
+//	if errors.Is(err, cbserve.ErrInvalidArgument) { ... }
+//
+// or get the code with [errors.As] (or google.golang.org/grpc/status.Code, which also works).
+type Error struct {
+	// Code is the gRPC status code.
+	Code codes.Code
+	// Message is the server's (or gRPC's, or this package's) description of the failure.
+	Message string
+
+	cause error
+}
+
+// Sentinel errors, one per status code callers usually branch on. An *Error matches the
+// sentinel of its code with [errors.Is].
+var (
+	// ErrInvalidArgument: a malformed request (empty prompt, token id out of range, bad sampling
+	// bound, ...). Retrying it unchanged fails again.
+	ErrInvalidArgument = &Error{Code: codes.InvalidArgument, Message: "invalid argument"}
+	// ErrNotFound: an unknown or expired request id (Results).
+	ErrNotFound = &Error{Code: codes.NotFound, Message: "not found"}
+	// ErrAlreadyExists: the request id is already used by a live request.
+	ErrAlreadyExists = &Error{Code: codes.AlreadyExists, Message: "already exists"}
+	// ErrResourceExhausted: the server's request queue is full; nothing was queued.
+	ErrResourceExhausted = &Error{Code: codes.ResourceExhausted, Message: "resource exhausted"}
+	// ErrUnavailable: the server is unreachable, loading, stopping, stopped, or paused past the
+	// call's deadline; nothing was queued.
+	ErrUnavailable = &Error{Code: codes.Unavailable, Message: "unavailable"}
+	// ErrUnauthenticated: a missing or wrong bearer token (admin calls).
+	ErrUnauthenticated = &Error{Code: codes.Unauthenticated, Message: "unauthenticated"}
+	// ErrCanceled: the call was cancelled (usually: its context was). Such an error also matches
+	// [context.Canceled] when the caller's context was cancelled.
+	ErrCanceled = &Error{Code: codes.Canceled, Message: "canceled"}
+	// ErrDeadlineExceeded: the call's deadline passed. Such an error also matches
+	// [context.DeadlineExceeded] when the caller's context expired.
+	ErrDeadlineExceeded = &Error{Code: codes.DeadlineExceeded, Message: "deadline exceeded"}
+	// ErrInternal: a server-side failure (INTERNAL, UNKNOWN or DATA_LOSS).
+	ErrInternal = &Error{Code: codes.Internal, Message: "internal error"}
+)
+
+func sentinelFor(code codes.Code) *Error {
+	switch code {
+	case codes.InvalidArgument:
+		return ErrInvalidArgument
+	case codes.NotFound:
+		return ErrNotFound
+	case codes.AlreadyExists:
+		return ErrAlreadyExists
+	case codes.ResourceExhausted:
+		return ErrResourceExhausted
+	case codes.Unavailable:
+		return ErrUnavailable
+	case codes.Unauthenticated:
+		return ErrUnauthenticated
+	case codes.Canceled:
+		return ErrCanceled
+	case codes.DeadlineExceeded:
+		return ErrDeadlineExceeded
+	case codes.Internal, codes.Unknown, codes.DataLoss:
+		return ErrInternal
+	}
+	return nil
+}
+
+// Error returns "cbserve: CODE: message".
+func (e *Error) Error() string {
+	if e.Message == "" {
+		return fmt.Sprintf("cbserve: %s", e.Code)
+	}
+	return fmt.Sprintf("cbserve: %s: %s", e.Code, e.Message)
+}
+
+// Is reports whether target is the sentinel error of e's code.
+func (e *Error) Is(target error) bool {
+	s := sentinelFor(e.Code)
+	return s != nil && target == s
+}
+
+// Unwrap returns the underlying error: the gRPC status error, or the caller's context error
+// ([context.Canceled], [context.DeadlineExceeded]) when that is what ended the call.
+func (e *Error) Unwrap() error { return e.cause }
+
+// GRPCStatus returns e as a gRPC status, so that google.golang.org/grpc/status.FromError and
+// status.Code understand it.
+func (e *Error) GRPCStatus() *status.Status { return status.New(e.Code, e.Message) }
+
+// newError builds an *Error of this package (client-side failures).
+func newError(code codes.Code, format string, args ...any) *Error {
+	return &Error{Code: code, Message: fmt.Sprintf(format, args...)}
+}
+
+// convertError maps an error from gRPC (or a context error) to an *Error; nil stays nil. ctx is
+// the call's context: when it is done, its error becomes the cause, so errors.Is(err,
+// context.Canceled) holds for a call its caller cancelled.
+func convertError(ctx context.Context, err error) error {
+	if err == nil {
+		return nil
+	}
+	var e *Error
+	if errors.As(err, &e) {
+		return err
+	}
+	var code codes.Code
+	var message string
+	if s, ok := status.FromError(err); ok {
+		code, message = s.Code(), s.Message()
+	} else {
+		s := status.FromContextError(err)
+		code, message = s.Code(), s.Message()
+	}
+	cause := err
+	if ctx != nil && ctx.Err() != nil && (code == codes.Canceled || code == codes.DeadlineExceeded) {
+		causes := []error{err, ctx.Err()}
+		if c := context.Cause(ctx); c != ctx.Err() {
+			causes = append(causes, c)
+		}
+		cause = errors.Join(causes...)
+	}
+	return &Error{Code: code, Message: message, cause: cause}
+}

@@ -1,0 +1,157 @@
+package cbserve_test
+
+// These examples run in `go test` against the test server that TestMain starts (serverAddr and
+// adminAddr are its addresses, e.g. "127.0.0.1:50051" and "127.0.0.1:50052"). Its model is a tiny
+// random Llama whose tokens are meaningless bytes, so the examples print counts and finish
+// reasons rather than text.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log"
+	"time"
+
+	cbserve "github.com/cbserve/cbserve/sdk/go"
+)
+
+func Example() {
+	ctx := context.Background()
+	client, err := cbserve.Dial(ctx, serverAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	completion, err := client.Generate(ctx, cbserve.Text("The capital of France is"),
+		cbserve.WithMaxNewTokens(8), cbserve.WithTemperature(0))
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(len(completion.TokenIDs), completion.FinishReason)
+	// Output: 8 length
+}
+
+func ExampleClient_Stream() {
+	ctx := context.Background()
+	client, err := cbserve.Dial(ctx, serverAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	tokens := 0
+	for chunk, err := range client.Stream(ctx, cbserve.Text("Once upon a time"), cbserve.WithMaxNewTokens(16)) {
+		if err != nil {
+			log.Fatal(err)
+		}
+		tokens += len(chunk.TokenIDs) // chunk.Text holds the new text
+		if chunk.Finished() {
+			fmt.Println(chunk.Status, chunk.FinishReason, tokens)
+		}
+	}
+	// Output: finished length 16
+}
+
+func ExampleClient_Stream_cancel() {
+	ctx := context.Background()
+	client, err := cbserve.Dial(ctx, serverAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	// Breaking out of the loop cancels the request on the server (and frees its KV cache).
+	tokens := 0
+	for chunk, err := range client.Stream(ctx, cbserve.Text("Tell me everything"), cbserve.WithMaxNewTokens(500)) {
+		if err != nil {
+			log.Fatal(err)
+		}
+		if tokens += len(chunk.TokenIDs); tokens >= 4 {
+			break
+		}
+	}
+	fmt.Println("stopped after", tokens, "tokens or more")
+	// Output: stopped after 4 tokens or more
+}
+
+func ExampleClient_Submit() {
+	ctx := context.Background()
+	client, err := cbserve.Dial(ctx, serverAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	// Token ids work as prompts too; the request runs whether or not anyone reads it.
+	id, err := client.Submit(ctx, cbserve.Tokens([]uint32{72, 105}), cbserve.WithMaxNewTokens(10))
+	if err != nil {
+		log.Fatal(err)
+	}
+	// Read its tokens from index 4 on (e.g. to resume after a broken connection).
+	var tail []uint32
+	for chunk, err := range client.Results(ctx, id, 4) {
+		if err != nil {
+			log.Fatal(err)
+		}
+		tail = append(tail, chunk.TokenIDs...)
+	}
+	fmt.Println(len(tail), "tokens from index 4")
+	// Output: 6 tokens from index 4
+}
+
+func ExampleClient_Generate_chat() {
+	ctx := context.Background()
+	client, err := cbserve.Dial(ctx, serverAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	// The test model has no chat template, so the server refuses chat prompts.
+	_, err = client.Generate(ctx, cbserve.Chat(cbserve.Message{Role: "user", Content: "Hi"}))
+	var e *cbserve.Error
+	if errors.As(err, &e) {
+		fmt.Println(errors.Is(err, cbserve.ErrInvalidArgument), e.Code)
+	}
+	// Output: true InvalidArgument
+}
+
+func ExampleError() {
+	ctx := context.Background()
+	client, err := cbserve.Dial(ctx, serverAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	_, err = client.Generate(ctx, cbserve.Text(""))
+	fmt.Println(errors.Is(err, cbserve.ErrInvalidArgument))
+	for _, err := range client.Results(ctx, "no-such-request", 0) {
+		fmt.Println(errors.Is(err, cbserve.ErrNotFound))
+	}
+	// Output:
+	// true
+	// true
+}
+
+func ExampleAdmin_Pause() {
+	ctx := context.Background()
+	admin, err := cbserve.DialAdmin(ctx, adminAddr, "test-token") // the server's CBSERVE_ADMIN_TOKEN
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer admin.Close()
+
+	release, err := admin.Pause(ctx, cbserve.WithLease(time.Minute))
+	if err != nil {
+		log.Fatal(err)
+	}
+	status, err := admin.Status(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("paused:", status.Paused, "holders:", status.PauseHolders)
+	release() // ends the Pause call: the server resumes the engine as soon as it sees it end
+	// Output: paused: true holders: 1
+}

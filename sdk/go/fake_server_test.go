@@ -1,0 +1,218 @@
+package cbserve_test
+
+// Client behaviour checked against an in-process fake GenerationService (no Python server):
+// TLS, the bearer token, the default timeout, and Submit's retries.
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"errors"
+	"math/big"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	cbserve "github.com/cbserve/cbserve/sdk/go"
+	pb "github.com/cbserve/cbserve/sdk/go/gen/cbserve/v1"
+)
+
+type fakeGeneration struct {
+	pb.UnimplementedGenerationServiceServer
+	mu        sync.Mutex
+	auth      []string // authorization metadata of each call
+	addIDs    []string // request ids of each AddRequest
+	addErrors []error  // what the next AddRequest calls answer (nil: OK)
+	infoDelay time.Duration
+}
+
+func (f *fakeGeneration) record(ctx context.Context) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.auth = append(f.auth, md.Get("authorization")...)
+}
+
+func (f *fakeGeneration) GetModelInfo(ctx context.Context, _ *pb.GetModelInfoRequest) (*pb.GetModelInfoResponse, error) {
+	f.record(ctx)
+	select {
+	case <-time.After(f.infoDelay):
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return &pb.GetModelInfoResponse{ModelName: "fake", VocabSize: 7}, nil
+}
+
+func (f *fakeGeneration) AddRequest(ctx context.Context, r *pb.AddRequestRequest) (*pb.AddRequestResponse, error) {
+	f.record(ctx)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.addIDs = append(f.addIDs, r.GetRequest().GetRequestId())
+	if len(f.addErrors) > 0 {
+		err := f.addErrors[0]
+		f.addErrors = f.addErrors[1:]
+		if err != nil {
+			return nil, err
+		}
+	}
+	return &pb.AddRequestResponse{RequestId: r.GetRequest().GetRequestId()}, nil
+}
+
+// startFake serves f on a loopback port (with TLS when creds is set) until the test ends.
+func startFake(t *testing.T, f *fakeGeneration, creds credentials.TransportCredentials) string {
+	t.Helper()
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var opts []grpc.ServerOption
+	if creds != nil {
+		opts = append(opts, grpc.Creds(creds))
+	}
+	server := grpc.NewServer(opts...)
+	pb.RegisterGenerationServiceServer(server, f)
+	go func() { _ = server.Serve(listener) }()
+	t.Cleanup(server.Stop)
+	return listener.Addr().String()
+}
+
+// selfSigned returns a server certificate for 127.0.0.1 and a pool that trusts it.
+func selfSigned(t *testing.T) (tls.Certificate, *x509.CertPool) {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	template := &x509.Certificate{
+		SerialNumber:          big.NewInt(1),
+		Subject:               pkix.Name{CommonName: "cbserve test"},
+		IPAddresses:           []net.IP{net.ParseIP("127.0.0.1")},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(time.Hour),
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		BasicConstraintsValid: true,
+		IsCA:                  true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, template, template, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, err := x509.ParseCertificate(der)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool := x509.NewCertPool()
+	pool.AddCert(cert)
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: cert}, pool
+}
+
+func TestTLSAndBearerToken(t *testing.T) {
+	cert, pool := selfSigned(t)
+	fake := &fakeGeneration{}
+	addr := startFake(t, fake, credentials.NewServerTLSFromCert(&cert))
+	ctx := testContext(t)
+
+	client, err := cbserve.Dial(ctx, addr, cbserve.WithTLS(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}),
+		cbserve.WithBearerToken("s3cret"))
+	if err != nil {
+		t.Fatalf("Dial: %v", err)
+	}
+	defer client.Close()
+	info, err := client.ModelInfo(ctx)
+	if err != nil || info.ModelName != "fake" || info.VocabSize != 7 {
+		t.Fatalf("ModelInfo over TLS = %+v, %v", info, err)
+	}
+	fake.mu.Lock()
+	auth := fake.auth
+	fake.mu.Unlock()
+	if len(auth) != 1 || auth[0] != "Bearer s3cret" {
+		t.Errorf("authorization metadata %q; want [\"Bearer s3cret\"]", auth)
+	}
+
+	// A plaintext client cannot talk to the TLS server.
+	plain, err := cbserve.Dial(ctx, addr, cbserve.WithDefaultTimeout(2*time.Second))
+	if err != nil {
+		t.Fatalf("Dial: %v", err)
+	}
+	defer plain.Close()
+	if _, err := plain.ModelInfo(ctx); !errors.Is(err, cbserve.ErrUnavailable) {
+		t.Errorf("plaintext call to a TLS server: %v; want ErrUnavailable", err)
+	}
+}
+
+func TestDefaultTimeout(t *testing.T) {
+	addr := startFake(t, &fakeGeneration{infoDelay: 5 * time.Second}, nil)
+	client, err := cbserve.Dial(testContext(t), addr, cbserve.WithDefaultTimeout(200*time.Millisecond))
+	if err != nil {
+		t.Fatalf("Dial: %v", err)
+	}
+	defer client.Close()
+	started := time.Now()
+	_, err = client.ModelInfo(context.Background())
+	if !errors.Is(err, cbserve.ErrDeadlineExceeded) || status.Code(err) != codes.DeadlineExceeded {
+		t.Errorf("ModelInfo past the default timeout: %v; want ErrDeadlineExceeded", err)
+	}
+	if elapsed := time.Since(started); elapsed > 3*time.Second {
+		t.Errorf("the call took %s; want about 200 ms", elapsed)
+	}
+}
+
+func TestSubmitRetries(t *testing.T) {
+	unavailable := status.Error(codes.Unavailable, "loading")
+	exhausted := status.Error(codes.ResourceExhausted, "queue full")
+	exists := status.Error(codes.AlreadyExists, "request id already in use")
+	invalid := status.Error(codes.InvalidArgument, "text must not be empty")
+	for _, tc := range []struct {
+		name      string
+		answers   []error
+		wantErr   *cbserve.Error
+		wantTries int
+	}{
+		{"unavailable then OK", []error{unavailable, nil}, nil, 2},
+		{"queue full twice then OK", []error{exhausted, exhausted, nil}, nil, 3},
+		{"always unavailable", []error{unavailable, unavailable, unavailable, nil}, cbserve.ErrUnavailable, 3},
+		{"lost answer: already exists on the retry", []error{unavailable, exists}, nil, 2},
+		{"already exists at once", []error{exists}, cbserve.ErrAlreadyExists, 1},
+		{"invalid: no retry", []error{invalid, nil}, cbserve.ErrInvalidArgument, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fake := &fakeGeneration{addErrors: tc.answers}
+			client, err := cbserve.Dial(testContext(t), startFake(t, fake, nil))
+			if err != nil {
+				t.Fatalf("Dial: %v", err)
+			}
+			defer client.Close()
+			id, err := client.Submit(testContext(t), cbserve.Text("hi"))
+			if tc.wantErr != nil {
+				if !errors.Is(err, tc.wantErr) {
+					t.Errorf("Submit: %v; want %v", err, tc.wantErr)
+				}
+			} else if err != nil || id == "" {
+				t.Errorf("Submit = %q, %v; want an id", id, err)
+			}
+			fake.mu.Lock()
+			defer fake.mu.Unlock()
+			if len(fake.addIDs) != tc.wantTries {
+				t.Errorf("%d AddRequest calls; want %d", len(fake.addIDs), tc.wantTries)
+			}
+			for _, sent := range fake.addIDs {
+				if sent != fake.addIDs[0] || (tc.wantErr == nil && sent != id) {
+					t.Errorf("request ids sent %q, returned %q; want one id throughout", fake.addIDs, id)
+					break
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,217 @@
+package cbserve
+
+import (
+	"math"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	pb "github.com/cbserve/cbserve/sdk/go/gen/cbserve/v1"
+)
+
+type promptKind int
+
+const (
+	promptNone promptKind = iota
+	promptText
+	promptTokens
+	promptChat
+)
+
+// Prompt is what a request generates from: text, token ids, or a chat conversation. Build one
+// with [Text], [Tokens] or [Chat]. The zero Prompt is no prompt (the server rejects it).
+type Prompt struct {
+	kind     promptKind
+	text     string
+	tokens   []uint32
+	messages []Message
+}
+
+// Message is one message of a chat conversation.
+type Message struct {
+	// Role is the speaker's role as the model's chat template knows it: usually "system",
+	// "user" or "assistant".
+	Role string
+	// Content is the message's text.
+	Content string
+}
+
+// Text is a plain-text prompt, tokenized by the server (needs a model with a tokenizer).
+func Text(s string) Prompt { return Prompt{kind: promptText, text: s} }
+
+// Tokens is a prompt of token ids, passed to the model as they are (each must be below the
+// model's vocabulary size).
+func Tokens(ids []uint32) Prompt {
+	return Prompt{kind: promptTokens, tokens: append([]uint32(nil), ids...)}
+}
+
+// Chat is a chat conversation, oldest message first, rendered by the server with the model's
+// chat template (needs a model with one: ModelInfo.HasChatTemplate). By default the model
+// answers the last message; WithAddGenerationPrompt(false) continues it instead.
+func Chat(messages ...Message) Prompt {
+	return Prompt{kind: promptChat, messages: append([]Message(nil), messages...)}
+}
+
+// GenerateOption sets a sampling or request parameter of Generate, Stream and Submit. Options
+// not given take the server's defaults (normally the model's generation config), which differ
+// from zero values: WithTemperature(0) is greedy, no WithTemperature is the model's default.
+type GenerateOption func(*requestConfig)
+
+type requestConfig struct {
+	requestID           string
+	maxNewTokens        *int
+	temperature         *float64
+	topK                *int
+	topP                *float64
+	seed                *uint64
+	eos                 []uint32
+	ignoreEOS           bool
+	logprobs            *int
+	recordTimestamps    bool
+	addGenerationPrompt *bool
+}
+
+// WithMaxNewTokens caps the number of generated tokens (EOS included); n must be >= 1.
+func WithMaxNewTokens(n int) GenerateOption {
+	return func(c *requestConfig) { c.maxNewTokens = &n }
+}
+
+// WithTemperature sets the softmax temperature: 0 is greedy decoding; must be >= 0.
+func WithTemperature(t float64) GenerateOption {
+	return func(c *requestConfig) { c.temperature = &t }
+}
+
+// WithTopK samples only among the k most likely tokens; 0 disables the filter.
+func WithTopK(k int) GenerateOption {
+	return func(c *requestConfig) { c.topK = &k }
+}
+
+// WithTopP sets nucleus sampling's probability mass, in (0, 1]; 1 disables the filter.
+func WithTopP(p float64) GenerateOption {
+	return func(c *requestConfig) { c.topP = &p }
+}
+
+// WithSeed seeds the request's own random generator: a sampled output is then reproducible,
+// whatever else shares its batches.
+func WithSeed(seed uint64) GenerateOption {
+	return func(c *requestConfig) { c.seed = &seed }
+}
+
+// WithEOS sets the token ids that end generation (the id is emitted, then the request finishes
+// with FinishEOS), replacing the model's own EOS ids for this request.
+func WithEOS(ids ...uint32) GenerateOption {
+	return func(c *requestConfig) { c.eos = append([]uint32(nil), ids...) }
+}
+
+// WithIgnoreEOS makes EOS tokens not stop generation: the request runs to its max new tokens.
+func WithIgnoreEOS() GenerateOption {
+	return func(c *requestConfig) { c.ignoreEOS = true }
+}
+
+// WithLogprobs returns each generated token's log-probability, and the n most likely
+// alternatives at each step when n > 0 (the server caps n).
+func WithLogprobs(n int) GenerateOption {
+	return func(c *requestConfig) { c.logprobs = &n }
+}
+
+// WithRequestID sets the request's id (at most 128 bytes of printable ASCII, unique among the
+// server's live requests). Without it the client picks a random one.
+func WithRequestID(id string) GenerateOption {
+	return func(c *requestConfig) { c.requestID = id }
+}
+
+// WithRecordTimestamps returns the time each token was generated at (Chunk.TokenTimestamps,
+// Completion.TokenTimestamps).
+func WithRecordTimestamps() GenerateOption {
+	return func(c *requestConfig) { c.recordTimestamps = true }
+}
+
+// WithAddGenerationPrompt sets, for a Chat prompt, whether the template opens the assistant's
+// turn (true, the default: the model answers the last message) or not (false: the model
+// continues the last, assistant, message).
+func WithAddGenerationPrompt(add bool) GenerateOption {
+	return func(c *requestConfig) { c.addGenerationPrompt = &add }
+}
+
+func nonNegativeUint32(name string, v int) (uint32, error) {
+	if v < 0 || uint64(v) > math.MaxUint32 {
+		return 0, newError(codes.InvalidArgument, "%s must be in [0, %d], got %d", name, uint32(math.MaxUint32), v)
+	}
+	return uint32(v), nil
+}
+
+// buildRequest turns a prompt and options into a GenerationRequest. Only what the wire types
+// cannot carry is checked here; the server validates values and bounds.
+func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, error) {
+	var cfg requestConfig
+	for _, opt := range opts {
+		opt(&cfg)
+	}
+	request := &pb.GenerationRequest{RequestId: cfg.requestID, RecordTimestamps: cfg.recordTimestamps}
+	if cfg.addGenerationPrompt != nil && prompt.kind != promptChat {
+		return nil, newError(codes.InvalidArgument, "WithAddGenerationPrompt applies to Chat prompts only")
+	}
+	switch prompt.kind {
+	case promptText:
+		request.Prompt = &pb.GenerationRequest_Text{Text: prompt.text}
+	case promptTokens:
+		request.Prompt = &pb.GenerationRequest_TokenIds{TokenIds: &pb.TokenIds{Ids: prompt.tokens}}
+	case promptChat:
+		chat := &pb.ChatMessages{AddGenerationPrompt: cfg.addGenerationPrompt}
+		for _, m := range prompt.messages {
+			chat.Messages = append(chat.Messages, &pb.ChatMessage{Role: m.Role, Content: m.Content})
+		}
+		request.Prompt = &pb.GenerationRequest_Messages{Messages: chat}
+	}
+	sampling := &pb.SamplingParams{EosTokenIds: cfg.eos, IgnoreEos: cfg.ignoreEOS}
+	if cfg.maxNewTokens != nil {
+		v, err := nonNegativeUint32("max new tokens", *cfg.maxNewTokens)
+		if err != nil {
+			return nil, err
+		}
+		sampling.MaxNewTokens = &v
+	}
+	if cfg.temperature != nil {
+		v := float32(*cfg.temperature)
+		sampling.Temperature = &v
+	}
+	if cfg.topK != nil {
+		v, err := nonNegativeUint32("top k", *cfg.topK)
+		if err != nil {
+			return nil, err
+		}
+		sampling.TopK = &v
+	}
+	if cfg.topP != nil {
+		v := float32(*cfg.topP)
+		sampling.TopP = &v
+	}
+	sampling.Seed = cfg.seed
+	if cfg.logprobs != nil {
+		n, err := nonNegativeUint32("logprobs", *cfg.logprobs)
+		if err != nil {
+			return nil, err
+		}
+		sampling.Logprobs = true
+		if n > 0 {
+			sampling.TopLogprobs = &n
+		}
+	}
+	request.Sampling = sampling
+	return request, nil
+}
+
+// wantsLogprobs reports whether the options ask for logprobs.
+func wantsLogprobs(opts []GenerateOption) (logprobs, timestamps bool) {
+	var cfg requestConfig
+	for _, opt := range opts {
+		opt(&cfg)
+	}
+	return cfg.logprobs != nil, cfg.recordTimestamps
+}
+
+// unixSeconds converts seconds since the Unix epoch to a time.Time.
+func unixSeconds(s float64) time.Time {
+	sec, frac := math.Modf(s)
+	return time.Unix(int64(sec), int64(frac*1e9))
+}

@@ -1,0 +1,191 @@
+package cbserve
+
+import (
+	"time"
+
+	"google.golang.org/grpc/codes"
+)
+
+// RequestStatus is the lifecycle state of a request, as its chunks report it.
+type RequestStatus string
+
+// A request moves Queued -> Prefilling -> Decoding and ends in exactly one of Finished,
+// Cancelled or Failed.
+const (
+	RequestStatusUnspecified RequestStatus = "unspecified"
+	RequestQueued            RequestStatus = "queued"
+	RequestPrefilling        RequestStatus = "prefilling"
+	RequestDecoding          RequestStatus = "decoding"
+	RequestFinished          RequestStatus = "finished"
+	RequestCancelled         RequestStatus = "cancelled"
+	RequestFailed            RequestStatus = "failed"
+)
+
+// Terminal reports whether s ends its request (finished, cancelled or failed).
+func (s RequestStatus) Terminal() bool {
+	return s == RequestFinished || s == RequestCancelled || s == RequestFailed
+}
+
+// FinishReason says why a request ended; empty while it has not.
+type FinishReason string
+
+// The reasons a request ends.
+const (
+	// FinishEOS: an end-of-sequence token was generated (it is part of the output).
+	FinishEOS FinishReason = "eos"
+	// FinishLength: max_new_tokens were generated, or the model's context is full.
+	FinishLength FinishReason = "length"
+	// FinishCancelled: the request was cancelled.
+	FinishCancelled FinishReason = "cancelled"
+	// FinishError: the request failed while running (Completion.Error says why).
+	FinishError FinishReason = "error"
+)
+
+// TopLogprob is one of the most likely alternatives at a generation step.
+type TopLogprob struct {
+	TokenID uint32
+	Logprob float32
+}
+
+// TokenLogprob is the log-probability of one generated token (log_softmax of the raw logits),
+// with the most likely alternatives when WithLogprobs(n) asked for n > 0.
+type TokenLogprob struct {
+	TokenID uint32
+	Logprob float32
+	Top     []TopLogprob
+}
+
+// Usage holds the token counts of one request.
+type Usage struct {
+	// PromptTokens is the number of prompt tokens (after tokenization / chat templating).
+	PromptTokens int
+	// GeneratedTokens is the number of tokens generated so far (all of them at the end).
+	GeneratedTokens int
+	// CachedTokens is the number of prompt tokens served from the prefix cache.
+	CachedTokens int
+}
+
+// Timings says when a request went through its stages (server wall clock). Instants not
+// reached yet are the zero time; durations not known yet are 0.
+type Timings struct {
+	QueuedAt         time.Time
+	ScheduledAt      time.Time
+	FirstTokenAt     time.Time
+	FinishedAt       time.Time
+	QueueTime        time.Duration // ScheduledAt - QueuedAt
+	TimeToFirstToken time.Duration // FirstTokenAt - QueuedAt
+}
+
+// Chunk is a piece of one request's output: a delta. A request's chunks, in order, form its
+// whole output: their TokenIDs concatenate (TokenIndex is the index of TokenIDs[0] among the
+// request's generated tokens) and so do their Texts. A chunk may carry no token (a status
+// change, the final usage).
+type Chunk struct {
+	// RequestID is the id of the request this chunk belongs to.
+	RequestID string
+	// TokenIndex is the index, among the request's generated tokens, of TokenIDs[0].
+	TokenIndex int
+	// TokenIDs are the newly generated token ids.
+	TokenIDs []uint32
+	// Text is the newly decoded text; it never splits a UTF-8 character, so it may lag
+	// TokenIDs. Always empty when the server has no tokenizer (ModelInfo.HasTokenizer).
+	Text string
+	// Status is the request's status after this chunk.
+	Status RequestStatus
+	// FinishReason is set on the chunk that ends the request.
+	FinishReason FinishReason
+	// Error describes the failure of a request whose Status is RequestFailed.
+	Error string
+	// ErrorCode is the status code that best describes that failure (codes.OK otherwise).
+	ErrorCode codes.Code
+	// Logprobs has one entry per token of TokenIDs when logprobs were requested.
+	Logprobs []TokenLogprob
+	// Usage holds the token counts so far; always set on the final chunk.
+	Usage *Usage
+	// Timings are the request's timings so far; always set on the final chunk.
+	Timings *Timings
+	// WeightVersion is the version of the weights that produced this chunk's tokens.
+	WeightVersion uint64
+	// TokenTimestamps has, with WithRecordTimestamps, the time each token was generated at.
+	TokenTimestamps []time.Time
+}
+
+// Finished reports whether this chunk ends its request (finished, cancelled or failed).
+func (c *Chunk) Finished() bool { return c.Status.Terminal() }
+
+// Completion is the whole output of one request.
+type Completion struct {
+	// RequestID is the request's id.
+	RequestID string
+	// TokenIDs are the generated token ids.
+	TokenIDs []uint32
+	// Text is the decoded output (empty when the server has no tokenizer).
+	Text string
+	// FinishReason says why the request ended: FinishEOS, FinishLength, FinishCancelled or
+	// FinishError (then Error says why).
+	FinishReason FinishReason
+	// Error describes a failure while the request ran (FinishReason == FinishError).
+	Error string
+	// Usage holds the request's token counts.
+	Usage *Usage
+	// Timings are the request's timings.
+	Timings *Timings
+	// Logprobs has one entry per generated token when logprobs were requested.
+	Logprobs []TokenLogprob
+	// WeightVersion is the version of the weights that produced the last token.
+	WeightVersion uint64
+	// WeightVersions lists every weight version seen, in order (more than one when the weights
+	// were updated while the request ran).
+	WeightVersions []uint64
+	// TokenTimestamps has, with WithRecordTimestamps, the time each token was generated at.
+	TokenTimestamps []time.Time
+}
+
+// ModelInfo describes the served model.
+type ModelInfo struct {
+	ModelName        string
+	VocabSize        int
+	MaxContextLength int
+	// EOSTokenIDs are the model's own end-of-sequence ids (used when a request sets none).
+	EOSTokenIDs     []uint32
+	HasChatTemplate bool
+	HasTokenizer    bool
+	WeightVersion   uint64
+}
+
+// Status is the engine's state and counters (Admin.Status).
+type Status struct {
+	Running            bool
+	Paused             bool
+	PauseHolders       int
+	QueuedRequests     int
+	ActiveRequests     int
+	KVBlocksUsed       int
+	KVBlocksTotal      int
+	PrefixCacheHitRate float64
+	WeightVersion      uint64
+	Preemptions        uint64
+	Offloads           uint64
+	Restores           uint64
+	RecomputedTokens   uint64
+	PrefixCacheQueries uint64
+	PrefixCacheHits    uint64
+	FinishedRequests   uint64
+	PromptTokens       uint64
+	GeneratedTokens    uint64
+	// Counters holds further server-defined counters, by name.
+	Counters map[string]float64
+	// PrefixCachingEnabled says whether prefix caching is on (off for models with
+	// sliding-window layers, whatever the configuration).
+	PrefixCachingEnabled bool
+}
+
+// StopResult is what Admin.Stop did.
+type StopResult struct {
+	// DrainedRequests finished normally while draining.
+	DrainedRequests int
+	// FailedRequests were failed or cancelled by the stop.
+	FailedRequests int
+	// AlreadyStopped is true when the engine was already stopped (nothing was done).
+	AlreadyStopped bool
+}
