@@ -1,0 +1,307 @@
+package dev.cbserve.client;
+
+import cbserve.v1.Admin;
+import cbserve.v1.AdminServiceGrpc;
+import io.grpc.ChannelCredentials;
+import io.grpc.ManagedChannel;
+import io.grpc.Status;
+import io.grpc.stub.ClientCallStreamObserver;
+import io.grpc.stub.ClientResponseObserver;
+import java.nio.file.Path;
+import java.time.Duration;
+import java.util.Objects;
+import java.util.concurrent.CompletableFuture;
+import java.util.concurrent.ExecutionException;
+import java.util.concurrent.TimeUnit;
+import java.util.concurrent.TimeoutException;
+import java.util.concurrent.atomic.AtomicReference;
+
+/**
+ * A connection to a cbserve server's {@code AdminService} (its own port; every call carries the
+ * admin bearer token). Thread-safe; close it when done. Build one with {@link #builder()}, or get
+ * the one of a {@link CbserveClient} with {@link CbserveClient#admin()}.
+ *
+ * <pre>{@code
+ * try (CbserveAdminClient admin = CbserveAdminClient.builder()
+ *     .target("127.0.0.1:50052").token(System.getenv("CBSERVE_ADMIN_TOKEN")).build()) {
+ *   try (PauseLease lease = admin.pause()) {
+ *     System.out.println(admin.status());
+ *   }
+ * }
+ * }</pre>
+ *
+ * <p>A wrong or missing token throws {@link UnauthenticatedException}. Unary calls get the
+ * builder's {@code defaultTimeout} (60 s unless set).
+ */
+public final class CbserveAdminClient implements AutoCloseable {
+  private final ManagedChannel channel;
+  private final boolean ownsChannel;
+  private final Duration defaultTimeout;
+  private final AdminServiceGrpc.AdminServiceStub asyncStub;
+  private final AdminServiceGrpc.AdminServiceBlockingStub blockingStub;
+
+  CbserveAdminClient(ChannelOptions options) {
+    this.channel = options.build();
+    this.ownsChannel = !options.external();
+    this.defaultTimeout = options.defaultTimeout;
+    this.asyncStub = AdminServiceGrpc.newStub(channel);
+    this.blockingStub = AdminServiceGrpc.newBlockingStub(channel);
+  }
+
+  /** A new builder; {@link Builder#target(String)} is required. */
+  public static Builder builder() {
+    return new Builder();
+  }
+
+  /**
+   * Pauses the engine in {@link PauseMode#KEEP} mode; see {@link #pause(PauseMode, Duration,
+   * Duration)}.
+   */
+  public PauseLease pause() {
+    return pause(PauseMode.KEEP, null, defaultTimeout);
+  }
+
+  /** Pauses the engine; see {@link #pause(PauseMode, Duration, Duration)}. */
+  public PauseLease pause(PauseMode mode) {
+    return pause(mode, null, defaultTimeout);
+  }
+
+  /**
+   * Pauses the engine for at most {@code lease}; see {@link #pause(PauseMode, Duration, Duration)}.
+   */
+  public PauseLease pause(PauseMode mode, Duration lease) {
+    return pause(mode, lease, defaultTimeout);
+  }
+
+  /**
+   * Pauses the engine and returns once it is paused: opens the Pause stream and waits for the
+   * server's first message. The engine stays paused until the returned lease is closed (or the
+   * lease expires, or the connection breaks). Requests added meanwhile are queued and run after
+   * the resume.
+   *
+   * @param mode {@link PauseMode#KEEP} (in-flight requests wait, with their KV cache), {@link
+   *     PauseMode#WAIT} (let them finish first) or {@link PauseMode#ABORT} (cancel them)
+   * @param lease the longest hold, or null for the server's maximum
+   * @param waitTimeout how long to wait for the engine to pause (null: forever); past it the call
+   *     is cancelled and {@link DeadlineExceededException} thrown
+   */
+  public PauseLease pause(PauseMode mode, Duration lease, Duration waitTimeout) {
+    Objects.requireNonNull(mode, "mode");
+    Admin.PauseRequest.Builder request =
+        Admin.PauseRequest.newBuilder().setMode(Convert.pauseMode(mode));
+    if (lease != null) {
+      request.setLeaseS(Calls.checkTimeout(lease).toNanos() / 1e9);
+    }
+    if (waitTimeout != null) {
+      Calls.checkTimeout(waitTimeout);
+    }
+    CompletableFuture<PauseLease> first = new CompletableFuture<>();
+    AtomicReference<ClientCallStreamObserver<?>> callRef = new AtomicReference<>();
+    ClientResponseObserver<Admin.PauseRequest, Admin.PauseResponse> observer =
+        new ClientResponseObserver<Admin.PauseRequest, Admin.PauseResponse>() {
+          private ClientCallStreamObserver<Admin.PauseRequest> call;
+          private PauseLease leaseHandle;
+
+          @Override
+          public void beforeStart(ClientCallStreamObserver<Admin.PauseRequest> stream) {
+            call = stream;
+            callRef.set(stream);
+          }
+
+          @Override
+          public void onNext(Admin.PauseResponse response) {
+            if (leaseHandle == null) {
+              leaseHandle =
+                  new PauseLease(
+                      call,
+                      response.getHolders(),
+                      response.hasLeaseExpiresAt()
+                          ? Convert.instant(response.getLeaseExpiresAt())
+                          : null,
+                      response.getWeightVersion(),
+                      response.getCancelledRequests());
+              if (!response.getPaused()) {
+                leaseHandle.released();
+              }
+              first.complete(leaseHandle);
+            } else if (!response.getPaused()) {
+              leaseHandle.released(); // the lease expired
+            }
+          }
+
+          @Override
+          public void onError(Throwable t) {
+            if (leaseHandle != null) {
+              leaseHandle.released();
+            }
+            first.completeExceptionally(Calls.map(t));
+          }
+
+          @Override
+          public void onCompleted() {
+            if (leaseHandle != null) {
+              leaseHandle.released();
+            }
+            first.completeExceptionally(
+                new InternalException(
+                    Status.Code.UNKNOWN,
+                    "the Pause stream ended before the engine was paused",
+                    null));
+          }
+        };
+    asyncStub.pause(request.build(), observer);
+    try {
+      return waitTimeout == null
+          ? first.get()
+          : first.get(waitTimeout.toNanos(), TimeUnit.NANOSECONDS);
+    } catch (TimeoutException e) {
+      callRef.get().cancel("gave up waiting for the pause", null);
+      throw new DeadlineExceededException(
+          "the engine did not pause within " + waitTimeout, e);
+    } catch (ExecutionException e) {
+      throw Calls.map(e);
+    } catch (InterruptedException e) {
+      Thread.currentThread().interrupt();
+      callRef.get().cancel("interrupted while waiting for the pause", null);
+      throw new CancelledException("interrupted while waiting for the pause", e);
+    }
+  }
+
+  /** A graceful stop; see {@link #stop(boolean, Duration)}. */
+  public StopResult stop() {
+    return stop(false, null);
+  }
+
+  /**
+   * Stops the engine, gracefully or ({@code hard}) at once; see {@link #stop(boolean, Duration)}.
+   */
+  public StopResult stop(boolean hard) {
+    return stop(hard, null);
+  }
+
+  /**
+   * Stops the engine and returns once it has stopped. Graceful ({@code hard = false}): new
+   * requests are refused with {@link UnavailableException} and in-flight ones may finish, for up to
+   * {@code drainTimeout} (null: the server's default), after which the rest fail. Hard: every
+   * pending request fails at once. Idempotent. The call's deadline is the default timeout plus
+   * {@code drainTimeout}.
+   */
+  public StopResult stop(boolean hard, Duration drainTimeout) {
+    Admin.StopRequest.Builder request = Admin.StopRequest.newBuilder().setHard(hard);
+    Duration deadline = defaultTimeout;
+    if (drainTimeout != null) {
+      if (drainTimeout.isNegative()) {
+        throw new IllegalArgumentException("drainTimeout must be >= 0, got " + drainTimeout);
+      }
+      request.setDrainTimeoutS(drainTimeout.toNanos() / 1e9);
+      if (deadline != null) {
+        deadline = deadline.plus(drainTimeout);
+      }
+    }
+    Duration timeout = deadline;
+    return Convert.stopResult(
+        Calls.blocking(() -> Calls.withTimeout(blockingStub, timeout).stop(request.build())));
+  }
+
+  /**
+   * Starts the engine again after a stop (same model and weights, empty caches).
+   *
+   * @return true if it was stopped and has started, false if it was already running
+   */
+  public boolean start() {
+    Admin.StartRequest request = Admin.StartRequest.getDefaultInstance();
+    return !Calls.blocking(() -> Calls.withTimeout(blockingStub, defaultTimeout).start(request))
+        .getAlreadyRunning();
+  }
+
+  /** The engine's state and counters. */
+  public EngineStatus status() {
+    Admin.GetStatusRequest request = Admin.GetStatusRequest.getDefaultInstance();
+    return Convert.engineStatus(
+        Calls.blocking(() -> Calls.withTimeout(blockingStub, defaultTimeout).getStatus(request)));
+  }
+
+  /** {@link #status()} without blocking. */
+  public CompletableFuture<EngineStatus> statusAsync() {
+    Admin.GetStatusRequest request = Admin.GetStatusRequest.getDefaultInstance();
+    return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::getStatus, request)
+        .thenApply(Convert::engineStatus);
+  }
+
+  /** Closes the channel (open pause leases are released). Idempotent. */
+  @Override
+  public void close() {
+    if (ownsChannel) {
+      ChannelShutdown.shutdown(channel);
+    }
+  }
+
+  /** Builds a {@link CbserveAdminClient}. */
+  public static final class Builder {
+    private final ChannelOptions options = new ChannelOptions();
+
+    private Builder() {}
+
+    /** The admin address, e.g. {@code "127.0.0.1:50052"}. */
+    public Builder target(String target) {
+      options.target = Objects.requireNonNull(target, "target");
+      return this;
+    }
+
+    /** The admin bearer token (the server's {@code CBSERVE_ADMIN_TOKEN}). */
+    public Builder token(String token) {
+      options.token = token;
+      return this;
+    }
+
+    /** TLS with the JVM's default trusted roots. */
+    public Builder tls() {
+      options.tls(null, null, null);
+      return this;
+    }
+
+    /** TLS trusting the CA certificate(s) in this PEM file. */
+    public Builder tls(Path caCertificate) {
+      options.tls(Objects.requireNonNull(caCertificate, "caCertificate"), null, null);
+      return this;
+    }
+
+    /** Mutual TLS (see {@link CbserveClient.Builder#tls(Path, Path, Path)}). */
+    public Builder tls(Path caCertificate, Path certificateChain, Path privateKey) {
+      options.tls(
+          caCertificate,
+          Objects.requireNonNull(certificateChain, "certificateChain"),
+          Objects.requireNonNull(privateKey, "privateKey"));
+      return this;
+    }
+
+    /** Any channel credentials. */
+    public Builder credentials(ChannelCredentials credentials) {
+      options.credentials(credentials);
+      return this;
+    }
+
+    /** The authority (TLS server name) to use instead of the target's host. */
+    public Builder authority(String authority) {
+      options.authority = Objects.requireNonNull(authority, "authority");
+      return this;
+    }
+
+    /** Deadline of unary calls and of the wait for a pause (default 60 s); null for none. */
+    public Builder defaultTimeout(Duration timeout) {
+      options.defaultTimeout(timeout);
+      return this;
+    }
+
+    /** Uses this channel instead of building one; the client does not close it. */
+    public Builder channel(ManagedChannel channel) {
+      options.channel = Objects.requireNonNull(channel, "channel");
+      return this;
+    }
+
+    /** The client. */
+    public CbserveAdminClient build() {
+      return new CbserveAdminClient(options);
+    }
+  }
+}

@@ -1,0 +1,576 @@
+package dev.cbserve.client;
+
+import cbserve.v1.Generation;
+import cbserve.v1.GenerationServiceGrpc;
+import cbserve.v1.Types;
+import io.grpc.ChannelCredentials;
+import io.grpc.ManagedChannel;
+import io.grpc.stub.ClientCallStreamObserver;
+import io.grpc.stub.ClientResponseObserver;
+import io.grpc.stub.StreamObserver;
+import java.nio.file.Path;
+import java.time.Duration;
+import java.util.Objects;
+import java.util.concurrent.CompletableFuture;
+import java.util.concurrent.TimeUnit;
+
+/**
+ * A connection to a cbserve server's {@code GenerationService}. Thread-safe; close it when done
+ * (in-flight calls are then cancelled).
+ *
+ * <pre>{@code
+ * try (CbserveClient client = CbserveClient.builder().target("127.0.0.1:50051").build()) {
+ *   Completion c = client.generate(Prompt.text("Hello"),
+ *       SamplingParams.builder().maxNewTokens(16).temperature(0).build());
+ *   System.out.println(c.text());
+ * }
+ * }</pre>
+ *
+ * <p>{@code generate} and {@code stream} run on the bidirectional {@code Generate} RPC, so the
+ * request lives as long as the call: closing a {@link ChunkIterator}, cancelling a future of
+ * {@code generateAsync}, or losing the connection cancels the request on the server and frees its
+ * KV cache. {@code submit} ({@code AddRequest}) queues a request that lives on its own; read it
+ * with {@code results} ({@code StreamResults}, resumable from any token index) and stop it with
+ * {@code cancel}.
+ *
+ * <p>Deadlines: unary calls ({@code submit}, {@code cancel}, {@code modelInfo}) get the builder's
+ * {@code defaultTimeout} (60 s unless set); streaming calls ({@code generate}, {@code stream},
+ * {@code results}) get none unless {@link RequestOptions#timeout()} or the {@code timeout} argument
+ * gives one. Failures throw {@link CbserveException} subclasses (unchecked); a request rejected on
+ * the Generate stream throws as if {@code AddRequest} had rejected it, while a request that fails
+ * while running ends with {@link FinishReason#ERROR} and {@link Completion#error()}.
+ */
+public final class CbserveClient implements AutoCloseable {
+  private final ManagedChannel channel;
+  private final boolean ownsChannel;
+  private final Duration defaultTimeout;
+  private final GenerationServiceGrpc.GenerationServiceStub asyncStub;
+  private final GenerationServiceGrpc.GenerationServiceBlockingStub blockingStub;
+  private final ChannelOptions adminOptions;
+  private CbserveAdminClient admin;
+  private boolean closed;
+
+  private CbserveClient(Builder builder) {
+    this.channel = builder.options.build();
+    this.ownsChannel = !builder.options.external();
+    this.defaultTimeout = builder.options.defaultTimeout;
+    this.asyncStub = GenerationServiceGrpc.newStub(channel);
+    this.blockingStub = GenerationServiceGrpc.newBlockingStub(channel);
+    if (builder.adminTarget != null) {
+      ChannelOptions admin = builder.options.copy();
+      admin.channel = null;
+      admin.target = builder.adminTarget;
+      admin.token = builder.adminToken;
+      this.adminOptions = admin;
+    } else {
+      this.adminOptions = null;
+    }
+  }
+
+  /** A new builder; {@link Builder#target(String)} is required. */
+  public static Builder builder() {
+    return new Builder();
+  }
+
+  // -- generate / stream (bidirectional Generate RPC) ----------------------------------------
+
+  /**
+   * Generates a completion with the server's default sampling; see {@link #generate(Prompt,
+   * SamplingParams, RequestOptions)}.
+   */
+  public Completion generate(Prompt prompt) {
+    return generate(prompt, SamplingParams.defaults(), RequestOptions.defaults());
+  }
+
+  /** Generates a completion; see {@link #generate(Prompt, SamplingParams, RequestOptions)}. */
+  public Completion generate(Prompt prompt, SamplingParams params) {
+    return generate(prompt, params, RequestOptions.defaults());
+  }
+
+  /**
+   * Generates a completion for {@code prompt} and returns it whole (blocks until the request
+   * ends).
+   *
+   * @throws InvalidArgumentException (and the other {@link CbserveException}s) when the server
+   *     rejects the request; a request that fails while running returns a completion with {@link
+   *     FinishReason#ERROR} instead
+   */
+  public Completion generate(Prompt prompt, SamplingParams params, RequestOptions options) {
+    try (ChunkIterator chunks = stream(prompt, params, options)) {
+      CompletionBuilder builder = new CompletionBuilder(chunks.requestId());
+      while (!builder.done() && chunks.hasNext()) {
+        Chunk chunk = chunks.next();
+        if (chunk.requestId().equals(chunks.requestId())) {
+          builder.add(chunk);
+        }
+      }
+      return builder.build();
+    }
+  }
+
+  /**
+   * Streams a completion with the server's default sampling; see {@link #stream(Prompt,
+   * SamplingParams, RequestOptions)}.
+   */
+  public ChunkIterator stream(Prompt prompt) {
+    return stream(prompt, SamplingParams.defaults(), RequestOptions.defaults());
+  }
+
+  /** Streams a completion; see {@link #stream(Prompt, SamplingParams, RequestOptions)}. */
+  public ChunkIterator stream(Prompt prompt, SamplingParams params) {
+    return stream(prompt, params, RequestOptions.defaults());
+  }
+
+  /**
+   * Starts generating and returns an iterator over the output chunks as they come: first a
+   * {@link RequestStatus#QUEUED} chunk, then token deltas, then a terminal chunk. Closing the
+   * iterator before the request ended cancels the request on the server.
+   */
+  public ChunkIterator stream(Prompt prompt, SamplingParams params, RequestOptions options) {
+    Types.GenerationRequest request = request(prompt, params, options);
+    ChunkIterator chunks = new ChunkIterator(request.getRequestId(), true);
+    ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse> observer =
+        chunks.observer(Generation.GenerateResponse::getChunk);
+    startGenerate(request, options.timeout(), observer);
+    return chunks;
+  }
+
+  /** {@link #generate(Prompt)} without blocking. */
+  public CompletableFuture<Completion> generateAsync(Prompt prompt) {
+    return generateAsync(prompt, SamplingParams.defaults(), RequestOptions.defaults());
+  }
+
+  /** {@link #generate(Prompt, SamplingParams)} without blocking. */
+  public CompletableFuture<Completion> generateAsync(Prompt prompt, SamplingParams params) {
+    return generateAsync(prompt, params, RequestOptions.defaults());
+  }
+
+  /**
+   * {@link #generate(Prompt, SamplingParams, RequestOptions)} without blocking: the future
+   * completes with the completion, or exceptionally with a {@link CbserveException}. Cancelling
+   * the future cancels the request on the server. Dependent stages run on gRPC's executor unless
+   * given one ({@code thenApplyAsync(fn, executor)}).
+   */
+  public CompletableFuture<Completion> generateAsync(
+      Prompt prompt, SamplingParams params, RequestOptions options) {
+    Types.GenerationRequest request = request(prompt, params, options);
+    String requestId = request.getRequestId();
+    CompletableFuture<Completion> future = new CompletableFuture<>();
+    CompletionBuilder builder = new CompletionBuilder(requestId);
+    startGenerate(
+        request,
+        options.timeout(),
+        new ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse>() {
+          private ClientCallStreamObserver<Generation.GenerateRequest> call;
+
+          @Override
+          public void beforeStart(ClientCallStreamObserver<Generation.GenerateRequest> stream) {
+            call = stream;
+            future.whenComplete(
+                (value, error) -> {
+                  if (future.isCancelled()) {
+                    stream.cancel("cancelled by the caller", null);
+                  }
+                });
+          }
+
+          @Override
+          public void onNext(Generation.GenerateResponse response) {
+            if (future.isDone()) {
+              return;
+            }
+            Chunk chunk = Convert.chunk(response.getChunk());
+            if (!chunk.requestId().equals(requestId)) {
+              return;
+            }
+            CbserveException rejected = Calls.rejection(chunk);
+            try {
+              if (rejected != null) {
+                throw rejected;
+              }
+              builder.add(chunk);
+              if (builder.done()) {
+                future.complete(builder.build());
+              }
+            } catch (CbserveException e) {
+              future.completeExceptionally(e);
+              call.cancel("request rejected", null);
+            }
+          }
+
+          @Override
+          public void onError(Throwable t) {
+            future.completeExceptionally(Calls.map(t));
+          }
+
+          @Override
+          public void onCompleted() {
+            if (!future.isDone()) {
+              try {
+                future.complete(builder.build());
+              } catch (CbserveException e) {
+                future.completeExceptionally(e);
+              }
+            }
+          }
+        });
+    return future;
+  }
+
+  private void startGenerate(
+      Types.GenerationRequest request,
+      Duration timeout,
+      ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse> observer) {
+    StreamObserver<Generation.GenerateRequest> out =
+        Calls.withTimeout(asyncStub, timeout).generate(observer);
+    out.onNext(Generation.GenerateRequest.newBuilder().setAdd(request).build());
+    // Half-close: the server keeps the call (and the request) until the request ends.
+    out.onCompleted();
+  }
+
+  // -- submit / results / cancel ------------------------------------------------------------
+
+  /**
+   * Queues a request with the server's default sampling; see {@link #submit(Prompt, SamplingParams,
+   * RequestOptions)}.
+   */
+  public String submit(Prompt prompt) {
+    return submit(prompt, SamplingParams.defaults(), RequestOptions.defaults());
+  }
+
+  /** Queues a request; see {@link #submit(Prompt, SamplingParams, RequestOptions)}. */
+  public String submit(Prompt prompt, SamplingParams params) {
+    return submit(prompt, params, RequestOptions.defaults());
+  }
+
+  /**
+   * Queues a request ({@code AddRequest}) and returns its id without waiting for any output; read
+   * the outputs with {@link #results(String, int)}. The request lives on its own (closing nothing
+   * cancels it: use {@link #cancel(String)}). Retried (3 tries, exponential backoff from 100 ms)
+   * on {@link UnavailableException} and {@link ResourceExhaustedException}, which mean that
+   * nothing was queued; the request id is chosen client-side when not given, so a retry never
+   * queues a request twice. {@code options.timeout()} (else the default timeout) bounds all tries.
+   */
+  public String submit(Prompt prompt, SamplingParams params, RequestOptions options) {
+    Types.GenerationRequest request = request(prompt, params, options);
+    Generation.AddRequestRequest message =
+        Generation.AddRequestRequest.newBuilder().setRequest(request).build();
+    Duration timeout = options.timeout() != null ? options.timeout() : defaultTimeout;
+    long deadline = timeout == null ? Long.MAX_VALUE : System.nanoTime() + timeout.toNanos();
+    for (int attempt = 0; ; attempt++) {
+      long left = deadline == Long.MAX_VALUE ? Long.MAX_VALUE : deadline - System.nanoTime();
+      try {
+        var stub =
+            left == Long.MAX_VALUE ? blockingStub : Calls.withTimeoutNanos(blockingStub, left);
+        return Calls.blocking(() -> stub.addRequest(message)).getRequestId();
+      } catch (CbserveException e) {
+        if (attempt > 0 && e instanceof AlreadyExistsException) {
+          return request.getRequestId(); // an earlier try queued it; its answer was lost
+        }
+        long delay = Calls.backoffNanos(attempt);
+        boolean timeLeft =
+            deadline == Long.MAX_VALUE || deadline - System.nanoTime() > delay;
+        if (!Calls.retryable(e) || attempt == Calls.SUBMIT_ATTEMPTS - 1 || !timeLeft) {
+          throw e;
+        }
+        try {
+          TimeUnit.NANOSECONDS.sleep(delay);
+        } catch (InterruptedException interrupted) {
+          Thread.currentThread().interrupt();
+          throw new CancelledException("interrupted while retrying", interrupted);
+        }
+      }
+    }
+  }
+
+  /** {@link #submit(Prompt, SamplingParams)} without blocking. */
+  public CompletableFuture<String> submitAsync(Prompt prompt, SamplingParams params) {
+    return submitAsync(prompt, params, RequestOptions.defaults());
+  }
+
+  /**
+   * {@link #submit(Prompt, SamplingParams, RequestOptions)} without blocking (same retries);
+   * cancelling the future stops the retries and cancels the call in flight.
+   */
+  public CompletableFuture<String> submitAsync(
+      Prompt prompt, SamplingParams params, RequestOptions options) {
+    Types.GenerationRequest request = request(prompt, params, options);
+    Generation.AddRequestRequest message =
+        Generation.AddRequestRequest.newBuilder().setRequest(request).build();
+    Duration timeout = options.timeout() != null ? options.timeout() : defaultTimeout;
+    long deadline = timeout == null ? Long.MAX_VALUE : System.nanoTime() + timeout.toNanos();
+    CompletableFuture<String> result = new CompletableFuture<>();
+    submitAttempt(message, deadline, 0, result);
+    return result;
+  }
+
+  private void submitAttempt(
+      Generation.AddRequestRequest message,
+      long deadline,
+      int attempt,
+      CompletableFuture<String> result) {
+    if (result.isDone()) {
+      return;
+    }
+    long left = deadline == Long.MAX_VALUE ? Long.MAX_VALUE : deadline - System.nanoTime();
+    var stub = left == Long.MAX_VALUE ? asyncStub : Calls.withTimeoutNanos(asyncStub, left);
+    CompletableFuture<Generation.AddRequestResponse> call =
+        Calls.unary(stub::addRequest, message);
+    result.whenComplete(
+        (value, error) -> {
+          if (result.isCancelled()) {
+            call.cancel(false);
+          }
+        });
+    call.whenComplete(
+        (response, error) -> {
+          if (error == null) {
+            result.complete(response.getRequestId());
+            return;
+          }
+          CbserveException e = Calls.map(error);
+          if (attempt > 0 && e instanceof AlreadyExistsException) {
+            result.complete(message.getRequest().getRequestId());
+            return;
+          }
+          long delay = Calls.backoffNanos(attempt);
+          boolean timeLeft = deadline == Long.MAX_VALUE || deadline - System.nanoTime() > delay;
+          if (!Calls.retryable(e) || attempt == Calls.SUBMIT_ATTEMPTS - 1 || !timeLeft) {
+            result.completeExceptionally(e);
+            return;
+          }
+          CompletableFuture.delayedExecutor(delay, TimeUnit.NANOSECONDS)
+              .execute(() -> submitAttempt(message, deadline, attempt + 1, result));
+        });
+  }
+
+  /**
+   * Streams a request's outputs from the first token; see {@link #results(String, int, Duration)}.
+   */
+  public ChunkIterator results(String requestId) {
+    return results(requestId, 0, null);
+  }
+
+  /**
+   * Streams a request's outputs from token {@code fromIndex}; see {@link #results(String, int,
+   * Duration)}.
+   */
+  public ChunkIterator results(String requestId, int fromIndex) {
+    return results(requestId, fromIndex, null);
+  }
+
+  /**
+   * Streams the outputs of a request ({@code StreamResults}) from token index {@code fromIndex}
+   * on, until the request ends. To resume after a broken connection, pass the number of tokens
+   * already received. Closing the iterator does not cancel the request. An unknown or expired id
+   * throws {@link NotFoundException} from the iterator.
+   *
+   * @param timeout the call's deadline, or null for none
+   */
+  public ChunkIterator results(String requestId, int fromIndex, Duration timeout) {
+    Objects.requireNonNull(requestId, "requestId");
+    if (fromIndex < 0) {
+      throw new IllegalArgumentException("fromIndex must be >= 0, got " + fromIndex);
+    }
+    if (timeout != null) {
+      Calls.checkTimeout(timeout);
+    }
+    Generation.StreamResultsRequest message =
+        Generation.StreamResultsRequest.newBuilder()
+            .setRequestId(requestId)
+            .setFromTokenIndex(fromIndex)
+            .build();
+    ChunkIterator chunks = new ChunkIterator(requestId, false);
+    ClientResponseObserver<Generation.StreamResultsRequest, Generation.StreamResultsResponse>
+        observer = chunks.observer(Generation.StreamResultsResponse::getChunk);
+    Calls.withTimeout(asyncStub, timeout).streamResults(message, observer);
+    return chunks;
+  }
+
+  /**
+   * Cancels a request: it stops at the next engine step and frees its KV cache. Idempotent.
+   *
+   * @return true if the request was live, false if it had already ended (or was unknown)
+   */
+  public boolean cancel(String requestId) {
+    Generation.CancelRequest message = cancelMessage(requestId);
+    return Calls.blocking(() -> Calls.withTimeout(blockingStub, defaultTimeout).cancel(message))
+        .getCancelled();
+  }
+
+  /** {@link #cancel(String)} without blocking. */
+  public CompletableFuture<Boolean> cancelAsync(String requestId) {
+    Generation.CancelRequest message = cancelMessage(requestId);
+    return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::cancel, message)
+        .thenApply(Generation.CancelResponse::getCancelled);
+  }
+
+  private static Generation.CancelRequest cancelMessage(String requestId) {
+    return Generation.CancelRequest.newBuilder()
+        .setRequestId(Objects.requireNonNull(requestId, "requestId"))
+        .build();
+  }
+
+  /** Describes the served model. */
+  public ModelInfo modelInfo() {
+    Generation.GetModelInfoRequest message = Generation.GetModelInfoRequest.getDefaultInstance();
+    var stub = Calls.withTimeout(blockingStub, defaultTimeout);
+    return Convert.modelInfo(Calls.blocking(() -> stub.getModelInfo(message)));
+  }
+
+  /** {@link #modelInfo()} without blocking. */
+  public CompletableFuture<ModelInfo> modelInfoAsync() {
+    Generation.GetModelInfoRequest message = Generation.GetModelInfoRequest.getDefaultInstance();
+    return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::getModelInfo, message)
+        .thenApply(Convert::modelInfo);
+  }
+
+  // -- admin / lifecycle --------------------------------------------------------------------
+
+  /**
+   * The admin client of the same server, on {@link Builder#adminTarget(String)} with {@link
+   * Builder#adminToken(String)} and this client's TLS settings and default timeout. Created on
+   * first use and closed with this client.
+   *
+   * @throws IllegalStateException when the builder was given no admin target
+   */
+  public synchronized CbserveAdminClient admin() {
+    if (closed) {
+      throw new IllegalStateException("the client is closed");
+    }
+    if (adminOptions == null) {
+      throw new IllegalStateException(
+          "no admin target: set adminTarget(...) on the builder, or build a CbserveAdminClient");
+    }
+    if (admin == null) {
+      admin = new CbserveAdminClient(adminOptions);
+    }
+    return admin;
+  }
+
+  /**
+   * Closes the channel (unless it was given with {@link Builder#channel(ManagedChannel)}) and the
+   * admin client; calls in flight are cancelled. Idempotent.
+   */
+  @Override
+  public void close() {
+    CbserveAdminClient adminClient;
+    synchronized (this) {
+      if (closed) {
+        return;
+      }
+      closed = true;
+      adminClient = admin;
+    }
+    if (adminClient != null) {
+      adminClient.close();
+    }
+    if (ownsChannel) {
+      ChannelShutdown.shutdown(channel);
+    }
+  }
+
+  private static Types.GenerationRequest request(
+      Prompt prompt, SamplingParams params, RequestOptions options) {
+    Objects.requireNonNull(prompt, "prompt");
+    Objects.requireNonNull(params, "params");
+    Objects.requireNonNull(options, "options");
+    Types.GenerationRequest.Builder request =
+        Types.GenerationRequest.newBuilder()
+            .setRequestId(
+                options.requestId() != null ? options.requestId() : Calls.newRequestId())
+            .setSampling(params.toProto())
+            .setRecordTimestamps(options.recordTimestamps());
+    prompt.applyTo(request);
+    return request.build();
+  }
+
+  /** Builds a {@link CbserveClient}. */
+  public static final class Builder {
+    private final ChannelOptions options = new ChannelOptions();
+    private String adminTarget;
+    private String adminToken;
+
+    private Builder() {}
+
+    /** The server address, e.g. {@code "127.0.0.1:50051"} or {@code "dns:///cbserve:50051"}. */
+    public Builder target(String target) {
+      options.target = Objects.requireNonNull(target, "target");
+      return this;
+    }
+
+    /** A bearer token sent as {@code authorization: Bearer <token>} on every call. */
+    public Builder token(String token) {
+      options.token = token;
+      return this;
+    }
+
+    /** TLS with the JVM's default trusted roots. */
+    public Builder tls() {
+      options.tls(null, null, null);
+      return this;
+    }
+
+    /** TLS trusting the CA certificate(s) in this PEM file. */
+    public Builder tls(Path caCertificate) {
+      options.tls(Objects.requireNonNull(caCertificate, "caCertificate"), null, null);
+      return this;
+    }
+
+    /**
+     * Mutual TLS: trust {@code caCertificate} (null: the default roots) and present this client
+     * certificate chain and PKCS#8 private key (PEM files).
+     */
+    public Builder tls(Path caCertificate, Path certificateChain, Path privateKey) {
+      options.tls(
+          caCertificate,
+          Objects.requireNonNull(certificateChain, "certificateChain"),
+          Objects.requireNonNull(privateKey, "privateKey"));
+      return this;
+    }
+
+    /** Any channel credentials (e.g. {@code TlsChannelCredentials} built by hand). */
+    public Builder credentials(ChannelCredentials credentials) {
+      options.credentials(credentials);
+      return this;
+    }
+
+    /** The authority (TLS server name) to use instead of the target's host. */
+    public Builder authority(String authority) {
+      options.authority = Objects.requireNonNull(authority, "authority");
+      return this;
+    }
+
+    /** Deadline of unary calls (default 60 s); null for none. */
+    public Builder defaultTimeout(Duration timeout) {
+      options.defaultTimeout(timeout);
+      return this;
+    }
+
+    /**
+     * Uses this channel instead of building one (target, token and TLS settings are then
+     * ignored); the client does not close it.
+     */
+    public Builder channel(ManagedChannel channel) {
+      options.channel = Objects.requireNonNull(channel, "channel");
+      return this;
+    }
+
+    /** The admin address for {@link CbserveClient#admin()}, e.g. {@code "127.0.0.1:50052"}. */
+    public Builder adminTarget(String adminTarget) {
+      this.adminTarget = Objects.requireNonNull(adminTarget, "adminTarget");
+      return this;
+    }
+
+    /** The admin bearer token for {@link CbserveClient#admin()}. */
+    public Builder adminToken(String adminToken) {
+      this.adminToken = adminToken;
+      return this;
+    }
+
+    /** The client. */
+    public CbserveClient build() {
+      return new CbserveClient(this);
+    }
+  }
+}

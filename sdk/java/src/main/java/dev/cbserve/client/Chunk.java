@@ -1,0 +1,54 @@
+package dev.cbserve.client;
+
+import java.util.List;
+
+/**
+ * A piece of one request's output (a delta). A request's chunks, in order, make its whole output:
+ * their token ids concatenate ({@code tokenIndex} is the index of {@code tokenIds.get(0)} among the
+ * request's generated tokens), and so do their texts. A chunk may carry no token at all (a status
+ * change, the final usage).
+ *
+ * @param requestId the request this chunk belongs to
+ * @param tokenIndex index, among the request's generated tokens, of the first token of this chunk
+ * @param tokenIds the new token ids
+ * @param text the new text (never a split UTF-8 character), or null when the server has no
+ *     tokenizer
+ * @param status the request's status after this chunk
+ * @param finishReason why the request ended; null until a terminal chunk
+ * @param error why the request failed (status FAILED); null otherwise
+ * @param errorCode with status FAILED, the gRPC code number that best describes the failure; 0
+ *     otherwise
+ * @param logprobs one entry per token when logprobs were asked for; empty otherwise
+ * @param usage token counts so far (always set on the final chunk), or null
+ * @param timings the request's timings so far (always set on the final chunk), or null
+ * @param weightVersion version of the weights that produced these tokens
+ * @param tokenTimestamps with {@code recordTimestamps}, each token's server time in seconds since
+ *     the epoch; empty otherwise
+ */
+public record Chunk(
+    String requestId,
+    int tokenIndex,
+    List<Integer> tokenIds,
+    String text,
+    RequestStatus status,
+    FinishReason finishReason,
+    String error,
+    int errorCode,
+    List<TokenLogprob> logprobs,
+    Usage usage,
+    Timings timings,
+    long weightVersion,
+    List<Double> tokenTimestamps) {
+
+  /** Copies the lists into immutable ones. */
+  public Chunk {
+    tokenIds = List.copyOf(tokenIds);
+    logprobs = List.copyOf(logprobs);
+    tokenTimestamps = List.copyOf(tokenTimestamps);
+  }
+
+  /** True when this chunk ends its request (FINISHED, CANCELLED or FAILED). */
+  public boolean isFinished() {
+    return status.isTerminal();
+  }
+}

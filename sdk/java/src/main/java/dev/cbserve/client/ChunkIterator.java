@@ -1,0 +1,161 @@
+package dev.cbserve.client;
+
+import cbserve.v1.Types;
+import io.grpc.stub.ClientCallStreamObserver;
+import io.grpc.stub.ClientResponseObserver;
+import java.util.Iterator;
+import java.util.NoSuchElementException;
+import java.util.concurrent.BlockingQueue;
+import java.util.concurrent.LinkedBlockingQueue;
+import java.util.function.Function;
+
+/**
+ * The chunks of one streaming call ({@link CbserveClient#stream} or {@link
+ * CbserveClient#results}), in order, as they come. {@link #hasNext()} blocks until the next chunk
+ * arrives or the call ends; a failed call throws the matching {@link CbserveException} from it.
+ *
+ * <p>{@link #close()} cancels the call. For {@code stream} that cancels the request on the server
+ * too (and frees its KV cache); for {@code results} it only stops reading (cancel the request with
+ * {@link CbserveClient#cancel}). Use it in try-with-resources:
+ *
+ * <pre>{@code
+ * try (ChunkIterator chunks = client.stream(Prompt.text("Once upon a time"), params)) {
+ *   while (chunks.hasNext()) {
+ *     System.out.print(chunks.next().text());
+ *   }
+ * }
+ * }</pre>
+ *
+ * <p>One thread reads an iterator; {@code close()} may be called from any thread. At most a few
+ * chunks are buffered: a slow reader slows the server's sending of this call (flow control).
+ */
+public final class ChunkIterator implements Iterator<Chunk>, AutoCloseable {
+  private static final int PREFETCH = 8;
+  private static final Object END = new Object();
+
+  /** A failed call, queued behind the chunks that came before it. */
+  private record Failure(CbserveException error) {}
+
+  private final String requestId;
+  private final boolean raiseRejections;
+  private final BlockingQueue<Object> events = new LinkedBlockingQueue<>();
+  private volatile ClientCallStreamObserver<?> call;
+  private volatile boolean closed;
+  private Chunk next;
+  private boolean ended;
+
+  ChunkIterator(String requestId, boolean raiseRejections) {
+    this.requestId = requestId;
+    this.raiseRejections = raiseRejections;
+  }
+
+  /** The observer to start the call with; it feeds this iterator. */
+  <ReqT, RespT> ClientResponseObserver<ReqT, RespT> observer(
+      Function<RespT, Types.GenerationChunk> extract) {
+    return new ClientResponseObserver<ReqT, RespT>() {
+      @Override
+      public void beforeStart(ClientCallStreamObserver<ReqT> requestStream) {
+        call = requestStream;
+        requestStream.disableAutoRequestWithInitial(PREFETCH);
+      }
+
+      @Override
+      public void onNext(RespT value) {
+        events.add(Convert.chunk(extract.apply(value)));
+      }
+
+      @Override
+      public void onError(Throwable t) {
+        events.add(new Failure(Calls.map(t)));
+      }
+
+      @Override
+      public void onCompleted() {
+        events.add(END);
+      }
+    };
+  }
+
+  /** The id of the request this iterator follows. */
+  public String requestId() {
+    return requestId;
+  }
+
+  /**
+   * Waits for the next chunk. Returns false once the call has completed (after the request's
+   * terminal chunk) or after {@link #close()}.
+   *
+   * @throws CbserveException when the call failed (e.g. {@link NotFoundException} for an unknown
+   *     id, {@link InvalidArgumentException} for a rejected prompt, {@link
+   *     DeadlineExceededException}); {@link CancelledException} when the thread is interrupted
+   *     (the call is then cancelled and the interrupt flag kept)
+   */
+  @Override
+  public boolean hasNext() {
+    if (next != null) {
+      return true;
+    }
+    while (!ended) {
+      if (closed) {
+        ended = true;
+        break;
+      }
+      Object event = take();
+      if (event == END) {
+        ended = true;
+      } else if (event instanceof Failure failure) {
+        ended = true;
+        if (!closed) {
+          throw failure.error();
+        }
+      } else {
+        call.request(1);
+        Chunk chunk = (Chunk) event;
+        CbserveException rejected = raiseRejections ? Calls.rejection(chunk) : null;
+        if (rejected != null) {
+          close();
+          ended = true;
+          throw rejected;
+        }
+        next = chunk;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  /** The next chunk (waits for it); see {@link #hasNext()}. */
+  @Override
+  public Chunk next() {
+    if (!hasNext()) {
+      throw new NoSuchElementException("the stream of request " + requestId + " has ended");
+    }
+    Chunk chunk = next;
+    next = null;
+    return chunk;
+  }
+
+  /** Cancels the call (no-op once it has completed); idempotent, callable from any thread. */
+  @Override
+  public void close() {
+    if (closed) {
+      return;
+    }
+    closed = true;
+    ClientCallStreamObserver<?> c = call;
+    if (c != null) {
+      c.cancel("closed by the client", null);
+    }
+  }
+
+  private Object take() {
+    try {
+      return events.take();
+    } catch (InterruptedException e) {
+      close();
+      ended = true;
+      Thread.currentThread().interrupt();
+      throw new CancelledException("interrupted while waiting for the next chunk", e);
+    }
+  }
+}

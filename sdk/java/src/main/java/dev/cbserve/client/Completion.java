@@ -1,0 +1,41 @@
+package dev.cbserve.client;
+
+import java.util.List;
+
+/**
+ * The whole output of one request ({@link CbserveClient#generate}).
+ *
+ * @param requestId the request's id
+ * @param tokenIds every generated token id
+ * @param text the decoded output, or null when the server has no tokenizer
+ * @param finishReason why it ended ({@link FinishReason#ERROR}: see {@code error})
+ * @param usage token counts, or null if the server sent none
+ * @param logprobs one entry per token when logprobs were asked for; empty otherwise
+ * @param weightVersion version of the weights that produced the last token (0 if none)
+ * @param weightVersions every weights version seen, in order (several when the weights were updated
+ *     while the request ran)
+ * @param error why the request failed, or null
+ * @param timings the request's timings, or null
+ * @param tokenTimestamps with {@code recordTimestamps}, each token's server time; empty otherwise
+ */
+public record Completion(
+    String requestId,
+    List<Integer> tokenIds,
+    String text,
+    FinishReason finishReason,
+    Usage usage,
+    List<TokenLogprob> logprobs,
+    long weightVersion,
+    List<Long> weightVersions,
+    String error,
+    Timings timings,
+    List<Double> tokenTimestamps) {
+
+  /** Copies the lists into immutable ones. */
+  public Completion {
+    tokenIds = List.copyOf(tokenIds);
+    logprobs = List.copyOf(logprobs);
+    weightVersions = List.copyOf(weightVersions);
+    tokenTimestamps = List.copyOf(tokenTimestamps);
+  }
+}

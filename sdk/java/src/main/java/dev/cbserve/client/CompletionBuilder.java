@@ -1,0 +1,106 @@
+package dev.cbserve.client;
+
+import io.grpc.Status;
+import java.util.ArrayList;
+import java.util.List;
+
+/**
+ * Assembles a request's chunks, in order, into a {@link Completion}. Tokens are placed by their
+ * index: a chunk overlapping tokens already received only adds the new ones; a gap is an error.
+ */
+final class CompletionBuilder {
+  private final String requestId;
+  private final int start;
+  private final List<Integer> tokenIds = new ArrayList<>();
+  private final List<TokenLogprob> logprobs = new ArrayList<>();
+  private final List<Double> timestamps = new ArrayList<>();
+  private final List<Long> weightVersions = new ArrayList<>();
+  private StringBuilder text;
+  private Usage usage;
+  private Timings timings;
+  private FinishReason finishReason;
+  private String error;
+
+  CompletionBuilder(String requestId) {
+    this(requestId, 0);
+  }
+
+  CompletionBuilder(String requestId, int fromIndex) {
+    this.requestId = requestId;
+    this.start = fromIndex;
+  }
+
+  void add(Chunk chunk) {
+    int have = start + tokenIds.size();
+    int count = chunk.tokenIds().size();
+    if (chunk.tokenIndex() > have && count > 0) {
+      throw new InternalException(
+          Status.Code.DATA_LOSS,
+          "request " + requestId + ": got tokens from index " + chunk.tokenIndex()
+              + ", expected " + have,
+          null);
+    }
+    int skip = Math.min(count, Math.max(0, have - chunk.tokenIndex()));
+    tokenIds.addAll(chunk.tokenIds().subList(skip, count));
+    List<TokenLogprob> lps = chunk.logprobs();
+    if (lps.size() > skip) {
+      logprobs.addAll(lps.subList(skip, lps.size()));
+    }
+    List<Double> ts = chunk.tokenTimestamps();
+    if (ts.size() > skip) {
+      timestamps.addAll(ts.subList(skip, ts.size()));
+    }
+    if (chunk.text() != null) {
+      if (text == null) {
+        text = new StringBuilder();
+      }
+      text.append(chunk.text());
+    }
+    if (chunk.usage() != null) {
+      usage = chunk.usage();
+    }
+    if (chunk.timings() != null) {
+      timings = chunk.timings();
+    }
+    long version = chunk.weightVersion();
+    if (count > 0
+        && version != 0
+        && (weightVersions.isEmpty() || weightVersions.get(weightVersions.size() - 1) != version)) {
+      weightVersions.add(version);
+    }
+    if (chunk.isFinished()) {
+      FinishReason reason = chunk.finishReason();
+      if (reason == null) {
+        reason =
+            chunk.status() == RequestStatus.CANCELLED ? FinishReason.CANCELLED : FinishReason.ERROR;
+      }
+      finishReason = reason;
+      error = chunk.error();
+    }
+  }
+
+  boolean done() {
+    return finishReason != null;
+  }
+
+  Completion build() {
+    if (finishReason == null) {
+      throw new InternalException(
+          Status.Code.UNKNOWN,
+          "the stream of request " + requestId + " ended before the request finished",
+          null);
+    }
+    return new Completion(
+        requestId,
+        tokenIds,
+        text == null ? null : text.toString(),
+        finishReason,
+        usage,
+        logprobs,
+        weightVersions.isEmpty() ? 0 : weightVersions.get(weightVersions.size() - 1),
+        weightVersions,
+        error,
+        timings,
+        timestamps);
+  }
+}

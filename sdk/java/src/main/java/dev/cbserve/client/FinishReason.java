@@ -1,0 +1,13 @@
+package dev.cbserve.client;
+
+/** Why a request ended. */
+public enum FinishReason {
+  /** An EOS token was generated (it is included in the output). */
+  EOS,
+  /** maxNewTokens were generated, or the model's context is full. */
+  LENGTH,
+  /** The request was cancelled. */
+  CANCELLED,
+  /** The request failed ({@link Completion#error()} says why). */
+  ERROR
+}

@@ -1,0 +1,216 @@
+package dev.cbserve.client;
+
+import cbserve.v1.Types;
+import java.util.Arrays;
+import java.util.Objects;
+
+/**
+ * Sampling and stopping parameters of one request. Immutable; build with {@link #builder()}.
+ *
+ * <p>Every field is optional: an unset field takes the server's default (normally the model's
+ * generation config), which is not the same as zero. {@code SamplingParams.defaults()} leaves them
+ * all unset. Bounds are checked by the server ({@link InvalidArgumentException}); only negative
+ * values of unsigned fields are refused here ({@link IllegalArgumentException}).
+ *
+ * <pre>{@code
+ * SamplingParams greedy = SamplingParams.builder().maxNewTokens(32).temperature(0).build();
+ * }</pre>
+ */
+public final class SamplingParams {
+  private static final SamplingParams DEFAULTS = new Builder().build();
+
+  private final Integer maxNewTokens;
+  private final Float temperature;
+  private final Integer topK;
+  private final Float topP;
+  private final Long seed;
+  private final int[] eos;
+  private final boolean ignoreEos;
+  private final boolean logprobs;
+  private final Integer topLogprobs;
+
+  private SamplingParams(Builder b) {
+    this.maxNewTokens = b.maxNewTokens;
+    this.temperature = b.temperature;
+    this.topK = b.topK;
+    this.topP = b.topP;
+    this.seed = b.seed;
+    this.eos = b.eos.clone();
+    this.ignoreEos = b.ignoreEos;
+    this.logprobs = b.logprobs;
+    this.topLogprobs = b.topLogprobs;
+  }
+
+  /** All fields unset: the server's defaults. */
+  public static SamplingParams defaults() {
+    return DEFAULTS;
+  }
+
+  /** A new builder with every field unset. */
+  public static Builder builder() {
+    return new Builder();
+  }
+
+  /** Whether these parameters ask for logprobs (logprobs, or top logprobs above 0). */
+  boolean wantsLogprobs() {
+    return logprobs || (topLogprobs != null && topLogprobs > 0);
+  }
+
+  Types.SamplingParams toProto() {
+    Types.SamplingParams.Builder p = Types.SamplingParams.newBuilder();
+    if (maxNewTokens != null) {
+      p.setMaxNewTokens(maxNewTokens);
+    }
+    if (temperature != null) {
+      p.setTemperature(temperature);
+    }
+    if (topK != null) {
+      p.setTopK(topK);
+    }
+    if (topP != null) {
+      p.setTopP(topP);
+    }
+    if (seed != null) {
+      p.setSeed(seed);
+    }
+    for (int id : eos) {
+      p.addEosTokenIds(id);
+    }
+    p.setIgnoreEos(ignoreEos);
+    p.setLogprobs(logprobs);
+    if (topLogprobs != null) {
+      p.setTopLogprobs(topLogprobs);
+    }
+    return p.build();
+  }
+
+  @Override
+  public String toString() {
+    StringBuilder s = new StringBuilder("SamplingParams{");
+    String sep = "";
+    if (maxNewTokens != null) {
+      s.append(sep).append("maxNewTokens=").append(maxNewTokens);
+      sep = ", ";
+    }
+    if (temperature != null) {
+      s.append(sep).append("temperature=").append(temperature);
+      sep = ", ";
+    }
+    if (topK != null) {
+      s.append(sep).append("topK=").append(topK);
+      sep = ", ";
+    }
+    if (topP != null) {
+      s.append(sep).append("topP=").append(topP);
+      sep = ", ";
+    }
+    if (seed != null) {
+      s.append(sep).append("seed=").append(seed);
+      sep = ", ";
+    }
+    if (eos.length > 0) {
+      s.append(sep).append("eos=").append(Arrays.toString(eos));
+      sep = ", ";
+    }
+    if (ignoreEos) {
+      s.append(sep).append("ignoreEos=true");
+      sep = ", ";
+    }
+    if (logprobs) {
+      s.append(sep).append("logprobs=true");
+      sep = ", ";
+    }
+    if (topLogprobs != null) {
+      s.append(sep).append("topLogprobs=").append(topLogprobs);
+    }
+    return s.append('}').toString();
+  }
+
+  /** Builds {@link SamplingParams}; every setter is optional. */
+  public static final class Builder {
+    private Integer maxNewTokens;
+    private Float temperature;
+    private Integer topK;
+    private Float topP;
+    private Long seed;
+    private int[] eos = new int[0];
+    private boolean ignoreEos;
+    private boolean logprobs;
+    private Integer topLogprobs;
+
+    private Builder() {}
+
+    /** Maximum number of tokens to generate, EOS included (>= 1). */
+    public Builder maxNewTokens(int maxNewTokens) {
+      this.maxNewTokens = nonNegative("maxNewTokens", maxNewTokens);
+      return this;
+    }
+
+    /** Softmax temperature; 0 is greedy decoding (argmax). */
+    public Builder temperature(double temperature) {
+      this.temperature = (float) temperature;
+      return this;
+    }
+
+    /** Sample among the k most likely tokens only; 0 disables the filter. */
+    public Builder topK(int topK) {
+      this.topK = nonNegative("topK", topK);
+      return this;
+    }
+
+    /** Nucleus sampling, in (0, 1]; 1 disables the filter. */
+    public Builder topP(double topP) {
+      this.topP = (float) topP;
+      return this;
+    }
+
+    /** Seed of the request's own generator: the same seed gives the same tokens. */
+    public Builder seed(long seed) {
+      this.seed = seed;
+      return this;
+    }
+
+    /**
+     * Token ids that end generation (emitted, then the request finishes with {@link
+     * FinishReason#EOS}), replacing the model's own EOS ids; none: the model's.
+     */
+    public Builder eos(int... tokenIds) {
+      int[] copy = Objects.requireNonNull(tokenIds, "tokenIds").clone();
+      for (int i = 0; i < copy.length; i++) {
+        Prompt.checkTokenId("eos[" + i + "]", copy[i]);
+      }
+      this.eos = copy;
+      return this;
+    }
+
+    /** When true, EOS tokens do not stop generation: it runs to maxNewTokens. */
+    public Builder ignoreEos(boolean ignoreEos) {
+      this.ignoreEos = ignoreEos;
+      return this;
+    }
+
+    /** When true, every generated token carries its log-probability. */
+    public Builder logprobs(boolean logprobs) {
+      this.logprobs = logprobs;
+      return this;
+    }
+
+    /** Number of most likely alternatives returned per token (implies logprobs when > 0). */
+    public Builder topLogprobs(int topLogprobs) {
+      this.topLogprobs = nonNegative("topLogprobs", topLogprobs);
+      return this;
+    }
+
+    /** The parameters. */
+    public SamplingParams build() {
+      return new SamplingParams(this);
+    }
+
+    private static int nonNegative(String name, int value) {
+      if (value < 0) {
+        throw new IllegalArgumentException(name + " must be >= 0, got " + value);
+      }
+      return value;
+    }
+  }
+}
