@@ -14,6 +14,7 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.kv.cache_manager import KVCacheManager
+from engine.kv.layer_groups import kv_cache_groups
 from engine.kv.offload import HostBlockPool
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
@@ -76,36 +77,46 @@ class EngineCore:
         self.max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
         self.max_requests_per_batch = config.max_requests_per_batch or DEFAULT_MAX_REQUESTS_PER_BATCH
         shape = KVCacheShape.from_model_config(model.config, model_dtype(model))
+        self.kv_cache_groups = kv_cache_groups(text_config)
         activation_bytes = 16 * text_config.hidden_size * shape.dtype.itemsize
         max_tokens_needed = self.max_requests_per_batch * (self.max_model_len or 4096)
         num_blocks, max_batch_tokens = resolve_cache_sizes(
             shape,
+            self.kv_cache_groups,
             self.device,
             config.page_size,
             config.num_blocks,
             config.max_batch_tokens,
             config.resolved_max_memory_percent(has_logit_processing=config.per_request_processors),
             max_tokens_needed,
+            self.max_requests_per_batch,
             activation_bytes,
         )
         self.max_batch_tokens = max_batch_tokens
-        self.has_sliding_layers = _has_sliding_layers(text_config)
+        self.has_sliding_layers = any(group.sliding_window is not None for group in self.kv_cache_groups)
         if self.has_sliding_layers and config.allow_block_sharing:
             logger.info(
                 "prefix caching is off: the model has sliding-window layers, whose blocks cannot be shared"
             )
-        self.kv_cache = PagedKVCache(shape, num_blocks, config.page_size, self.device)
+        self.kv_caches = [
+            PagedKVCache(shape.for_layers(len(group.layer_indices)), count, config.page_size, self.device)
+            for group, count in zip(self.kv_cache_groups, num_blocks, strict=True)
+        ]
+        # Host blocks are sized for a page of every layer: any group's blocks can use any of them.
         num_host_blocks = resolve_offload_blocks(
             config.cpu_offload_space,
             config.cpu_offload_space_safety_threshold,
             shape.bytes_per_token() * config.page_size,
         )
-        self.host_kv_cache = HostKVCache(self.kv_cache, num_host_blocks) if num_host_blocks else None
+        self.host_kv_caches = (
+            [HostKVCache(cache, num_host_blocks) for cache in self.kv_caches] if num_host_blocks else None
+        )
         host_block_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             config.page_size,
             enable_prefix_caching=config.allow_block_sharing and not self.has_sliding_layers,
+            sliding_windows=[group.sliding_window for group in self.kv_cache_groups],
         )
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -117,7 +128,12 @@ class EngineCore:
             host_block_pool=host_block_pool,
         )
         self.runner = ModelRunner(
-            model, self.kv_cache, self.kv_cache_manager, Sampler(self.device, config.seed), self.host_kv_cache
+            model,
+            self.kv_cache_groups,
+            self.kv_caches,
+            self.kv_cache_manager,
+            Sampler(self.device, config.seed),
+            self.host_kv_caches,
         )
         self.requests: dict[str, Request] = {}
         self.num_failed_steps = 0
@@ -216,12 +232,3 @@ class EngineCore:
                 self.requests.pop(request.request_id, None)
                 result.finished.append(request)
         return result
-
-
-def _has_sliding_layers(text_config: object) -> bool:
-    layer_types = getattr(text_config, "layer_types", None)
-    if layer_types:
-        return any(layer_type == "sliding_attention" for layer_type in layer_types)
-    return getattr(text_config, "sliding_window", None) is not None and getattr(
-        text_config, "use_sliding_window", True
-    )

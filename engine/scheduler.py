@@ -94,17 +94,32 @@ class Scheduler:
         return bool(self.running) or any(not request.is_finished for request in self.waiting)
 
     def admission_error(self, request: Request) -> str | None:
-        """Why `request` can never run, or None. Checked once, when it is added."""
+        """Why `request` can never run, or None. Checked once, when it is added.
+
+        It can never run when the full-attention group cannot hold all its tokens, or when a
+        sliding-window group cannot hold one window plus one step of it.
+        """
+        manager = self.kv_cache_manager
         max_tokens = request.num_prompt_tokens + request.sampling.max_new_tokens
-        capacity = self.kv_cache_manager.capacity_tokens
-        if max_tokens > capacity:
+        capacity = manager.capacity_tokens
+        if capacity is not None and max_tokens > capacity:
             return (
                 f"request {request.request_id!r} needs up to {max_tokens} tokens of KV cache "
                 f"({request.num_prompt_tokens} prompt + {request.sampling.max_new_tokens} max_new_tokens) "
                 f"but the whole cache holds {capacity} tokens "
-                f"({self.kv_cache_manager.block_pool.num_usable_blocks} blocks of "
-                f"{self.kv_cache_manager.page_size}); raise num_blocks or lower max_new_tokens"
+                f"({manager.block_pool.num_usable_blocks} blocks of "
+                f"{manager.page_size}); raise num_blocks or lower max_new_tokens"
             )
+        step = min(self.max_batch_tokens, max_tokens)
+        for group in manager.sliding_window_groups:
+            needed = group.max_blocks_per_step(step)
+            if needed > group.block_pool.num_usable_blocks:
+                return (
+                    f"request {request.request_id!r} needs {needed} sliding-window KV blocks (a window of "
+                    f"{group.sliding_window} tokens plus a step of {step}, in blocks of {manager.page_size}) "
+                    f"but the sliding-window cache holds {group.block_pool.num_usable_blocks}; "
+                    "raise num_blocks or lower max_batch_tokens"
+                )
         if self.max_model_len is not None and max_tokens > self.max_model_len:
             return (
                 f"request {request.request_id!r} needs {max_tokens} positions "
@@ -206,34 +221,52 @@ class Scheduler:
         offloaded = request.offloaded
         assert offloaded is not None and self.host_block_pool is not None
         num_new_tokens = min(request.num_tokens - offloaded.num_tokens, budget)
-        if self.kv_cache_manager.allocate_slots(request, offloaded.num_tokens + num_new_tokens) is None:
+        # Allocated as already computed, so sliding-window groups only take the pages of the window.
+        request.num_computed_tokens = offloaded.num_tokens
+        if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
+            request.num_computed_tokens = 0
             return False
         self.waiting.popleft()
-        table = self.kv_cache_manager.block_ids(request.request_id)
-        num_blocks = len(offloaded.host_block_ids)
-        output.restores.append(BlockCopy(tuple(table[:num_blocks]), offloaded.host_block_ids))
-        self.host_block_pool.free_after_step(offloaded.host_block_ids)
+        for group, host_block_ids in enumerate(offloaded.host_block_ids):
+            device_block_ids = self.kv_cache_manager.resume_block_ids(
+                request.request_id, group, offloaded.num_tokens
+            )
+            output.restores.append(BlockCopy(tuple(device_block_ids), host_block_ids, group))
+        all_host_block_ids = offloaded.all_host_block_ids
+        self.host_block_pool.free_after_step(all_host_block_ids)
         request.offloaded = None
-        request.num_computed_tokens = offloaded.num_tokens
         request.status = RequestStatus.PREFILLING
         self.running.append(request)
-        self.counters.restored_blocks += num_blocks
+        self.counters.restored_blocks += len(all_host_block_ids)
         output.scheduled.append(ScheduledRequest(request, num_new_tokens, offloaded.num_tokens))
         return True
 
     def _offload(self, request: Request, output: SchedulerOutput) -> bool:
-        """Parks a request's computed KV in host blocks, if the host pool has room for it."""
+        """Parks a request's computed KV in host blocks, if the host pool has room for it.
+
+        Only the pages each group reads again are copied: all of them for full attention, the window
+        of the next query for sliding-window groups.
+        """
         num_tokens = request.num_computed_tokens
         if self.host_block_pool is None or num_tokens == 0:
             return False
-        device_blocks = self.kv_cache_manager.block_ids(request.request_id)
-        device_blocks = device_blocks[: blocks_for_tokens(num_tokens, self.kv_cache_manager.page_size)]
-        host_blocks = self.host_block_pool.allocate(len(device_blocks))
+        manager = self.kv_cache_manager
+        device_blocks = [
+            manager.resume_block_ids(request.request_id, group, num_tokens)
+            for group in range(len(manager.groups))
+        ]
+        host_blocks = self.host_block_pool.allocate(sum(len(blocks) for blocks in device_blocks))
         if host_blocks is None:
             return False
-        output.offloads.append(BlockCopy(tuple(device_blocks), host_blocks))
-        request.offloaded = OffloadedKV(host_blocks, num_tokens)
-        self.counters.offloaded_blocks += len(device_blocks)
+        host_blocks_per_group = []
+        start = 0
+        for group, blocks in enumerate(device_blocks):
+            group_host_blocks = host_blocks[start : start + len(blocks)]
+            start += len(blocks)
+            host_blocks_per_group.append(group_host_blocks)
+            output.offloads.append(BlockCopy(tuple(blocks), group_host_blocks, group))
+        request.offloaded = OffloadedKV(tuple(host_blocks_per_group), num_tokens)
+        self.counters.offloaded_blocks += len(host_blocks)
         return True
 
     def forget_offloads(self, output: SchedulerOutput) -> None:
@@ -241,7 +274,7 @@ class Scheduler:
         assert self.host_block_pool is not None or not output.offloads
         for request in output.preempted:
             if request.offloaded is not None and self.host_block_pool is not None:
-                self.host_block_pool.free_now(request.offloaded.host_block_ids)
+                self.host_block_pool.free_now(request.offloaded.all_host_block_ids)
                 request.num_tokens_to_recompute = max(
                     request.num_tokens_to_recompute, request.offloaded.num_tokens
                 )
@@ -278,6 +311,7 @@ class Scheduler:
         needed = blocks_for_tokens(request.num_tokens, page_size)
         request.status = RequestStatus.FAILED
         request.finish_reason = FinishReason.ERROR
+        # Only the primary group is named: admission already ruled out a too small sliding-window group.
         request.error = (
             f"request {request.request_id!r} needs {needed} KV blocks for its {request.num_tokens} tokens "
             f"but only {self.kv_cache_manager.block_pool.num_free_blocks} of "
@@ -321,7 +355,7 @@ class Scheduler:
         request.error = error
         self.kv_cache_manager.free(request)
         if request.offloaded is not None and self.host_block_pool is not None:
-            self.host_block_pool.free_now(request.offloaded.host_block_ids)
+            self.host_block_pool.free_now(request.offloaded.all_host_block_ids)
             request.offloaded = None
 
     def remove_finished_running(self) -> None:

@@ -1,4 +1,11 @@
-"""`KVCacheManager`: the scheduler's view of the KV cache, in blocks and tokens, never tensors."""
+"""`KVCacheManager`: the scheduler's view of the KV cache, in blocks and tokens, never tensors.
+
+The cache is split into groups (`engine.kv.layer_groups`): a full-attention group and/or a
+sliding-window group, each with its own pool and block tables. The manager makes them act as one: a
+request's slots are allocated in every group or in none, and freeing a request frees it everywhere.
+Group 0 (the full-attention group when the model has one) is the *primary* group: `block_pool` and
+`block_tables` refer to it, as do the block counts reported in stats.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.kv.block_pool import BlockPool, KVBlock
-from engine.kv.prefix_hash import extend_block_hashes
+from engine.kv.full_attention import FullAttentionManager, blocks_for_tokens
+from engine.kv.sliding_window import SlidingWindowManager
 from engine.request import Request
 
+__all__ = ["KVCacheManager", "PrefixCacheStats", "blocks_for_tokens"]
 
-def blocks_for_tokens(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
+GroupManager = FullAttentionManager | SlidingWindowManager
 
 
 @dataclass
@@ -27,55 +35,78 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    """Owns each request's block table and the prefix cache.
+    """Owns every group's block tables and the prefix cache (full-attention group only).
 
-    Block tables are append-only while a request holds them: a block's position in the table is the
-    page of the sequence it stores, so token `t` of a request lives in slot
-    `table[t // page_size] * page_size + t % page_size` of every layer's cache.
+    `num_blocks` and `sliding_windows` give one entry per group (None: full attention); a plain int
+    with the default windows is a single full-attention group. Prefix caching needs every group to be
+    full attention: a sliding group drops the pages a prefix hit would share.
     """
 
-    def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int | Sequence[int],
+        page_size: int,
+        enable_prefix_caching: bool,
+        sliding_windows: Sequence[int | None] = (None,),
+    ) -> None:
+        blocks_per_group = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        if len(blocks_per_group) != len(sliding_windows) or not sliding_windows:
+            raise ValueError(f"one num_blocks per group: got {blocks_per_group} for {list(sliding_windows)}")
+        if enable_prefix_caching and any(window is not None for window in sliding_windows):
+            raise ValueError("prefix caching cannot be enabled with sliding-window groups")
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[KVBlock]] = {}
-        # How many leading blocks of each request are registered in the prefix cache.
-        self._num_registered_blocks: dict[str, int] = {}
+        self.groups: list[GroupManager] = [
+            FullAttentionManager(count, page_size, enable_prefix_caching)
+            if window is None
+            else SlidingWindowManager(count, page_size, window)
+            for count, window in zip(blocks_per_group, sliding_windows, strict=True)
+        ]
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
-    def capacity_tokens(self) -> int:
-        return self.block_pool.num_usable_blocks * self.page_size
+    def block_pool(self) -> BlockPool:
+        return self.groups[0].block_pool
+
+    @property
+    def block_tables(self) -> dict[str, list[KVBlock]]:
+        return self.groups[0].block_tables
+
+    @property
+    def full_attention_group(self) -> FullAttentionManager | None:
+        group = self.groups[0]
+        return group if isinstance(group, FullAttentionManager) else None
+
+    @property
+    def sliding_window_groups(self) -> list[SlidingWindowManager]:
+        return [group for group in self.groups if isinstance(group, SlidingWindowManager)]
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """Tokens one request can hold at most; None when no group bounds a request's length."""
+        full = self.full_attention_group
+        return None if full is None else full.block_pool.num_usable_blocks * self.page_size
 
     @property
     def free_fraction(self) -> float:
-        return self.block_pool.num_free_blocks / self.block_pool.num_usable_blocks
+        """The free share of the fullest group's pool."""
+        return min(
+            group.block_pool.num_free_blocks / group.block_pool.num_usable_blocks for group in self.groups
+        )
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.block_tables.get(request_id, ())]
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        return self.groups[group].block_ids(request_id)
+
+    def resume_block_ids(self, request_id: str, group: int, num_tokens: int) -> list[int]:
+        """The blocks of `group` a request with `num_tokens` computed tokens reads again when resumed
+        (what an offload saves and a restore refills); never the null block."""
+        table = self.groups[group].block_ids(request_id)
+        return [table[page] for page in self.groups[group].resume_pages(num_tokens)]
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
-        """The longest run of leading full blocks of `request` already in the prefix cache.
-
-        The last token is never served from the cache: its forward pass produces the logits of the
-        first new token.
-        """
-        if not self.enable_prefix_caching:
-            return []
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.page_size)
-        max_hit_blocks = (request.num_tokens - 1) // self.page_size
-        hits: list[KVBlock] = []
-        parent_hash: bytes | None = None
-        for index in range(min(max_hit_blocks, len(request.block_hashes))):
-            block_hash = request.block_hashes[index]
-            start = index * self.page_size
-            page = tuple(request.all_token_ids[start : start + self.page_size])
-            block = self.block_pool.lookup(block_hash, parent_hash, page)
-            if block is None:
-                break
-            hits.append(block)
-            parent_hash = block_hash
-        return hits
+        """The longest run of leading full blocks of `request` already in the prefix cache."""
+        full = self.full_attention_group
+        return [] if full is None else full.get_computed_blocks(request)
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counts one admission's lookup; called once the request is actually admitted."""
@@ -86,63 +117,36 @@ class KVCacheManager:
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()
     ) -> list[KVBlock] | None:
-        """Makes room for `num_new_tokens` more tokens of `request` after its computed ones.
+        """Makes room in every group for `num_new_tokens` more tokens of `request` after its computed
+        ones.
 
-        `computed_blocks` are prefix-cache hits for a request being admitted; they are appended to its
-        (empty) table ahead of the new blocks. Returns the newly allocated blocks, or None — and
-        changes nothing — when the pool cannot fit them.
+        `computed_blocks` are prefix-cache hits for a request being admitted (full-attention group).
+        Returns the primary group's newly allocated blocks, or None — and changes nothing in any
+        group — when one of them cannot fit the step.
         """
-        table = self.block_tables.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.page_size
-        num_required = blocks_for_tokens(num_computed + num_new_tokens, self.page_size)
-        num_new_blocks = max(0, num_required - len(table) - len(computed_blocks))
-        # Hits sitting in the free queue leave it when touched, so they are not free for new blocks.
-        num_free_hits = sum(1 for block in computed_blocks if block.ref_count == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
-            if not table:
-                del self.block_tables[request.request_id]
-            return None
-        self.block_pool.touch(computed_blocks)
-        new_blocks = self.block_pool.allocate(num_new_blocks)
-        table.extend(computed_blocks)
-        table.extend(new_blocks)
-        if self.enable_prefix_caching:
-            self._register_full_blocks(request, table, num_computed + num_new_tokens)
-        return new_blocks
+        request_id = request.request_id
+        for group in self.groups:
+            if isinstance(group, FullAttentionManager):
+                fits = group.can_allocate(request_id, num_computed, num_new_tokens, computed_blocks)
+            else:
+                fits = group.can_allocate(request_id, num_computed, num_new_tokens)
+            if not fits:
+                return None
+        new_blocks: list[list[KVBlock]] = []
+        for group in self.groups:
+            if isinstance(group, FullAttentionManager):
+                new_blocks.append(group.allocate(request, num_computed, num_new_tokens, computed_blocks))
+            else:
+                new_blocks.append(group.allocate(request, num_computed, num_new_tokens))
+        return new_blocks[0]
 
     def free(self, request: Request) -> None:
-        """Releases the request's blocks, tail first so its least shareable blocks are evicted first."""
-        table = self.block_tables.pop(request.request_id, None)
-        self._num_registered_blocks.pop(request.request_id, None)
-        if table:
-            self.block_pool.free(reversed(table))
+        """Releases the request's blocks in every group."""
+        for group in self.groups:
+            group.free(request.request_id)
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix. Blocks that live requests hold now are never registered
-        again: their KV may predate the event that made the cache stale (a weight update)."""
-        self.block_pool.reset_prefix_cache()
-        for request_id, table in self.block_tables.items():
-            self._num_registered_blocks[request_id] = len(table)
-
-    def _register_full_blocks(
-        self, request: Request, table: list[KVBlock], num_tokens_after_step: int
-    ) -> None:
-        # A block is registered once this step fills it. Attention writes every new token of a step
-        # before any request reads the cache, so a request admitted later in the same step may
-        # already share it.
-        num_full = min(num_tokens_after_step, request.num_tokens) // self.page_size
-        start = self._num_registered_blocks.get(request.request_id, 0)
-        if num_full <= start:
-            return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.page_size)
-        for index in range(start, num_full):
-            parent_hash = request.block_hashes[index - 1] if index else None
-            if index and table[index - 1].block_hash != parent_hash:
-                # Another block owns the parent's hash (this request computed the same page twice, or
-                # the registration was refused): a lookup reaching this block through that owner
-                # would be trusting KV computed after a block it never checked. Register no further.
-                num_full = index
-                break
-            page = tuple(request.all_token_ids[index * self.page_size : (index + 1) * self.page_size])
-            self.block_pool.cache_block(table[index], request.block_hashes[index], parent_hash, page)
-        self._num_registered_blocks[request.request_id] = num_full
+        full = self.full_attention_group
+        if full is not None:
+            full.reset_prefix_cache()

@@ -16,22 +16,33 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BlockCopy:
-    """Copy the KV of `device_block_ids[i]` to/from `host_block_ids[i]` (all layers)."""
+    """Copy the KV of `device_block_ids[i]` to/from `host_block_ids[i]`, all layers of cache group
+    `group`. Only blocks holding KV are copied: never the null block of a sliding-window table."""
 
     device_block_ids: tuple[int, ...]
     host_block_ids: tuple[int, ...]
+    group: int = 0
 
 
 @dataclass
 class OffloadedKV:
-    """A preempted request's KV parked in host memory: `num_tokens` tokens in `host_block_ids`."""
+    """A preempted request's KV parked in host memory: of its `num_tokens` computed tokens, the pages
+    each group reads again on resumption (`KVCacheManager.resume_block_ids`), one tuple per group."""
 
-    host_block_ids: tuple[int, ...]
+    host_block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
+
+    @property
+    def all_host_block_ids(self) -> tuple[int, ...]:
+        return tuple(block_id for group_blocks in self.host_block_ids for block_id in group_blocks)
 
 
 class HostBlockPool:
-    """A free list of host block ids. Block ids run 0..num_blocks-1 (no null block on the host)."""
+    """A free list of host block ids. Block ids run 0..num_blocks-1 (no null block on the host).
+
+    One id space serves every cache group: a host block is as large as a page of all the model's
+    layers, and a block offloaded from a group fills only that group's layers.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks

@@ -30,62 +30,82 @@ CBSERVE_ATTENTION_PREFIX = "cbserve|"
 
 @dataclass
 class PrefillSegment:
-    """One request's query chunk: packed rows [query_start, query_end) attend to `key_slots`."""
+    """One request's query chunk: packed rows [query_start, query_end), at positions from
+    `first_query_position` on."""
 
     query_start: int
     query_end: int
-    key_slots: torch.Tensor  # [num_keys] cache slots of positions 0..num_keys-1
-    # Positions of the query rows; keys are at positions 0..num_keys-1.
     first_query_position: int
+
+
+@dataclass
+class GroupSlots:
+    """Where one cache group's layers write and read this step.
+
+    Keys are gathered from each row's `first key position` on: 0 for full attention, the start of the
+    earliest query's window for a sliding-window group, so its attention costs O(window), not
+    O(length). Pages before that start may be the null block in a sliding table; they are never read.
+    """
+
+    write_slots: torch.Tensor  # [num_packed_tokens]: where each new token's KV goes
+    decode_key_slots: torch.Tensor | None  # [num_decode, max_keys], padding points at the null block
+    decode_first_key_positions: torch.Tensor | None  # [num_decode] position of column 0 of each row
+    prefill_key_slots: list[torch.Tensor]  # per segment: slots of its keys, in position order
+    prefill_first_key_positions: list[int]  # per segment: position of its first key
+    # Masks depend on the sliding window only, so each distinct window is built once per step.
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _prefill_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
 class PagedAttentionMetadata:
     """Everything a layer needs to read and write the paged cache for one step, built once per step."""
 
-    key_caches: list[torch.Tensor]  # per layer [num_slots, num_kv_heads, head_dim]
+    key_caches: list[torch.Tensor]  # per model layer [num_slots, num_kv_heads, head_dim] of its group
     value_caches: list[torch.Tensor]
-    write_slots: torch.Tensor  # [num_packed_tokens]: where each new token's KV goes
+    layer_groups: list[int]  # per model layer: index of its cache group in `groups`
+    groups: list[GroupSlots]
     decode_rows: torch.Tensor | None  # [num_decode] packed row of each decode query
-    decode_key_slots: torch.Tensor | None  # [num_decode, max_len] slots, padding points at the null block
     decode_lengths: torch.Tensor | None  # [num_decode] keys of each decode row (its position + 1)
     prefill_segments: list[PrefillSegment]
     decode_rows_are_all_rows: bool
-    # Masks depend on the sliding window only, so each distinct window is built once per step.
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    _prefill_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
-    def decode_mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [num_decode, 1, 1, max_len]: 0 where a row may attend, -inf elsewhere."""
-        mask = self._decode_masks.get(sliding_window)
+    def decode_mask(self, slots: GroupSlots, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [num_decode, 1, 1, max_keys]: 0 where a row may attend, -inf elsewhere."""
+        mask = slots._decode_masks.get(sliding_window)
         if mask is None:
-            assert self.decode_key_slots is not None and self.decode_lengths is not None
-            key_positions = torch.arange(self.decode_key_slots.shape[1], device=self.decode_key_slots.device)
+            assert slots.decode_key_slots is not None and self.decode_lengths is not None
+            assert slots.decode_first_key_positions is not None
+            columns = torch.arange(slots.decode_key_slots.shape[1], device=slots.decode_key_slots.device)
+            key_positions = slots.decode_first_key_positions.unsqueeze(1) + columns.unsqueeze(0)
             lengths = self.decode_lengths.unsqueeze(1)
-            allowed = key_positions.unsqueeze(0) < lengths
+            allowed = key_positions < lengths
             if sliding_window is not None:
-                allowed &= key_positions.unsqueeze(0) > lengths - 1 - sliding_window
+                allowed &= key_positions > lengths - 1 - sliding_window
             mask = _additive(allowed, dtype)[:, None, None, :]
-            self._decode_masks[sliding_window] = mask
+            slots._decode_masks[sliding_window] = mask
         return mask
 
     def prefill_mask(
-        self, index: int, sliding_window: int | None, group: int, dtype: torch.dtype
+        self, slots: GroupSlots, index: int, sliding_window: int | None, group: int, dtype: torch.dtype
     ) -> torch.Tensor:
         """Additive causal mask [group * num_queries, num_keys] for one prefill segment."""
         key = (index, sliding_window)
-        mask = self._prefill_masks.get(key)
+        mask = slots._prefill_masks.get(key)
         if mask is None:
             segment = self.prefill_segments[index]
+            key_slots = slots.prefill_key_slots[index]
             num_queries = segment.query_end - segment.query_start
-            device = segment.key_slots.device
+            device = key_slots.device
             query_positions = torch.arange(num_queries, device=device) + segment.first_query_position
-            key_positions = torch.arange(segment.key_slots.shape[0], device=device)
+            key_positions = (
+                torch.arange(key_slots.shape[0], device=device) + slots.prefill_first_key_positions[index]
+            )
             allowed = key_positions.unsqueeze(0) <= query_positions.unsqueeze(1)
             if sliding_window is not None:
                 allowed &= key_positions.unsqueeze(0) > query_positions.unsqueeze(1) - sliding_window
             mask = _additive(allowed, dtype).repeat(group, 1)
-            self._prefill_masks[key] = mask
+            slots._prefill_masks[key] = mask
         return mask
 
 
@@ -158,33 +178,36 @@ def paged_attention(
     meta = paged_metadata
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     key_cache, value_cache = meta.key_caches[layer_idx], meta.value_caches[layer_idx]
+    slots = meta.groups[meta.layer_groups[layer_idx]]
     num_heads, num_tokens, head_dim = query.shape[1], query.shape[2], query.shape[3]
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
 
-    key_cache.index_copy_(0, meta.write_slots, key[0].transpose(0, 1))
-    value_cache.index_copy_(0, meta.write_slots, value[0].transpose(0, 1))
+    key_cache.index_copy_(0, slots.write_slots, key[0].transpose(0, 1))
+    value_cache.index_copy_(0, slots.write_slots, value[0].transpose(0, 1))
 
     rows = query[0].transpose(0, 1)  # [T, H, D]
     if meta.decode_rows_are_all_rows:
-        return _decode(kernel, meta, rows, key_cache, value_cache, group, scale, sliding_window, softcap)[
-            None
-        ], None
+        decoded = _decode(
+            kernel, meta, slots, rows, key_cache, value_cache, group, scale, sliding_window, softcap
+        )
+        return decoded[None], None
 
     output = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if meta.decode_rows is not None:
         decode_queries = rows.index_select(0, meta.decode_rows)
         output[meta.decode_rows] = _decode(
-            kernel, meta, decode_queries, key_cache, value_cache, group, scale, sliding_window, softcap
+            kernel, meta, slots, decode_queries, key_cache, value_cache, group, scale, sliding_window, softcap
         )
     for index, segment in enumerate(meta.prefill_segments):
         num_queries = segment.query_end - segment.query_start
         segment_query = query[0, :, segment.query_start : segment.query_end]  # [H, Tq, D]
         grouped_query = segment_query.reshape(num_kv_heads, group * num_queries, head_dim)
-        keys = key_cache.index_select(0, segment.key_slots).transpose(0, 1)  # [H_kv, K, D]
-        values = value_cache.index_select(0, segment.key_slots).transpose(0, 1)
-        mask = meta.prefill_mask(index, sliding_window, group, query.dtype)
+        key_slots = slots.prefill_key_slots[index]
+        keys = key_cache.index_select(0, key_slots).transpose(0, 1)  # [H_kv, K, D]
+        values = value_cache.index_select(0, key_slots).transpose(0, 1)
+        mask = meta.prefill_mask(slots, index, sliding_window, group, query.dtype)
         attended = kernel(grouped_query, keys, values, mask, scale, softcap)  # [H_kv, G*Tq, D]
         output[segment.query_start : segment.query_end] = attended.reshape(
             num_heads, num_queries, head_dim
@@ -195,6 +218,7 @@ def paged_attention(
 def _decode(
     kernel: Kernel,
     meta: PagedAttentionMetadata,
+    slots: GroupSlots,
     queries: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -203,14 +227,14 @@ def _decode(
     sliding_window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """queries [B, H, D] -> [B, H, D], each row attending to its own `decode_lengths` keys."""
-    assert meta.decode_key_slots is not None
+    """queries [B, H, D] -> [B, H, D], each row attending to its own keys up to `decode_lengths`."""
+    assert slots.decode_key_slots is not None
     num_rows, num_heads, head_dim = queries.shape
     num_kv_heads = num_heads // group
-    keys = key_cache[meta.decode_key_slots].transpose(1, 2)  # [B, H_kv, L, D]
-    values = value_cache[meta.decode_key_slots].transpose(1, 2)
+    keys = key_cache[slots.decode_key_slots].transpose(1, 2)  # [B, H_kv, L, D]
+    values = value_cache[slots.decode_key_slots].transpose(1, 2)
     grouped = queries.reshape(num_rows, num_kv_heads, group, head_dim)
-    mask = meta.decode_mask(sliding_window, queries.dtype)
+    mask = meta.decode_mask(slots, sliding_window, queries.dtype)
     attended = kernel(grouped, keys, values, mask, scale, softcap)  # [B, H_kv, G, D]
     return attended.reshape(num_rows, num_heads, head_dim)
 

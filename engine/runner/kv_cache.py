@@ -1,6 +1,7 @@
 """The KV cache tensors and how many blocks fit in memory.
 
-Each layer has one key and one value tensor of shape `[num_blocks * page_size, num_kv_heads, head_dim]`;
+Each cache group (`engine.kv.layer_groups`) has its own `PagedKVCache` holding only its layers. Each
+layer has one key and one value tensor of shape `[num_blocks * page_size, num_kv_heads, head_dim]`;
 a block is `page_size` consecutive rows of every layer's tensors::
 
     layer l keys:  | block 0 (null, zeros) | block 1 | block 2 | ... |
@@ -15,12 +16,15 @@ until it fills. Only the null block is zeroed, because padding reads it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from engine.kv.block_pool import NULL_BLOCK_ID
+from engine.kv.full_attention import blocks_for_tokens
+from engine.kv.layer_groups import KVCacheGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +54,10 @@ class KVCacheShape:
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
         return cls(text_config.num_hidden_layers, num_kv_heads // tp_size, head_dim, dtype)
 
+    def for_layers(self, num_layers: int) -> KVCacheShape:
+        """The same cache shape for a group of `num_layers` layers."""
+        return replace(self, num_layers=num_layers)
+
     def bytes_per_token(self) -> int:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
@@ -64,40 +72,71 @@ def free_memory_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def blocks_needed_by_group(
+    group: KVCacheGroupSpec, page_size: int, max_tokens_needed: int, max_requests: int, max_batch_tokens: int
+) -> int:
+    """The most blocks (null block included) `group` can ever use.
+
+    A full-attention group can use a block per page of every token in flight. A request of a
+    sliding-window group holds at most `ceil((window - 1 + n) / page_size) + 1` blocks in a step of
+    `n` tokens, at most `ceil((window - 1) / page_size) + 2 + n / page_size`; summed over
+    `max_requests` requests sharing a step of `max_batch_tokens` tokens.
+    """
+    if group.sliding_window is None:
+        return blocks_for_tokens(max_tokens_needed, page_size) + 1
+    per_request = blocks_for_tokens(group.sliding_window - 1, page_size) + 2
+    return max_requests * per_request + blocks_for_tokens(max_batch_tokens, page_size) + 1
+
+
 def resolve_cache_sizes(
     shape: KVCacheShape,
+    groups: Sequence[KVCacheGroupSpec],
     device: torch.device,
     page_size: int,
     num_blocks: int | None,
     max_batch_tokens: int | None,
     max_memory_percent: float,
     max_tokens_needed: int,
+    max_requests: int,
     activation_bytes_per_token: int,
-) -> tuple[int, int]:
-    """(num_blocks, max_batch_tokens), filling in whichever the user left as None.
+) -> tuple[list[int], int]:
+    """(num_blocks of each group, max_batch_tokens), filling in whatever the user left as None.
 
     `max_batch_tokens` comes first (a fixed default capped so its activations take at most a tenth of
-    the budget); the cache gets the rest of the budget, but never more blocks than `max_tokens_needed`
-    tokens could use.
+    the budget). A user's `num_blocks` goes to the full-attention group whole; a sliding-window group
+    gets what `blocks_needed_by_group` says it can use, capped at `num_blocks`. Auto-sized, the
+    groups share the rest of the budget in proportion to the bytes they can use, never more.
     """
     budget = int(free_memory_bytes(device) * max_memory_percent)
     if max_batch_tokens is None:
         default = DEFAULT_MAX_BATCH_TOKENS_GPU if device.type == "cuda" else DEFAULT_MAX_BATCH_TOKENS_CPU
         affordable = budget // 10 // max(1, activation_bytes_per_token)
         max_batch_tokens = max(MIN_MAX_BATCH_TOKENS, min(default, affordable))
-    if num_blocks is None:
-        bytes_per_block = shape.bytes_per_token() * page_size
-        cache_budget = budget - max_batch_tokens * activation_bytes_per_token
-        useful_blocks = -(-max_tokens_needed // page_size) + 1
-        num_blocks = max(2, min(cache_budget // bytes_per_block, useful_blocks, MAX_AUTO_BLOCKS))
-        logger.info(
-            "KV cache sized from free memory: %d blocks of %d tokens (%.2f GiB), max_batch_tokens=%d",
-            num_blocks,
-            page_size,
-            num_blocks * bytes_per_block / 2**30,
-            max_batch_tokens,
-        )
-    return num_blocks, max_batch_tokens
+    needed = [
+        blocks_needed_by_group(group, page_size, max_tokens_needed, max_requests, max_batch_tokens)
+        for group in groups
+    ]
+    if num_blocks is not None:
+        sized = [
+            num_blocks if group.sliding_window is None else max(2, min(num_blocks, need))
+            for group, need in zip(groups, needed, strict=True)
+        ]
+        return sized, max_batch_tokens
+    bytes_per_block = [
+        shape.for_layers(len(group.layer_indices)).bytes_per_token() * page_size for group in groups
+    ]
+    cache_budget = budget - max_batch_tokens * activation_bytes_per_token
+    needed_bytes = sum(need * size for need, size in zip(needed, bytes_per_block, strict=True))
+    share = min(1.0, max(0, cache_budget) / needed_bytes)
+    sized = [max(2, min(int(need * share), MAX_AUTO_BLOCKS)) for need in needed]
+    logger.info(
+        "KV cache sized from free memory: %s blocks of %d tokens (%.2f GiB), max_batch_tokens=%d",
+        ", ".join(f"{group.name} {count}" for group, count in zip(groups, sized, strict=True)),
+        page_size,
+        sum(count * size for count, size in zip(sized, bytes_per_block, strict=True)) / 2**30,
+        max_batch_tokens,
+    )
+    return sized, max_batch_tokens
 
 
 class PagedKVCache:

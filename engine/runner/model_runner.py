@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager
+from engine.kv.layer_groups import KVCacheGroupSpec
 from engine.request import SamplingParams
-from engine.runner.attention import PagedAttentionMetadata, PrefillSegment
+from engine.runner.attention import GroupSlots, PagedAttentionMetadata, PrefillSegment
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.sampling import Sampler, request_generator
 from engine.scheduler import SchedulerOutput
@@ -33,72 +35,80 @@ class BatchInputs:
 
 
 class ModelRunner:
+    """Runs the model over the paged cache of every cache group.
+
+    `kv_caches[g]` holds the layers `groups[g].layer_indices`, and `host_kv_caches[g]` (when CPU
+    offload is on) its host copies.
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_cache: PagedKVCache,
+        groups: Sequence[KVCacheGroupSpec],
+        kv_caches: Sequence[PagedKVCache],
         kv_cache_manager: KVCacheManager,
         sampler: Sampler,
-        host_kv_cache: HostKVCache | None = None,
+        host_kv_caches: Sequence[HostKVCache] | None = None,
     ) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        self.groups = list(groups)
+        self.kv_caches = list(kv_caches)
         self.kv_cache_manager = kv_cache_manager
         self.sampler = sampler
-        self.host_kv_cache = host_kv_cache
-        self.device = kv_cache.device
-        self.page_size = kv_cache.page_size
+        self.host_kv_caches = list(host_kv_caches) if host_kv_caches is not None else None
+        self.device = kv_caches[0].device
+        self.page_size = kv_caches[0].page_size
+        num_layers = sum(len(group.layer_indices) for group in groups)
+        self._layer_groups = [0] * num_layers
+        self._key_caches: list[torch.Tensor] = [kv_caches[0].key_caches[0]] * num_layers
+        self._value_caches: list[torch.Tensor] = [kv_caches[0].value_caches[0]] * num_layers
+        for group_index, (group, cache) in enumerate(zip(groups, kv_caches, strict=True)):
+            for local_index, layer in enumerate(group.layer_indices):
+                self._layer_groups[layer] = group_index
+                self._key_caches[layer] = cache.key_caches[local_index]
+                self._value_caches[layer] = cache.value_caches[local_index]
         self._placeholder_mask = torch.zeros(1, 1, 0, 0, device=self.device)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
-        page_size = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
-        write_slots: list[int] = []
         logits_indices: list[int] = []
         decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
         decode_lengths: list[int] = []
-        prefill: list[tuple[int, int, list[int], int, int]] = []
+        prefill: list[PrefillSegment] = []
+        decode_items: list[tuple[str, int]] = []  # (request id, first new position)
+        prefill_items: list[tuple[str, int, int]] = []  # (request id, first new position, end)
         for item in scheduler_output.scheduled:
             request = item.request
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
-            table = self.kv_cache_manager.block_ids(request.request_id)
             row = len(input_ids)
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
-            write_slots.extend(table[p // page_size] * page_size + p % page_size for p in range(start, end))
             if item.samples_token:
                 logits_indices.append(row + item.num_new_tokens - 1)
             if item.num_new_tokens == 1:
                 decode_rows.append(row)
-                decode_tables.append(table)
                 decode_lengths.append(end)
+                decode_items.append((request.request_id, start))
             else:
-                prefill.append((row, row + item.num_new_tokens, table, end, start))
+                prefill.append(PrefillSegment(row, row + item.num_new_tokens, start))
+                prefill_items.append((request.request_id, start, end))
 
         device = self.device
+        lengths = torch.tensor(decode_lengths, dtype=torch.long, device=device) if decode_rows else None
         metadata = PagedAttentionMetadata(
-            key_caches=self.kv_cache.key_caches,
-            value_caches=self.kv_cache.value_caches,
-            write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
-            decode_rows=None,
-            decode_key_slots=None,
-            decode_lengths=None,
-            prefill_segments=[],
+            key_caches=self._key_caches,
+            value_caches=self._value_caches,
+            layer_groups=self._layer_groups,
+            groups=[
+                self._group_slots(index, scheduler_output, decode_items, lengths, prefill_items)
+                for index in range(len(self.groups))
+            ],
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device) if decode_rows else None,
+            decode_lengths=lengths,
+            prefill_segments=prefill,
             decode_rows_are_all_rows=not prefill,
         )
-        if decode_rows:
-            lengths = torch.tensor(decode_lengths, dtype=torch.long, device=device)
-            metadata.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            metadata.decode_lengths = lengths
-            metadata.decode_key_slots = self._padded_slots(decode_tables, lengths, max(decode_lengths))
-        for query_start, query_end, table, num_keys, first_position in prefill:
-            blocks = torch.tensor(table[: -(-num_keys // page_size)], dtype=torch.long, device=device)
-            slots = (blocks.unsqueeze(1) * page_size + torch.arange(page_size, device=device)).flatten()[
-                :num_keys
-            ]
-            metadata.prefill_segments.append(PrefillSegment(query_start, query_end, slots, first_position))
         return BatchInputs(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=device),
@@ -106,20 +116,69 @@ class ModelRunner:
             metadata=metadata,
         )
 
-    def _padded_slots(self, tables: list[list[int]], lengths: torch.Tensor, max_length: int) -> torch.Tensor:
-        """[B, max_length] cache slots of each decode row; slots past a row's length read the null block."""
+    def _first_key_position(self, group: int, first_query_position: int) -> int:
+        """The first position any query from `first_query_position` on may attend to in `group`."""
+        window = self.groups[group].sliding_window
+        return 0 if window is None else max(0, first_query_position - window + 1)
+
+    def _group_slots(
+        self,
+        group: int,
+        scheduler_output: SchedulerOutput,
+        decode_items: list[tuple[str, int]],
+        decode_lengths: torch.Tensor | None,
+        prefill_items: list[tuple[str, int, int]],
+    ) -> GroupSlots:
         page_size = self.page_size
-        num_blocks = -(-max_length // page_size)
-        padded = [
-            table[:num_blocks] + [NULL_BLOCK_ID] * (num_blocks - len(table[:num_blocks])) for table in tables
-        ]
-        block_table = torch.tensor(padded, dtype=torch.long, device=self.device)
-        key_positions = torch.arange(max_length, device=self.device)
-        slots = block_table[:, key_positions // page_size] * page_size + key_positions % page_size
-        # Slots past the length may hold bytes never written; NaN there would survive a -inf mask.
-        return slots.masked_fill_(
-            key_positions.unsqueeze(0) >= lengths.unsqueeze(1), NULL_BLOCK_ID * page_size
+        device = self.device
+        manager = self.kv_cache_manager
+        write_slots: list[int] = []
+        for item in scheduler_output.scheduled:
+            table = manager.block_ids(item.request.request_id, group)
+            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            write_slots.extend(table[p // page_size] * page_size + p % page_size for p in range(start, end))
+        slots = GroupSlots(
+            write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
+            decode_key_slots=None,
+            decode_first_key_positions=None,
+            prefill_key_slots=[],
+            prefill_first_key_positions=[],
         )
+        if decode_items:
+            assert decode_lengths is not None
+            tables = [manager.block_ids(request_id, group) for request_id, _ in decode_items]
+            firsts = [self._first_key_position(group, start) for _, start in decode_items]
+            first_positions = torch.tensor(firsts, dtype=torch.long, device=device)
+            slots.decode_first_key_positions = first_positions
+            slots.decode_key_slots = self._padded_slots(tables, first_positions, decode_lengths)
+        for request_id, start, end in prefill_items:
+            table = manager.block_ids(request_id, group)
+            first = self._first_key_position(group, start)
+            first_page = first // page_size
+            blocks = torch.tensor(table[first_page : -(-end // page_size)], dtype=torch.long, device=device)
+            page_slots = (blocks.unsqueeze(1) * page_size + torch.arange(page_size, device=device)).flatten()
+            offset = first - first_page * page_size
+            slots.prefill_key_slots.append(page_slots[offset : offset + end - first])
+            slots.prefill_first_key_positions.append(first)
+        return slots
+
+    def _padded_slots(
+        self, tables: list[list[int]], first_positions: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """[B, max_keys] cache slots of each decode row's keys, from its first key position to its
+        length; slots past a row's length read the null block."""
+        page_size = self.page_size
+        num_pages = max(len(table) for table in tables)
+        padded = [table + [NULL_BLOCK_ID] * (num_pages - len(table)) for table in tables]
+        block_table = torch.tensor(padded, dtype=torch.long, device=self.device)
+        max_keys = int((lengths - first_positions).max())
+        key_positions = first_positions.unsqueeze(1) + torch.arange(max_keys, device=self.device)
+        past_length = key_positions >= lengths.unsqueeze(1)
+        key_positions = key_positions.masked_fill(past_length, 0)
+        blocks = torch.gather(block_table, 1, key_positions // page_size)
+        slots = blocks * page_size + key_positions % page_size
+        # Slots past the length may hold bytes never written; NaN there would survive a -inf mask.
+        return slots.masked_fill_(past_length, NULL_BLOCK_ID * page_size)
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs) -> torch.Tensor:
@@ -137,12 +196,12 @@ class ModelRunner:
 
     def copy_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Offloads before restores: a restore may land in a device block an offload just freed."""
-        if self.host_kv_cache is None:
+        if self.host_kv_caches is None:
             return
         for copy in scheduler_output.offloads:
-            self.host_kv_cache.offload(list(copy.device_block_ids), list(copy.host_block_ids))
+            self.host_kv_caches[copy.group].offload(list(copy.device_block_ids), list(copy.host_block_ids))
         for copy in scheduler_output.restores:
-            self.host_kv_cache.restore(list(copy.device_block_ids), list(copy.host_block_ids))
+            self.host_kv_caches[copy.group].restore(list(copy.device_block_ids), list(copy.host_block_ids))
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.copy_blocks(scheduler_output)

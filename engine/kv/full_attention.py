@@ -1,0 +1,131 @@
+"""`FullAttentionManager`: the block tables of a full-attention group, which keep every token, and its
+prefix cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.kv.block_pool import BlockPool, KVBlock
+from engine.kv.prefix_hash import extend_block_hashes
+from engine.request import Request
+
+
+def blocks_for_tokens(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class FullAttentionManager:
+    """Owns each request's block table in one full-attention group, and that group's prefix cache.
+
+    Block tables are append-only while a request holds them: a block's position in the table is the
+    page of the sequence it stores, so token `t` of a request lives in slot
+    `table[t // page_size] * page_size + t % page_size` of every layer of the group.
+    """
+
+    def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool) -> None:
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks)
+        self.block_tables: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self._num_registered_blocks: dict[str, int] = {}
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.block_tables.get(request_id, ())]
+
+    def resume_pages(self, num_tokens: int) -> range:
+        """Pages whose KV a request with `num_tokens` computed tokens reads again: all of them."""
+        return range(blocks_for_tokens(num_tokens, self.page_size))
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest run of leading full blocks of `request` already in the prefix cache.
+
+        The last token is never served from the cache: its forward pass produces the logits of the
+        first new token.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.page_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.page_size
+        hits: list[KVBlock] = []
+        parent_hash: bytes | None = None
+        for index in range(min(max_hit_blocks, len(request.block_hashes))):
+            block_hash = request.block_hashes[index]
+            start = index * self.page_size
+            page = tuple(request.all_token_ids[start : start + self.page_size])
+            block = self.block_pool.lookup(block_hash, parent_hash, page)
+            if block is None:
+                break
+            hits.append(block)
+            parent_hash = block_hash
+        return hits
+
+    def can_allocate(
+        self, request_id: str, num_computed: int, num_new_tokens: int, computed_blocks: Sequence[KVBlock]
+    ) -> bool:
+        """Whether `allocate` with the same arguments would find enough free blocks."""
+        num_new_blocks = self._num_new_blocks(request_id, num_computed, num_new_tokens, computed_blocks)
+        # Hits sitting in the free queue leave it when touched, so they are not free for new blocks.
+        num_free_hits = sum(1 for block in computed_blocks if block.ref_count == 0)
+        return num_new_blocks <= self.block_pool.num_free_blocks - num_free_hits
+
+    def allocate(
+        self, request: Request, num_computed: int, num_new_tokens: int, computed_blocks: Sequence[KVBlock]
+    ) -> list[KVBlock]:
+        """Extends the table to cover tokens [0, num_computed + num_new_tokens); `computed_blocks` are
+        prefix-cache hits for a request being admitted, appended to its (empty) table first. The caller
+        has checked `can_allocate`. Returns the newly allocated blocks."""
+        num_new_blocks = self._num_new_blocks(
+            request.request_id, num_computed, num_new_tokens, computed_blocks
+        )
+        table = self.block_tables.setdefault(request.request_id, [])
+        self.block_pool.touch(computed_blocks)
+        new_blocks = self.block_pool.allocate(num_new_blocks)
+        table.extend(computed_blocks)
+        table.extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, table, num_computed + num_new_tokens)
+        return new_blocks
+
+    def free(self, request_id: str) -> None:
+        """Releases the request's blocks, tail first so its least shareable blocks are evicted first."""
+        table = self.block_tables.pop(request_id, None)
+        self._num_registered_blocks.pop(request_id, None)
+        if table:
+            self.block_pool.free(reversed(table))
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix. Blocks that live requests hold now are never registered
+        again: their KV may predate the event that made the cache stale (a weight update)."""
+        self.block_pool.reset_prefix_cache()
+        for request_id, table in self.block_tables.items():
+            self._num_registered_blocks[request_id] = len(table)
+
+    def _num_new_blocks(
+        self, request_id: str, num_computed: int, num_new_tokens: int, computed_blocks: Sequence[KVBlock]
+    ) -> int:
+        num_held = len(self.block_tables.get(request_id, ())) + len(computed_blocks)
+        return max(0, blocks_for_tokens(num_computed + num_new_tokens, self.page_size) - num_held)
+
+    def _register_full_blocks(
+        self, request: Request, table: list[KVBlock], num_tokens_after_step: int
+    ) -> None:
+        # A block is registered once this step fills it. Attention writes every new token of a step
+        # before any request reads the cache, so a request admitted later in the same step may
+        # already share it.
+        num_full = min(num_tokens_after_step, request.num_tokens) // self.page_size
+        start = self._num_registered_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.page_size)
+        for index in range(start, num_full):
+            parent_hash = request.block_hashes[index - 1] if index else None
+            if index and table[index - 1].block_hash != parent_hash:
+                # Another block owns the parent's hash (this request computed the same page twice, or
+                # the registration was refused): a lookup reaching this block through that owner
+                # would be trusting KV computed after a block it never checked. Register no further.
+                num_full = index
+                break
+            page = tuple(request.all_token_ids[index * self.page_size : (index + 1) * self.page_size])
+            self.block_pool.cache_block(table[index], request.block_hashes[index], parent_hash, page)
+        self._num_registered_blocks[request.request_id] = num_full

@@ -1,0 +1,50 @@
+"""KV cache groups: which layers share a block pool, derived from the model config.
+
+Full-attention layers keep every token of a request; sliding-window layers only need the last
+`sliding_window` tokens. The two kinds cannot share block tables (a sliding table drops pages a full
+table keeps), so each kind is one group with its own pool, tables and tensors. A model with one kind of
+layer has one group; a hybrid model (Gemma 2: alternating sliding and full layers) has both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """The layers of one group and their attention span (`sliding_window` None: full attention)."""
+
+    layer_indices: tuple[int, ...]
+    sliding_window: int | None
+
+    @property
+    def name(self) -> str:
+        return "full" if self.sliding_window is None else "sliding"
+
+
+def kv_cache_groups(text_config: Any) -> list[KVCacheGroupSpec]:
+    """The model's groups, the full-attention group first when there is one.
+
+    `layer_types` ("sliding_attention" / "full_attention" per layer) wins when the config has it;
+    otherwise `sliding_window` (unless `use_sliding_window` is False) makes every layer sliding.
+    """
+    num_layers: int = text_config.num_hidden_layers
+    window: int | None = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types:
+        sliding = [index for index, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    elif window is not None and getattr(text_config, "use_sliding_window", True):
+        sliding = list(range(num_layers))
+    else:
+        sliding = []
+    if sliding and window is None:
+        raise ValueError("the model config has sliding_attention layers but no sliding_window")
+    full = [index for index in range(num_layers) if index not in set(sliding)]
+    groups = []
+    if full:
+        groups.append(KVCacheGroupSpec(tuple(full), None))
+    if sliding:
+        groups.append(KVCacheGroupSpec(tuple(sliding), window))
+    return groups
