@@ -154,6 +154,36 @@ def run_cbserve(
     return _ordered_tokens("cbserve", outputs, len(prompts))
 
 
+def cbserve_step_breakdown(
+    model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int, options: EngineOptions
+) -> dict[str, Any]:
+    """One extra, untimed cbserve run through the manager, to read where its step time goes.
+
+    Host overhead is everything but the forward pass and sampling: scheduling, input preparation and
+    folding results back.
+    """
+    config = engine.ContinuousBatchingConfig(
+        page_size=options.page_size, num_blocks=options.num_blocks, max_batch_tokens=options.max_batch_tokens
+    )
+    model.set_attn_implementation("sdpa")
+    with engine.continuous_batching_context_manager(
+        model, greedy_config(new_tokens), continuous_batching_config=config
+    ) as manager:
+        ids = manager.add_requests(prompts)
+        for request_id in ids:
+            assert request_id is not None and manager.get_result(request_id, timeout=None) is not None
+        timings = manager.stats().step_timings
+    step_total = sum(value for name, value in timings.items() if name.endswith("_s"))
+    host = timings["schedule_s"] + timings["prepare_inputs_s"] + timings["update_s"]
+    return {
+        "bench": BENCH_NAME,
+        "engine": "cbserve",
+        "step_breakdown_s": timings,
+        "steps": timings["num_steps"],
+        "host_overhead_fraction": round(host / step_total, 4),
+    }
+
+
 def run_transformers_cb(
     model: LlamaForCausalLM,
     prompts: list[list[int]],
@@ -291,6 +321,9 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
             repeat_consistent[engine_name] &= tokens == reference
             _log(f"round {round_index + 1}/{args.repeats} {engine_name}: {seconds:.2f} s")
 
+    if "cbserve" in engines:
+        breakdown = cbserve_step_breakdown(model, prompts, args.new_tokens, options)
+        _log(f"cbserve step breakdown: {breakdown['step_breakdown_s']}")
     useful_flops = 2 * n_body * (prompt_tokens + generated_tokens) + 2 * n_lm_head * generated_tokens
     static_tokens = first_tokens.get("static")
     records: list[dict[str, Any]] = []
@@ -316,6 +349,9 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "parity_vs_static": None if static_tokens is None else parity_fraction(tokens, static_tokens),
             }
         )
+
+    if "cbserve" in engines:
+        records.append(breakdown)
 
     def ratio(peer: str) -> float | None:
         if "cbserve" not in throughput or peer not in throughput:

@@ -179,7 +179,10 @@ class EngineCore:
 
     def step(self) -> StepResult:
         result = StepResult()
+        timings = self.runner.timings
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        timings.schedule_s += time.perf_counter() - started
         now = time.time()
         for failed in scheduler_output.failed:
             self.requests.pop(failed.request_id, None)
@@ -211,6 +214,8 @@ class EngineCore:
             return result
         self._release_host_blocks()
 
+        updating = time.perf_counter()
+        timings.num_steps += 1
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.token_ids)
         now = time.time()
         for item, logprob, top in zip(
@@ -231,4 +236,5 @@ class EngineCore:
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
                 result.finished.append(request)
+        timings.update_s += time.perf_counter() - updating
         return result

@@ -58,6 +58,8 @@ class ManagerStats:
     recomputed_tokens: int
     failed_steps: int
     prefix_caching_enabled: bool
+    # Seconds per step phase since the engine was built: schedule, prepare_inputs, forward, sample, update.
+    step_timings: dict[str, float]
 
 
 class ContinuousBatchingManager:
@@ -445,6 +447,7 @@ class ContinuousBatchingManager:
             recomputed_tokens=engine.scheduler.counters.recomputed_tokens,
             failed_steps=engine.num_failed_steps,
             prefix_caching_enabled=engine.kv_cache_manager.enable_prefix_caching,
+            step_timings=engine.runner.timings.as_dict(),
         )
 
     # ------------------------------------------------------------------ validation

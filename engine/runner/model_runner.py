@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,25 @@ from engine.runner.attention import GroupSlots, PagedAttentionMetadata, PrefillS
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.sampling import Sampler, request_generator
 from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase of the steps so far (host wall clock).
+
+    On a GPU the forward pass is asynchronous: its time shows up where the host first waits for it,
+    in sampling (`.tolist()`), so compare phases on the CPU or with CUDA_LAUNCH_BLOCKING=1.
+    """
+
+    schedule_s: float = 0.0
+    prepare_inputs_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+    num_steps: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: round(value, 4) for name, value in vars(self).items()}
 
 
 @dataclass
@@ -55,6 +75,7 @@ class ModelRunner:
         self.kv_caches = list(kv_caches)
         self.kv_cache_manager = kv_cache_manager
         self.sampler = sampler
+        self.timings = StepTimings()
         self.host_kv_caches = list(host_kv_caches) if host_kv_caches is not None else None
         self.device = kv_caches[0].device
         self.page_size = kv_caches[0].page_size
@@ -204,9 +225,15 @@ class ModelRunner:
             self.host_kv_caches[copy.group].restore(list(copy.device_block_ids), list(copy.host_block_ids))
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        timings = self.timings
+        started = time.perf_counter()
         self.copy_blocks(scheduler_output)
         inputs = self.prepare_inputs(scheduler_output)
+        prepared = time.perf_counter()
         logits = self.forward(inputs)
+        forwarded = time.perf_counter()
+        timings.prepare_inputs_s += prepared - started
+        timings.forward_s += forwarded - prepared
         sampling_items = [item for item in scheduler_output.scheduled if item.samples_token]
         params: list[SamplingParams] = [item.request.sampling for item in sampling_items]
         generators = []
@@ -235,4 +262,5 @@ class ModelRunner:
                 token_ids.append(None)
                 logprobs.append(None)
                 top_logprobs.append(None)
+        timings.sample_s += time.perf_counter() - forwarded
         return ModelRunnerOutput(token_ids, logprobs, top_logprobs)
