@@ -192,17 +192,26 @@ class HostKVCache:
         blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
         return (blocks.unsqueeze(1) * self.page_size + torch.arange(self.page_size, device=device)).flatten()
 
+    def _slot_pairs(
+        self, device_block_ids: list[int], host_block_ids: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Device slots, host slots, and the (device, host) tensor pairs of every layer's keys and values."""
+        device_slots = self._slots(device_block_ids, self.device_cache.device)
+        host_slots = self._slots(host_block_ids, torch.device("cpu"))
+        pairs = list(
+            zip(
+                (*self.device_cache.key_caches, *self.device_cache.value_caches),
+                (*self.key_caches, *self.value_caches),
+                strict=True,
+            )
+        )
+        return device_slots, host_slots, pairs
+
     def offload(self, device_block_ids: list[int], host_block_ids: list[int]) -> None:
         """Copies device blocks to host blocks, every layer."""
         if not device_block_ids:
             return
-        device_slots = self._slots(device_block_ids, self.device_cache.device)
-        host_slots = self._slots(host_block_ids, torch.device("cpu"))
-        pairs = zip(
-            (*self.device_cache.key_caches, *self.device_cache.value_caches),
-            (*self.key_caches, *self.value_caches),
-            strict=True,
-        )
+        device_slots, host_slots, pairs = self._slot_pairs(device_block_ids, host_block_ids)
         for device_cache, host_cache in pairs:
             host_cache.index_copy_(0, host_slots, device_cache.index_select(0, device_slots).cpu())
 
@@ -210,16 +219,9 @@ class HostKVCache:
         """Copies host blocks back into device blocks, every layer."""
         if not device_block_ids:
             return
-        device = self.device_cache.device
-        device_slots = self._slots(device_block_ids, device)
-        host_slots = self._slots(host_block_ids, torch.device("cpu"))
-        pairs = zip(
-            (*self.device_cache.key_caches, *self.device_cache.value_caches),
-            (*self.key_caches, *self.value_caches),
-            strict=True,
-        )
+        device_slots, host_slots, pairs = self._slot_pairs(device_block_ids, host_block_ids)
         for device_cache, host_cache in pairs:
-            rows = host_cache.index_select(0, host_slots).to(device, non_blocking=True)
+            rows = host_cache.index_select(0, host_slots).to(self.device_cache.device, non_blocking=True)
             device_cache.index_copy_(0, device_slots, rows)
 
 
