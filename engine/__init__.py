@@ -9,7 +9,7 @@ from engine.api import (
 )
 from engine.config import ContinuousBatchingConfig
 from engine.errors import QueueFullError
-from engine.manager import ContinuousBatchingManager, ManagerStats
+from engine.manager import ContinuousBatchingManager, ManagerStats, PauseHandle
 from engine.request import FinishReason, GenerationOutput, RequestStatus, SamplingParams
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "FinishReason",
     "GenerationOutput",
     "ManagerStats",
+    "PauseHandle",
     "QueueFullError",
     "RequestStatus",
     "SamplingParams",

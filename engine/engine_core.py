@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,7 @@ from engine.runner.kv_cache import (
 )
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import Sampler
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,10 @@ class EngineCore:
         )
         self.requests: dict[str, Request] = {}
         self.num_failed_steps = 0
+        # Version of the weights in the model, stamped on every token (the manager bumps it on updates).
+        self.weight_version = 1
+        # While True (a WAIT pause is pending), requests never scheduled stay queued; in-flight ones run.
+        self.hold_admission = False
         register_paged_attention()
 
     def add_request(self, request: Request) -> bool:
@@ -177,11 +182,30 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_in_flight_requests(self) -> bool:
+        """Whether a request that was scheduled at least once (running, or preempted) has not ended."""
+        if self.scheduler.running:
+            return True
+        waiting = self.scheduler.waiting
+        return any(not request.is_finished and request.scheduled_time is not None for request in waiting)
+
+    def _schedule(self) -> SchedulerOutput:
+        if not self.hold_admission:
+            return self.scheduler.schedule()
+        waiting = self.scheduler.waiting
+        held = [request for request in waiting if request.scheduled_time is None]
+        self.scheduler.waiting = deque(request for request in waiting if request.scheduled_time is not None)
+        try:
+            return self.scheduler.schedule()
+        finally:
+            # Requests preempted by this schedule went to the front; the held ones keep their order behind.
+            self.scheduler.waiting.extend(held)
+
     def step(self) -> StepResult:
         result = StepResult()
         timings = self.runner.timings
         started = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         timings.schedule_s += time.perf_counter() - started
         now = time.time()
         for failed in scheduler_output.failed:
@@ -228,6 +252,7 @@ class EngineCore:
                 request.top_logprobs.append(top)
         for item in advanced:
             request = item.request
+            request.weight_version = self.weight_version
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.record_timestamps:

@@ -28,6 +28,7 @@ from engine.engine_core import EngineCore, StepResult, cb_attention_implementati
 from engine.errors import QueueFullError
 from engine.output_router import OutputRouter
 from engine.request import FinishReason, GenerationOutput, Request, RequestStatus, SamplingParams
+from engine.weights import apply_weights, stage_weights
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NEW_TOKENS = 20
 SAMPLING_KWARGS = ("temperature", "top_k", "top_p", "seed", "do_sample", "logprobs", "top_logprobs")
 IDLE_WAIT_S = 0.05
+PAUSE_MODES = ("keep", "wait", "abort")
+
+
+@dataclass
+class PauseHandle:
+    """What `pause()` yields: its mode and, for "abort", how many requests it cancelled."""
+
+    mode: str = "keep"
+    cancelled: int = 0
+    # Set by the loop: for "wait", once no in-flight request is left; for "abort", once they are cancelled.
+    done: bool = False
 
 
 @dataclass
@@ -60,6 +72,9 @@ class ManagerStats:
     prefix_caching_enabled: bool
     # Seconds per step phase since the engine was built: schedule, prepare_inputs, forward, sample, update.
     step_timings: dict[str, float]
+    # Version of the weights served: 1 at start, +1 per `update_weights`.
+    weight_version: int = 1
+    weight_version_label: str | None = None
 
 
 class ContinuousBatchingManager:
@@ -96,6 +111,11 @@ class ContinuousBatchingManager:
         self._original_attn_implementation: str | None = None
         self._stats: ManagerStats | None = None
         self.warmed_up = False
+        # WAIT pauses whose in-flight requests have not all ended yet (the loop keeps stepping for them).
+        self._pending_waits: list[PauseHandle] = []
+        self._update_lock = threading.Lock()
+        self.weight_version = 1
+        self.weight_version_label: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -194,23 +214,70 @@ class ContinuousBatchingManager:
         self._destroyed = True
 
     @contextmanager
-    def pause(self) -> Iterator[None]:
+    def pause(self, mode: str = "keep") -> Iterator[PauseHandle]:
         """Holds the loop between two steps while the block runs (e.g. to update weights in place).
 
-        The cache and every in-flight request are kept. Pauses nest across threads: the loop resumes
-        when the last holder leaves.
+        `mode`: "keep" (default) holds at once; the cache and every in-flight request are kept and
+        continue after the resume. "wait" admits no new request (they stay queued), lets the in-flight
+        ones finish, then holds. "abort" cancels every in-flight and queued request (each ends
+        CANCELLED), then holds. Pauses nest across threads: the loop resumes when the last holder leaves.
         """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        handle = PauseHandle(mode)
         with self._cond:
             self._pause_holders += 1
+            if mode == "wait":
+                self._pending_waits.append(handle)
+            elif mode == "abort":
+                if self.is_running():
+                    self._inbox.append(("abort", handle))
+                elif self._engine is not None:
+                    self._abort_all(self._engine, handle)
             self._cond.notify_all()
-            while not self._loop_paused and self.is_running():
-                self._cond.wait(IDLE_WAIT_S)
         try:
-            yield
+            with self._cond:
+                while self.is_running() and not (self._loop_paused and (handle.done or mode == "keep")):
+                    self._cond.wait(IDLE_WAIT_S)
+                handle.done = True
+            yield handle
         finally:
             with self._cond:
                 self._pause_holders -= 1
+                if handle in self._pending_waits:
+                    self._pending_waits.remove(handle)
                 self._cond.notify_all()
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, state_dict_or_path: Any, version: str | None = None) -> int:
+        """Replaces model weights in place and returns the new `weight_version`.
+
+        `state_dict_or_path`: a mapping (or iterable of pairs) of name -> tensor, or the path of a
+        safetensors file, of a folder of them, or of a "*.safetensors.index.json". Every tensor is
+        checked (known parameter or buffer, equal shape, castable dtype) before any is written: a bad
+        update raises ValueError naming the tensor and changes nothing. Runs under a KEEP pause (joining
+        any pause the caller holds): in-flight requests keep their cache and continue, their later tokens
+        come from the new weights. Prefix-cache entries (computed with the old weights) are dropped.
+        Concurrent updates are serialised.
+        """
+        engine = self._ensure_engine()
+        with self._update_lock, self.pause():
+            staged = stage_weights(self.model, state_dict_or_path)
+            apply_weights(staged)
+            engine.kv_cache_manager.reset_prefix_cache()
+            with self._cond:
+                self.weight_version += 1
+                self.weight_version_label = version
+                engine.weight_version = self.weight_version
+            self._refresh_stats()
+            logger.info(
+                "weights updated: %d tensors, weight_version %d%s",
+                len(staged),
+                self.weight_version,
+                f" ({version})" if version else "",
+            )
+            return self.weight_version
 
     # ------------------------------------------------------------------ submissions
 
@@ -353,8 +420,9 @@ class ContinuousBatchingManager:
             with self._cond:
                 if self._hard_stop_requested:
                     break
-                if self._pause_holders > 0:
-                    self._hold_pause()
+                engine.hold_admission = bool(self._pending_waits)
+                if self._pause_holders > 0 and self._should_park(engine):
+                    self._hold_pause(engine)
                     continue
                 if not engine.has_unfinished_requests():
                     if self._stop_requested and not self._inbox:
@@ -374,15 +442,44 @@ class ContinuousBatchingManager:
         self._refresh_stats()
         self._router.wake_all()
 
-    def _hold_pause(self) -> None:
-        """Called with `_cond` held: parks the loop until the last pause holder leaves."""
+    def _should_park(self, engine: EngineCore) -> bool:
+        """With `_cond` held and a pause held: park unless only WAIT pauses hold, with requests in flight."""
+        holding = self._pause_holders - len(self._pending_waits)
+        return holding > 0 or not engine.has_in_flight_requests()
+
+    def _hold_pause(self, engine: EngineCore) -> None:
+        """Called with `_cond` held: parks the loop until the last pause holder leaves.
+
+        While parked it still applies ABORT pauses (cancelling runs no step), and WAIT pauses are
+        satisfied once no request is in flight.
+        """
         self._loop_paused = True
-        self._refresh_stats()
-        self._cond.notify_all()
-        while self._pause_holders > 0 and not self._hard_stop_requested:
+        while True:
+            if any(command == "abort" for command, _ in self._inbox):
+                commands = list(self._inbox)
+                self._inbox.clear()
+                for command, payload in commands:
+                    self._apply(engine, command, payload)
+            if not engine.has_in_flight_requests():
+                for handle in self._pending_waits:
+                    handle.done = True
+                self._pending_waits.clear()
+            self._refresh_stats()
+            self._cond.notify_all()
+            if self._pause_holders == 0 or self._hard_stop_requested or not self._should_park(engine):
+                break
             self._cond.wait()
         self._loop_paused = False
+        engine.hold_admission = bool(self._pending_waits)
         self._refresh_stats()
+
+    def _abort_all(self, engine: EngineCore, handle: PauseHandle) -> None:
+        for request_id in list(engine.requests):
+            cancelled = engine.cancel_request(request_id)
+            if cancelled is not None:
+                handle.cancelled += 1
+                self._finish(cancelled)
+        handle.done = True
 
     def _apply(self, engine: EngineCore, command: str, payload: Any) -> None:
         if command == "add":
@@ -393,6 +490,8 @@ class ContinuousBatchingManager:
             cancelled = engine.cancel_request(payload)
             if cancelled is not None:
                 self._finish(cancelled)
+        elif command == "abort":
+            self._abort_all(engine, payload)
 
     def _publish(self, result: StepResult) -> None:
         for request in result.advanced:
@@ -448,6 +547,8 @@ class ContinuousBatchingManager:
             failed_steps=engine.num_failed_steps,
             prefix_caching_enabled=engine.kv_cache_manager.enable_prefix_caching,
             step_timings=engine.runner.timings.as_dict(),
+            weight_version=self.weight_version,
+            weight_version_label=self.weight_version_label,
         )
 
     # ------------------------------------------------------------------ validation

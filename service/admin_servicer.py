@@ -1,19 +1,33 @@
-"""The AdminService: pause (held while the call is open), stop, start and status."""
+"""The AdminService: pause (held while the call is open), stop, start, status and weight updates."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
 import grpc
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from service.engine_host import WEIGHT_VERSION
+from engine.weights import dtype_from_name
 from service.host_slot import HostSlot
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_PAUSE_MODES = {
+    admin_pb2.PAUSE_MODE_UNSPECIFIED: "keep",
+    admin_pb2.PAUSE_MODE_KEEP: "keep",
+    admin_pb2.PAUSE_MODE_WAIT: "wait",
+    admin_pb2.PAUSE_MODE_ABORT: "abort",
+}
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
@@ -22,6 +36,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self.max_pause_lease_s = max_pause_lease_s
         # Open Pause calls holding the engine; the engine's own snapshot is stale while its loop is parked.
         self.pause_holders = 0
+        # The weight version the last Pause message reported (read from the engine when it is sent).
+        self.weight_version = 1
 
     async def Pause(
         self, request: admin_pb2.PauseRequest, context: grpc.aio.ServicerContext
@@ -32,13 +48,14 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             if not request.lease_s > 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_s must be > 0")
             lease_s = min(lease_s, request.lease_s)
-        cancelled = 0
-        if request.mode == admin_pb2.PAUSE_MODE_ABORT:
-            cancelled = host.cancel_all()
-        elif request.mode == admin_pb2.PAUSE_MODE_WAIT:
-            await host.wait_idle(timeout=None)
-        async with _held_pause(host.manager.pause()):
+        mode = _PAUSE_MODES.get(request.mode)
+        if mode is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pause mode {request.mode}")
+            raise AssertionError("context.abort raises")
+        self.weight_version = host.weight_version
+        async with _held_pause(host.manager.pause(mode)) as handle:
             self.pause_holders += 1
+            cancelled = handle.cancelled if handle is not None else 0
             try:
                 expires_at = time.time() + lease_s
                 yield self._message(True, expires_at, cancelled)
@@ -47,6 +64,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 await asyncio.sleep(lease_s)
             finally:
                 self.pause_holders -= 1
+        self.weight_version = host.weight_version
         yield self._message(False, expires_at, cancelled)
 
     def _message(self, paused: bool, expires_at: float, cancelled: int) -> admin_pb2.PauseResponse:
@@ -56,7 +74,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             paused=paused,
             holders=self.pause_holders,
             lease_expires_at=stamp,
-            weight_version=WEIGHT_VERSION,
+            weight_version=self.weight_version,
             cancelled_requests=cancelled,
         )
 
@@ -91,7 +109,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             kv_blocks_used=stats.num_blocks_used,
             kv_blocks_total=stats.num_blocks_total,
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-            weight_version=WEIGHT_VERSION,
+            weight_version=host.weight_version,
             preemptions=stats.preemptions,
             offloads=stats.offloaded_blocks,
             restores=stats.restored_blocks,
@@ -110,12 +128,139 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         request_iterator: AsyncIterator[admin_pb2.UpdateWeightsRequest],
         context: grpc.aio.ServicerContext,
     ) -> admin_pb2.UpdateWeightsResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "weight updates arrive with issue 7")
-        raise AssertionError("context.abort raises")
+        host = await self.slot.require(context)
+        try:
+            source, label = await _read_update(request_iterator)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("context.abort raises") from exc
+        loop = asyncio.get_running_loop()
+        try:
+            version = await loop.run_in_executor(None, host.update_weights, source, label)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("context.abort raises") from exc
+        except RuntimeError as exc:  # the engine was destroyed
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise AssertionError("context.abort raises") from exc
+        count = len(source) if isinstance(source, dict) else _count_tensors(source)
+        logger.info("UpdateWeights: weight_version %d (%s), %d tensors", version, label or "-", count)
+        return admin_pb2.UpdateWeightsResponse(
+            weight_version=version, tensors_updated=count, version_label=label or ""
+        )
+
+
+class _PendingTensor:
+    """One tensor's chunks as they arrive, checked for continuity."""
+
+    def __init__(self, chunk: admin_pb2.TensorChunk) -> None:
+        self.name = chunk.name
+        self.dtype_name = chunk.dtype
+        try:
+            self.dtype = dtype_from_name(chunk.dtype)
+        except ValueError as exc:
+            raise ValueError(f"tensor {chunk.name!r}: {exc}") from None
+        self.shape = tuple(int(dim) for dim in chunk.shape)
+        if any(dim < 0 for dim in self.shape):
+            raise ValueError(f"tensor {chunk.name!r}: negative dimension in shape {list(self.shape)}")
+        self.sha256 = chunk.sha256.lower()
+        self.size = math.prod(self.shape) * self.dtype.itemsize
+        self.data = bytearray()
+
+    def add(self, chunk: admin_pb2.TensorChunk) -> None:
+        if (chunk.dtype, tuple(chunk.shape), chunk.sha256.lower()) != (
+            self.dtype_name,
+            self.shape,
+            self.sha256,
+        ):
+            raise ValueError(f"tensor {self.name!r}: dtype, shape or sha256 differ between its chunks")
+        if chunk.byte_offset != len(self.data):
+            raise ValueError(
+                f"tensor {self.name!r}: chunk at byte_offset {chunk.byte_offset}, expected {len(self.data)} "
+                "(chunks must be consecutive, without gaps or overlaps)"
+            )
+        if len(self.data) + len(chunk.data) > self.size:
+            raise ValueError(f"tensor {self.name!r}: more bytes than shape and dtype allow ({self.size})")
+        self.data += chunk.data
+
+    def finish(self) -> Any:
+        import torch
+
+        if len(self.data) != self.size:
+            raise ValueError(
+                f"tensor {self.name!r}: {len(self.data)} bytes received, {self.size} expected "
+                f"for shape {list(self.shape)} and dtype {self.dtype_name}"
+            )
+        if hashlib.sha256(self.data).hexdigest() != self.sha256:
+            raise ValueError(f"tensor {self.name!r}: sha256 mismatch (the bytes are corrupted or incomplete)")
+        if not self.data:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
+
+
+async def _read_update(
+    request_iterator: AsyncIterator[admin_pb2.UpdateWeightsRequest],
+) -> tuple[Any, str | None]:
+    """The update the stream carries: a dict of tensors or a safetensors path, and the version label."""
+    label: str | None = None
+    path: str | None = None
+    tensors: dict[str, Any] = {}
+    current: _PendingTensor | None = None
+    async for message in request_iterator:
+        kind = message.WhichOneof("payload")
+        if kind == "version_label":
+            if label is not None:
+                raise ValueError("version_label given more than once")
+            label = message.version_label
+        elif kind == "safetensors_path":
+            if path is not None or tensors or current is not None:
+                raise ValueError("a stream carries either tensor chunks or one safetensors_path")
+            path = message.safetensors_path
+            if not path:
+                raise ValueError("safetensors_path is empty")
+        elif kind == "chunk":
+            if path is not None:
+                raise ValueError("a stream carries either tensor chunks or one safetensors_path")
+            chunk = message.chunk
+            if not chunk.name:
+                raise ValueError("a tensor chunk has no name")
+            if current is not None and chunk.name == current.name:
+                current.add(chunk)
+                continue
+            if current is not None:
+                tensors[current.name] = current.finish()
+            if chunk.name in tensors:
+                raise ValueError(f"tensor {chunk.name!r}: sent twice or its chunks are not consecutive")
+            current = _PendingTensor(chunk)
+            current.add(chunk)
+        else:
+            raise ValueError("an UpdateWeightsRequest has no payload")
+    if current is not None:
+        tensors[current.name] = current.finish()
+    if path is not None:
+        return path, label
+    if not tensors:
+        raise ValueError("the update has no tensors and no safetensors_path")
+    return tensors, label
+
+
+def _count_tensors(path: Any) -> int:
+    from engine.weights import safetensors_files
+
+    count = 0
+    try:
+        from safetensors import safe_open
+
+        for file in safetensors_files(str(path)):
+            with safe_open(file, framework="pt") as handle:
+                count += len(list(handle.keys()))
+    except Exception:  # counted after a successful update: the files were readable then
+        logger.exception("could not count the tensors of %s", path)
+    return count
 
 
 @contextlib.asynccontextmanager
-async def _held_pause(pause: AbstractContextManager[None]) -> AsyncIterator[None]:
+async def _held_pause(pause: AbstractContextManager[T]) -> AsyncIterator[T]:
     """Enters the engine's (blocking) pause in a worker thread and always leaves it.
 
     Waiting for the loop to park blocks, so it runs off the event loop. If this call ends while that
@@ -123,15 +268,15 @@ async def _held_pause(pause: AbstractContextManager[None]) -> AsyncIterator[None
     """
     entering = asyncio.get_running_loop().run_in_executor(None, pause.__enter__)
     try:
-        await asyncio.shield(entering)
+        value = await asyncio.shield(entering)
     except asyncio.CancelledError:
         entering.add_done_callback(lambda _: _release(pause))
         raise
     try:
-        yield
+        yield value
     finally:
         _release(pause)
 
 
-def _release(pause: AbstractContextManager[None]) -> None:
+def _release(pause: AbstractContextManager[Any]) -> None:
     pause.__exit__(None, None, None)

@@ -22,7 +22,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_RETENTION_S = 300.0
 # transformers' GenerationConfig default (max_length=20) read as a number of new tokens, as the engine does.
 FALLBACK_MAX_NEW_TOKENS = 20
-WEIGHT_VERSION = 1
 
 
 def load_pretrained(path: str) -> tuple[torch.nn.Module, Any | None]:
@@ -184,7 +183,7 @@ class EngineHost:
             request_id,
             len(prepared.input_ids),
             self.tokenizer,
-            WEIGHT_VERSION,
+            self.weight_version,
             logprobs=prepared.wants_logprobs,
             record_timestamps=prepared.record_timestamps,
         )
@@ -224,6 +223,15 @@ class EngineHost:
 
     def stats(self) -> ManagerStats:
         return self.manager.stats()
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights served now (1 at start, +1 per update)."""
+        return self.manager.weight_version
+
+    def update_weights(self, source: Any, version_label: str | None = None) -> int:
+        """Applies new weights through the engine (blocking: call it from a worker thread)."""
+        return self.manager.update_weights(source, version=version_label)
 
 
 def _as_list(eos_token_id: Any) -> list[int]:

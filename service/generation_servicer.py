@@ -9,7 +9,7 @@ import grpc
 from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
 from opentelemetry.context import Context
 
-from service.engine_host import WEIGHT_VERSION, EngineHost
+from service.engine_host import EngineHost
 from service.host_slot import HostSlot
 from service.request_record import RequestRecord
 from service.tracing import RequestTracer, parent_context
@@ -68,7 +68,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             eos_token_ids=host.eos_token_ids,
             has_chat_template=bool(getattr(tokenizer, "chat_template", None)),
             has_tokenizer=tokenizer is not None,
-            weight_version=WEIGHT_VERSION,
+            weight_version=host.weight_version,
         )
 
     async def Generate(

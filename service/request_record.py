@@ -55,6 +55,8 @@ class RequestRecord:
         self.weight_version = weight_version
         self.status = RequestStatus.PENDING
         self.token_ids: list[int] = []
+        # The weight version that produced each token.
+        self._token_versions: list[int] = []
         self.finish_reason: str | None = None
         self.error = ""
         self.num_cached_tokens = 0
@@ -90,9 +92,12 @@ class RequestRecord:
             self.scheduled_at = now
         if new_tokens and self.first_token_at is None:
             self.first_token_at = now
+        if output.weight_version:
+            self.weight_version = output.weight_version
         for token in new_tokens:
             index = len(self.token_ids)
             self.token_ids.append(token)
+            self._token_versions.append(self.weight_version)
             self._text_by_token.append(self._detokenizer.step(self.token_ids) if self._detokenizer else "")
             if self._want_logprobs and index < len(output.logprobs):
                 self._logprobs.append(_token_logprob(output, index))
@@ -161,7 +166,7 @@ class RequestRecord:
             token_ids=self.token_ids[start:end],
             logprobs=self._logprobs[start:end],
             status=_STATUS[self.status],
-            weight_version=self.weight_version,
+            weight_version=self._token_versions[end - 1] if end > start else self.weight_version,
             token_timestamps=self._token_times[start:end] if self._want_timestamps else [],
         )
         if self._detokenizer is not None:

@@ -34,21 +34,6 @@ def test_no_token_configured_refuses_every_admin_call(model) -> None:
         running.close()
 
 
-def test_update_weights_is_unimplemented_for_now(served: RunningServer) -> None:
-    from service_harness import ADMIN_TOKEN
-
-    with grpc.insecure_channel(served.admin_target) as channel:
-        stub = admin_pb2_grpc.AdminServiceStub(channel)
-        with pytest.raises(grpc.RpcError) as caught:
-            stub.UpdateWeights(
-                iter([admin_pb2.UpdateWeightsRequest(version_label="x")]),
-                metadata=[("authorization", f"Bearer {ADMIN_TOKEN}")],
-                timeout=10,
-            )
-    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "issue 7" in caught.value.details()
-
-
 def test_pause_stops_tokens_while_held_and_nests(client: Client, admin: AdminClient) -> None:
     request_id = client.submit(random_prompt(20, 11), max_new_tokens=900, ignore_eos=True)
     next(chunk for chunk in client.results(request_id) if chunk.token_ids)

@@ -1,0 +1,93 @@
+"""Admin.UpdateWeights through the Python SDK against a live server (issue 7, weight updates)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+from cbserve_client import AdminClient, Client
+from safetensors.torch import save_file
+from service_harness import ADMIN_TOKEN, ByteTokenizer, RunningServer
+from transformers import AutoModelForCausalLM
+
+from tests.conftest import random_prompt, reference_greedy, tiny_config, tiny_model
+
+
+def _other_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(
+        tiny_config("llama"), attn_implementation="sdpa", dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def own_served() -> Iterator[RunningServer]:
+    running = RunningServer(copy.deepcopy(tiny_model("llama")), tokenizer=ByteTokenizer())
+    try:
+        running.load()
+        yield running
+    finally:
+        running.close()
+
+
+def test_update_weights_streamed_and_from_safetensors(own_served: RunningServer, tmp_path) -> None:
+    prompt = random_prompt(10, 21)
+    with (
+        Client(own_served.target, timeout=30) as client,
+        AdminClient(own_served.admin_target, token=ADMIN_TOKEN, timeout=30) as admin,
+    ):
+        start = admin.status().weight_version
+        first = client.generate(prompt, max_new_tokens=5)
+        assert first.weight_version == start
+        other = _other_model(31)
+        result = admin.update_weights(other.state_dict(), version="step-1")
+        assert result.weight_version == start + 1 and result.tensors_updated == len(other.state_dict())
+        assert admin.status().weight_version == start + 1
+        assert client.model_info().weight_version == start + 1
+        second = client.generate(prompt, max_new_tokens=5)
+        assert list(second.token_ids) == reference_greedy(other, prompt, 5)
+        assert second.weight_version == start + 1
+
+        third_model = _other_model(41)
+        save_file(
+            {k: v.clone() for k, v in third_model.state_dict().items()}, str(tmp_path / "w.safetensors")
+        )
+        result = admin.update_weights(str(tmp_path / "w.safetensors"))
+        assert result.weight_version == start + 2
+        third = client.generate(prompt, max_new_tokens=5)
+        assert list(third.token_ids) == reference_greedy(third_model, prompt, 5)
+        assert third.weight_version == start + 2
+
+
+def test_corrupted_update_is_rejected_and_changes_nothing(own_served: RunningServer) -> None:
+    import grpc
+    from cbserve_client import _weights
+    from cbserve_client.proto import admin_pb2_grpc
+
+    prompt = random_prompt(10, 22)
+    other = _other_model(51)
+    with (
+        Client(own_served.target, timeout=30) as client,
+        AdminClient(own_served.admin_target, token=ADMIN_TOKEN, timeout=30) as admin,
+    ):
+        version = admin.status().weight_version
+        before = list(client.generate(prompt, max_new_tokens=5).token_ids)
+        messages = list(_weights.update_weights_requests(other.state_dict()))
+        bad = messages[3]
+        bad.chunk.data = bytes([bad.chunk.data[0] ^ 1]) + bad.chunk.data[1:]
+        with grpc.insecure_channel(own_served.admin_target) as channel:
+            stub = admin_pb2_grpc.AdminServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.UpdateWeights(
+                    iter(messages), metadata=[("authorization", f"Bearer {ADMIN_TOKEN}")], timeout=30
+                )
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad.chunk.name in caught.value.details() and "sha256" in caught.value.details()
+        wrong = {"model.norm.weight": torch.ones(3)}
+        with pytest.raises(Exception) as caught_sdk:
+            admin.update_weights(wrong)
+        assert "model.norm.weight" in str(caught_sdk.value)
+        assert admin.status().weight_version == version
+        assert list(client.generate(prompt, max_new_tokens=5).token_ids) == before
