@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
         "--otlp-endpoint",
         help="OTLP/gRPC collector for request traces (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)",
     )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default 0: off)",
+    )
     engine = serve.add_argument_group("engine")
     engine.add_argument("--page-size", type=int)
     engine.add_argument("--num-blocks", type=int)
@@ -91,6 +97,7 @@ async def serve(args: argparse.Namespace, tls: ServerTls | None = None) -> None:
         admin_token=load_admin_token(args.admin_token_file),
         tls=tls,
         otlp_endpoint=args.otlp_endpoint,
+        metrics_port=args.metrics_port,
     )
     server = CbserveServer(options)
     stopping = asyncio.Event()

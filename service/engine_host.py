@@ -70,6 +70,8 @@ class EngineHost:
         self._records: dict[str, RequestRecord] = {}
         self._draining = False
         self._state_listeners: list[Callable[[], None]] = []
+        # Called once per request when it ends (metrics hook).
+        self._end_listeners: list[Callable[[RequestRecord], None]] = []
         model_config: Any = model.config
         text_config = model_config.get_text_config()
         generation_config = getattr(model, "generation_config", None)
@@ -97,6 +99,10 @@ class EngineHost:
     def add_state_listener(self, listener: Callable[[], None]) -> None:
         """`listener()` runs on the event loop whenever `serving` may have changed (health follows it)."""
         self._state_listeners.append(listener)
+
+    def add_request_end_listener(self, listener: Callable[[RequestRecord], None]) -> None:
+        """`listener(record)` runs on the event loop once for each request, when it has ended."""
+        self._end_listeners.append(listener)
 
     def _state_changed(self) -> None:
         for listener in self._state_listeners:
@@ -197,6 +203,11 @@ class EngineHost:
         if record.finished:
             self.counters.finished_requests += 1
             self.counters.generated_tokens += len(record.token_ids)
+            for listener in self._end_listeners:
+                try:
+                    listener(record)
+                except Exception:
+                    logger.exception("a request-end listener failed for %s", record.request_id)
             asyncio.get_running_loop().call_later(self.retention_s, self._forget, record)
 
     def _forget(self, record: RequestRecord) -> None:

@@ -77,6 +77,11 @@ class RequestRecord:
         self._listeners: list[Callable[[RequestRecord], None]] = []
 
     @property
+    def token_times(self) -> list[float]:
+        """When each token arrived (the engine's stamp if recorded, else when its output came): read-only."""
+        return self._token_times
+
+    @property
     def finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
 

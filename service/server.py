@@ -13,13 +13,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
-from service.admin_servicer import AdminServicer
 from service.auth import BearerTokenInterceptor
 from service.engine_host import EngineHost
 from service.generation_servicer import GenerationServicer
 from service.host_slot import HostSlot
+from service.metrics import MeteredAdminServicer, MeteredTracer, ServerMetrics
 from service.tls import ServerTls
-from service.tracing import RequestTracer, build_tracer_provider
+from service.tracing import build_tracer_provider
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class ServerOptions:
     tls: ServerTls | None = None
     # OTLP/gRPC collector for traces; None: $OTEL_EXPORTER_OTLP_ENDPOINT, and no export when that is unset.
     otlp_endpoint: str | None = None
+    # Prometheus text on http://host:metrics_port/metrics; 0 or None: no metrics endpoint.
+    metrics_port: int | None = None
 
 
 class CbserveServer:
@@ -60,6 +62,9 @@ class CbserveServer:
             tracer_provider = build_tracer_provider(options.otlp_endpoint)
         self.tracer_provider = tracer_provider
         self.slot = HostSlot()
+        # Owned by this server (never prometheus_client's global registry); served only with a metrics port.
+        self.metrics = ServerMetrics(self.slot)
+        self.metrics_port: int | None = None
         # Health updates run as tasks (listeners are plain callbacks); kept here so none is collected early.
         self._health_updates: set[asyncio.Future[None]] = set()
         self.health = health.aio.HealthServicer()
@@ -67,10 +72,10 @@ class CbserveServer:
         self.admin_server = grpc.aio.server(interceptors=[BearerTokenInterceptor(options.admin_token)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.main_server)
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.slot, RequestTracer(self.tracer_provider)), self.main_server
+            GenerationServicer(self.slot, MeteredTracer(self.tracer_provider, self.metrics)), self.main_server
         )
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
-            AdminServicer(self.slot, options.max_pause_lease_s), self.admin_server
+            MeteredAdminServicer(self.slot, options.max_pause_lease_s, self.metrics), self.admin_server
         )
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.main_server
@@ -93,6 +98,8 @@ class CbserveServer:
         await self._set_health(False)
         await self.main_server.start()
         await self.admin_server.start()
+        if self.options.metrics_port:
+            self.metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
         tls = self.options.tls
         security = "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS"
         logger.info(
@@ -104,6 +111,7 @@ class CbserveServer:
         loop = asyncio.get_running_loop()
         host = await loop.run_in_executor(None, make_host)
         host.add_state_listener(lambda: self._follow_host(host))
+        host.add_request_end_listener(self.metrics.observe_request_end)
         await host.start_async()
         self.slot.host = host
         return host
@@ -137,6 +145,7 @@ class CbserveServer:
         )
         if host is not None:
             host.destroy()
+        self.metrics.close()
         # Every request has ended by now, so every span has ended: flush them (and stop the exporter).
         provider = self.tracer_provider
         flush = provider.shutdown if self._owns_tracer_provider else provider.force_flush

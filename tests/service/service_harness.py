@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -45,7 +46,8 @@ class RunningServer:
     """Starts the server on free ports; `close()` shuts it down and frees the engine.
 
     `tls` makes both ports TLS (or mutual TLS); `tracer_provider` receives the request spans (without
-    one, the server builds its own, exporting to `otlp_endpoint` if given).
+    one, the server builds its own, exporting to `otlp_endpoint` if given); `metrics_port` serves the
+    Prometheus endpoint at `metrics_url`.
     """
 
     def __init__(
@@ -60,6 +62,7 @@ class RunningServer:
         tls: ServerTls | None = None,
         tracer_provider: TracerProvider | None = None,
         otlp_endpoint: str | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="cbserve-test-server", daemon=True)
@@ -72,6 +75,7 @@ class RunningServer:
             grace_period_s=grace_period_s,
             tls=tls,
             otlp_endpoint=otlp_endpoint,
+            metrics_port=metrics_port,
         )
         self.server: CbserveServer = self.call(self._open(options, tracer_provider))
         self._model = model
@@ -98,6 +102,10 @@ class RunningServer:
         return f"127.0.0.1:{self.server.port}"
 
     @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+
+    @property
     def admin_target(self) -> str:
         return f"127.0.0.1:{self.server.admin_port}"
 
@@ -108,6 +116,13 @@ class RunningServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(CALL_TIMEOUT_S)
             self.loop.close()
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for servers whose port 0 means "off")."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
