@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -13,11 +12,10 @@ import grpc
 from cbserve_client._call import (
     DEFAULT_TIMEOUT,
     Timeout,
-    call_metadata,
     call_once,
-    make_channel,
     resolve_timeout,
 )
+from cbserve_client._channel import ChannelOwner
 from cbserve_client._convert import (
     pause_info_from_proto,
     pause_request,
@@ -35,7 +33,7 @@ __all__ = ["AdminClient"]
 DEFAULT_TIMEOUT_S = 60.0
 
 
-class AdminClient:
+class AdminClient(ChannelOwner):
     """A connection to a cbserve server's AdminService (usually on its own port).
 
     Args:
@@ -57,29 +55,8 @@ class AdminClient:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self.target = target
-        self.timeout = timeout
-        self._token = token
-        self._channel = make_channel(target, credentials, options)
+        super().__init__(target, credentials, token, timeout, options)
         self._stub: Any = admin_pb2_grpc.AdminServiceStub(self._channel)
-
-    def close(self) -> None:
-        """Closes the channel (an open pause is released)."""
-        self._channel.close()
-
-    def __enter__(self) -> AdminClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return call_metadata(self._token)
 
     @contextlib.contextmanager
     def paused(

@@ -12,12 +12,11 @@ import grpc
 from cbserve_client._call import (
     DEFAULT_TIMEOUT,
     Timeout,
-    call_metadata,
     call_once,
     call_with_retry,
-    make_channel,
     resolve_timeout,
 )
+from cbserve_client._channel import ChannelOwner
 from cbserve_client._convert import (
     CompletionBuilder,
     Prompt,
@@ -98,7 +97,7 @@ class ChunkStream(Iterator[Chunk]):
                 call.cancel()
 
 
-class Client:
+class Client(ChannelOwner):
     """A connection to a cbserve server's GenerationService.
 
     Args:
@@ -125,31 +124,8 @@ class Client:
         timeout: float | None = DEFAULT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self.target = target
-        self.timeout = timeout
-        self._token = token
-        self._channel = make_channel(target, credentials, options)
+        super().__init__(target, credentials, token, timeout, options)
         self._stub: Any = generation_pb2_grpc.GenerationServiceStub(self._channel)
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Closes the channel (in-flight streams are cancelled)."""
-        self._channel.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return call_metadata(self._token)
 
     def _timeout(self, timeout: Timeout) -> float | None:
         return resolve_timeout(timeout, self.timeout)
