@@ -118,7 +118,8 @@ def test_model_info_and_client_token(fake_server: FakeServer) -> None:
 
 
 def test_trace_context_is_propagated(fake_server: FakeServer) -> None:
-    trace = pytest.importorskip("opentelemetry.trace")
+    from opentelemetry import trace
+
     context = trace.SpanContext(
         trace_id=0x0AF7651916CD43DD8448EB211C80319C,
         span_id=0xB7AD6B7169203331,

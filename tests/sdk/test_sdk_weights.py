@@ -75,7 +75,8 @@ def test_buffer_protocol_object_with_dtype_and_shape() -> None:
 
 
 def test_numpy_arrays() -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np
+
     a = np.arange(12, dtype=np.float16).reshape(3, 4)
     payload = tensor_payload(a)
     assert (payload.dtype, payload.shape, bytes(payload.data)) == ("F16", (3, 4), a.tobytes())
@@ -86,7 +87,7 @@ def test_numpy_arrays() -> None:
 
 
 def test_objects_with_numpy_method() -> None:
-    np = pytest.importorskip("numpy")
+    import numpy as np
 
     class Tensorish:
         def numpy(self) -> object:
@@ -97,7 +98,8 @@ def test_objects_with_numpy_method() -> None:
 
 
 def test_torch_tensors_including_bfloat16() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
     w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     payload = tensor_payload(w)
     assert (payload.dtype, payload.shape) == ("F32", (2, 3))
