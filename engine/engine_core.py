@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +27,7 @@ from engine.runner.kv_cache import (
 )
 from engine.runner.model_runner import ModelRunner
 from engine.sampling import Sampler
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +139,16 @@ class EngineCore:
         self.num_failed_steps = 0
         # Version of the weights in the model, stamped on every token (the manager bumps it on updates).
         self.weight_version = 1
-        # While True (a WAIT pause is pending), requests never scheduled stay queued; in-flight ones run.
-        self.hold_admission = False
         register_paged_attention()
+
+    @property
+    def hold_admission(self) -> bool:
+        """While True (a WAIT pause is pending), requests never scheduled stay queued; in-flight ones run."""
+        return self.scheduler.hold_new_admissions
+
+    @hold_admission.setter
+    def hold_admission(self, value: bool) -> None:
+        self.scheduler.hold_new_admissions = value
 
     def add_request(self, request: Request) -> bool:
         """Queues `request`, or fails it at once (returns False) when it can never fit."""
@@ -171,7 +177,6 @@ class EngineCore:
             self.scheduler.finish_request(request, RequestStatus.FAILED, FinishReason.ERROR, error)
             failed.append(request)
         self.requests.clear()
-        self.scheduler.waiting.clear()
         self.scheduler.remove_finished_running()
         return failed
 
@@ -186,26 +191,15 @@ class EngineCore:
         """Whether a request that was scheduled at least once (running, or preempted) has not ended."""
         if self.scheduler.running:
             return True
+        # Preempted requests sit at the head of the queue, ahead of every request never admitted.
         waiting = self.scheduler.waiting
-        return any(not request.is_finished and request.scheduled_time is not None for request in waiting)
-
-    def _schedule(self) -> SchedulerOutput:
-        if not self.hold_admission:
-            return self.scheduler.schedule()
-        waiting = self.scheduler.waiting
-        held = [request for request in waiting if request.scheduled_time is None]
-        self.scheduler.waiting = deque(request for request in waiting if request.scheduled_time is not None)
-        try:
-            return self.scheduler.schedule()
-        finally:
-            # Requests preempted by this schedule went to the front; the held ones keep their order behind.
-            self.scheduler.waiting.extend(held)
+        return bool(waiting) and waiting[0].num_preemptions > 0
 
     def step(self) -> StepResult:
         result = StepResult()
         timings = self.runner.timings
         started = time.perf_counter()
-        scheduler_output = self._schedule()
+        scheduler_output = self.scheduler.schedule()
         timings.schedule_s += time.perf_counter() - started
         now = time.time()
         for failed in scheduler_output.failed:

@@ -78,20 +78,24 @@ class Scheduler:
         self.max_model_len = max_model_len
         # Preemption offloads to this pool when it has room, and falls back to recompute otherwise.
         self.host_block_pool = host_block_pool
+        # Invariant: `waiting` holds exactly the PENDING requests (never a finished one), preempted ones
+        # (pushed to the head) ahead of every request never admitted (appended at the tail).
         self.waiting: deque[Request] = deque()
+        # While True, only preempted requests are (re)admitted: a WAIT pause lets in-flight work finish.
+        self.hold_new_admissions = False
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
 
     @property
     def num_waiting(self) -> int:
-        return sum(1 for request in self.waiting if not request.is_finished)
+        return len(self.waiting)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or any(not request.is_finished for request in self.waiting)
+        return bool(self.running) or bool(self.waiting)
 
     def admission_error(self, request: Request) -> str | None:
         """Why `request` can never run, or None. Checked once, when it is added.
@@ -181,9 +185,8 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if request.is_finished:
-                self.waiting.popleft()
-                continue
+            if self.hold_new_admissions and request.num_preemptions == 0:
+                break
             if len(self.running) >= self.max_requests_per_batch:
                 break
             if len(output.scheduled) >= self.max_requests_per_batch:
@@ -350,6 +353,10 @@ class Scheduler:
         """Ends a request wherever it is (waiting, running) and frees its blocks. Idempotent."""
         if request.is_finished:
             return
+        if request.status == RequestStatus.PENDING:
+            # Queued (fresh or preempted): leave the queue now, so it only ever holds live requests and
+            # the loop's per-step checks stay O(1). Cancelling a queued request is O(queue), and rare.
+            self.waiting.remove(request)
         request.status = status
         request.finish_reason = reason
         request.error = error
