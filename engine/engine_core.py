@@ -16,6 +16,7 @@ from engine.config import ContinuousBatchingConfig
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import kv_cache_groups
 from engine.kv.offload import HostBlockPool
+from engine.parallel import TensorParallelGroup, tensor_parallel_size
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
 from engine.runner.kv_cache import (
@@ -68,7 +69,16 @@ def cb_attention_implementation(current: str | None) -> str:
 
 
 class EngineCore:
-    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
+    """`parallel`: this rank's tensor-parallel group when the model is sharded. Every rank then builds
+    the same cache (the smallest any rank affords) and samples with the same seed (see engine.parallel).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ContinuousBatchingConfig,
+        parallel: TensorParallelGroup | None = None,
+    ) -> None:
         self.model = model
         self.config = config
         self.device = model_device(model)
@@ -76,7 +86,7 @@ class EngineCore:
         self.vocab_size: int = text_config.vocab_size
         self.max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
         self.max_requests_per_batch = config.max_requests_per_batch or DEFAULT_MAX_REQUESTS_PER_BATCH
-        shape = KVCacheShape.from_model_config(model.config, model_dtype(model))
+        shape = KVCacheShape.from_model_config(model.config, model_dtype(model), tensor_parallel_size(model))
         self.kv_cache_groups = kv_cache_groups(text_config)
         activation_bytes = 16 * text_config.hidden_size * shape.dtype.itemsize
         max_tokens_needed = self.max_requests_per_batch * (self.max_model_len or 4096)
@@ -92,6 +102,18 @@ class EngineCore:
             self.max_requests_per_batch,
             activation_bytes,
         )
+        # Host blocks are sized for a page of every layer: any group's blocks can use any of them.
+        num_host_blocks = resolve_offload_blocks(
+            config.cpu_offload_space,
+            config.cpu_offload_space_safety_threshold,
+            shape.bytes_per_token() * config.page_size,
+        )
+        seed = config.seed
+        if parallel is not None:
+            *num_blocks, max_batch_tokens, num_host_blocks = parallel.smallest(
+                [*num_blocks, max_batch_tokens, num_host_blocks]
+            )
+            seed = parallel.shared_seed(seed)
         self.max_batch_tokens = max_batch_tokens
         self.has_sliding_layers = any(group.sliding_window is not None for group in self.kv_cache_groups)
         if self.has_sliding_layers and config.allow_block_sharing:
@@ -102,12 +124,6 @@ class EngineCore:
             PagedKVCache(shape.for_layers(len(group.layer_indices)), count, config.page_size, self.device)
             for group, count in zip(self.kv_cache_groups, num_blocks, strict=True)
         ]
-        # Host blocks are sized for a page of every layer: any group's blocks can use any of them.
-        num_host_blocks = resolve_offload_blocks(
-            config.cpu_offload_space,
-            config.cpu_offload_space_safety_threshold,
-            shape.bytes_per_token() * config.page_size,
-        )
         self.host_kv_caches = (
             [HostKVCache(cache, num_host_blocks) for cache in self.kv_caches] if num_host_blocks else None
         )
@@ -132,7 +148,7 @@ class EngineCore:
             self.kv_cache_groups,
             self.kv_caches,
             self.kv_cache_manager,
-            Sampler(self.device, config.seed),
+            Sampler(self.device, seed),
             self.host_kv_caches,
         )
         self.requests: dict[str, Request] = {}

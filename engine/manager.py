@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +29,15 @@ from engine.config import ContinuousBatchingConfig
 from engine.engine_core import EngineCore, StepResult, cb_attention_implementation
 from engine.errors import QueueFullError
 from engine.output_router import OutputRouter
+from engine.parallel import (
+    DRIVER_RANK,
+    EXIT,
+    IDLE,
+    PARK,
+    STEP,
+    TensorParallelGroup,
+    tensor_parallel_size,
+)
 from engine.request import FinishReason, GenerationOutput, Request, RequestStatus, SamplingParams
 from engine.weights import apply_weights, stage_weights
 
@@ -36,6 +47,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_NEW_TOKENS = 20
 SAMPLING_KWARGS = ("temperature", "top_k", "top_p", "seed", "do_sample", "logprobs", "top_logprobs")
 IDLE_WAIT_S = 0.05
+# How often an idle or parked tensor-parallel driver still ticks (well inside any cpu_group_timeout).
+IDLE_TICK_S = 1.0
+TOKEN_SUM_MODULUS = 1 << 61
 PAUSE_MODES = ("keep", "wait", "abort")
 
 
@@ -47,6 +61,14 @@ class PauseHandle:
     cancelled: int = 0
     # Set by the loop: for "wait", once no in-flight request is left; for "abort", once they are cancelled.
     done: bool = False
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """An `update_weights` call as the loop applies it (and sends it to the other tensor-parallel ranks)."""
+
+    source: Any  # a safetensors path, or a list of (name, tensor) pairs
+    label: str | None
 
 
 @dataclass
@@ -116,6 +138,15 @@ class ContinuousBatchingManager:
         self._update_lock = threading.Lock()
         self.weight_version = 1
         self.weight_version_label: str | None = None
+        # Tensor parallelism: only the driver (rank 0) takes requests; the group is made with the engine.
+        self.is_driver = tensor_parallel_size(model) == 1 or _global_rank() == DRIVER_RANK
+        self._parallel: TensorParallelGroup | None = None
+        # Why the loop ended on its own (a tensor-parallel rank died, hung or diverged); None otherwise.
+        self.loop_error: str | None = None
+        self._loop_exit_handlers: list[Callable[[], None]] = []
+        # Running digest of the tokens sampled, compared across tensor-parallel ranks every iteration.
+        self._tokens_emitted = 0
+        self._token_sum = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -139,7 +170,8 @@ class ContinuousBatchingManager:
             raise RuntimeError("this ContinuousBatchingManager was destroyed; create a new one")
         if self._engine is None:
             self.switch_to_cb_friendly_attn(self.model, self.config.auto_switch_to_flash)
-            self._engine = EngineCore(self.model, self.config)
+            self._parallel = TensorParallelGroup.for_model(self.model, self.config.cpu_group_timeout)
+            self._engine = EngineCore(self.model, self.config, self._parallel)
             self._refresh_stats()
         return self._engine
 
@@ -158,11 +190,17 @@ class ContinuousBatchingManager:
         self.warmed_up = True
 
     def start(self) -> None:
-        """Starts the background loop; works again after `stop()`."""
+        """Starts the background loop; works again after `stop()` (on one rank: under tensor parallelism
+        the other ranks' loops end with the driver's, so a sharded engine starts once per process)."""
         self._ensure_engine()
         if self.is_running():
             logger.warning("ContinuousBatchingManager.start(): already running")
             return
+        if self._parallel is not None and self._thread is not None:
+            raise RuntimeError(
+                "a tensor-parallel engine starts once: its other ranks ended with stop(); "
+                "restart the processes to serve again"
+            )
         with self._cond:
             self._accepting = True
             self._stop_requested = False
@@ -180,7 +218,15 @@ class ContinuousBatchingManager:
         keep_for_next_session: bool = False,
         hard_stop: bool = False,
     ) -> None:
-        """Stops accepting requests; the loop drains queued and active ones, or fails them on `hard_stop`."""
+        """Stops accepting requests; the loop drains queued and active ones, or fails them on `hard_stop`.
+
+        Under tensor parallelism the driver decides for every rank: on another rank this only waits
+        (with `block`) for the loop to end with the driver's.
+        """
+        if not self.is_driver:
+            if block:
+                self.join(timeout=timeout)
+            return
         with self._cond:
             self._accepting = False
             self._stop_requested = True
@@ -210,6 +256,9 @@ class ContinuousBatchingManager:
             self._original_attn_implementation = None
         if getattr(self.model, "_cbserve_cached_manager", None) is self:
             del self.model._cbserve_cached_manager
+        if self._parallel is not None and not self.is_running():
+            self._parallel.close()
+        self._parallel = None
         self._engine = None
         self._destroyed = True
 
@@ -259,25 +308,31 @@ class ContinuousBatchingManager:
         update raises ValueError naming the tensor and changes nothing. Runs under a KEEP pause (joining
         any pause the caller holds): in-flight requests keep their cache and continue, their later tokens
         come from the new weights. Prefix-cache entries (computed with the old weights) are dropped.
-        Concurrent updates are serialised.
+        Concurrent updates are serialised. Under tensor parallelism, call it on the driver with full
+        tensors: every rank applies its own shard of each.
         """
+        if not self.is_driver:
+            raise RuntimeError("update_weights is called on the driver rank (0); it reaches every rank")
         engine = self._ensure_engine()
+        source: Any
+        if isinstance(state_dict_or_path, (str, os.PathLike)):
+            source = os.fspath(state_dict_or_path)
+        elif isinstance(state_dict_or_path, Mapping):
+            source = list(state_dict_or_path.items())
+        else:
+            source = list(state_dict_or_path)
+        update = WeightUpdate(source, version)
         with self._update_lock, self.pause():
-            staged = stage_weights(self.model, state_dict_or_path)
-            apply_weights(staged)
-            engine.kv_cache_manager.reset_prefix_cache()
+            if not self.is_running():
+                if self._parallel is not None:
+                    raise RuntimeError("under tensor parallelism, update_weights needs the running loop")
+                return self._apply_update(engine, update)
+            # The loop thread owns the model while it runs: it applies the update between two steps.
+            future: Future[int] = Future()
             with self._cond:
-                self.weight_version += 1
-                self.weight_version_label = version
-                engine.weight_version = self.weight_version
-            self._refresh_stats()
-            logger.info(
-                "weights updated: %d tensors, weight_version %d%s",
-                len(staged),
-                self.weight_version,
-                f" ({version})" if version else "",
-            )
-            return self.weight_version
+                self._inbox.append(("update", (update, future)))
+                self._cond.notify_all()
+            return future.result()
 
     # ------------------------------------------------------------------ submissions
 
@@ -296,6 +351,9 @@ class ContinuousBatchingManager:
         Raises ValueError for a request that is malformed (empty prompt, token outside the vocabulary,
         bad sampling value, duplicate live id) and QueueFullError when `max_queue_size` requests wait.
         """
+        if not self.is_driver:
+            logger.debug("add_request ignored on tensor-parallel rank %d: rank 0 takes them", _global_rank())
+            return None
         engine = self._ensure_engine()
         request = self._build_request(
             engine,
@@ -356,6 +414,8 @@ class ContinuousBatchingManager:
 
     def cancel_request(self, request_id: str) -> None:
         """Cancels a request; it ends with one CANCELLED output. Unknown or finished ids are ignored."""
+        if not self.is_driver:
+            return
         with self._cond:
             self._inbox.append(("cancel", request_id))
             self._cond.notify_all()
@@ -378,6 +438,11 @@ class ContinuousBatchingManager:
                     return
             elif not self.is_running() and not self._router.has_pending(request_id):
                 return
+
+    def add_loop_exit_handler(self, callback: Callable[[], None]) -> None:
+        """Calls `callback()` from the loop thread when the loop ends, for whatever reason (`loop_error`
+        says whether it failed); a server turns its health NOT_SERVING on it."""
+        self._loop_exit_handlers.append(callback)
 
     def register_result_handler(
         self, request_id: str, callback: Callable[[GenerationOutput], object]
@@ -409,69 +474,130 @@ class ContinuousBatchingManager:
     def _run_loop(self) -> None:
         engine = self._engine
         assert engine is not None
-        while True:
-            with self._cond:
-                commands = list(self._inbox)
-                self._inbox.clear()
-            for command, payload in commands:
-                self._apply(engine, command, payload)
-            if commands:
-                self._refresh_stats()
-            with self._cond:
-                if self._hard_stop_requested:
-                    break
-                engine.hold_admission = bool(self._pending_waits)
-                if self._pause_holders > 0 and self._should_park(engine):
-                    self._hold_pause(engine)
-                    continue
-                if not engine.has_unfinished_requests():
-                    if self._stop_requested and not self._inbox:
-                        break
-                    if not self._inbox:
-                        self._cond.wait(IDLE_WAIT_S)
-                    continue
-            try:
-                result = engine.step()
-            except Exception as exc:  # a scheduler bug must not leave requests hanging forever
-                logger.exception("generation loop error; failing every live request")
-                result = StepResult(finished=engine.fail_all(f"engine error: {type(exc).__name__}: {exc}"))
-            self._publish(result)
-            self._refresh_stats()
-        if self._hard_stop_requested:
-            self._fail_everything(engine, "the manager was hard-stopped before this request finished")
+        try:
+            iterate = self._drive if self.is_driver else self._follow
+            while iterate(engine):
+                pass
+        except Exception as exc:  # only the tensor-parallel exchange raises: a rank died, hung or diverged
+            self.loop_error = f"the generation loop failed: {type(exc).__name__}: {exc}"
+            logger.exception("generation loop failed; failing every live request")
+            self._fail_everything(engine, self.loop_error)
+        else:
+            if self._hard_stop_requested:
+                self._fail_everything(engine, "the manager was hard-stopped before this request finished")
+        with self._cond:
+            self._loop_paused = False
+            self._cond.notify_all()
         self._refresh_stats()
         self._router.wake_all()
+        for handler in list(self._loop_exit_handlers):
+            handler()
+
+    def _drive(self, engine: EngineCore) -> bool:
+        """One iteration on the driver (or a single process): apply the inbox, then step, wait or exit."""
+        with self._cond:
+            commands = list(self._inbox)
+            self._inbox.clear()
+        parallel = self._parallel
+        digest = self._state_digest(engine)
+        encoded = parallel.encode_commands([_replayable(entry) for entry in commands]) if parallel else b""
+        for command, payload in commands:
+            self._apply(engine, command, payload)
+        with self._cond:
+            action = self._next_action(engine)
+            self._enter(engine, action)
+            hold, hard = engine.hold_admission, self._hard_stop_requested
+        if parallel is not None:
+            parallel.send_tick(encoded, action, hold, hard, digest)
+        if commands or action != STEP:
+            self._refresh_stats()
+        if action == EXIT:
+            return False
+        if action == STEP:
+            self._step(engine)
+        else:
+            self._wait(engine, action)
+        return True
+
+    def _follow(self, engine: EngineCore) -> bool:
+        """One iteration on a non-driver rank: replay the driver's next tick."""
+        assert self._parallel is not None
+        commands, tick = self._parallel.receive_tick()
+        digest = self._state_digest(engine)
+        if tick.digest != digest:
+            raise RuntimeError(
+                f"rank {self._parallel.rank} diverged from the driver: (weight_version, failed steps, "
+                f"tokens, token sum) is {digest} here and {tick.digest} on the driver"
+            )
+        for command, payload in commands:
+            self._apply(engine, command, payload)
+        engine.hold_admission = tick.hold_admission
+        self._loop_paused = tick.action == PARK
+        if tick.action == EXIT:
+            if tick.hard_stop:
+                self._hard_stop_requested = True
+            return False
+        if tick.action == STEP:
+            self._step(engine)
+        elif commands:
+            self._refresh_stats()
+        return True
+
+    def _next_action(self, engine: EngineCore) -> str:
+        """With `_cond` held: what the loop does now. Reads state only, so `_wait` can ask it again."""
+        if self._hard_stop_requested:
+            return EXIT
+        if self._pause_holders > 0 and self._should_park(engine):
+            return PARK
+        if not engine.has_unfinished_requests():
+            return EXIT if self._stop_requested and not self._inbox else IDLE
+        return STEP
 
     def _should_park(self, engine: EngineCore) -> bool:
         """With `_cond` held and a pause held: park unless only WAIT pauses hold, with requests in flight."""
         holding = self._pause_holders - len(self._pending_waits)
         return holding > 0 or not engine.has_in_flight_requests()
 
-    def _hold_pause(self, engine: EngineCore) -> None:
-        """Called with `_cond` held: parks the loop until the last pause holder leaves.
-
-        While parked it still applies ABORT pauses (cancelling runs no step), and WAIT pauses are
-        satisfied once no request is in flight.
-        """
-        self._loop_paused = True
-        while True:
-            if any(command == "abort" for command, _ in self._inbox):
-                commands = list(self._inbox)
-                self._inbox.clear()
-                for command, payload in commands:
-                    self._apply(engine, command, payload)
-            if not engine.has_in_flight_requests():
-                for handle in self._pending_waits:
-                    handle.done = True
-                self._pending_waits.clear()
-            self._refresh_stats()
-            self._cond.notify_all()
-            if self._pause_holders == 0 or self._hard_stop_requested or not self._should_park(engine):
-                break
-            self._cond.wait()
-        self._loop_paused = False
+    def _enter(self, engine: EngineCore, action: str) -> None:
+        """With `_cond` held: WAIT pauses are satisfied once parked with nothing in flight; pause() waiters
+        learn that the loop is parked."""
+        parked = action == PARK
+        if parked and not engine.has_in_flight_requests():
+            for handle in self._pending_waits:
+                handle.done = True
+            self._pending_waits.clear()
         engine.hold_admission = bool(self._pending_waits)
+        self._loop_paused = parked
+        if parked:
+            self._cond.notify_all()
+
+    def _wait(self, engine: EngineCore, action: str) -> None:
+        """Idle or parked: sleep until a command or a state change (an idle or parked tensor-parallel
+        driver still ticks now and then, so that the other ranks' collectives never time out)."""
+        with self._cond:
+            if self._inbox or self._next_action(engine) != action:
+                return
+            if self._parallel is not None:
+                timeout: float | None = min(IDLE_TICK_S, (self._parallel.timeout_s or IDLE_TICK_S) / 4)
+            else:
+                timeout = IDLE_WAIT_S if action == IDLE else None
+            self._cond.wait(timeout)
+
+    def _step(self, engine: EngineCore) -> None:
+        try:
+            result = engine.step()
+        except Exception as exc:  # a scheduler bug must not leave requests hanging forever
+            logger.exception("generation loop error; failing every live request")
+            result = StepResult(finished=engine.fail_all(f"engine error: {type(exc).__name__}: {exc}"))
+        for request in result.advanced:
+            self._tokens_emitted += 1
+            self._token_sum = (self._token_sum + request.all_token_ids[-1]) % TOKEN_SUM_MODULUS
+        self._publish(result)
         self._refresh_stats()
+
+    def _state_digest(self, engine: EngineCore) -> tuple[int, int, int, int]:
+        """What every rank must agree on after each iteration; a mismatch means the lockstep broke."""
+        return (self.weight_version, engine.num_failed_steps, self._tokens_emitted, self._token_sum)
 
     def _abort_all(self, engine: EngineCore, handle: PauseHandle) -> None:
         for request_id in list(engine.requests):
@@ -492,10 +618,39 @@ class ContinuousBatchingManager:
                 self._finish(cancelled)
         elif command == "abort":
             self._abort_all(engine, payload)
+        elif command == "update":
+            update, future = payload
+            try:
+                version = self._apply_update(engine, update)
+            except Exception as exc:  # a bad update is the caller's error; the loop goes on
+                if future is None:
+                    logger.warning("weight update not applied on this rank: %s", exc)
+                else:
+                    future.set_exception(exc)
+            else:
+                if future is not None:
+                    future.set_result(version)
+
+    def _apply_update(self, engine: EngineCore, update: WeightUpdate) -> int:
+        staged = stage_weights(self.model, update.source)
+        apply_weights(staged)
+        engine.kv_cache_manager.reset_prefix_cache()
+        with self._cond:
+            self.weight_version += 1
+            self.weight_version_label = update.label
+            engine.weight_version = self.weight_version
+        self._refresh_stats()
+        logger.info(
+            "weights updated: %d tensors, weight_version %d%s",
+            len(staged),
+            self.weight_version,
+            f" ({update.label})" if update.label else "",
+        )
+        return self.weight_version
 
     def _publish(self, result: StepResult) -> None:
         for request in result.advanced:
-            if request.streaming and not request.is_finished:
+            if request.streaming and not request.is_finished and self.is_driver:
                 self._router.publish(request.to_output())
         for request in result.finished:
             self._finish(request)
@@ -508,14 +663,19 @@ class ContinuousBatchingManager:
             self._live_ids.discard(request.request_id)
             if request.scheduled_time is None:
                 self._num_queued -= 1
-        self._router.publish(request.to_output())
+        if self.is_driver:  # other tensor-parallel ranks replay requests nobody reads
+            self._router.publish(request.to_output())
 
     def _fail_everything(self, engine: EngineCore, error: str) -> None:
         for request in engine.fail_all(error):
             self._finish(request)
         with self._cond:
             leftovers = [payload for command, payload in self._inbox if command == "add"]
+            updates = [payload for command, payload in self._inbox if command == "update"]
             self._inbox.clear()
+        for _update, future in updates:
+            if future is not None:
+                future.set_exception(RuntimeError(f"weights not updated: {error}"))
         for request in leftovers:
             request.status = RequestStatus.FAILED
             request.finish_reason = FinishReason.ERROR
@@ -647,3 +807,18 @@ def _as_id_set(eos_token_id: Any) -> frozenset[int]:
     if isinstance(eos_token_id, int):
         return frozenset([eos_token_id])
     return frozenset(int(token) for token in eos_token_id)
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _replayable(entry: tuple[str, Any]) -> tuple[str, Any]:
+    """A command as the other tensor-parallel ranks replay it: without the caller's future."""
+    command, payload = entry
+    if command == "update":
+        update, _future = payload
+        return command, (update, None)
+    return entry

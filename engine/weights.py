@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 # safetensors' dtype names (also used on the wire by Admin.UpdateWeights).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -113,7 +114,12 @@ def stage_weights(model: torch.nn.Module, source: Any) -> list[StagedTensor]:
 
 
 def _cast(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return value.detach().to(device=target.device, dtype=target.dtype, copy=True)
+    """`value` as `target` stores it; for a tensor-parallel parameter, this rank's shard of it."""
+    value = value.detach().to(device=target.device, dtype=target.dtype, copy=True)
+    if isinstance(target, DTensor):
+        # Every rank holds the full tensor, so each cuts its own shard without any communication.
+        value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None).to_local()
+    return value
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -174,4 +180,5 @@ def apply_weights(staged: list[StagedTensor]) -> None:
     """Copies validated tensors in place (tied parameters see the new value through their alias)."""
     with torch.no_grad():
         for item in staged:
-            item.target.data.copy_(item.value)
+            target = item.target.to_local() if isinstance(item.target, DTensor) else item.target.data
+            target.copy_(item.value)

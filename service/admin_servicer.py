@@ -91,7 +91,12 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def Start(
         self, request: admin_pb2.StartRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.StartResponse:
-        started = await (await self.slot.require(context)).start_async()
+        host = await self.slot.require(context)
+        try:
+            started = await host.start_async()
+        except RuntimeError as exc:  # a tensor-parallel engine cannot restart in the same processes
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise AssertionError("context.abort raises") from exc
         return admin_pb2.StartResponse(already_running=not started)
 
     async def GetStatus(

@@ -9,10 +9,12 @@ import signal
 import sys
 
 from engine import ContinuousBatchingConfig
+from engine.parallel import check_tensor_parallel_size, torchrun_rank, torchrun_world_size
 from service.auth import load_admin_token
 from service.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from service.engine_host import EngineHost
 from service.server import CbserveServer, ServerOptions
+from service.tensor_parallel import follow, launch, strip_tp_flag
 from service.tls import ServerTls, TlsConfigError, client_credentials, load_server_tls
 
 
@@ -50,6 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--otlp-endpoint",
         help="OTLP/gRPC collector for request traces (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)",
+    )
+    serve.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size: run N ranks, each holding 1/N of every layer (N must divide the "
+        "model's KV heads); rank 0 serves, the others follow it",
     )
     serve.add_argument(
         "--metrics-port",
@@ -138,6 +147,21 @@ def generate(args: argparse.Namespace) -> None:
     sys.stdout.write("\n")
 
 
+def launch_tensor_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
+    """`cbserve serve --tp N`: checks N against the model, then runs the N ranks (service.tensor_parallel)."""
+    from transformers import AutoConfig
+
+    model_path = args.model or ensure_default_model()
+    try:
+        check_tensor_parallel_size(AutoConfig.from_pretrained(model_path), args.tp)
+    except ValueError as exc:
+        parser.error(f"--tp {args.tp}: {exc}")
+    serve_argv = strip_tp_flag(argv)
+    serve_argv.remove("serve")
+    # Every rank loads the same folder: resolved here once, so no rank converts the embedded model.
+    return launch([*serve_argv, "--model", model_path], args.tp)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -146,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             # Read before anything starts, so a bad TLS flag fails at once, naming the flag.
             tls = load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+            if args.tp < 1:
+                parser.error(f"--tp must be >= 1, got {args.tp}")
+            if args.tp > 1 and torchrun_world_size() == 1:
+                return launch_tensor_parallel(parser, args, list(sys.argv[1:] if argv is None else argv))
+            if torchrun_rank() > 0:
+                return follow(args.model or ensure_default_model(), engine_config(args))
             asyncio.run(serve(args, tls))
         else:
             generate(args)

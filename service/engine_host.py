@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, ManagerStats, QueueFullError
+from engine.parallel import load_sharded_model, torchrun_world_size
 from service.request_record import RequestRecord
 from service.validation import ModelLimits, PreparedRequest, RequestRejected
 
@@ -25,10 +26,16 @@ FALLBACK_MAX_NEW_TOKENS = 20
 
 
 def load_pretrained(path: str) -> tuple[torch.nn.Module, Any | None]:
-    """The model at `path` in fp32 with SDPA attention, and its tokenizer when the folder has one."""
+    """The model at `path` in fp32 with SDPA attention, and its tokenizer when the folder has one.
+
+    Under `torchrun` (or `cbserve serve --tp N`) the model is sharded over every rank.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    if torchrun_world_size() > 1:
+        model = load_sharded_model(path, torch.float32, "sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
@@ -69,6 +76,7 @@ class EngineHost:
         self.counters = Counters()
         self._records: dict[str, RequestRecord] = {}
         self._draining = False
+        self._follows_loop_exit = False
         self._state_listeners: list[Callable[[], None]] = []
         # Called once per request when it ends (metrics hook).
         self._end_listeners: list[Callable[[RequestRecord], None]] = []
@@ -93,8 +101,9 @@ class EngineHost:
 
     @property
     def serving(self) -> bool:
-        """Whether new requests are accepted: the engine runs and no drain or stop is under way."""
-        return self.manager.is_running() and not self._draining
+        """Whether new requests are accepted: the engine runs (its loop has not failed: a tensor-parallel
+        rank lost) and no drain or stop is under way."""
+        return self.manager.is_running() and self.manager.loop_error is None and not self._draining
 
     def add_state_listener(self, listener: Callable[[], None]) -> None:
         """`listener()` runs on the event loop whenever `serving` may have changed (health follows it)."""
@@ -117,7 +126,12 @@ class EngineHost:
         return True
 
     async def start_async(self) -> bool:
-        started = await asyncio.get_running_loop().run_in_executor(None, self.start)
+        loop = asyncio.get_running_loop()
+        if not self._follows_loop_exit:
+            # The loop can end on its own (a tensor-parallel rank lost): health must follow at once.
+            self.manager.add_loop_exit_handler(lambda: _call_soon(loop, self._state_changed))
+            self._follows_loop_exit = True
+        started = await loop.run_in_executor(None, self.start)
         self._state_changed()
         return started
 
@@ -251,3 +265,8 @@ def _as_list(eos_token_id: Any) -> list[int]:
     if isinstance(eos_token_id, int):
         return [eos_token_id]
     return [int(token) for token in eos_token_id]
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(callback)

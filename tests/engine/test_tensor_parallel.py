@@ -1,0 +1,189 @@
+"""Tensor parallelism on CPU: two gloo ranks of a sharded tiny Llama stay in lockstep.
+
+Each scenario runs `tensor_parallel_worker.py` as two processes (launched the way torchrun does, through
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) and reads what each rank wrote. The oracle is
+`model.generate` on the unsharded model in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.parallel import check_tensor_parallel_size, torchrun_environment
+from tests.conftest import random_prompt, reference_greedy, tiny_config
+
+WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORLD_SIZE = 2
+MAX_NEW_TOKENS = 16
+PROMPT_LENGTHS = (1, 7, 16, 33, 70)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def build_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("llama"), attn_implementation="sdpa", dtype=torch.float32
+    )
+    return model.eval()
+
+
+def launch_ranks(arguments: list[str], timeout_s: float, stop_after_rank0: bool = False) -> list[int | None]:
+    """Runs the worker as WORLD_SIZE ranks; returns their exit codes (None: killed after rank 0 ended)."""
+    port = free_port()
+    processes = []
+    for rank in range(WORLD_SIZE):
+        env = {
+            **os.environ,
+            **torchrun_environment(rank, WORLD_SIZE, port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO_ROOT),
+        }
+        processes.append(subprocess.Popen([sys.executable, str(WORKER), *arguments], env=env, cwd=REPO_ROOT))
+    codes: list[int | None] = []
+    try:
+        codes.append(processes[0].wait(timeout=timeout_s))
+        for process in processes[1:]:
+            if stop_after_rank0:
+                process.kill()
+                process.wait()
+                codes.append(None)
+            else:
+                codes.append(process.wait(timeout=timeout_s))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return codes
+
+
+def read_reports(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    folder = tmp_path_factory.mktemp("tp-models")
+    build_model(0).save_pretrained(folder / "seed0")
+    build_model(1).save_pretrained(folder / "seed1")
+    yield folder / "seed0", folder / "seed1" / "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def lockstep(
+    saved_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    model_dir, new_weights = saved_models
+    out = tmp_path_factory.mktemp("tp-lockstep")
+    prompts = [random_prompt(length, seed=length) for length in PROMPT_LENGTHS]
+    (out / "prompts.json").write_text(json.dumps(prompts))
+    arguments = ["--scenario", "lockstep", "--model", str(model_dir), "--new-weights", str(new_weights)]
+    codes = launch_ranks(
+        [*arguments, "--out", str(out), "--max-new-tokens", str(MAX_NEW_TOKENS)], timeout_s=300
+    )
+    assert codes == [0, 0], f"rank exit codes {codes}"
+    reports = read_reports(out)
+    for report in reports:
+        report["prompts"] = prompts
+    return reports
+
+
+def test_each_rank_holds_a_shard(lockstep: list[dict[str, Any]]) -> None:
+    assert [report["tp_size"] for report in lockstep] == [WORLD_SIZE, WORLD_SIZE]
+    assert [report["loop_error"] for report in lockstep] == [None, None]
+    assert all(report["loop_ended"] for report in lockstep), "stop on the driver must end every rank's loop"
+
+
+def test_greedy_outputs_equal_the_unsharded_model(lockstep: list[dict[str, Any]]) -> None:
+    results = lockstep[0]["results"]
+    prompts = lockstep[0]["prompts"]
+    expected = [reference_greedy(build_model(0), prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    for prompt, got, want in zip(prompts, results["greedy_before"], expected, strict=True):
+        assert got == want, f"prompt of {len(prompt)} tokens:\n  tp=2:     {got}\n  generate: {want}"
+
+
+def test_every_rank_finished_the_same_requests_with_the_same_tokens(lockstep: list[dict[str, Any]]) -> None:
+    driver, follower = (report["finished"] for report in lockstep)
+    assert driver.keys() == follower.keys()
+    for request_id in driver:
+        assert driver[request_id] == follower[request_id], f"{request_id}: rank 0 and rank 1 differ"
+    # Cancel reached the follower: the request ended CANCELLED there too, after the same tokens.
+    assert follower["to-cancel"]["status"] == "CANCELLED"
+    assert lockstep[0]["results"]["cancelled_status"] == "CANCELLED"
+    # Unseeded sampling too: both ranks drew the same tokens (the seed is the driver's).
+    assert len(lockstep[0]["results"]["sampled"]) == 4
+
+
+def test_weight_updates_reach_every_shard(lockstep: list[dict[str, Any]]) -> None:
+    results = lockstep[0]["results"]
+    prompts = lockstep[0]["prompts"]
+    assert results["version_after_state_dict"] == 2
+    in_flight = results["in_flight"]
+    assert in_flight["status"] == "FINISHED" and in_flight["tokens"] == 30, in_flight
+    assert in_flight["weight_version"] == 2 and in_flight["tokens_before_update"] >= 5
+    new_model = build_model(1)
+    for prompt, got in zip(prompts, results["greedy_after"], strict=True):
+        want = reference_greedy(new_model, prompt, MAX_NEW_TOKENS)
+        assert got == want, (
+            f"after the update, prompt of {len(prompt)}:\n  tp=2:     {got}\n  generate: {want}"
+        )
+    assert "model.embed_tokens.weight" in results["bad_update_error"]
+    assert results["greedy_after_bad_update"] == results["greedy_after"][:2], (
+        "a rejected update changed outputs"
+    )
+    assert results["version_after_path"] == 3
+    assert results["greedy_after_path"] == results["greedy_before"][:2], (
+        "the folder update did not restore seed 0"
+    )
+
+
+@pytest.mark.parametrize("scenario", ["hang", "die"])
+def test_a_lost_rank_fails_the_driver_within_the_timeout(
+    scenario: str, saved_models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    timeout_s = 4.0
+    model_dir, _ = saved_models
+    arguments = [
+        "--scenario",
+        scenario,
+        "--model",
+        str(model_dir),
+        "--out",
+        str(tmp_path),
+        "--timeout",
+        str(timeout_s),
+    ]
+    codes = launch_ranks(arguments, timeout_s=120, stop_after_rank0=True)
+    assert codes[0] == 0, f"rank 0 exit code {codes[0]}"
+    driver = json.loads((tmp_path / "rank0.json").read_text())
+    results = driver["results"]
+    assert results["status"] == "FAILED", results
+    assert driver["loop_error"] is not None, "the driver's loop must report the lost rank"
+    assert results["seconds_to_fail"] < timeout_s + 20, results
+    assert driver["loop_ended"]
+
+
+def test_tp_size_must_divide_the_kv_heads() -> None:
+    config = tiny_config("llama")  # 2 KV heads
+    check_tensor_parallel_size(config, 2)
+    with pytest.raises(
+        ValueError, match=r"tensor-parallel size 3 must divide the model's num_key_value_heads \(2\)"
+    ):
+        check_tensor_parallel_size(config, 3)
