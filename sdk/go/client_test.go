@@ -93,8 +93,9 @@ func TestModelInfo(t *testing.T) {
 	if err != nil {
 		t.Fatalf("ModelInfo: %v", err)
 	}
-	if info.VocabSize != 256 || !info.HasTokenizer || info.WeightVersion != 1 || info.MaxContextLength <= 0 {
-		t.Errorf("ModelInfo = %+v; want vocab 256, a tokenizer, weight version 1", info)
+	// Weight versions start at 1 (the weights tests raise it).
+	if info.VocabSize != 256 || !info.HasTokenizer || info.WeightVersion == 0 || info.MaxContextLength <= 0 {
+		t.Errorf("ModelInfo = %+v; want vocab 256, a tokenizer, a weight version", info)
 	}
 }
 
@@ -121,8 +122,8 @@ func TestGenerateIsDeterministic(t *testing.T) {
 	if u := first.Usage; u == nil || u.PromptTokens != len("Hello, cbserve") || u.GeneratedTokens != 12 {
 		t.Errorf("Usage = %+v; want %d prompt tokens (one per byte), 12 generated", u, len("Hello, cbserve"))
 	}
-	if first.WeightVersion != 1 || first.Timings == nil || first.Timings.FinishedAt.IsZero() {
-		t.Errorf("WeightVersion = %d, Timings = %+v; want 1 and a finish time", first.WeightVersion, first.Timings)
+	if first.WeightVersion == 0 || first.Timings == nil || first.Timings.FinishedAt.IsZero() {
+		t.Errorf("WeightVersion = %d, Timings = %+v; want a weight version and a finish time", first.WeightVersion, first.Timings)
 	}
 
 	// The tokenizer is byte-level without BOS: the text prompt is its bytes as token ids.

@@ -16,7 +16,9 @@
 //
 // [DialAdmin] connects to the admin service (its own port, bearer token): [Admin.Pause] holds
 // the engine paused until its release function is called; [Admin.Stop], [Admin.Start] and
-// [Admin.Status] manage and inspect the engine.
+// [Admin.Status] manage and inspect the engine; [Admin.UpdateWeights] streams new weights (raw
+// little-endian [Tensor]s) and [Admin.UpdateWeightsFromPath] loads them from a safetensors file
+// on the server, both in place, without a restart.
 //
 // Cancelling a call's context cancels the call, and a cancelled Generate or Stream call cancels
 // its request on the server. Every error is an [*Error] with the gRPC status code, matching the

@@ -1,15 +1,18 @@
 package cbserve_test
 
 // These examples run in `go test` against the test server that TestMain starts (serverAddr and
-// adminAddr are its addresses, e.g. "127.0.0.1:50051" and "127.0.0.1:50052"). Its model is a tiny
-// random Llama whose tokens are meaningless bytes, so the examples print counts and finish
-// reasons rather than text.
+// adminAddr are its addresses, e.g. "127.0.0.1:50051" and "127.0.0.1:50052"; modelDir is the
+// folder of its model). Its model is a tiny random Llama whose tokens are meaningless bytes, so
+// the examples print counts and finish reasons rather than text.
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log"
+	"math"
+	"path/filepath"
 	"time"
 
 	cbserve "github.com/cbserve/cbserve/sdk/go"
@@ -155,4 +158,49 @@ func ExampleAdmin_Pause() {
 	fmt.Println("paused:", status.Paused, "holders:", status.PauseHolders)
 	release() // ends the Pause call: the server resumes the engine as soon as it sees it end
 	// Output: paused: true holders: 1
+}
+
+func ExampleAdmin_UpdateWeights() {
+	ctx := context.Background()
+	admin, err := cbserve.DialAdmin(ctx, adminAddr, "test-token")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer admin.Close()
+
+	// A tensor's elements go as raw little-endian bytes in C order: here 64 float32 ones, the
+	// final norm of the test model (whose hidden size is 64).
+	norm := make([]byte, 0, 4*64)
+	for range 64 {
+		norm = binary.LittleEndian.AppendUint32(norm, math.Float32bits(1))
+	}
+	update, err := admin.UpdateWeights(ctx, []cbserve.Tensor{
+		{Name: "model.norm.weight", DType: "F32", Shape: []int64{64}, Data: norm},
+	}, cbserve.WithVersionLabel("step-1"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(update.TensorsUpdated, "tensor updated, label", update.VersionLabel)
+	// Output: 1 tensor updated, label step-1
+}
+
+func ExampleAdmin_UpdateWeightsFromPath() {
+	ctx := context.Background()
+	admin, err := cbserve.DialAdmin(ctx, adminAddr, "test-token")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer admin.Close()
+
+	// The path is read by the server: a safetensors file, a folder of them, or an index.
+	before, err := admin.Status(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	update, err := admin.UpdateWeightsFromPath(ctx, filepath.Join(modelDir, "model.safetensors"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("weight version +1:", update.WeightVersion == before.WeightVersion+1)
+	// Output: weight version +1: true
 }

@@ -35,10 +35,12 @@ const (
 	stopTimeout    = 15 * time.Second
 )
 
-// The server's addresses, set by TestMain.
+// The server's addresses and the folder of its model (config, safetensors weights, tokenizer),
+// set by TestMain.
 var (
 	serverAddr string
 	adminAddr  string
+	modelDir   string
 )
 
 func TestMain(m *testing.M) {
@@ -61,7 +63,7 @@ func runWithServer(m *testing.M) int {
 	}
 	defer os.RemoveAll(dir)
 
-	modelDir := filepath.Join(dir, "model")
+	modelDir = filepath.Join(dir, "model")
 	ctx, cancel := context.WithTimeout(context.Background(), startupTimeout)
 	defer cancel()
 	makeModel := exec.CommandContext(ctx, python, filepath.Join("scripts", "make_tiny_model.py"), modelDir)

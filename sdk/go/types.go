@@ -189,3 +189,13 @@ type StopResult struct {
 	// AlreadyStopped is true when the engine was already stopped (nothing was done).
 	AlreadyStopped bool
 }
+
+// WeightsUpdate is what Admin.UpdateWeights (or UpdateWeightsFromPath) did.
+type WeightsUpdate struct {
+	// WeightVersion is the version of the weights now served: the previous version + 1.
+	WeightVersion uint64
+	// TensorsUpdated is the number of tensors replaced.
+	TensorsUpdated int
+	// VersionLabel is the label given with WithVersionLabel, if any.
+	VersionLabel string
+}

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
-from cbserve_client import AdminClient, Client
+from cbserve_client import AdminClient, Client, WeightsUpdate
 from safetensors.torch import save_file
 from service_harness import ADMIN_TOKEN, ByteTokenizer, RunningServer
 from transformers import AutoModelForCausalLM
@@ -23,8 +24,14 @@ def _other_model(seed: int) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def own_served() -> Iterator[RunningServer]:
-    running = RunningServer(copy.deepcopy(tiny_model("llama")), tokenizer=ByteTokenizer())
+def own_model() -> torch.nn.Module:
+    """The served model itself: updates write into its tensors in place."""
+    return copy.deepcopy(tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def own_served(own_model: torch.nn.Module) -> Iterator[RunningServer]:
+    running = RunningServer(own_model, tokenizer=ByteTokenizer())
     try:
         running.load()
         yield running
@@ -91,3 +98,40 @@ def test_corrupted_update_is_rejected_and_changes_nothing(own_served: RunningSer
         assert "model.norm.weight" in str(caught_sdk.value)
         assert admin.status().weight_version == version
         assert list(client.generate(prompt, max_new_tokens=5).token_ids) == before
+
+
+def test_concurrent_updates_are_applied_one_after_the_other(
+    own_served: RunningServer, own_model: torch.nn.Module
+) -> None:
+    pushed = {"seed-61": _other_model(61).state_dict(), "seed-71": _other_model(71).state_dict()}
+    results: dict[str, WeightsUpdate] = {}
+    failures: list[BaseException] = []
+    both_ready = threading.Barrier(len(pushed))
+    with AdminClient(own_served.admin_target, token=ADMIN_TOKEN, timeout=30) as admin:
+        start = admin.status().weight_version
+
+        def push(label: str) -> None:
+            try:
+                both_ready.wait(timeout=30)
+                results[label] = admin.update_weights(pushed[label], version=label, timeout=60)
+            except BaseException as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=push, args=(label,)) for label in pushed]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not failures, f"an update failed: {failures!r}"
+        assert {label: result.version_label for label, result in results.items()} == {
+            label: label for label in pushed
+        }
+        assert sorted(result.weight_version for result in results.values()) == [start + 1, start + 2], (
+            f"versions {[r.weight_version for r in results.values()]} from start {start}"
+        )
+        assert admin.status().weight_version == start + 2
+
+    last = max(results, key=lambda label: results[label].weight_version)
+    served = own_model.state_dict()
+    mismatched = [name for name, value in pushed[last].items() if not torch.equal(served[name], value)]
+    assert not mismatched, f"served tensors that differ from the last update ({last}): {mismatched}"

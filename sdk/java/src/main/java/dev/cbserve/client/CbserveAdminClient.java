@@ -9,6 +9,8 @@ import io.grpc.stub.ClientCallStreamObserver;
 import io.grpc.stub.ClientResponseObserver;
 import java.nio.file.Path;
 import java.time.Duration;
+import java.util.Iterator;
+import java.util.List;
 import java.util.Objects;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.ExecutionException;
@@ -31,7 +33,8 @@ import java.util.concurrent.atomic.AtomicReference;
  * }</pre>
  *
  * <p>A wrong or missing token throws {@link UnauthenticatedException}. Unary calls get the
- * builder's {@code defaultTimeout} (60 s unless set).
+ * builder's {@code defaultTimeout} (60 s unless set); weight updates have no deadline unless given
+ * one.
  */
 public final class CbserveAdminClient implements AutoCloseable {
   private final ManagedChannel channel;
@@ -226,6 +229,142 @@ public final class CbserveAdminClient implements AutoCloseable {
     Admin.GetStatusRequest request = Admin.GetStatusRequest.getDefaultInstance();
     return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::getStatus, request)
         .thenApply(Convert::engineStatus);
+  }
+
+  /** Replaces weights with {@code tensors}; see {@link #updateWeights(List, String, Duration)}. */
+  public WeightsUpdate updateWeights(List<Tensor> tensors) {
+    return updateWeights(tensors, null, null);
+  }
+
+  /**
+   * Replaces weights with {@code tensors}, labelled; see {@link #updateWeights(List, String,
+   * Duration)}.
+   */
+  public WeightsUpdate updateWeights(List<Tensor> tensors, String versionLabel) {
+    return updateWeights(tensors, versionLabel, null);
+  }
+
+  /**
+   * Replaces model weights in place with {@code tensors}, streamed on the UpdateWeights RPC: each
+   * tensor in chunks of at most 1 MiB, every chunk carrying the SHA-256 of the whole tensor. The
+   * server checks every tensor (known name, equal shape, convertible dtype, complete bytes,
+   * checksum) before it changes any weight, then applies the update under a pause of its own:
+   * in-flight requests keep their KV cache, and their later tokens come from the new weights
+   * ({@link Chunk#weightVersion()}). Concurrent updates are applied one after the other.
+   *
+   * @param tensors the new values, at least one ({@link Tensor} checks each on construction)
+   * @param versionLabel a free-form label of the new weights (e.g. a training step), logged by the
+   *     server and returned in {@link WeightsUpdate#versionLabel()}; null for none
+   * @param timeout deadline of the whole call, or null for none (the default: a large model takes a
+   *     while to stream)
+   * @throws IllegalArgumentException when {@code tensors} is empty
+   * @throws InvalidArgumentException when the server rejects the update; no weight has changed
+   */
+  public WeightsUpdate updateWeights(List<Tensor> tensors, String versionLabel, Duration timeout) {
+    Objects.requireNonNull(tensors, "tensors");
+    if (tensors.isEmpty()) {
+      throw new IllegalArgumentException("updateWeights: no tensors to send");
+    }
+    return send(
+        new UpdateWeightsRequests(versionLabel, tensors, UpdateWeightsRequests.MAX_CHUNK_BYTES),
+        timeout);
+  }
+
+  /**
+   * Replaces weights from a safetensors path on the server; see {@link
+   * #updateWeightsFromPath(String, String, Duration)}.
+   */
+  public WeightsUpdate updateWeightsFromPath(String path) {
+    return updateWeightsFromPath(path, null, null);
+  }
+
+  /**
+   * Replaces weights from a safetensors path on the server, labelled; see {@link
+   * #updateWeightsFromPath(String, String, Duration)}.
+   */
+  public WeightsUpdate updateWeightsFromPath(String path, String versionLabel) {
+    return updateWeightsFromPath(path, versionLabel, null);
+  }
+
+  /**
+   * Replaces model weights in place with the tensors of a safetensors file on the server's file
+   * system (or of a folder of them, or of a {@code *.safetensors.index.json}): each replaces the
+   * parameter of the same name. Checks, label and deadline are as for {@link #updateWeights(List,
+   * String, Duration)}.
+   *
+   * @throws InvalidArgumentException when the server cannot read the path or rejects a tensor; no
+   *     weight has changed
+   */
+  public WeightsUpdate updateWeightsFromPath(String path, String versionLabel, Duration timeout) {
+    Objects.requireNonNull(path, "path");
+    if (path.isEmpty()) {
+      throw new IllegalArgumentException("updateWeightsFromPath: the path is empty");
+    }
+    return send(UpdateWeightsRequests.fromPath(versionLabel, path), timeout);
+  }
+
+  /**
+   * Streams {@code requests} as the transport takes them (so a large model is never buffered
+   * whole), half-closes, and waits for the server's answer.
+   */
+  WeightsUpdate send(Iterator<Admin.UpdateWeightsRequest> requests, Duration timeout) {
+    if (timeout != null) {
+      Calls.checkTimeout(timeout);
+    }
+    CompletableFuture<Admin.UpdateWeightsResponse> answer = new CompletableFuture<>();
+    AtomicReference<ClientCallStreamObserver<Admin.UpdateWeightsRequest>> callRef =
+        new AtomicReference<>();
+    ClientResponseObserver<Admin.UpdateWeightsRequest, Admin.UpdateWeightsResponse> observer =
+        new ClientResponseObserver<Admin.UpdateWeightsRequest, Admin.UpdateWeightsResponse>() {
+          private boolean halfClosed;
+
+          @Override
+          public void beforeStart(ClientCallStreamObserver<Admin.UpdateWeightsRequest> call) {
+            callRef.set(call);
+            // gRPC runs this handler once the call starts and again whenever the transport can
+            // take more, never two at a time.
+            call.setOnReadyHandler(
+                () -> {
+                  while (!halfClosed && call.isReady()) {
+                    if (requests.hasNext()) {
+                      call.onNext(requests.next());
+                    } else {
+                      halfClosed = true;
+                      call.onCompleted();
+                    }
+                  }
+                });
+          }
+
+          @Override
+          public void onNext(Admin.UpdateWeightsResponse response) {
+            answer.complete(response);
+          }
+
+          @Override
+          public void onError(Throwable t) {
+            answer.completeExceptionally(Calls.map(t));
+          }
+
+          @Override
+          public void onCompleted() {
+            answer.completeExceptionally(
+                new InternalException(Status.Code.INTERNAL, "no UpdateWeights response", null));
+          }
+        };
+    Calls.withTimeout(asyncStub, timeout).updateWeights(observer);
+    try {
+      Admin.UpdateWeightsResponse response = answer.get();
+      return new WeightsUpdate(
+          response.getWeightVersion(), response.getTensorsUpdated(), response.getVersionLabel());
+    } catch (ExecutionException e) {
+      throw Calls.map(e);
+    } catch (InterruptedException e) {
+      Thread.currentThread().interrupt();
+      // An update cancelled before its half-close is not applied; one already sent may still be.
+      callRef.get().cancel("interrupted while updating weights", null);
+      throw new CancelledException("interrupted while updating weights", e);
+    }
   }
 
   /** Closes the channel (open pause leases are released). Idempotent. */

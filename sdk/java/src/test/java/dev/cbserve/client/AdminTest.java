@@ -33,7 +33,7 @@ class AdminTest extends ServerTest {
     assertTrue(status.running());
     assertFalse(status.paused());
     assertTrue(status.kvBlocksTotal() > 0);
-    assertEquals(1, status.weightVersion());
+    assertTrue(status.weightVersion() >= 1, "weight versions start at 1 (WeightsTest raises it)");
   }
 
   @Test

@@ -35,15 +35,19 @@ final class CbserveServer implements AutoCloseable {
 
   final String target;
   final String adminTarget;
+  /** The folder of the served model: config, safetensors weights, tokenizer. */
+  final Path modelDir;
   private final Process process;
   private final Path tempDir;
   private final Path log;
   private final Thread shutdownHook;
 
-  private CbserveServer(Process process, String target, String adminTarget, Path tempDir, Path log) {
+  private CbserveServer(
+      Process process, String target, String adminTarget, Path modelDir, Path tempDir, Path log) {
     this.process = process;
     this.target = target;
     this.adminTarget = adminTarget;
+    this.modelDir = modelDir;
     this.tempDir = tempDir;
     this.log = log;
     this.shutdownHook = new Thread(this::destroy, "cbserve-test-server-shutdown");
@@ -86,7 +90,7 @@ final class CbserveServer implements AutoCloseable {
         Process process = builder.start();
         CbserveServer server =
             new CbserveServer(
-                process, "127.0.0.1:" + ports[0], "127.0.0.1:" + ports[1], tempDir, log);
+                process, "127.0.0.1:" + ports[0], "127.0.0.1:" + ports[1], model, tempDir, log);
         Runtime.getRuntime().addShutdownHook(server.shutdownHook);
         try {
           server.awaitServing();

@@ -18,7 +18,7 @@ class GenerateTest extends ServerTest {
     assertEquals(CbserveServer.VOCAB_SIZE, info.vocabSize());
     assertTrue(info.hasTokenizer());
     assertTrue(info.maxContextLength() >= 64);
-    assertEquals(1, info.weightVersion());
+    assertTrue(info.weightVersion() >= 1, "weight versions start at 1 (WeightsTest raises it)");
   }
 
   @Test
@@ -104,6 +104,8 @@ class GenerateTest extends ServerTest {
             .get(30, TimeUnit.SECONDS);
     assertEquals(sync.tokenIds(), async.tokenIds());
     assertEquals("async-1", async.requestId());
-    assertEquals(1, client.modelInfoAsync().get(30, TimeUnit.SECONDS).weightVersion());
+    assertEquals(
+        admin.status().weightVersion(),
+        client.modelInfoAsync().get(30, TimeUnit.SECONDS).weightVersion());
   }
 }
