@@ -12,7 +12,7 @@ from engine import ContinuousBatchingConfig
 from engine.parallel import check_tensor_parallel_size, torchrun_rank, torchrun_world_size
 from service.auth import load_admin_token
 from service.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from service.engine_host import EngineHost
+from service.engine_host import DTYPES, EngineHost
 from service.server import CbserveServer, ServerOptions
 from service.tensor_parallel import follow, launch, strip_tp_flag
 from service.tls import ServerTls, TlsConfigError, client_credentials, load_server_tls
@@ -52,6 +52,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--otlp-endpoint",
         help="OTLP/gRPC collector for request traces (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)",
+    )
+    serve.add_argument(
+        "--device", default="auto", help="cpu, cuda or cuda:N (default auto: the GPU when there is one)"
+    )
+    serve.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPES),
+        help="weights and KV cache precision (default auto: bfloat16 on a GPU, float32 on the CPU)",
     )
     serve.add_argument(
         "--tp",
@@ -118,7 +127,11 @@ async def serve(args: argparse.Namespace, tls: ServerTls | None = None) -> None:
     # The first start on the embedded model converts it once (~80 s), in load's worker thread, while
     # health reports NOT_SERVING.
     loading = asyncio.ensure_future(
-        server.load(lambda: EngineHost.from_path(args.model or ensure_default_model(), config))
+        server.load(
+            lambda: EngineHost.from_path(
+                args.model or ensure_default_model(), config, device=args.device, dtype=args.dtype
+            )
+        )
     )
     await asyncio.wait([loading, asyncio.ensure_future(stopping.wait())], return_when=asyncio.FIRST_COMPLETED)
     if loading.done():
@@ -175,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.tp > 1 and torchrun_world_size() == 1:
                 return launch_tensor_parallel(parser, args, list(sys.argv[1:] if argv is None else argv))
             if torchrun_rank() > 0:
-                return follow(args.model or ensure_default_model(), engine_config(args))
+                return follow(args.model or ensure_default_model(), engine_config(args), args.dtype)
             asyncio.run(serve(args, tls))
         else:
             generate(args)

@@ -25,17 +25,41 @@ DEFAULT_RETENTION_S = 300.0
 FALLBACK_MAX_NEW_TOKENS = 20
 
 
-def load_pretrained(path: str) -> tuple[torch.nn.Module, Any | None]:
-    """The model at `path` in fp32 with SDPA attention, and its tokenizer when the folder has one.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-    Under `torchrun` (or `cbserve serve --tp N`) the model is sharded over every rank.
+
+def resolve_placement(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """Where and in what precision the model runs: "auto" is the GPU when there is one, else the CPU,
+    and bfloat16 on a GPU, float32 on the CPU (CPU kernels are slow in half precision)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if dtype == "auto":
+        dtype = "bfloat16" if resolved.type == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {dtype!r}")
+    return resolved, DTYPES[dtype]
+
+
+def load_pretrained(
+    path: str, device: str = "auto", dtype: str = "auto"
+) -> tuple[torch.nn.Module, Any | None]:
+    """The model at `path` with SDPA attention (placed by `resolve_placement`), and its tokenizer when the
+    folder has one.
+
+    Under `torchrun` (or `cbserve serve --tp N`) the model is sharded over every rank, each on its own
+    accelerator (LOCAL_RANK) or on the CPU.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    resolved_device, resolved_dtype = resolve_placement(device, dtype)
     if torchrun_world_size() > 1:
-        model = load_sharded_model(path, torch.float32, "sdpa")
+        model = load_sharded_model(path, resolved_dtype, "sdpa")
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolved_dtype, attn_implementation="sdpa", device_map=str(resolved_device)
+        )
+    logger.info("model %s on %s in %s", path, next(model.parameters()).device, resolved_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
@@ -93,8 +117,14 @@ class EngineHost:
         )
 
     @classmethod
-    def from_path(cls, path: str, config: ContinuousBatchingConfig | None = None) -> EngineHost:
-        model, tokenizer = load_pretrained(path)
+    def from_path(
+        cls,
+        path: str,
+        config: ContinuousBatchingConfig | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+    ) -> EngineHost:
+        model, tokenizer = load_pretrained(path, device, dtype)
         return cls(model, tokenizer, config, model_name=os.path.basename(os.path.normpath(path)))
 
     # ------------------------------------------------------------------ lifecycle

@@ -77,12 +77,12 @@ def launch(serve_argv: list[str], tp_size: int) -> int:
     return driver.returncode or next((code for code in codes if code), 0)
 
 
-def follow(model_path: str, config: ContinuousBatchingConfig) -> int:
+def follow(model_path: str, config: ContinuousBatchingConfig, dtype: str = "auto") -> int:
     """Runs a non-driver rank until the driver stops the engine; 0 then, 1 if the loop failed."""
     # Signals are rank 0's to handle: it drains, then its stop ends this rank's loop too.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    model, _tokenizer = load_pretrained(model_path)
+    model, _tokenizer = load_pretrained(model_path, dtype=dtype)
     manager = ContinuousBatchingManager(model, continuous_batching_config=config)
     manager.start()
     manager.join()
