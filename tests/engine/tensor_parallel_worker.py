@@ -7,7 +7,8 @@ loop error, and on rank 0 the scenario's results.
 
 Scenarios:
 - lockstep: greedy batch, sampled requests (seeded and not), a cancel, an in-place update from a state
-  dict while a request is in flight (KEEP), a rejected update, an update from a safetensors folder, stop.
+  dict while a request is in flight (KEEP), a rejected update, an ABORT pause, an update from a
+  safetensors folder, stop.
 - hang: rank 1 builds its engine and then never joins the loop; rank 0 must fail within the timeout.
 - die: rank 1 exits abruptly while rank 0 generates; rank 0 must fail its request, not hang.
 """
@@ -94,6 +95,13 @@ def drive_lockstep(manager: ContinuousBatchingManager, args: argparse.Namespace)
         results["bad_update_error"] = str(exc)
     results["greedy_after_bad_update"] = greedy(manager, prompts[:2], args.max_new_tokens)
 
+    aborted = manager.add_request(prompts[2], request_id="aborted", max_new_tokens=400, streaming=True)
+    assert aborted is not None
+    wait_for_tokens(manager, aborted, 2)
+    with manager.pause(mode="abort") as handle:
+        results["abort_cancelled"] = handle.cancelled
+    results["aborted_status"] = collect(manager, [aborted])[aborted].status.name
+
     results["version_after_path"] = manager.update_weights(args.model)
     results["greedy_after_path"] = greedy(manager, prompts[:2], args.max_new_tokens)
     return results
@@ -134,6 +142,8 @@ def main() -> None:
         os._exit(3)
 
     manager.start()
+    if rank != 0:
+        report["add_request_on_follower"] = manager.add_request([5, 6, 7], max_new_tokens=2)
     if rank == 0:
         if args.scenario == "lockstep":
             report["results"] = drive_lockstep(manager, args)

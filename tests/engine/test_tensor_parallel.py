@@ -127,6 +127,11 @@ def test_every_rank_finished_the_same_requests_with_the_same_tokens(lockstep: li
     # Cancel reached the follower: the request ended CANCELLED there too, after the same tokens.
     assert follower["to-cancel"]["status"] == "CANCELLED"
     assert lockstep[0]["results"]["cancelled_status"] == "CANCELLED"
+    # So did an ABORT pause.
+    assert lockstep[0]["results"]["abort_cancelled"] == 1
+    assert follower["aborted"]["status"] == lockstep[0]["results"]["aborted_status"] == "CANCELLED"
+    # Requests reach the other ranks through the driver only.
+    assert lockstep[1]["add_request_on_follower"] is None
     # Unseeded sampling too: both ranks drew the same tokens (the seed is the driver's).
     assert len(lockstep[0]["results"]["sampled"]) == 4
 
