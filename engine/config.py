@@ -50,7 +50,8 @@ class ContinuousBatchingConfig:
 
     max_memory_percent: fraction of free memory, measured after the model is loaded, that the KV cache may
     take, in (0, 1]. None resolves to 0.9, or to 0.8 when logits processing is on, because processors
-    allocate vocabulary-sized temporaries (see `resolved_max_memory_percent`).
+    allocate vocabulary-sized temporaries (see `resolved_max_memory_percent`); on the CPU, None also caps
+    the cache at 4 GiB, since it shares RAM with the rest of the host.
 
     max_requests_per_batch: most requests in one batch; bounds the logits tensor, which grows with the
     vocabulary. None infers it from workload hints, falling back to 1024.

@@ -20,6 +20,7 @@ from engine.parallel import TensorParallelGroup, tensor_parallel_size
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
 from engine.runner.kv_cache import (
+    DEFAULT_CPU_CACHE_BUDGET_BYTES,
     HostKVCache,
     KVCacheShape,
     PagedKVCache,
@@ -101,6 +102,11 @@ class EngineCore:
             max_tokens_needed,
             self.max_requests_per_batch,
             activation_bytes,
+            max_budget_bytes=(
+                DEFAULT_CPU_CACHE_BUDGET_BYTES
+                if self.device.type == "cpu" and config.max_memory_percent is None
+                else None
+            ),
         )
         # Host blocks are sized for a page of every layer: any group's blocks can use any of them.
         num_host_blocks = resolve_offload_blocks(

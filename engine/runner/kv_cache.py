@@ -33,6 +33,9 @@ MAX_AUTO_BLOCKS = 1 << 18
 DEFAULT_MAX_BATCH_TOKENS_GPU = 8192
 DEFAULT_MAX_BATCH_TOKENS_CPU = 2048
 MIN_MAX_BATCH_TOKENS = 256
+# On the CPU the cache shares RAM with the rest of the host: unless the user sets `max_memory_percent`, it
+# takes at most this much (vLLM's CPU backend defaults to the same 4 GiB of KV space).
+DEFAULT_CPU_CACHE_BUDGET_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -99,15 +102,19 @@ def resolve_cache_sizes(
     max_tokens_needed: int,
     max_requests: int,
     activation_bytes_per_token: int,
+    max_budget_bytes: int | None = None,
 ) -> tuple[list[int], int]:
     """(num_blocks of each group, max_batch_tokens), filling in whatever the user left as None.
 
     `max_batch_tokens` comes first (a fixed default capped so its activations take at most a tenth of
     the budget). A user's `num_blocks` goes to the full-attention group whole; a sliding-window group
     gets what `blocks_needed_by_group` says it can use, capped at `num_blocks`. Auto-sized, the
-    groups share the rest of the budget in proportion to the bytes they can use, never more.
+    groups share the rest of the budget in proportion to the bytes they can use, never more. The budget
+    is `max_memory_percent` of the free memory, capped at `max_budget_bytes` when given.
     """
     budget = int(free_memory_bytes(device) * max_memory_percent)
+    if max_budget_bytes is not None:
+        budget = min(budget, max_budget_bytes)
     if max_batch_tokens is None:
         default = DEFAULT_MAX_BATCH_TOKENS_GPU if device.type == "cuda" else DEFAULT_MAX_BATCH_TOKENS_CPU
         affordable = budget // 10 // max(1, activation_bytes_per_token)

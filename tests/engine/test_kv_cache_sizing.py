@@ -1,0 +1,59 @@
+"""How many KV blocks an auto-sized cache gets, and when the CPU cap applies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine import ContinuousBatchingConfig, engine_core
+from engine.engine_core import EngineCore
+from engine.kv.layer_groups import kv_cache_groups
+from engine.runner.kv_cache import DEFAULT_CPU_CACHE_BUDGET_BYTES, KVCacheShape, resolve_cache_sizes
+from tests.conftest import tiny_config, tiny_model
+
+GiB = 1 << 30
+
+
+def sizes(max_budget_bytes: int | None) -> tuple[list[int], int, int]:
+    config = tiny_config("llama")
+    shape = KVCacheShape.from_model_config(config, torch.float32)
+    groups = kv_cache_groups(config)
+    blocks, max_batch_tokens = resolve_cache_sizes(
+        shape,
+        groups,
+        torch.device("cpu"),
+        page_size=16,
+        num_blocks=None,
+        max_batch_tokens=256,
+        max_memory_percent=0.9,
+        max_tokens_needed=1 << 40,  # more than any memory: the budget decides
+        max_requests=64,
+        activation_bytes_per_token=0,
+        max_budget_bytes=max_budget_bytes,
+    )
+    return blocks, max_batch_tokens, shape.bytes_per_token() * 16
+
+
+def test_a_budget_cap_bounds_the_cache_bytes() -> None:
+    blocks, _, block_bytes = sizes(max_budget_bytes=GiB // 4)
+    assert sum(blocks) * block_bytes <= GiB // 4
+    assert sum(blocks) * block_bytes > GiB // 4 - block_bytes, "the whole capped budget is used"
+
+
+def test_the_cpu_default_caps_the_budget_at_4_gib_and_an_explicit_fraction_lifts_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caps: list[int | None] = []
+    original = engine_core.resolve_cache_sizes
+
+    def recording(*args: Any, **kwargs: Any) -> tuple[list[int], int]:
+        caps.append(kwargs.get("max_budget_bytes"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine_core, "resolve_cache_sizes", recording)
+    model = tiny_model("llama")
+    EngineCore(model, ContinuousBatchingConfig(page_size=16, max_batch_tokens=256))
+    EngineCore(model, ContinuousBatchingConfig(page_size=16, max_batch_tokens=256, max_memory_percent=0.5))
+    assert caps == [DEFAULT_CPU_CACHE_BUDGET_BYTES, None]
