@@ -686,7 +686,8 @@ class ContinuousBatchingManager:
         engine = self._engine
         if engine is None:
             return
-        pool = engine.kv_cache_manager.block_pool
+        # Every cache group counts: a hybrid model's sliding-window blocks are memory too.
+        pools = [group.block_pool for group in engine.kv_cache_manager.groups]
         prefix = engine.kv_cache_manager.prefix_cache_stats
         self._stats = ManagerStats(
             running=self.is_running(),
@@ -694,9 +695,9 @@ class ContinuousBatchingManager:
             num_pause_holders=self._pause_holders,
             num_waiting=self._num_queued,
             num_running=engine.scheduler.num_running,
-            num_blocks_total=pool.num_usable_blocks,
-            num_blocks_used=pool.num_used_blocks,
-            num_blocks_cached=pool.num_cached_blocks,
+            num_blocks_total=sum(pool.num_usable_blocks for pool in pools),
+            num_blocks_used=sum(pool.num_used_blocks for pool in pools),
+            num_blocks_cached=sum(pool.num_cached_blocks for pool in pools),
             prefix_cache_queried_tokens=prefix.queried_tokens,
             prefix_cache_hit_tokens=prefix.hit_tokens,
             prefix_cache_hit_rate=prefix.hit_rate,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import ContinuousBatchingConfig, init_continuous_batching
+from engine import ContinuousBatchingConfig, ContinuousBatchingManager, init_continuous_batching
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager, blocks_for_tokens
 from engine.kv.layer_groups import KVCacheGroupSpec, kv_cache_groups
@@ -244,3 +244,22 @@ def test_a_long_mistral_request_holds_only_a_window_of_blocks(monkeypatch):
     assert max(held_per_step) * 5 < needed_without_window
     assert stats.num_blocks_used == 0
     _assert_parity(model, [prompt], 30, outputs)
+
+
+def test_stats_count_the_blocks_of_every_cache_group():
+    config = ContinuousBatchingConfig(page_size=PAGE, num_blocks=40)
+    manager = ContinuousBatchingManager(tiny_model("gemma2"), continuous_batching_config=config)
+    try:
+        manager.start()
+        pools = [group.block_pool for group in manager._engine.kv_cache_manager.groups]
+        assert len(pools) == 2, "Gemma 2 keeps a full and a sliding group"
+        stats = manager.stats()
+        total = sum(pool.num_usable_blocks for pool in pools)
+        assert stats.num_blocks_total == total > pools[0].num_usable_blocks
+        request_id = manager.add_request(random_prompt(60, seed=9600), max_new_tokens=30, streaming=True)
+        for _ in range(3):  # stats are refreshed after each step: by the 3rd token they show the prefill
+            assert manager.get_result(request_id, timeout=60) is not None
+        used = manager.stats().num_blocks_used
+        assert used > blocks_for_tokens(61, PAGE), f"{used} blocks: the sliding group's are not counted"
+    finally:
+        manager.destroy()
