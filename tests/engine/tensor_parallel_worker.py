@@ -161,6 +161,8 @@ def main() -> None:
         manager.stop(block=True, timeout=60)
     else:
         manager.join()
+    if manager._engine is not None:
+        report["kv_heads_cached"] = manager._engine.kv_caches[0].shape.num_kv_heads
     report["loop_error"] = manager.loop_error
     report["finished"] = finished
     report["loop_ended"] = not manager.is_running()

@@ -107,6 +107,8 @@ def lockstep(
 
 def test_each_rank_holds_a_shard(lockstep: list[dict[str, Any]]) -> None:
     assert [report["tp_size"] for report in lockstep] == [WORLD_SIZE, WORLD_SIZE]
+    num_kv_heads = tiny_config("llama").num_key_value_heads
+    assert [report["kv_heads_cached"] for report in lockstep] == [num_kv_heads // WORLD_SIZE] * WORLD_SIZE
     assert [report["loop_error"] for report in lockstep] == [None, None]
     assert all(report["loop_ended"] for report in lockstep), "stop on the driver must end every rank's loop"
 
