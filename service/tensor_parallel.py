@@ -12,6 +12,7 @@ and exits; the followers then exit on their own. If any rank fails, the others a
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
@@ -27,6 +28,7 @@ from service.engine_host import load_pretrained
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # How long followers get to end after rank 0 exited before they are killed (they end with its loop).
 FOLLOWER_EXIT_GRACE_S = 30.0
 
@@ -37,13 +39,23 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """Runs in each rank before it starts: the kernel kills the rank if the launcher dies, even by
+    SIGKILL, so no rank outlives it holding its port and memory (Linux; elsewhere a no-op)."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def launch(serve_argv: list[str], tp_size: int) -> int:
     """Runs `cbserve serve <serve_argv>` as `tp_size` ranks; returns rank 0's exit status."""
     port = _free_port()
     ranks: list[subprocess.Popen[bytes]] = []
     for rank in range(tp_size):
         env = {**os.environ, **torchrun_environment(rank, tp_size, port)}
-        ranks.append(subprocess.Popen([sys.executable, "-m", "service", "serve", *serve_argv], env=env))
+        command = [sys.executable, "-m", "service", "serve", *serve_argv]
+        ranks.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
     driver = ranks[0]
 
     def forward(signum: int, _frame: object) -> None:

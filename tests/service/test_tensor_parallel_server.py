@@ -109,3 +109,21 @@ def test_tp_that_does_not_divide_the_kv_heads_fails_at_start_naming_both(
         assert "--tp 3" in log and "num_key_value_heads (2)" in log, log
     finally:
         server.close()
+
+
+def test_ranks_do_not_outlive_a_killed_launcher(model_dir: Path, tmp_path: Path) -> None:
+    server = ServerProcess(model_dir, tmp_path / "server.log", *ENGINE_FLAGS)
+    ranks: list[psutil.Process] = []
+    try:
+        server.wait_serving(timeout=180)
+        ranks = ranks_of(server)
+        assert len(ranks) == 2
+        server.process.kill()
+        server.process.wait(timeout=30)
+        _, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, f"ranks {[rank.pid for rank in alive]} outlived their launcher"
+    finally:
+        for rank in ranks:
+            if rank.is_running():
+                rank.kill()
+        server.close()
