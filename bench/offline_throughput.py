@@ -1,13 +1,15 @@
 """Offline throughput of cbserve against transformers' continuous batching and padded static batching.
 
-All engines run in one process on the same random-weight Llama and the same prompts, in alternating rounds
+All engines run in one process on the same random-weight model and the same prompts, in alternating rounds
 (A B C A B C ...) so that drift in machine load hits every engine alike. Each engine first gets one untimed
 warmup run. Results are JSON lines: one per engine, then one summary with the throughput ratios, the
-machine's measured fp32 matmul rate (the roofline for model-FLOPs utilisation) and greedy token parity.
+device's measured matmul rate in the benchmark's dtype (the roofline for model-FLOPs utilisation) and greedy
+token parity.
 
 Run from the repository root:
 
     PYTHONPATH=. python bench/offline_throughput.py --model tiny
+    PYTHONPATH=. python bench/offline_throughput.py --device cuda --dtype bfloat16 --model qwen3-0.6b
 
 Importable: `run_benchmark(parse_args([...]))` returns the same records it prints.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -28,7 +31,14 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import engine
 
@@ -43,8 +53,18 @@ class ModelShape:
     num_attention_heads: int
     num_key_value_heads: int
     intermediate_size: int
+    family: str = "llama"
+    vocab_size: int = 32000
+    max_position_embeddings: int = 2048
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
 
 
+CausalLM = LlamaForCausalLM | Qwen3ForCausalLM
+MODEL_CLASSES: dict[str, tuple[Callable[..., PreTrainedConfig], type[CausalLM]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
 MODEL_PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape(
         hidden_size=256,
@@ -60,14 +80,33 @@ MODEL_PRESETS: dict[str, ModelShape] = {
         num_key_value_heads=4,
         intermediate_size=2048,
     ),
+    # The shapes of Qwen3-0.6B (596M parameters, tied embeddings), with random weights: the GPU benchmark.
+    "qwen3-0.6b": ModelShape(
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        intermediate_size=3072,
+        family="qwen3",
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
 }
-VOCAB_SIZE = 32000
-MAX_POSITION_EMBEDDINGS = 2048
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The configuration the peer measurements (shared/references/peer-on-this-cpu.md) were taken with, so our
-# transformers_cb figures are comparable to theirs.
+# transformers_cb figures on the CPU are comparable to theirs.
 TRANSFORMERS_CB_PAGE_SIZE = 256
 TRANSFORMERS_CB_NUM_BLOCKS = 128
 TRANSFORMERS_CB_MAX_BATCH_TOKENS = 2048
+# Defaults per device of the flags left unset. On cuda: 8192 tokens per step is both engines' own GPU default;
+# 64-token pages keep cbserve's auto-sized pool (about a million tokens on an H200) to some 17k blocks; and a
+# 2048^2 matmul is too short to keep a GPU busy, so the roofline uses 8192^2.
+DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
+    "cpu": {"page_size": 16, "max_batch_tokens": 2048, "matmul_size": 2048},
+    "cuda": {"page_size": 64, "max_batch_tokens": 8192, "matmul_size": 8192},
+}
 # Left padding for static batching; any id works because the attention mask hides it.
 PAD_TOKEN_ID = 0
 MFU_FORMULA = (
@@ -80,34 +119,40 @@ MFU_FORMULA = (
 
 @dataclasses.dataclass(frozen=True)
 class EngineOptions:
-    """Knobs of the engines under test; transformers_cb always uses the peer's fixed configuration."""
+    """Knobs of the engines under test. transformers_cb's defaults are the peer's fixed CPU configuration;
+    None lets it size that field from free memory."""
 
     page_size: int = 16
     max_batch_tokens: int = 2048
     num_blocks: int | None = None
     static_batch_size: int = 16
+    transformers_cb_page_size: int = TRANSFORMERS_CB_PAGE_SIZE
+    transformers_cb_num_blocks: int | None = TRANSFORMERS_CB_NUM_BLOCKS
+    transformers_cb_max_batch_tokens: int | None = TRANSFORMERS_CB_MAX_BATCH_TOKENS
 
 
 # Every engine takes (model, prompts, a fresh greedy config, options) and returns the generated tokens of
 # each prompt, in input order.
-EngineRunner = Callable[[LlamaForCausalLM, list[list[int]], GenerationConfig, EngineOptions], list[list[int]]]
+EngineRunner = Callable[[CausalLM, list[list[int]], GenerationConfig, EngineOptions], list[list[int]]]
 
 
-def build_model(preset: str) -> LlamaForCausalLM:
-    """A random-weight fp32 Llama with seeded weights and no EOS anywhere in its configs."""
+def build_model(
+    preset: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> CausalLM:
+    """A random-weight model of `preset`'s family and shape, seeded, with no EOS anywhere in its configs.
+
+    The weights are drawn on the CPU and then moved, so a preset has the same weights on every device.
+    """
+    shape = dataclasses.asdict(MODEL_PRESETS[preset])
+    config_class, model_class = MODEL_CLASSES[shape.pop("family")]
+    if shape["head_dim"] is None:
+        del shape["head_dim"]
     # eos_token_id=None in the model config too: transformers fills a generation config's unset fields from
     # the model's, and LlamaConfig's default eos (2) would stop requests early.
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        **dataclasses.asdict(MODEL_PRESETS[preset]),
-    )
+    config = config_class(bos_token_id=None, eos_token_id=None, pad_token_id=None, **shape)
     torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    return model.eval()
+    model = model_class._from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.to(device).eval()
 
 
 def make_prompts(num_requests: int, min_prompt: int, max_prompt: int, vocab_size: int) -> list[list[int]]:
@@ -140,7 +185,7 @@ def _ordered_tokens(engine_name: str, outputs: Mapping[str, Any], num_prompts: i
 
 
 def run_cbserve(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     prompts: list[list[int]],
     generation_config: GenerationConfig,
     options: EngineOptions,
@@ -155,7 +200,7 @@ def run_cbserve(
 
 
 def cbserve_step_breakdown(
-    model: LlamaForCausalLM, prompts: list[list[int]], new_tokens: int, options: EngineOptions
+    model: CausalLM, prompts: list[list[int]], new_tokens: int, options: EngineOptions
 ) -> dict[str, Any]:
     """One extra, untimed cbserve run through the manager, to read where its step time goes.
 
@@ -184,17 +229,26 @@ def cbserve_step_breakdown(
     }
 
 
+def transformers_cb_config(options: EngineOptions) -> transformers.ContinuousBatchingConfig:
+    # transformers 5.17 (the GPU machine's) names the page size `block_size`; later versions call it
+    # `page_size` and warn on the old name.
+    fields = {field.name for field in dataclasses.fields(transformers.ContinuousBatchingConfig)}
+    page_field = "page_size" if "page_size" in fields else "block_size"
+    page: dict[str, Any] = {page_field: options.transformers_cb_page_size}
+    return transformers.ContinuousBatchingConfig(
+        num_blocks=options.transformers_cb_num_blocks,
+        max_batch_tokens=options.transformers_cb_max_batch_tokens,
+        **page,
+    )
+
+
 def run_transformers_cb(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     prompts: list[list[int]],
     generation_config: GenerationConfig,
     options: EngineOptions,
 ) -> list[list[int]]:
-    config = transformers.ContinuousBatchingConfig(
-        page_size=TRANSFORMERS_CB_PAGE_SIZE,
-        num_blocks=TRANSFORMERS_CB_NUM_BLOCKS,
-        max_batch_tokens=TRANSFORMERS_CB_MAX_BATCH_TOKENS,
-    )
+    config = transformers_cb_config(options)
     outputs = model.generate_batch(
         inputs=prompts, generation_config=generation_config, continuous_batching_config=config
     )
@@ -202,7 +256,7 @@ def run_transformers_cb(
 
 
 def run_static(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     prompts: list[list[int]],
     generation_config: GenerationConfig,
     options: EngineOptions,
@@ -212,9 +266,13 @@ def run_static(
     for start in range(0, len(prompts), options.static_batch_size):
         batch = prompts[start : start + options.static_batch_size]
         width = max(len(prompt) for prompt in batch)
-        input_ids = torch.tensor([[PAD_TOKEN_ID] * (width - len(prompt)) + prompt for prompt in batch])
-        attention_mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in batch])
-        # transformers annotates `generate`'s self as a protocol that LlamaForCausalLM does not match.
+        input_ids = torch.tensor(
+            [[PAD_TOKEN_ID] * (width - len(prompt)) + prompt for prompt in batch], device=model.device
+        )
+        attention_mask = torch.tensor(
+            [[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in batch], device=model.device
+        )
+        # transformers annotates `generate`'s self as a protocol that the model classes do not match.
         output = model.generate(  # type: ignore[misc]
             input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
         )
@@ -229,9 +287,23 @@ RUNNERS: dict[str, EngineRunner] = {
 }
 
 
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work, so that a clock read after it covers that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Returns the last engine's freed cache to the GPU, so the next engine sizes its cache from the same free
+    memory (both size from what the driver reports free, which excludes torch's cached blocks)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def timed_run(
     engine_name: str,
-    model: LlamaForCausalLM,
+    model: CausalLM,
     prompts: list[list[int]],
     new_tokens: int,
     options: EngineOptions,
@@ -241,27 +313,40 @@ def timed_run(
     # engine that failed to restore it from changing how the next one runs.
     model.set_attn_implementation("sdpa")
     generation_config = greedy_config(new_tokens)
+    synchronize(model.device)
     start = time.perf_counter()
     tokens = RUNNERS[engine_name](model, prompts, generation_config, options)
-    return time.perf_counter() - start, tokens
+    synchronize(model.device)
+    seconds = time.perf_counter() - start
+    release_device_memory(model.device)
+    return seconds, tokens
 
 
-def measure_matmul_flops(size: int = 2048, repeats: int = 10) -> float:
-    """Achieved fp32 FLOP/s of a square `torch.matmul` (median of `repeats`, after two warmup calls)."""
-    generator = torch.Generator().manual_seed(0)
-    left = torch.randn(size, size, generator=generator)
-    right = torch.randn(size, size, generator=generator)
+def measure_matmul_flops(
+    size: int = 2048,
+    repeats: int = 10,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> float:
+    """Achieved FLOP/s of a square `torch.matmul` in `dtype` on `device` (median of `repeats`, after two
+    warmup calls)."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    left = torch.randn(size, size, generator=generator, device=device, dtype=dtype)
+    right = torch.randn(size, size, generator=generator, device=device, dtype=dtype)
     for _ in range(2):
         torch.matmul(left, right)
     times = []
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         torch.matmul(left, right)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * size**3 / statistics.median(times)
 
 
-def parameter_counts(model: LlamaForCausalLM) -> tuple[int, int]:
+def parameter_counts(model: CausalLM) -> tuple[int, int]:
     """(n_body, n_lm_head): parameters outside both vocabulary matrices, and those of the LM head."""
     embedding = model.get_input_embeddings().weight
     lm_head = model.get_output_embeddings().weight
@@ -274,6 +359,13 @@ def parity_fraction(tokens: list[list[int]], reference: list[list[int]]) -> floa
     return sum(ours == theirs for ours, theirs in zip(tokens, reference, strict=True)) / len(reference)
 
 
+def first_token_parity_fraction(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """Requests whose first generated token matches. In bf16, batch shapes change rounding, so whole outputs
+    drift apart after a near-tie; a first token that differs in many requests points at a bug instead."""
+    pairs = zip(tokens, reference, strict=True)
+    return sum(ours[:1] == theirs[:1] for ours, theirs in pairs) / len(reference)
+
+
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -281,47 +373,79 @@ def _log(message: str) -> None:
 def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Runs the benchmark that `args` (from `parse_args`) describes: per-engine records, then the summary."""
     engines: list[str] = args.engines
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    # On a GPU the peer's fixed CPU cache (128 blocks of 256 tokens) would hold only part of the workload, so
+    # there transformers_cb sizes its cache from free memory, as cbserve does, with cbserve's token budget.
+    gpu_peer_options: dict[str, Any] = {}
+    if device.type != "cpu":
+        gpu_peer_options = {
+            "transformers_cb_num_blocks": None,
+            "transformers_cb_max_batch_tokens": args.max_batch_tokens,
+        }
     options = EngineOptions(
         page_size=args.page_size,
         max_batch_tokens=args.max_batch_tokens,
         num_blocks=args.num_blocks,
         static_batch_size=args.static_batch_size,
+        **gpu_peer_options,
     )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     # Other processes on a small machine skew every figure; the load averages let a reader judge a run.
     load_at_start = os.getloadavg()[0]
-    model = build_model(args.model)
-    prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt, VOCAB_SIZE)
+    model = build_model(args.model, device, dtype)
+    prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt, model.config.vocab_size)
     prompt_tokens = sum(len(prompt) for prompt in prompts)
     generated_tokens = args.requests * args.new_tokens
     n_params = sum(parameter.numel() for parameter in model.parameters())
     n_body, n_lm_head = parameter_counts(model)
-    matmul_flops = measure_matmul_flops(args.matmul_size)
+    matmul_flops = measure_matmul_flops(args.matmul_size, device=device, dtype=dtype)
+    release_device_memory(device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
     _log(
-        f"model {args.model}: {n_params:,} params; "
+        f"model {args.model}: {n_params:,} params, {args.dtype} on {device} ({device_name}); "
         f"{args.requests} requests, {prompt_tokens} prompt tokens; matmul {matmul_flops / 1e9:.1f} GFLOP/s; "
         f"{torch.get_num_threads()} threads"
     )
 
+    # With --keep-going an engine that raises is dropped from the later runs and reported with its error, so
+    # one failing engine does not cost the figures of the others (a GPU check gets a single try).
+    errors: dict[str, str] = {}
+
+    def run_or_drop(engine_name: str, run_prompts: list[list[int]]) -> tuple[float, list[list[int]]] | None:
+        try:
+            return timed_run(engine_name, model, run_prompts, args.new_tokens, options)
+        except Exception as error:
+            if not args.keep_going:
+                raise
+            errors[engine_name] = f"{type(error).__name__}: {error}"
+            _log(f"{engine_name} failed and is dropped: {errors[engine_name]}")
+            release_device_memory(device)
+            return None
+
     warmup_prompts = prompts[: args.warmup_requests]
     if warmup_prompts:
         for engine_name in engines:
-            seconds, _ = timed_run(engine_name, model, warmup_prompts, args.new_tokens, options)
-            _log(f"warmup {engine_name}: {seconds:.2f} s ({len(warmup_prompts)} requests)")
+            warmup = run_or_drop(engine_name, warmup_prompts)
+            if warmup is not None:
+                _log(f"warmup {engine_name}: {warmup[0]:.2f} s ({len(warmup_prompts)} requests)")
 
     wall_s: dict[str, list[float]] = {name: [] for name in engines}
     first_tokens: dict[str, list[list[int]]] = {}
     repeat_consistent = dict.fromkeys(engines, True)
     for round_index in range(args.repeats):
         for engine_name in engines:
-            seconds, tokens = timed_run(engine_name, model, prompts, args.new_tokens, options)
+            run = None if engine_name in errors else run_or_drop(engine_name, prompts)
+            if run is None:
+                continue
+            seconds, tokens = run
             wall_s[engine_name].append(seconds)
             reference = first_tokens.setdefault(engine_name, tokens)
             repeat_consistent[engine_name] &= tokens == reference
             _log(f"round {round_index + 1}/{args.repeats} {engine_name}: {seconds:.2f} s")
 
-    if "cbserve" in engines:
+    if "cbserve" in engines and "cbserve" not in errors:
         breakdown = cbserve_step_breakdown(model, prompts, args.new_tokens, options)
         _log(f"cbserve step breakdown: {breakdown['step_breakdown_s']}")
     useful_flops = 2 * n_body * (prompt_tokens + generated_tokens) + 2 * n_lm_head * generated_tokens
@@ -329,6 +453,16 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     throughput: dict[str, float] = {}
     for engine_name in engines:
+        if engine_name in errors:
+            records.append(
+                {
+                    "bench": BENCH_NAME,
+                    "engine": engine_name,
+                    "model": args.model,
+                    "error": errors[engine_name],
+                }
+            )
+            continue
         median_s = statistics.median(wall_s[engine_name])
         throughput[engine_name] = generated_tokens / median_s
         tokens = first_tokens[engine_name]
@@ -347,10 +481,13 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "requests_with_exact_new_tokens": sum(len(row) == args.new_tokens for row in tokens),
                 "repeat_consistent": repeat_consistent[engine_name],
                 "parity_vs_static": None if static_tokens is None else parity_fraction(tokens, static_tokens),
+                "first_token_parity_vs_static": (
+                    None if static_tokens is None else first_token_parity_fraction(tokens, static_tokens)
+                ),
             }
         )
 
-    if "cbserve" in engines:
+    if "cbserve" in engines and "cbserve" not in errors:
         records.append(breakdown)
 
     def ratio(peer: str) -> float | None:
@@ -366,9 +503,13 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
             "cbserve_vs_transformers_cb": ratio("transformers_cb"),
             "cbserve_vs_static": ratio("static"),
             "parity_cbserve_vs_static": next(
-                (record["parity_vs_static"] for record in records if record["engine"] == "cbserve"), None
+                (record.get("parity_vs_static") for record in records if record["engine"] == "cbserve"), None
             ),
             "matmul_gflops": round(matmul_flops / 1e9, 1),
+            "matmul_size": args.matmul_size,
+            "device": str(device),
+            "device_name": device_name,
+            "dtype": args.dtype,
             "mfu_formula": MFU_FORMULA,
             "n_params": n_params,
             "n_params_body": n_body,
@@ -386,9 +527,9 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "max_batch_tokens": options.max_batch_tokens,
             },
             "transformers_cb_config": {
-                "page_size": TRANSFORMERS_CB_PAGE_SIZE,
-                "num_blocks": TRANSFORMERS_CB_NUM_BLOCKS,
-                "max_batch_tokens": TRANSFORMERS_CB_MAX_BATCH_TOKENS,
+                "page_size": options.transformers_cb_page_size,
+                "num_blocks": options.transformers_cb_num_blocks,
+                "max_batch_tokens": options.transformers_cb_max_batch_tokens,
                 "attn_implementation": "sdpa",
             },
             "static_batch_size": options.static_batch_size,
@@ -404,7 +545,8 @@ def plot_throughput(records: Sequence[Mapping[str, Any]], path: str) -> None:
     matplotlib.use("Agg")  # files only; no display on benchmark machines
     import matplotlib.pyplot as plt
 
-    engine_records = [record for record in records if "engine" in record]
+    # Lines with timings only: not the step breakdown, nor an engine that failed under --keep-going.
+    engine_records = [record for record in records if "tokens_per_s" in record]
     names = [record["engine"] for record in engine_records]
     medians = [record["tokens_per_s"] for record in engine_records]
     fastest = [record["requests"] * record["new_tokens"] / min(record["wall_s"]) for record in engine_records]
@@ -427,6 +569,10 @@ def plot_throughput(records: Sequence[Mapping[str, Any]], path: str) -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="tiny")
+    parser.add_argument("--device", choices=sorted(DEVICE_DEFAULTS), default="cpu")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), default="float32", help="of the weights and the KV caches"
+    )
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -434,8 +580,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-requests", type=int, default=8, help="requests in each untimed warmup run")
-    parser.add_argument("--page-size", type=int, default=16, help="cbserve only")
-    parser.add_argument("--max-batch-tokens", type=int, default=2048, help="cbserve only")
+    parser.add_argument("--page-size", type=int, default=None, help="cbserve only; default 16, 64 on cuda")
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="cbserve's; default 2048, or 8192 on cuda, where transformers_cb gets the same",
+    )
     parser.add_argument(
         "--num-blocks", type=int, default=None, help="cbserve only; default sizes from memory"
     )
@@ -447,9 +598,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="torch intra-op threads (default: torch's choice); on a busy machine, 1 avoids waits for a"
         " descheduled worker thread on every small op",
     )
-    parser.add_argument("--matmul-size", type=int, default=2048, help="side of the square matmul roofline")
+    parser.add_argument(
+        "--matmul-size",
+        type=int,
+        default=None,
+        help="side of the square matmul roofline; default 2048, 8192 on cuda",
+    )
     parser.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of tokens/s (needs matplotlib)")
     parser.add_argument("--json-out", metavar="PATH", help="also write the JSON lines to this file")
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="report an engine that raises as {engine, error} and carry on with the others",
+    )
     args = parser.parse_args(argv)
     if args.requests < 1 or args.new_tokens < 1 or args.repeats < 1:
         parser.error("--requests, --new-tokens and --repeats must be at least 1")
@@ -459,6 +620,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     if not 1 <= args.min_prompt <= args.max_prompt:
         parser.error(f"need 1 <= --min-prompt <= --max-prompt, got {args.min_prompt} and {args.max_prompt}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU that torch can use; torch.cuda.is_available() is False")
+    for name, default in DEVICE_DEFAULTS[args.device].items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     # Keep the CLI order but run each engine once per round.
     args.engines = list(dict.fromkeys(args.engines))
     return args

@@ -1,8 +1,13 @@
-"""Tiny random causal LMs built from configs with a fixed seed (model hubs are unreachable in tests)."""
+"""Tiny random causal LMs built from configs with a fixed seed (model hubs are unreachable in tests).
+
+They live on the CPU unless CBSERVE_TEST_DEVICE names another device (e.g. "cuda"), which moves them
+there, so the parity tests run on a GPU (bench/gpu_check.sh).
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -28,6 +33,7 @@ COMMON = dict(
 )
 
 FULL_ATTENTION_FAMILIES = ("llama", "qwen3")
+TEST_DEVICE = torch.device(os.environ.get("CBSERVE_TEST_DEVICE", "cpu"))
 
 
 def tiny_config(family: str) -> PretrainedConfig:
@@ -48,7 +54,8 @@ def _build(family: str) -> torch.nn.Module:
     config = tiny_config(family)
     attn = "eager" if family == "gemma2" else "sdpa"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
-    return model.eval()
+    # Built on the CPU, then moved: the same seeded weights on every device.
+    return model.to(TEST_DEVICE).eval()
 
 
 def tiny_model(family: str) -> torch.nn.Module:
@@ -69,10 +76,11 @@ def random_prompt(length: int, seed: int) -> list[int]:
 
 def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The oracle: transformers' own `model.generate`, greedy, EOS ignored, no padding."""
+    device = next(model.parameters()).device
     with torch.no_grad():
         output = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             max_new_tokens=max_new_tokens,
             min_new_tokens=max_new_tokens,
             do_sample=False,

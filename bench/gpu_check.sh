@@ -1,0 +1,362 @@
+#!/usr/bin/env bash
+# The GPU check of issue 6: one prepared script for a machine with one GPU and no network.
+#
+#   wheels    installs the wheels carried in .whl/, if any (the H200 image needs none; see bench/README.md)
+#   env       nvidia-smi, Python, torch and package versions, and which imports the check needs are missing
+#   parity    tests/engine/test_greedy_parity.py with the tiny fp32 models on the GPU (CBSERVE_TEST_DEVICE)
+#   bench     bench/offline_throughput.py: Qwen3-0.6B shapes (random weights), bf16, 256 requests, prompts
+#             uniform in 16..256 tokens, 64 greedy new tokens; cbserve, transformers_cb and static
+#   sampling  tests/engine/test_sampling.py on the GPU, less its logprobs test, whose tensors stay on the CPU
+#
+# Each step runs under `timeout`, within one overall budget, and $OUT/gpu_check.json is rewritten after every
+# step: a step that fails, hangs or is killed leaves the results of the steps before it. $OUT/gpu_check.log
+# holds every step's full output. Exit status: 0 when every step passed or was skipped.
+#
+#   OUT=/some/folder bash bench/gpu_check.sh                       # on the GPU machine, from the repo root
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_SMALL=1 bash bench/gpu_check.sh  # dry run on a CPU, about 80 s on 2 cores
+#
+# Knobs (environment): OUT (default bench/results/gpu_check), GPU_CHECK_DEVICE (cuda), GPU_CHECK_DTYPE
+# (bfloat16), GPU_CHECK_SMALL (0; 1 = tiny model, 8 requests, a few tests), GPU_CHECK_REPEATS (1),
+# GPU_CHECK_BUDGET_S (450: steps are cut to fit it, and the check ends within about 15 s of it),
+# GPU_CHECK_WHEELS (.whl), PYTHON (python3).
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO" || exit 2
+OUT_DIR=${OUT:-$REPO/bench/results/gpu_check}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+DTYPE=${GPU_CHECK_DTYPE:-bfloat16}
+SMALL=${GPU_CHECK_SMALL:-0}
+REPEATS=${GPU_CHECK_REPEATS:-1}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
+WHEELS=${GPU_CHECK_WHEELS:-.whl}
+PYTHON=${PYTHON:-python3}
+# Seconds kept back at the end for the last merge, and the least a step is started with.
+RESERVE_S=5
+MIN_STEP_S=15
+
+mkdir -p "$OUT_DIR" || exit 2
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2
+LOG=$OUT_DIR/gpu_check.log
+JSON=$OUT_DIR/gpu_check.json
+: >"$LOG"
+: >"$WORK/steps"
+DEADLINE=$((SECONDS + BUDGET_S))
+STARTED=$(date +%s.%N)
+
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# Folds every step's status, log and structured output under $WORK into $JSON (stdlib only, so it runs even
+# when the packages under test do not import). Written to a temporary file and renamed: a reader never sees
+# half a file.
+read -r -d '' MERGE_PY <<'PY'
+import json
+import os
+import sys
+import time
+from xml.etree import ElementTree
+
+work, json_path, device, dtype, small, budget_s, started, state = sys.argv[1:9]
+
+
+def read(name):
+    try:
+        with open(os.path.join(work, name), encoding="utf-8", errors="replace") as file:
+            return file.read()
+    except OSError:
+        return None
+
+
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+
+
+def tail(text, limit):
+    return text if len(text) <= limit else "..." + text[-limit:]
+
+
+def counts_from_log(log):
+    """Counts of the tests that finished, from pytest's `-v` lines ("path::test OUTCOME [ n%]")."""
+    results = [line.split()[:2] for line in log.splitlines() if "::" in line and len(line.split()) > 1]
+    results = [(test, outcome) for test, outcome in results if outcome in OUTCOMES]
+    if not results:
+        return None
+    outcomes = [outcome for _, outcome in results]
+    return {
+        "incomplete": True,
+        "tests": len(results),
+        "passed": outcomes.count("PASSED"),
+        "failures": outcomes.count("FAILED"),
+        "errors": outcomes.count("ERROR"),
+        "skipped": outcomes.count("SKIPPED"),
+        "failed_tests": [test for test, outcome in results if outcome in ("FAILED", "ERROR")],
+    }
+
+
+def pytest_counts(name):
+    """Counts from the step's junit xml, or from its log when pytest was stopped before writing the xml."""
+    text = read(f"{name}.xml")
+    if text is None:
+        return counts_from_log(read(f"{name}.log") or "")
+    try:
+        root = ElementTree.fromstring(text)
+    except ElementTree.ParseError as error:
+        return {"error": f"unreadable junit xml: {error}"}
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed = []
+    for suite in root.iter("testsuite"):
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+    for case in root.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(f"{case.get('classname')}::{case.get('name')}")
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    counts["failed_tests"] = failed
+    return counts
+
+
+def bench():
+    text = read("bench.jsonl")
+    if text is None:
+        return None
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            pass
+    engines = {}
+    for record in records:
+        if "error" in record:
+            engines[record["engine"]] = {"error": record["error"], "tokens_per_s": None}
+            continue
+        if "tokens_per_s" not in record:
+            continue
+        parity = record.get("parity_vs_static")
+        engines[record["engine"]] = {
+            key: record.get(key)
+            for key in ("tokens_per_s", "median_s", "wall_s", "mfu", "requests_with_exact_new_tokens",
+                        "repeat_consistent", "parity_vs_static", "first_token_parity_vs_static")
+        }
+        engines[record["engine"]]["outputs_equal_to_static"] = (
+            None if parity is None else f"{round(parity * record['requests'])}/{record['requests']}"
+        )
+    summary = next((record for record in records if record.get("summary")), None)
+    breakdown = next((record for record in records if "step_breakdown_s" in record), None)
+    return {"engines": engines, "summary": summary, "cbserve_step_breakdown": breakdown}
+
+
+steps = []
+for name in (read("steps") or "").split():
+    status = dict(line.split("=", 1) for line in (read(f"{name}.status") or "").splitlines() if "=" in line)
+    log = read(f"{name}.log") or ""
+    step = {"name": name, "command": (read(f"{name}.cmd") or "").strip()}
+    if "skipped" in status:
+        step.update(status="skipped", reason=status["skipped"])
+    elif "out_of_time" in status:
+        step.update(status="out_of_time", reason=status["out_of_time"])
+    elif "rc" not in status:
+        step.update(status="running or killed", limit_s=int(status.get("limit_s", 0)))
+    else:
+        rc = int(status["rc"])
+        step.update(
+            status="passed" if rc == 0 else "timed_out" if rc in (124, 137) else "failed",
+            rc=rc,
+            seconds=round(float(status["ended"]) - float(status["started"]), 1),
+            limit_s=int(status["limit_s"]),
+        )
+    step["log_tail"] = tail(log, 600 if step["status"] in ("passed", "skipped") else 4000)
+    steps.append(step)
+
+result = {
+    "check": "bench/gpu_check.sh",
+    "state": state,
+    "device": device,
+    "dtype": dtype,
+    "small": small == "1",
+    "budget_s": int(budget_s),
+    "elapsed_s": round(time.time() - float(started), 1),
+    "summary": {},
+    "steps": steps,
+    "env": json.loads(read("env.json") or "null"),
+    "parity": pytest_counts("parity"),
+    "sampling": pytest_counts("sampling"),
+    "bench": bench(),
+}
+summary = result["summary"]
+summary["steps"] = {step["name"]: step["status"] for step in steps}
+summary["all_passed"] = state == "finished" and all(
+    step["status"] in ("passed", "skipped") for step in steps
+)
+for name in ("parity", "sampling"):
+    counts = result[name]
+    if counts and "tests" in counts:
+        finished_tests = " (stopped early: of the tests that finished)" if counts.get("incomplete") else ""
+        summary[name] = f"{counts['passed']}/{counts['tests']} passed{finished_tests}"
+if result["bench"]:
+    engines = result["bench"]["engines"]
+    summary["tokens_per_s"] = {name: values["tokens_per_s"] for name, values in engines.items()}
+    summary["outputs_equal_to_static"] = {
+        name: values.get("outputs_equal_to_static") for name, values in engines.items() if name != "static"
+    }
+    summary["engine_errors"] = {name: values["error"] for name, values in engines.items() if "error" in values}
+    if result["bench"]["summary"]:
+        summary["cbserve_vs_transformers_cb"] = result["bench"]["summary"].get("cbserve_vs_transformers_cb")
+        summary["cbserve_vs_static"] = result["bench"]["summary"].get("cbserve_vs_static")
+temporary = json_path + ".tmp"
+with open(temporary, "w", encoding="utf-8") as file:
+    json.dump(result, file, indent=1)
+    file.write("\n")
+os.replace(temporary, json_path)
+PY
+
+merge() {
+  "$PYTHON" -c "$MERGE_PY" "$WORK" "$JSON" "$DEVICE" "$DTYPE" "$SMALL" "$BUDGET_S" "$STARTED" "$1" ||
+    echo "gpu_check: could not write $JSON" >&2
+}
+
+# run_step NAME LIMIT_S COMMAND...: runs COMMAND under `timeout` for at most LIMIT_S seconds, less if the
+# overall budget has less left, and records its status, command and output under $WORK.
+run_step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((DEADLINE - SECONDS - RESERVE_S))
+  ((left < limit)) && limit=$left
+  echo "$name" >>"$WORK/steps"
+  printf '%q ' "$@" >"$WORK/$name.cmd"
+  if ((limit < MIN_STEP_S)); then
+    echo "out_of_time=$((left > 0 ? left : 0)) s left of the ${BUDGET_S} s budget" >"$WORK/$name.status"
+    echo "== $name: not run, out of time" | tee -a "$LOG"
+    merge running
+    return 1
+  fi
+  printf 'limit_s=%s\nstarted=%s\n' "$limit" "$(date +%s.%N)" >"$WORK/$name.status"
+  merge running
+  echo "== $name (at most ${limit} s): $*" | tee -a "$LOG"
+  timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+  local rc=$?
+  printf 'rc=%s\nended=%s\n' "$rc" "$(date +%s.%N)" >>"$WORK/$name.status"
+  cat "$WORK/$name.log" >>"$LOG"
+  echo "== $name: exit status $rc" | tee -a "$LOG"
+  merge running
+  return "$rc"
+}
+
+skip_step() {
+  echo "$1" >>"$WORK/steps"
+  echo "skipped=$2" >"$WORK/$1.status"
+  echo "== $1: skipped, $2" | tee -a "$LOG"
+  merge running
+}
+
+# 1. Carried wheels: installed into a folder of their own that shadows the image's packages.
+shopt -s nullglob
+wheels=("$WHEELS"/*.whl)
+shopt -u nullglob
+if ((${#wheels[@]})); then
+  site=$WORK/site
+  run_step wheels 60 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$site" "${wheels[@]}"
+  export PYTHONPATH="$REPO:$site${PYTHONPATH#"$REPO"}"
+else
+  skip_step wheels "no wheels in $WHEELS/"
+fi
+
+# 2. Environment.
+run_step env 60 "$PYTHON" - "$WORK/env.json" <<'PY'
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+
+
+def command(*argv):
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"unavailable: {error}"
+    return (done.stdout + done.stderr).strip()
+
+
+env = {
+    "python": sys.version.split()[0],
+    "executable": sys.executable,
+    "platform": platform.platform(),
+    "cpu_count": os.cpu_count(),
+    "git_commit": command("git", "rev-parse", "HEAD"),
+    "nvidia_smi": command(
+        "nvidia-smi",
+        "--query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm,temperature.gpu",
+        "--format=csv,noheader",
+    ),
+    "packages": {},
+    "missing_imports": {},
+}
+for package in ("torch", "transformers", "triton", "numpy", "psutil", "safetensors", "tqdm", "pytest",
+                "pytest-timeout", "hypothesis", "accelerate"):
+    try:
+        env["packages"][package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        env["packages"][package] = None
+# What the engine, the benchmark and the tests import.
+for module in ("torch", "transformers", "numpy", "psutil", "safetensors", "tqdm", "pytest", "engine"):
+    try:
+        importlib.import_module(module)
+    except Exception as error:
+        env["missing_imports"][module] = f"{type(error).__name__}: {error}"
+try:
+    import torch
+
+    env["torch_cuda"] = torch.version.cuda
+    env["cuda_available"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)
+        env["gpu"] = {
+            "name": properties.name,
+            "count": torch.cuda.device_count(),
+            "capability": f"{properties.major}.{properties.minor}",
+            "memory_gib": round(properties.total_memory / 2**30, 1),
+            "multiprocessors": properties.multi_processor_count,
+            "bf16_supported": torch.cuda.is_bf16_supported(),
+        }
+except Exception as error:
+    env["torch_error"] = f"{type(error).__name__}: {error}"
+print(json.dumps(env, indent=1))
+with open(sys.argv[1], "w", encoding="utf-8") as file:
+    json.dump(env, file)
+PY
+
+# 3. Greedy parity on the device. In a small run, a few of the tests.
+parity_select=()
+sampling_select=(-k "not logprobs")
+if [[ $SMALL == 1 ]]; then
+  parity_select=(-k "generate_batch_returns or chunked_prefill")
+  sampling_select=(-k "limits_of_sampling and not logprobs")
+fi
+run_step parity 150 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_greedy_parity.py \
+  -v -p no:cacheprovider -o timeout=90 --junitxml="$WORK/parity.xml" "${parity_select[@]}"
+
+# 4. Offline throughput.
+if [[ $SMALL == 1 ]]; then
+  workload=(--model tiny --requests 8 --new-tokens 8 --max-prompt 64 --warmup-requests 2 --matmul-size 256)
+else
+  workload=(--model qwen3-0.6b --requests 256 --new-tokens 64 --min-prompt 16 --max-prompt 256
+    --static-batch-size 64)
+fi
+run_step bench 240 "$PYTHON" bench/offline_throughput.py --device "$DEVICE" --dtype "$DTYPE" \
+  "${workload[@]}" --engines cbserve transformers_cb static --repeats "$REPEATS" --keep-going \
+  --json-out "$WORK/bench.jsonl"
+
+# 5. Sampling on the device.
+run_step sampling 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_sampling.py \
+  -v -p no:cacheprovider -o timeout=60 --junitxml="$WORK/sampling.xml" "${sampling_select[@]}"
+
+merge finished
+rm -rf "$WORK"
+echo "gpu_check: wrote $JSON"
+"$PYTHON" -c 'import json, sys; print(json.dumps(json.load(open(sys.argv[1]))["summary"], indent=1))' "$JSON"
+"$PYTHON" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["summary"]["all_passed"] else 1)' "$JSON"
