@@ -349,7 +349,9 @@ class ContinuousBatchingManager:
         """Queues one request and returns its id; None (with a warning) once the manager is stopped.
 
         Raises ValueError for a request that is malformed (empty prompt, token outside the vocabulary,
-        bad sampling value, duplicate live id) and QueueFullError when `max_queue_size` requests wait.
+        bad sampling value, duplicate live id) or that can never run (prompt + max_new_tokens larger than
+        the whole KV cache or the model's positions), and QueueFullError when `max_queue_size` requests
+        wait.
         """
         if not self.is_driver:
             logger.debug("add_request ignored on tensor-parallel rank %d: rank 0 takes them", _global_rank())
@@ -365,6 +367,11 @@ class ContinuousBatchingManager:
             eos_token_id,
             logit_processor_kwargs,
         )
+        # Sizes only (blocks in the pool, positions of the model): fixed once the engine exists, so this
+        # thread may read them while the loop runs.
+        error = engine.scheduler.admission_error(request)
+        if error is not None:
+            raise ValueError(error)
         with self._cond:
             if not self._accepting:
                 warnings.warn("the manager is stopped: request ignored; call start() first", stacklevel=2)

@@ -233,14 +233,12 @@ def test_stop_drains_then_refuses_submissions_and_start_works_again(manager):
     assert manager.get_result(again, timeout=TIMEOUT).status == RequestStatus.FINISHED
 
 
-def test_request_that_can_never_fit_fails_alone_with_sizes_named(model):
+def test_request_that_can_never_fit_is_refused_at_once_with_sizes_named(model):
     config = ContinuousBatchingConfig(page_size=8, num_blocks=17, max_batch_tokens=64)
     with continuous_batching_context_manager(model, continuous_batching_config=config) as manager:
         small = manager.add_request(random_prompt(10, seed=16), max_new_tokens=5, eos_token_id=[])
-        huge = manager.add_request(random_prompt(100, seed=17), max_new_tokens=100, eos_token_id=[])
-        failed = manager.get_result(huge, timeout=TIMEOUT)
-        assert failed.status == RequestStatus.FAILED and failed.finish_reason == "error"
-        assert "200 tokens" in failed.error and "128 tokens" in failed.error, failed.error
+        with pytest.raises(ValueError, match=r"needs up to 200 tokens .* the whole cache holds 128 tokens"):
+            manager.add_request(random_prompt(100, seed=17), max_new_tokens=100, eos_token_id=[])
         assert manager.get_result(small, timeout=TIMEOUT).status == RequestStatus.FINISHED
 
 

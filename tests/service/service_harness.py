@@ -1,26 +1,44 @@
-"""A real cbserve server on loopback, run in a background thread with its own event loop."""
+"""Real cbserve servers on loopback (in-process, or `cbserve serve` in a subprocess), and the probes,
+pause holders and certificates the tests aim at them."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import ipaddress
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import torch
 from cbserve_client import AdminClient
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from engine import ContinuousBatchingConfig
 from service.engine_host import EngineHost
 from service.server import CbserveServer, ServerOptions
-from service.tls import ServerTls
+from service.tls import ServerTls, client_credentials
 
 T = TypeVar("T")
 ADMIN_TOKEN = "s3cret-admin-token"
 CALL_TIMEOUT_S = 60.0
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class ByteTokenizer:
@@ -118,6 +136,17 @@ class RunningServer:
             self.loop.close()
 
 
+def loaded_server(model: torch.nn.Module, **options: Any) -> RunningServer:
+    """A `RunningServer(model, **options)` with its engine loaded; closed again if loading fails."""
+    running = RunningServer(model, **options)
+    try:
+        running.load()
+    except BaseException:
+        running.close()
+        raise
+    return running
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (for servers whose port 0 means "off")."""
     with socket.socket() as probe:
@@ -138,4 +167,206 @@ def wait_all_blocks_free(admin: AdminClient) -> None:
     wait_until(
         lambda: (status := admin.status()).kv_blocks_used == 0 and status.active_requests == 0,
         what="all KV blocks free",
+    )
+
+
+def health_status(target: str) -> int:
+    """The server's overall grpc.health.v1 status (SERVING, NOT_SERVING, ...)."""
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def probe_health(target: str) -> int | None:
+    """`health_status`, or None while nothing answers on `target`."""
+    try:
+        return health_status(target)
+    except grpc.RpcError:
+        return None
+
+
+class ServerProcess:
+    """`cbserve serve` in a subprocess on free loopback ports, serving the model saved in `model_dir`.
+
+    Its log goes to `log_path` (`log_tail()` shows it when a test fails). `close()` kills it if it still
+    runs; always call it, e.g. in a `finally`.
+    """
+
+    def __init__(
+        self, model_dir: str | Path, log_path: str | Path, *extra_args: str, admin_token: str = ADMIN_TOKEN
+    ) -> None:
+        self.port, self.admin_port = free_port(), free_port()
+        command = [sys.executable, "-m", "service", "serve", "--model", str(model_dir)]
+        command += ["--port", str(self.port), "--admin-port", str(self.admin_port), *extra_args]
+        self.log_path = Path(log_path)
+        environment = {**os.environ, "CBSERVE_ADMIN_TOKEN": admin_token}
+        with open(self.log_path, "wb") as log:  # the child keeps its own handle
+            self.process = subprocess.Popen(
+                command, cwd=REPO_ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=log
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def admin_target(self) -> str:
+        return f"127.0.0.1:{self.admin_port}"
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        def serving() -> bool:
+            if self.process.poll() is not None:
+                raise AssertionError(f"the server exited with {self.process.returncode}:\n{self.log_tail()}")
+            return probe_health(self.target) == SERVING
+
+        wait_until(serving, timeout=timeout, what="the subprocess server SERVING")
+
+    def terminate(self) -> None:
+        """SIGTERM: the server drains in-flight requests, then exits."""
+        self.process.send_signal(signal.SIGTERM)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=CALL_TIMEOUT_S)
+
+
+def spawn_pause_holder(admin_target: str, token: str = ADMIN_TOKEN) -> subprocess.Popen[str]:
+    """A subprocess that holds the engine paused (AdminClient.paused) until it is killed.
+
+    Returns once the pause is held; the caller must kill the process (by its pid) and wait for it.
+    """
+    script = (
+        "import time\n"
+        "from cbserve_client import AdminClient\n"
+        f"admin = AdminClient({admin_target!r}, token={token!r})\n"
+        "with admin.paused():\n"
+        "    print('paused', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None
+    line = holder.stdout.readline().strip()
+    if line != "paused":
+        holder.kill()
+        holder.wait(timeout=CALL_TIMEOUT_S)
+        raise AssertionError(f"the pause holder did not pause: it printed {line!r}")
+    return holder
+
+
+@dataclass
+class Pki:
+    """A CA, a server certificate (127.0.0.1 and localhost) and a client certificate it signed, and
+    another CA that signed nothing the server presents."""
+
+    folder: Path
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path
+
+    def credentials(
+        self, *, with_client_cert: bool = False, ca: Path | None = None
+    ) -> grpc.ChannelCredentials:
+        return client_credentials(
+            str(ca or self.ca),
+            str(self.client_cert) if with_client_cert else None,
+            str(self.client_key) if with_client_cert else None,
+        )
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def make_certificate(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
+    *,
+    usage: list[x509.ObjectIdentifier] | None = None,
+    sans: list[x509.GeneralName] | None = None,
+) -> x509.Certificate:
+    """A certificate valid for a day; self-signed CA when `issuer` is None, else signed by it."""
+    now = datetime.datetime.now(datetime.UTC)
+    issuer_name, signing_key = (issuer[0].subject, issuer[1]) if issuer else (_name(subject), key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+    )
+    if issuer is None:
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    if usage:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return builder.sign(signing_key, hashes.SHA256())
+
+
+def write_pem(
+    folder: Path, name: str, certificate: x509.Certificate, key: ec.EllipticCurvePrivateKey
+) -> Path:
+    """Writes `name`.pem and `name`.key into `folder`; returns the certificate's path."""
+    (folder / f"{name}.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    path = folder / f"{name}.pem"
+    path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def make_pki(folder: Path) -> Pki:
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = make_certificate("cbserve test CA", ca_key, None)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server = make_certificate(
+        "cbserve test server",
+        server_key,
+        (ca, ca_key),
+        usage=[ExtendedKeyUsageOID.SERVER_AUTH],
+        sans=[x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
+    )
+    client_key = ec.generate_private_key(ec.SECP256R1())
+    client = make_certificate(
+        "cbserve test client", client_key, (ca, ca_key), usage=[ExtendedKeyUsageOID.CLIENT_AUTH]
+    )
+    other_key = ec.generate_private_key(ec.SECP256R1())
+    other = make_certificate("some other CA", other_key, None)
+    return Pki(
+        folder=folder,
+        ca=write_pem(folder, "ca", ca, ca_key),
+        server_cert=write_pem(folder, "server", server, server_key),
+        server_key=folder / "server.key",
+        client_cert=write_pem(folder, "client", client, client_key),
+        client_key=folder / "client.key",
+        other_ca=write_pem(folder, "other-ca", other, other_key),
     )

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
 import pytest
 from cbserve_client import AdminClient, Client, UnauthenticatedError, UnavailableError
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc
-from service_harness import RunningServer, wait_until
+from service_harness import RunningServer, spawn_pause_holder, wait_until
 
 from tests.conftest import random_prompt
 
@@ -104,19 +102,8 @@ def test_stop_then_start(model) -> None:
 def test_a_pause_holder_killed_with_sigkill_releases_the_pause(
     served: RunningServer, client: Client, admin: AdminClient
 ) -> None:
-    from service_harness import ADMIN_TOKEN
-
-    holder_script = (
-        "import sys, time\n"
-        "from cbserve_client import AdminClient\n"
-        f"admin = AdminClient({served.admin_target!r}, token={ADMIN_TOKEN!r})\n"
-        "with admin.paused():\n"
-        "    print('paused', flush=True)\n"
-        "    time.sleep(600)\n"
-    )
-    holder = subprocess.Popen([sys.executable, "-c", holder_script], stdout=subprocess.PIPE, text=True)
+    holder = spawn_pause_holder(served.admin_target)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "paused"
         assert admin.status().paused
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=10)

@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-
 import grpc
 import pytest
 import torch
 from cbserve_client import AdminClient, Client
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_harness import ADMIN_TOKEN, RunningServer, wait_until
-
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _health(target: str) -> int:
-    with grpc.insecure_channel(target) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+from service_harness import (
+    ADMIN_TOKEN,
+    NOT_SERVING,
+    SERVING,
+    RunningServer,
+    ServerProcess,
+    health_status,
+    wait_until,
+)
 
 
 def _services(target: str) -> set[str]:
@@ -38,14 +30,14 @@ def _services(target: str) -> set[str]:
 def test_health_goes_serving_after_load_and_not_serving_on_stop(model: torch.nn.Module) -> None:
     running = RunningServer(model)
     try:
-        assert _health(running.target) == NOT_SERVING  # ports open, model not loaded yet
+        assert health_status(running.target) == NOT_SERVING  # ports open, model not loaded yet
         running.load()
-        assert _health(running.target) == SERVING
+        assert health_status(running.target) == SERVING
         with AdminClient(running.admin_target, token=ADMIN_TOKEN) as admin:
             admin.stop()
-            wait_until(lambda: _health(running.target) == NOT_SERVING, what="NOT_SERVING after stop")
+            wait_until(lambda: health_status(running.target) == NOT_SERVING, what="NOT_SERVING after stop")
             admin.start()
-            wait_until(lambda: _health(running.target) == SERVING, what="SERVING after start")
+            wait_until(lambda: health_status(running.target) == SERVING, what="SERVING after start")
     finally:
         running.close()
 
@@ -64,40 +56,23 @@ def test_admin_rpcs_are_absent_from_the_main_port(served: RunningServer) -> None
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_sigterm_lets_in_flight_requests_finish_then_exits_0(model: torch.nn.Module, tmp_path) -> None:
-    model.save_pretrained(tmp_path)
-    port, admin_port = _free_port(), _free_port()
-    command = [sys.executable, "-m", "service", "serve", "--model", str(tmp_path), "--port", str(port)]
-    command += ["--admin-port", str(admin_port), "--num-blocks", "64", "--page-size", "16"]
-    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    target = f"127.0.0.1:{port}"
+    model.save_pretrained(tmp_path / "model")
+    server = ServerProcess(
+        tmp_path / "model", tmp_path / "server.log", "--num-blocks", "64", "--page-size", "16"
+    )
     try:
-        wait_until(lambda: _probe(target) == SERVING, timeout=60, what="the subprocess serving")
-        with Client(target) as client:
+        server.wait_serving(timeout=60)
+        with Client(server.target) as client:
             tokens: list[int] = []
             with client.stream([5, 6, 7], max_new_tokens=200, ignore_eos=True) as stream:
                 for chunk in stream:
                     if not tokens and chunk.token_ids:  # in flight: now ask the server to stop
-                        process.send_signal(signal.SIGTERM)
+                        server.terminate()
                     tokens.extend(chunk.token_ids)
                     if chunk.finished:
                         break
             assert len(tokens) == 200 and chunk.finish_reason == "length"
-        assert process.wait(timeout=30) == 0
+        assert server.process.wait(timeout=30) == 0
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def _probe(target: str) -> int | None:
-    try:
-        return _health(target)
-    except grpc.RpcError:
-        return None
+        server.close()

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -13,124 +10,29 @@ import pytest
 import torch
 from cbserve_client import AdminClient, Client
 from cbserve_client.errors import UnavailableError
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from service_harness import ADMIN_TOKEN, ByteTokenizer, RunningServer
+from cryptography.x509.oid import ExtendedKeyUsageOID
+from service_harness import (
+    ADMIN_TOKEN,
+    ByteTokenizer,
+    Pki,
+    RunningServer,
+    loaded_server,
+    make_certificate,
+    make_pki,
+    write_pem,
+)
 
 from service import cli
-from service.tls import ServerTls, TlsConfigError, client_credentials, load_server_tls
+from service.tls import TlsConfigError, client_credentials, load_server_tls
 
 # Failing handshakes surface as UNAVAILABLE well before this.
 FAIL_TIMEOUT_S = 10
 
 
-@dataclass
-class Pki:
-    folder: Path
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    other_ca: Path  # a CA that signed nothing the server presents
-
-    def credentials(
-        self, *, with_client_cert: bool = False, ca: Path | None = None
-    ) -> grpc.ChannelCredentials:
-        return client_credentials(
-            str(ca or self.ca),
-            str(self.client_cert) if with_client_cert else None,
-            str(self.client_key) if with_client_cert else None,
-        )
-
-
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _certificate(
-    subject: str,
-    key: ec.EllipticCurvePrivateKey,
-    issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
-    *,
-    usage: list[x509.ObjectIdentifier] | None = None,
-    sans: list[x509.GeneralName] | None = None,
-) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    issuer_name, signing_key = (issuer[0].subject, issuer[1]) if issuer else (_name(subject), key)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
-    )
-    if issuer is None:
-        builder = builder.add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-    if usage:
-        builder = builder.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    return builder.sign(signing_key, hashes.SHA256())
-
-
-def _write(folder: Path, name: str, certificate: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Path:
-    (folder / f"{name}.key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    path = folder / f"{name}.pem"
-    path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    return path
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    folder = tmp_path_factory.mktemp("pki")
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _certificate("cbserve test CA", ca_key, None)
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server = _certificate(
-        "cbserve test server",
-        server_key,
-        (ca, ca_key),
-        usage=[ExtendedKeyUsageOID.SERVER_AUTH],
-        sans=[x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")],
-    )
-    client_key = ec.generate_private_key(ec.SECP256R1())
-    client = _certificate(
-        "cbserve test client", client_key, (ca, ca_key), usage=[ExtendedKeyUsageOID.CLIENT_AUTH]
-    )
-    other_key = ec.generate_private_key(ec.SECP256R1())
-    other = _certificate("some other CA", other_key, None)
-    return Pki(
-        folder=folder,
-        ca=_write(folder, "ca", ca, ca_key),
-        server_cert=_write(folder, "server", server, server_key),
-        server_key=folder / "server.key",
-        client_cert=_write(folder, "client", client, client_key),
-        client_key=folder / "client.key",
-        other_ca=_write(folder, "other-ca", other, other_key),
-    )
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _assert_refused(target: str, credentials: grpc.ChannelCredentials | None, *, admin: bool = False) -> None:
@@ -149,19 +51,10 @@ def _assert_refused(target: str, credentials: grpc.ChannelCredentials | None, *,
             client.model_info()
 
 
-def _serve(model: torch.nn.Module, tls: ServerTls | None) -> RunningServer:
-    running = RunningServer(model, tokenizer=ByteTokenizer(), tls=tls)
-    try:
-        running.load()
-    except BaseException:
-        running.close()
-        raise
-    return running
-
-
 @pytest.fixture(scope="module")
 def tls_server(model: torch.nn.Module, pki: Pki) -> Iterator[RunningServer]:
-    running = _serve(model, load_server_tls(str(pki.server_cert), str(pki.server_key)))
+    tls = load_server_tls(str(pki.server_cert), str(pki.server_key))
+    running = loaded_server(model, tokenizer=ByteTokenizer(), tls=tls)
     try:
         yield running
     finally:
@@ -170,7 +63,8 @@ def tls_server(model: torch.nn.Module, pki: Pki) -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def mtls_server(model: torch.nn.Module, pki: Pki) -> Iterator[RunningServer]:
-    running = _serve(model, load_server_tls(str(pki.server_cert), str(pki.server_key), str(pki.ca)))
+    tls = load_server_tls(str(pki.server_cert), str(pki.server_key), str(pki.ca))
+    running = loaded_server(model, tokenizer=ByteTokenizer(), tls=tls)
     try:
         yield running
     finally:
@@ -219,11 +113,11 @@ def test_a_client_certificate_from_another_ca_is_refused(
 ) -> None:
     stranger_key = ec.generate_private_key(ec.SECP256R1())
     stranger_ca_key = ec.generate_private_key(ec.SECP256R1())
-    stranger_ca = _certificate("stranger CA", stranger_ca_key, None)
-    stranger = _certificate(
+    stranger_ca = make_certificate("stranger CA", stranger_ca_key, None)
+    stranger = make_certificate(
         "stranger", stranger_key, (stranger_ca, stranger_ca_key), usage=[ExtendedKeyUsageOID.CLIENT_AUTH]
     )
-    cert = _write(tmp_path, "stranger", stranger, stranger_key)
+    cert = write_pem(tmp_path, "stranger", stranger, stranger_key)
     credentials = client_credentials(str(pki.ca), str(cert), str(tmp_path / "stranger.key"))
     _assert_refused(mtls_server.target, credentials)
 

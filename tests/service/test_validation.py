@@ -35,6 +35,8 @@ BAD_REQUESTS = {
     ),
     "max_new_tokens 0": (_sampling(max_new_tokens=0), "max_new_tokens"),
     "max_new_tokens past the context": (_sampling(max_new_tokens=1022), "max_new_tokens"),
+    # 3 + 1010 tokens fit the model's 1024 positions but not the test cache's 63 blocks of 16.
+    "max_new_tokens past the KV cache": (_sampling(max_new_tokens=1010), "the whole cache holds 1008 tokens"),
     "temperature < 0": (_sampling(temperature=-0.5), "temperature"),
     "temperature NaN": (_sampling(temperature=float("nan")), "temperature"),
     "top_p 0": (_sampling(top_p=0.0), "top_p"),
