@@ -114,16 +114,20 @@ class ContinuousBatchingConfig:
     collectives. The engine never mixes them, and the guard costs tensor-parallel throughput.
 
     cpu_group_timeout: seconds after which a collective on the CPU process group fails, so a lost rank is
-    detected quickly instead of after the backend's default of 30 minutes; None waits forever.
+    detected quickly instead of after the backend's default of 30 minutes; None waits forever. Under tensor
+    parallelism (engine.parallel) it bounds the driver's per-iteration tick and, once loading is done, the
+    model's own collectives.
 
     Deprecated fields, accepted at construction only and reset to None once applied:
     `use_default_compile_configs` (since transformers 5.11, use `default_compile_level`; True raises a level
     of 0 to 1), `max_cached_graphs` (since 5.13, ignored) and `block_size` (since 5.17, copied into
     `page_size`).
 
-    CUDA graphs, torch.compile, async batching, CPU offloading and tensor parallelism (the NCCL and CPU
-    group settings) are implemented by later work: their fields are accepted and validated here, and
-    nothing in this module acts on them.
+    CPU offloading and tensor parallelism are implemented (engine.kv.offload, engine.parallel). CUDA graphs
+    (`use_cuda_graph`, the padding intervals, `max_cached_graphs`), torch.compile (the compile levels and
+    configs), async batching, the flash decode fast path (`max_blocks_per_request`, `auto_switch_to_flash`)
+    and `disable_nccl_graph_mixing` are GPU paths not built yet: their fields are accepted and validated
+    so that configs written for transformers load, and the engine runs without them.
     """
 
     page_size: int = _DEFAULT_PAGE_SIZE
