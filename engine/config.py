@@ -270,6 +270,22 @@ class ContinuousBatchingConfig:
             return _MAX_MEMORY_PERCENT_WITH_LOGIT_PROCESSING
         return _MAX_MEMORY_PERCENT
 
+    def requested_unbuilt_features(self) -> list[str]:
+        """The GPU paths this config asks for that the engine does not have yet (it runs without them)."""
+        requested = []
+        if any(self.cuda_graph_flags()):
+            requested.append(f"use_cuda_graph={self.use_cuda_graph!r}")
+        if self.use_async_batching:
+            requested.append("use_async_batching=True")
+        if self.default_compile_level:
+            requested.append(f"default_compile_level={self.default_compile_level}")
+        for name in _COMPILE_CONFIG_FIELDS:
+            if getattr(self, name) is not None:
+                requested.append(f"{name} set")
+        if self.max_blocks_per_request:
+            requested.append(f"max_blocks_per_request={self.max_blocks_per_request}")
+        return requested
+
     def cuda_graph_flags(self) -> tuple[bool | None, bool | None]:
         """`use_cuda_graph` as a `(varlen, decode)` pair; None in a slot means "decide automatically"."""
         if self.use_cuda_graph is None or isinstance(self.use_cuda_graph, bool):

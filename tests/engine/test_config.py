@@ -385,3 +385,20 @@ def test_validate_after_valid_mutation_passes() -> None:
     config.page_size = 16
     config.use_cuda_graph = (True, True)
     config.validate()
+
+
+def test_gpu_paths_not_built_yet_are_named_and_the_engine_warns_once_it_starts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from engine.engine_core import EngineCore
+    from tests.conftest import tiny_model
+
+    assert ContinuousBatchingConfig().requested_unbuilt_features() == []
+    config = ContinuousBatchingConfig(
+        num_blocks=16, max_batch_tokens=64, use_cuda_graph=(False, True), default_compile_level=2
+    )
+    assert config.requested_unbuilt_features() == ["use_cuda_graph=(False, True)", "default_compile_level=2"]
+    with caplog.at_level("WARNING", logger="engine.engine_core"):
+        EngineCore(tiny_model("llama"), config)
+    assert "not built in cbserve yet, so ignored" in caplog.text
+    assert "use_cuda_graph=(False, True), default_compile_level=2" in caplog.text
