@@ -6,10 +6,11 @@ import os
 import signal
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 import torch
-from cbserve_client import AdminClient, Client, InvalidArgumentError
+from cbserve_client import AdminClient, CbserveError, Client, InvalidArgumentError
 from service_harness import ADMIN_TOKEN, NOT_SERVING, ServerProcess, probe_health, wait_until
 from transformers import AutoModelForCausalLM
 
@@ -111,13 +112,23 @@ def test_tp_that_does_not_divide_the_kv_heads_fails_at_start_naming_both(
         server.close()
 
 
-def test_ranks_do_not_outlive_a_killed_launcher(model_dir: Path, tmp_path: Path) -> None:
+def test_a_stopped_tp_engine_refuses_start_and_ranks_do_not_outlive_a_killed_launcher(
+    model_dir: Path, tmp_path: Path
+) -> None:
     server = ServerProcess(model_dir, tmp_path / "server.log", *ENGINE_FLAGS)
     ranks: list[psutil.Process] = []
     try:
         server.wait_serving(timeout=180)
         ranks = ranks_of(server)
         assert len(ranks) == 2
+        follower = follower_of(server)
+        with AdminClient(server.admin_target, token=ADMIN_TOKEN) as admin:
+            admin.stop()  # ends every rank's loop: the follower process ends
+            follower.wait(timeout=60)
+            with pytest.raises(CbserveError) as refused:
+                admin.start()
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "restart the processes" in refused.value.details
         server.process.kill()
         server.process.wait(timeout=30)
         _, alive = psutil.wait_procs(ranks, timeout=30)
