@@ -147,6 +147,7 @@ class ContinuousBatchingManager:
         # Running digest of the tokens sampled, compared across tensor-parallel ranks every iteration.
         self._tokens_emitted = 0
         self._token_sum = 0
+        self._last_action: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -516,8 +517,9 @@ class ContinuousBatchingManager:
             hold, hard = engine.hold_admission, self._hard_stop_requested
         if parallel is not None:
             parallel.send_tick(encoded, action, hold, hard, digest)
-        if commands or action != STEP:
+        if commands or action != self._last_action:  # an idle loop polls 20 times a second: no refresh
             self._refresh_stats()
+        self._last_action = action
         if action == EXIT:
             return False
         if action == STEP:
@@ -596,9 +598,10 @@ class ContinuousBatchingManager:
         except Exception as exc:  # a scheduler bug must not leave requests hanging forever
             logger.exception("generation loop error; failing every live request")
             result = StepResult(finished=engine.fail_all(f"engine error: {type(exc).__name__}: {exc}"))
-        for request in result.advanced:
-            self._tokens_emitted += 1
-            self._token_sum = (self._token_sum + request.all_token_ids[-1]) % TOKEN_SUM_MODULUS
+        if self._parallel is not None:  # only tensor-parallel ranks compare digests
+            for request in result.advanced:
+                self._tokens_emitted += 1
+                self._token_sum = (self._token_sum + request.all_token_ids[-1]) % TOKEN_SUM_MODULUS
         self._publish(result)
         self._refresh_stats()
 
