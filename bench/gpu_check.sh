@@ -4,8 +4,11 @@
 #   wheels    installs the wheels carried in .whl/, if any (the H200 image needs none; see bench/README.md)
 #   env       nvidia-smi, Python, torch and package versions, and which imports the check needs are missing
 #   parity    tests/engine/test_greedy_parity.py with the tiny fp32 models on the GPU (CBSERVE_TEST_DEVICE)
+#   paths     tests/engine/test_forward_paths.py on the GPU: decode CUDA graphs (parity, warmup capture) and
+#             static-shape compilation, less the inductor compile test (its CPU run covers it)
 #   bench     bench/offline_throughput.py: Qwen3-0.6B shapes (random weights), bf16, 256 requests, prompts
-#             uniform in 16..256 tokens, 64 greedy new tokens; cbserve, transformers_cb and static
+#             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with decode CUDA graphs unless
+#             GPU_CHECK_CUDA_GRAPHS=0), transformers_cb and static
 #   sampling  tests/engine/test_sampling.py on the GPU, less its logprobs test, whose tensors stay on the CPU
 #
 # Each step runs under `timeout`, within one overall budget, and $OUT/gpu_check.json is rewritten after every
@@ -18,7 +21,7 @@
 # Knobs (environment): OUT (default bench/results/gpu_check), GPU_CHECK_DEVICE (cuda), GPU_CHECK_DTYPE
 # (bfloat16), GPU_CHECK_SMALL (0; 1 = tiny model, 8 requests, a few tests), GPU_CHECK_REPEATS (1),
 # GPU_CHECK_BUDGET_S (450: steps are cut to fit it, and the check ends within about 15 s of it),
-# GPU_CHECK_WHEELS (.whl), PYTHON (python3).
+# GPU_CHECK_WHEELS (.whl), GPU_CHECK_CUDA_GRAPHS (1), PYTHON (python3).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -30,6 +33,7 @@ SMALL=${GPU_CHECK_SMALL:-0}
 REPEATS=${GPU_CHECK_REPEATS:-1}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
+CUDA_GRAPHS=${GPU_CHECK_CUDA_GRAPHS:-1}
 PYTHON=${PYTHON:-python3}
 # Seconds kept back at the end for the last merge, and the least a step is started with.
 RESERVE_S=5
@@ -181,6 +185,7 @@ result = {
     "steps": steps,
     "env": json.loads(read("env.json") or "null"),
     "parity": pytest_counts("parity"),
+    "paths": pytest_counts("paths"),
     "sampling": pytest_counts("sampling"),
     "bench": bench(),
 }
@@ -189,7 +194,7 @@ summary["steps"] = {step["name"]: step["status"] for step in steps}
 summary["all_passed"] = state == "finished" and all(
     step["status"] in ("passed", "skipped") for step in steps
 )
-for name in ("parity", "sampling"):
+for name in ("parity", "paths", "sampling"):
     counts = result[name]
     if counts and "tests" in counts:
         finished_tests = " (stopped early: of the tests that finished)" if counts.get("incomplete") else ""
@@ -332,27 +337,35 @@ PY
 
 # 3. Greedy parity on the device. In a small run, a few of the tests.
 parity_select=()
+paths_select=(-k "not inductor")
 sampling_select=(-k "not logprobs")
 if [[ $SMALL == 1 ]]; then
   parity_select=(-k "generate_batch_returns or chunked_prefill")
+  paths_select=(-k "padded_sizes or cuda_graphs or warmup")
   sampling_select=(-k "limits_of_sampling and not logprobs")
 fi
-run_step parity 150 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_greedy_parity.py \
+run_step parity 120 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_greedy_parity.py \
   -v -p no:cacheprovider -o timeout=90 --junitxml="$WORK/parity.xml" "${parity_select[@]}"
 
-# 4. Offline throughput.
+# 4. Forward paths on the device: decode CUDA graphs, static-shape compilation.
+run_step paths 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_forward_paths.py \
+  -v -p no:cacheprovider -o timeout=80 --junitxml="$WORK/paths.xml" "${paths_select[@]}"
+
+# 5. Offline throughput.
 if [[ $SMALL == 1 ]]; then
   workload=(--model tiny --requests 8 --new-tokens 8 --max-prompt 64 --warmup-requests 2 --matmul-size 256)
 else
   workload=(--model qwen3-0.6b --requests 256 --new-tokens 64 --min-prompt 16 --max-prompt 256
     --static-batch-size 64)
 fi
-run_step bench 240 "$PYTHON" bench/offline_throughput.py --device "$DEVICE" --dtype "$DTYPE" \
-  "${workload[@]}" --engines cbserve transformers_cb static --repeats "$REPEATS" --keep-going \
+graphs=()
+[[ $CUDA_GRAPHS == 1 && $DEVICE == cuda ]] && graphs=(--cuda-graphs)
+run_step bench 200 "$PYTHON" bench/offline_throughput.py --device "$DEVICE" --dtype "$DTYPE" \
+  "${workload[@]}" "${graphs[@]}" --engines cbserve transformers_cb static --repeats "$REPEATS" --keep-going \
   --json-out "$WORK/bench.jsonl"
 
-# 5. Sampling on the device.
-run_step sampling 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_sampling.py \
+# 6. Sampling on the device.
+run_step sampling 60 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_sampling.py \
   -v -p no:cacheprovider -o timeout=60 --junitxml="$WORK/sampling.xml" "${sampling_select[@]}"
 
 merge finished

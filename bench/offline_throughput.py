@@ -125,6 +125,8 @@ class EngineOptions:
     page_size: int = 16
     max_batch_tokens: int = 2048
     num_blocks: int | None = None
+    compile_level: int = 0
+    cuda_graphs: bool = False
     static_batch_size: int = 16
     transformers_cb_page_size: int = TRANSFORMERS_CB_PAGE_SIZE
     transformers_cb_num_blocks: int | None = TRANSFORMERS_CB_NUM_BLOCKS
@@ -184,17 +186,27 @@ def _ordered_tokens(engine_name: str, outputs: Mapping[str, Any], num_prompts: i
     return [list(output.generated_tokens) for output in outputs.values()]
 
 
+def cbserve_config(options: EngineOptions) -> engine.ContinuousBatchingConfig:
+    return engine.ContinuousBatchingConfig(
+        page_size=options.page_size,
+        num_blocks=options.num_blocks,
+        max_batch_tokens=options.max_batch_tokens,
+        default_compile_level=options.compile_level,
+        use_cuda_graph=options.cuda_graphs,
+    )
+
+
 def run_cbserve(
     model: CausalLM,
     prompts: list[list[int]],
     generation_config: GenerationConfig,
     options: EngineOptions,
 ) -> list[list[int]]:
-    config = engine.ContinuousBatchingConfig(
-        page_size=options.page_size, num_blocks=options.num_blocks, max_batch_tokens=options.max_batch_tokens
-    )
     outputs = engine.generate_batch(
-        model, prompts, generation_config=generation_config, continuous_batching_config=config
+        model,
+        prompts,
+        generation_config=generation_config,
+        continuous_batching_config=cbserve_config(options),
     )
     return _ordered_tokens("cbserve", outputs, len(prompts))
 
@@ -207,9 +219,7 @@ def cbserve_step_breakdown(
     Host overhead is everything but the forward pass and sampling: scheduling, input preparation and
     folding results back.
     """
-    config = engine.ContinuousBatchingConfig(
-        page_size=options.page_size, num_blocks=options.num_blocks, max_batch_tokens=options.max_batch_tokens
-    )
+    config = cbserve_config(options)
     model.set_attn_implementation("sdpa")
     with engine.continuous_batching_context_manager(
         model, greedy_config(new_tokens), continuous_batching_config=config
@@ -387,6 +397,8 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
         page_size=args.page_size,
         max_batch_tokens=args.max_batch_tokens,
         num_blocks=args.num_blocks,
+        compile_level=args.compile_level,
+        cuda_graphs=args.cuda_graphs,
         static_batch_size=args.static_batch_size,
         **gpu_peer_options,
     )
@@ -525,6 +537,8 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "page_size": options.page_size,
                 "num_blocks": options.num_blocks,
                 "max_batch_tokens": options.max_batch_tokens,
+                "default_compile_level": options.compile_level,
+                "use_cuda_graph": options.cuda_graphs,
             },
             "transformers_cb_config": {
                 "page_size": options.transformers_cb_page_size,
@@ -589,6 +603,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--num-blocks", type=int, default=None, help="cbserve only; default sizes from memory"
+    )
+    parser.add_argument(
+        "--compile-level",
+        type=int,
+        choices=range(4),
+        default=0,
+        help="cbserve's default_compile_level (torch.compile; the untimed warmup run compiles)",
+    )
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="cbserve replays CUDA graphs for decode steps (cuda only)"
     )
     parser.add_argument("--static-batch-size", type=int, default=16)
     parser.add_argument(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -76,11 +77,16 @@ def generate_batch(
     if not inputs:
         return {}
     max_new_tokens = kwargs.pop("max_new_tokens", None)
+    config = continuous_batching_config or ContinuousBatchingConfig()
+    if config.max_requests_per_batch is None:
+        # As in transformers: a batch never holds more requests than were submitted, which also bounds
+        # the decode CUDA graphs warmup captures.
+        config = dataclasses.replace(config, max_requests_per_batch=len(inputs))
     results: dict[str, GenerationOutput] = {}
     with continuous_batching_context_manager(
         model,
         generation_config,
-        continuous_batching_config,
+        config,
         persistent_manager=persistent_manager,
         warmup=warmup,
     ) as manager:

@@ -123,11 +123,12 @@ class ContinuousBatchingConfig:
     of 0 to 1), `max_cached_graphs` (since 5.13, ignored) and `block_size` (since 5.17, copied into
     `page_size`).
 
-    CPU offloading and tensor parallelism are implemented (engine.kv.offload, engine.parallel). CUDA graphs
-    (`use_cuda_graph`, the padding intervals, `max_cached_graphs`), torch.compile (the compile levels and
-    configs), async batching, the flash decode fast path (`max_blocks_per_request`, `auto_switch_to_flash`)
-    and `disable_nccl_graph_mixing` are GPU paths not built yet: their fields are accepted and validated
-    so that configs written for transformers load, and the engine runs without them.
+    Built: CPU offloading and tensor parallelism (engine.kv.offload, engine.parallel); torch.compile per path
+    (the compile levels and configs) and CUDA graphs of decode steps with their padding intervals
+    (engine.runner.forward_paths). Not built: async batching, CUDA graphs of the varlen path and the flash
+    decode fast path (`max_blocks_per_request`, `auto_switch_to_flash`; cbserve runs its own paged SDPA or
+    eager attention). Their fields are accepted and validated so that configs written for transformers
+    load, and the engine warns and runs without them.
     """
 
     page_size: int = _DEFAULT_PAGE_SIZE
@@ -271,19 +272,14 @@ class ContinuousBatchingConfig:
         return _MAX_MEMORY_PERCENT
 
     def requested_unbuilt_features(self) -> list[str]:
-        """The GPU paths this config asks for that the engine does not have yet (it runs without them)."""
+        """The GPU paths this config asks for that the engine does not have (it runs without them)."""
         requested = []
-        if any(self.cuda_graph_flags()):
-            requested.append(f"use_cuda_graph={self.use_cuda_graph!r}")
         if self.use_async_batching:
             requested.append("use_async_batching=True")
-        if self.default_compile_level:
-            requested.append(f"default_compile_level={self.default_compile_level}")
-        for name in _COMPILE_CONFIG_FIELDS:
-            if getattr(self, name) is not None:
-                requested.append(f"{name} set")
+        if self.cuda_graph_flags()[0]:
+            requested.append("CUDA graphs of the varlen path (use_cuda_graph)")
         if self.max_blocks_per_request:
-            requested.append(f"max_blocks_per_request={self.max_blocks_per_request}")
+            requested.append(f"max_blocks_per_request={self.max_blocks_per_request} (flash decode fast path)")
         return requested
 
     def cuda_graph_flags(self) -> tuple[bool | None, bool | None]:

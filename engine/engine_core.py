@@ -86,7 +86,7 @@ class EngineCore:
         unbuilt = config.requested_unbuilt_features()
         if unbuilt:
             logger.warning(
-                "not built in cbserve yet, so ignored (the engine runs its paged SDPA path): %s",
+                "not built in cbserve, so ignored: %s",
                 ", ".join(unbuilt),
             )
         text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
@@ -161,6 +161,7 @@ class EngineCore:
             self.kv_caches,
             self.kv_cache_manager,
             Sampler(self.device, seed),
+            config,
             self.host_kv_caches,
         )
         self.requests: dict[str, Request] = {}

@@ -177,17 +177,28 @@ class ContinuousBatchingManager:
         return self._engine
 
     def warmup(self) -> None:
-        """Builds the engine and runs one tiny request through it so the first real step is not slow."""
+        """Builds the engine, runs one tiny request through it so the first real step is not slow, and
+        captures the decode CUDA graphs of every batch size when graphs are on."""
         engine = self._ensure_engine()
         if self.warmed_up or self.is_running():
             return
-        dummy = Request("__warmup__", [0, 0], SamplingParams(max_new_tokens=2))
-        if engine.add_request(dummy):
-            while engine.has_unfinished_requests():
-                engine.step()
+        if self._parallel is not None:
+            # A step runs collectives that every rank must join, and only the loop keeps ranks in step.
+            logger.info("warmup() is skipped under tensor parallelism: the first steps warm the engine")
+            return
+        # Two requests of different lengths: a varlen step, then decode steps of two rows and of one, so a
+        # compiled forward has met every shape class (dynamic compilation specialises size 1) before real
+        # requests arrive.
+        for index, num_tokens in enumerate((2, 3)):
+            engine.add_request(
+                Request(f"__warmup_{index}__", [0] * num_tokens, SamplingParams(max_new_tokens=num_tokens))
+            )
+        while engine.has_unfinished_requests():
+            engine.step()
         engine.kv_cache_manager.reset_prefix_cache()
         engine.kv_cache_manager.prefix_cache_stats.queried_tokens = 0
         engine.kv_cache_manager.prefix_cache_stats.hit_tokens = 0
+        engine.runner.capture_decode_graphs(engine.max_requests_per_batch)
         self.warmed_up = True
 
     def start(self) -> None:

@@ -82,6 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-requests-per-batch", type=int)
     engine.add_argument("--max-queue-size", type=int)
     engine.add_argument("--scheduler-type", choices=("fifo", "prefill_first"))
+    engine.add_argument(
+        "--compile-level",
+        type=int,
+        choices=range(4),
+        help="torch.compile preset of the forward, 0 (off) to 3 (see default_compile_level)",
+    )
+    engine.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay CUDA graphs for decode steps (CUDA only, one model rank; captured before serving)",
+    )
 
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt")
@@ -102,6 +113,10 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     values = {
         name: getattr(args, name) for name in (*knobs, "scheduler_type") if getattr(args, name) is not None
     }
+    if args.compile_level is not None:
+        values["default_compile_level"] = args.compile_level
+    if args.cuda_graphs:
+        values["use_cuda_graph"] = (False, True)
     return ContinuousBatchingConfig(**values)
 
 

@@ -151,6 +151,9 @@ class EngineHost:
         """Starts the engine; False when it already ran. Blocking (builds the KV cache the first time)."""
         if self.manager.is_running():
             return False
+        if _compiles_or_captures(self.manager.config):
+            # Compile and capture before serving (health stays NOT_SERVING), not on the first requests.
+            self.manager.warmup()
         self.manager.start()
         self._draining = False
         return True
@@ -300,3 +303,9 @@ def _as_list(eos_token_id: Any) -> list[int]:
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
     if not loop.is_closed():
         loop.call_soon_threadsafe(callback)
+
+
+def _compiles_or_captures(config: ContinuousBatchingConfig) -> bool:
+    return any(config.compile_config_for(path) is not None for path in ("varlen", "decode")) or bool(
+        config.cuda_graph_flags()[1]
+    )

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv.block_pool import NULL_BLOCK_ID
+from engine.config import ContinuousBatchingConfig
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
 from engine.request import SamplingParams
-from engine.runner.attention import GroupSlots, PagedAttentionMetadata, PrefillSegment
+from engine.runner.forward_paths import ForwardPaths
+from engine.runner.inputs import BatchInputs, InputBuilder
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.sampling import Sampler, request_generator
 from engine.scheduler import SchedulerOutput
@@ -46,14 +47,6 @@ class ModelRunnerOutput:
     top_logprobs: list[dict[int, float] | None]
 
 
-@dataclass
-class BatchInputs:
-    input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [1, T]
-    logits_indices: torch.Tensor  # [R] packed rows whose logits are sampled
-    metadata: PagedAttentionMetadata
-
-
 class ModelRunner:
     """Runs the model over the paged cache of every cache group.
 
@@ -68,6 +61,7 @@ class ModelRunner:
         kv_caches: Sequence[PagedKVCache],
         kv_cache_manager: KVCacheManager,
         sampler: Sampler,
+        config: ContinuousBatchingConfig,
         host_kv_caches: Sequence[HostKVCache] | None = None,
     ) -> None:
         self.model = model
@@ -88,132 +82,38 @@ class ModelRunner:
                 self._layer_groups[layer] = group_index
                 self._key_caches[layer] = cache.key_caches[local_index]
                 self._value_caches[layer] = cache.value_caches[local_index]
-        self._placeholder_mask = torch.zeros(1, 1, 0, 0, device=self.device)
+        text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
+        num_heads = text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        self.input_builder = InputBuilder(
+            self.groups,
+            self._key_caches,
+            self._value_caches,
+            self._layer_groups,
+            kv_cache_manager,
+            self.page_size,
+            num_heads // num_kv_heads,
+            kv_caches[0].key_caches[0].dtype,
+            self.device,
+        )
+        self.forward_paths = ForwardPaths(model, config, self.device)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_indices: list[int] = []
-        decode_rows: list[int] = []
-        decode_lengths: list[int] = []
-        prefill: list[PrefillSegment] = []
-        decode_items: list[tuple[str, int]] = []  # (request id, first new position)
-        prefill_items: list[tuple[str, int, int]] = []  # (request id, first new position, end)
-        for item in scheduler_output.scheduled:
-            request = item.request
-            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
-            row = len(input_ids)
-            input_ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            if item.samples_token:
-                logits_indices.append(row + item.num_new_tokens - 1)
-            if item.num_new_tokens == 1:
-                decode_rows.append(row)
-                decode_lengths.append(end)
-                decode_items.append((request.request_id, start))
-            else:
-                prefill.append(PrefillSegment(row, row + item.num_new_tokens, start))
-                prefill_items.append((request.request_id, start, end))
+        return self.input_builder.build(scheduler_output, self.forward_paths.padding)
 
-        device = self.device
-        lengths = torch.tensor(decode_lengths, dtype=torch.long, device=device) if decode_rows else None
-        metadata = PagedAttentionMetadata(
-            key_caches=self._key_caches,
-            value_caches=self._value_caches,
-            layer_groups=self._layer_groups,
-            groups=[
-                self._group_slots(index, scheduler_output, decode_items, lengths, prefill_items)
-                for index in range(len(self.groups))
-            ],
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device) if decode_rows else None,
-            decode_lengths=lengths,
-            prefill_segments=prefill,
-            decode_rows_are_all_rows=not prefill,
-        )
-        return BatchInputs(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-            metadata=metadata,
+    def capture_decode_graphs(self, max_rows: int) -> int:
+        """Pre-captures decode CUDA graphs when they are on; returns how many exist."""
+        empty = SchedulerOutput()
+        return self.forward_paths.capture_decode_graphs(
+            lambda padding, rows: self.input_builder.build(empty, padding, min_rows=rows), max_rows
         )
 
-    def _first_key_position(self, group: int, first_query_position: int) -> int:
-        """The first position any query from `first_query_position` on may attend to in `group`."""
-        window = self.groups[group].sliding_window
-        return 0 if window is None else max(0, first_query_position - window + 1)
-
-    def _group_slots(
-        self,
-        group: int,
-        scheduler_output: SchedulerOutput,
-        decode_items: list[tuple[str, int]],
-        decode_lengths: torch.Tensor | None,
-        prefill_items: list[tuple[str, int, int]],
-    ) -> GroupSlots:
-        page_size = self.page_size
-        device = self.device
-        manager = self.kv_cache_manager
-        write_slots: list[int] = []
-        for item in scheduler_output.scheduled:
-            table = manager.block_ids(item.request.request_id, group)
-            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
-            write_slots.extend(table[p // page_size] * page_size + p % page_size for p in range(start, end))
-        slots = GroupSlots(
-            write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
-            decode_key_slots=None,
-            decode_first_key_positions=None,
-            prefill_key_slots=[],
-            prefill_first_key_positions=[],
-        )
-        if decode_items:
-            assert decode_lengths is not None
-            tables = [manager.block_ids(request_id, group) for request_id, _ in decode_items]
-            firsts = [self._first_key_position(group, start) for _, start in decode_items]
-            first_positions = torch.tensor(firsts, dtype=torch.long, device=device)
-            slots.decode_first_key_positions = first_positions
-            slots.decode_key_slots = self._padded_slots(tables, first_positions, decode_lengths)
-        for request_id, start, end in prefill_items:
-            table = manager.block_ids(request_id, group)
-            first = self._first_key_position(group, start)
-            first_page = first // page_size
-            blocks = torch.tensor(table[first_page : -(-end // page_size)], dtype=torch.long, device=device)
-            page_slots = (blocks.unsqueeze(1) * page_size + torch.arange(page_size, device=device)).flatten()
-            offset = first - first_page * page_size
-            slots.prefill_key_slots.append(page_slots[offset : offset + end - first])
-            slots.prefill_first_key_positions.append(first)
-        return slots
-
-    def _padded_slots(
-        self, tables: list[list[int]], first_positions: torch.Tensor, lengths: torch.Tensor
-    ) -> torch.Tensor:
-        """[B, max_keys] cache slots of each decode row's keys, from its first key position to its
-        length; slots past a row's length read the null block."""
-        page_size = self.page_size
-        num_pages = max(len(table) for table in tables)
-        padded = [table + [NULL_BLOCK_ID] * (num_pages - len(table)) for table in tables]
-        block_table = torch.tensor(padded, dtype=torch.long, device=self.device)
-        max_keys = int((lengths - first_positions).max())
-        key_positions = first_positions.unsqueeze(1) + torch.arange(max_keys, device=self.device)
-        past_length = key_positions >= lengths.unsqueeze(1)
-        key_positions = key_positions.masked_fill(past_length, 0)
-        blocks = torch.gather(block_table, 1, key_positions // page_size)
-        slots = blocks * page_size + key_positions % page_size
-        # Slots past the length may hold bytes never written; NaN there would survive a -inf mask.
-        return slots.masked_fill_(past_length, NULL_BLOCK_ID * page_size)
-
-    @torch.inference_mode()
     def forward(self, inputs: BatchInputs) -> torch.Tensor:
-        """Returns logits [R, V] for the rows in `inputs.logits_indices`."""
-        outputs = self.model(
-            input_ids=inputs.input_ids,
-            position_ids=inputs.position_ids,
-            # A ready 4-D mask makes transformers skip mask creation; paged attention masks by itself.
-            attention_mask=self._placeholder_mask,
-            use_cache=False,
-            logits_to_keep=inputs.logits_indices,
-            paged_metadata=inputs.metadata,
-        )
-        return outputs.logits[0]
+        """Logits [R, V] of the rows that sample this step, in scheduling order."""
+        logits = self.forward_paths.run(inputs)
+        if inputs.sampled_logits is not None:
+            logits = logits.index_select(0, inputs.sampled_logits)
+        return logits
 
     def copy_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Offloads before restores: a restore may land in a device block an offload just freed."""

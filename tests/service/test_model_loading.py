@@ -29,3 +29,37 @@ def test_an_unknown_dtype_names_the_choices() -> None:
     choices = r"\['auto', 'float32', 'bfloat16', 'float16'\]"
     with pytest.raises(ValueError, match=rf"dtype must be one of {choices}, got 'int4'"):
         resolve_placement("cpu", "int4")
+
+
+def test_serve_flags_turn_on_compilation_and_decode_graphs() -> None:
+    from service.cli import _parser, engine_config
+
+    config = engine_config(_parser().parse_args(["serve", "--compile-level", "2", "--cuda-graphs"]))
+    assert config.default_compile_level == 2
+    assert config.use_cuda_graph == (False, True)
+    plain = engine_config(_parser().parse_args(["serve"]))
+    assert plain.default_compile_level == 0 and plain.use_cuda_graph is None
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--compile-level", "4"])
+
+
+def test_a_compiling_engine_is_warmed_up_before_it_serves() -> None:
+    """Compilation happens at start, while health says NOT_SERVING, not on the first client's request."""
+    from transformers import CompileConfig
+
+    from engine import ContinuousBatchingConfig
+    from service.engine_host import EngineHost
+
+    compiled = ContinuousBatchingConfig(
+        num_blocks=32, max_batch_tokens=64, decode_compile_config=CompileConfig(backend="eager")
+    )
+    for config, warmed in (
+        (compiled, True),
+        (ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64), False),
+    ):
+        host = EngineHost(tiny_model("llama"), config=config, model_name="tiny")
+        try:
+            assert host.start()
+            assert host.manager.warmed_up is warmed
+        finally:
+            host.manager.destroy()

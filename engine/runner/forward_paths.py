@@ -1,0 +1,278 @@
+"""How one step's forward pass runs: eagerly, through torch.compile, or as a CUDA graph replay.
+
+Steps take one of two paths, as in transformers' continuous batching:
+
+- decode: every scheduled request adds one token. Its attention is tensor operations only, so the
+  whole forward compiles as one graph and can be captured in a CUDA graph. When graphs or static
+  shapes are on, the step is padded (`engine.runner.inputs`) so a bounded set of shapes recurs.
+- varlen: prefill chunks, possibly mixed with decode rows. Chunk count and lengths change every step,
+  so attention runs outside any compiled graph (`attention._varlen_attention`) and only the layers
+  around it compile; this path is never captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.config import ContinuousBatchingConfig
+from engine.runner.attention import AttentionBatch, PagedAttentionMetadata
+from engine.runner.inputs import BatchInputs, Padding, padded_sizes
+
+if TYPE_CHECKING:
+    from transformers import CompileConfig
+
+logger = logging.getLogger(__name__)
+
+# Presets used when the config's padding intervals are 0: decode batches round to 1, 2, 4, 8, 16, then
+# multiples of 16; key widths to multiples of 256 tokens.
+DEFAULT_ROWS_PADDING_INTERVAL = 16
+DEFAULT_KEYS_PADDING_INTERVAL = 256
+# Compilations each path may hold (torch's default is 8): one per padded shape with static shapes.
+RECOMPILE_LIMIT = 256
+
+ForwardFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
+
+
+def model_forward_functions(model: torch.nn.Module, device: torch.device) -> dict[str, ForwardFunction]:
+    """The engine's forward for each path: packed tokens in, logits of `logits_indices` rows out ([L, V]).
+
+    The two paths are distinct functions so that torch.compile keeps a separate cache (and recompile
+    budget) for each.
+    """
+    # A ready 4-D mask makes transformers skip mask creation; paged attention masks by itself.
+    placeholder_mask = torch.zeros(1, 1, 0, 0, device=device)
+
+    def run_model(
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_indices: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        outputs = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=placeholder_mask,
+            use_cache=False,
+            logits_to_keep=logits_indices,
+            paged_metadata=metadata,
+        )
+        return outputs.logits[0]
+
+    def decode_forward(
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_indices: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        return run_model(input_ids, position_ids, logits_indices, metadata)
+
+    def varlen_forward(
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_indices: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        return run_model(input_ids, position_ids, logits_indices, metadata)
+
+    return {"decode": decode_forward, "varlen": varlen_forward}
+
+
+def compile_function(function: ForwardFunction, config: CompileConfig, path: str) -> ForwardFunction:
+    """`torch.compile` with a transformers `CompileConfig`.
+
+    torch.compile takes `mode` or `options`, not both: explicit options win. The varlen path always
+    allows graph breaks, because its attention runs outside the graph, and always compiles with dynamic
+    shapes: its token count is not padded, so static shapes would compile once per count.
+    """
+    fullgraph, dynamic = config.fullgraph, config.dynamic
+    if path == "varlen" and (fullgraph or dynamic is False):
+        logger.info(
+            "varlen path: compiling with fullgraph=False, dynamic=True (its attention runs outside the graph)"
+        )
+        fullgraph, dynamic = False, True
+    kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": config.backend}
+    if config.options:
+        kwargs["options"] = config.options
+    else:
+        kwargs["mode"] = config.mode
+    compiled = torch.compile(function, **kwargs)
+
+    def with_recompile_budget(
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_indices: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
+        # Dynamo caches compilations per code object, so every engine in the process (and, with static
+        # shapes, every padded shape) draws on one budget of recompilations. Its config is per thread, so
+        # the budget is raised where the forward runs.
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return compiled(input_ids, position_ids, logits_indices, metadata)
+
+    return with_recompile_budget
+
+
+@dataclass
+class _CapturedGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: BatchInputs  # static buffers the graph reads
+    logits: torch.Tensor  # static buffer the graph writes
+
+
+def _tensors_of(inputs: BatchInputs) -> list[torch.Tensor]:
+    """Every per-step tensor of a decode step, in a fixed order (the caches are not per-step)."""
+    meta = inputs.metadata
+    tensors = [inputs.input_ids, inputs.position_ids, inputs.logits_indices, *meta.write_slots]
+    for batch in meta.batches:
+        tensors.append(batch.query_rows)
+        tensors.extend(batch.key_slots)
+        tensors.extend(batch.masks)
+    return tensors
+
+
+def graph_key(inputs: BatchInputs) -> tuple[tuple[int, ...], ...]:
+    """Shapes of a decode step's tensors: steps with equal keys replay the same graph."""
+    return tuple(tuple(tensor.shape) for tensor in _tensors_of(inputs))
+
+
+class DecodeGraphs:
+    """CUDA graphs of padded decode steps, one per shape, captured on first use (or by `warmup`).
+
+    All graphs share one memory pool, and their output buffers are reused: a step's logits are valid
+    until the next replay, which is as long as the runner needs them (it samples before the next step).
+    """
+
+    def __init__(self, function: ForwardFunction, device: torch.device) -> None:
+        self.function = function
+        self.device = device
+        self.graphs: dict[tuple[tuple[int, ...], ...], _CapturedGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def run(self, inputs: BatchInputs) -> torch.Tensor:
+        key = graph_key(inputs)
+        captured = self.graphs.get(key)
+        if captured is None:
+            captured = self.graphs[key] = self._capture(inputs)
+        else:
+            for static, fresh in zip(_tensors_of(captured.inputs), _tensors_of(inputs), strict=True):
+                static.copy_(fresh, non_blocking=True)
+        captured.graph.replay()
+        return captured.logits
+
+    def _capture(self, inputs: BatchInputs) -> _CapturedGraph:
+        static = _clone_step(inputs)
+        arguments = (static.input_ids, static.position_ids, static.logits_indices, static.metadata)
+        # Warm-up runs on a side stream, as capture requires; they execute this very step, and writing the
+        # same keys to the same slots again changes nothing.
+        side_stream = torch.cuda.Stream(self.device)
+        side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side_stream):
+            for _ in range(2):
+                self.function(*arguments)
+        torch.cuda.current_stream(self.device).wait_stream(side_stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.function(*arguments)
+        logger.debug("captured decode CUDA graph %s", graph_key(inputs))
+        return _CapturedGraph(graph, static, logits)
+
+
+def _clone_step(inputs: BatchInputs) -> BatchInputs:
+    meta = inputs.metadata
+    batches = [
+        AttentionBatch(
+            query_rows=batch.query_rows.clone(),
+            real_queries=None,
+            output_rows=None,
+            key_slots=[slots.clone() for slots in batch.key_slots],
+            masks=[mask.clone() for mask in batch.masks],
+        )
+        for batch in meta.batches
+    ]
+    metadata = replace(meta, write_slots=[slots.clone() for slots in meta.write_slots], batches=batches)
+    return replace(
+        inputs,
+        input_ids=inputs.input_ids.clone(),
+        position_ids=inputs.position_ids.clone(),
+        logits_indices=inputs.logits_indices.clone(),
+        metadata=metadata,
+    )
+
+
+class ForwardPaths:
+    """Picks and runs the decode or varlen forward for each step, per the config.
+
+    `padding` is the shape padding decode-only steps get: on with CUDA graphs (a graph serves one
+    shape) and with static-shape compilation (`dynamic=False`, one compilation per shape).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, config: ContinuousBatchingConfig, device: torch.device
+    ) -> None:
+        eager = model_forward_functions(model, device)
+        self.compile_configs = {path: config.compile_config_for(path) for path in ("varlen", "decode")}
+        self.functions: dict[str, ForwardFunction] = {
+            path: eager[path]
+            if compile_config is None
+            else compile_function(eager[path], compile_config, path)
+            for path, compile_config in self.compile_configs.items()
+        }
+        self.decode_graphs = (
+            DecodeGraphs(self.functions["decode"], device)
+            if use_decode_graphs(config, device, model)
+            else None
+        )
+        decode_compile = self.compile_configs["decode"]
+        static_shapes = decode_compile is not None and decode_compile.dynamic is False
+        self.padding = (
+            Padding(
+                config.q_padding_interval_size or DEFAULT_ROWS_PADDING_INTERVAL,
+                config.kv_padding_interval_size or DEFAULT_KEYS_PADDING_INTERVAL,
+            )
+            if self.decode_graphs is not None or static_shapes
+            else None
+        )
+
+    def capture_decode_graphs(self, build: Callable[[Padding, int], BatchInputs], max_rows: int) -> int:
+        """Captures a decode graph for every row count up to `max_rows`, at the narrowest key width, from
+        steps of padding rows alone (`build(padding, rows)`), so early real steps replay instead of
+        capturing. Returns the number of graphs held."""
+        if self.decode_graphs is None or self.padding is None:
+            return 0
+        for rows in padded_sizes(max_rows, self.padding.rows_interval):
+            self.run(build(self.padding, rows))
+        return len(self.decode_graphs.graphs)
+
+    @torch.inference_mode()
+    def run(self, inputs: BatchInputs) -> torch.Tensor:
+        """Logits [L, V] of the rows in `inputs.logits_indices`."""
+        if inputs.is_decode_only and self.decode_graphs is not None:
+            return self.decode_graphs.run(inputs)
+        function = self.functions["decode" if inputs.is_decode_only else "varlen"]
+        return function(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata)
+
+
+def use_decode_graphs(config: ContinuousBatchingConfig, device: torch.device, model: torch.nn.Module) -> bool:
+    """Whether decode steps replay CUDA graphs.
+
+    Only an explicit request turns them on (None means off): graph replay has not been verified on a GPU
+    in this project yet. They need CUDA, and the model must not be sharded: collectives inside graphs
+    are not supported here.
+    """
+    decode = config.cuda_graph_flags()[1]
+    if not decode:
+        return False
+    if device.type != "cuda":
+        logger.warning(
+            "use_cuda_graph: CUDA graphs need a CUDA device, the model is on %s; running without", device
+        )
+        return False
+    if getattr(model, "tp_size", None) not in (None, 1):
+        logger.warning("use_cuda_graph: not supported under tensor parallelism; running without")
+        return False
+    return True

@@ -1,0 +1,264 @@
+"""Builds one step's packed model inputs and attention batches from a `SchedulerOutput`.
+
+A step packs every scheduled token into one sequence. Decode rows (one new token each) come first
+in scheduling order only by coincidence; nothing here relies on it: each `AttentionBatch` says which
+packed rows it reads and fills.
+
+Padding (for CUDA graphs and static-shape compilation) rounds a decode-only step up to a bounded set of
+shapes: the number of rows to `padded_size(rows, q_interval)` and the key width to a multiple of the KV
+interval. Padding rows are fake requests at position 0 whose block table is the null block alone, so
+they write their keys to the null block's first slot and attend to it; their logits are never sampled.
+The null block therefore holds finite values that only masked columns and padding rows ever read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv.block_pool import NULL_BLOCK_ID
+from engine.kv.cache_manager import KVCacheManager
+from engine.kv.layer_groups import KVCacheGroupSpec
+from engine.runner.attention import AttentionBatch, PagedAttentionMetadata
+from engine.scheduler import SchedulerOutput
+
+
+def padded_size(size: int, interval: int) -> int:
+    """`size` rounded up to a power of two below `interval`, to a multiple of `interval` from there on:
+    small decode batches waste little, large ones need few distinct shapes."""
+    if size >= interval:
+        return -(-size // interval) * interval
+    return 1 << max(size - 1, 0).bit_length()
+
+
+def padded_sizes(max_size: int, interval: int) -> list[int]:
+    """Every distinct `padded_size` of 1 .. max_size, ascending."""
+    sizes = []
+    size = 1
+    while size <= max_size:
+        sizes.append(padded_size(size, interval))
+        size = sizes[-1] + 1
+    return sizes
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Granularity of padded decode shapes, in tokens: rows (requests) and key width."""
+
+    rows_interval: int
+    keys_interval: int
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    logits_indices: torch.Tensor  # [L] packed rows whose logits the model computes
+    # [R] which of those L logits rows are sampled, in scheduling order; None when all of them are.
+    sampled_logits: torch.Tensor | None
+    metadata: PagedAttentionMetadata
+    num_padding_rows: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.metadata.is_decode_only
+
+
+@dataclass
+class _Chunk:
+    """One request's new tokens: packed rows from `row` on, positions [start, end)."""
+
+    request_id: str | None  # None for a padding row
+    row: int
+    start: int
+    end: int
+
+
+class InputBuilder:
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroupSpec],
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        layer_groups: list[int],
+        kv_cache_manager: KVCacheManager,
+        page_size: int,
+        num_query_heads_per_kv_head: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.groups = list(groups)
+        self.key_caches = key_caches
+        self.value_caches = value_caches
+        self.layer_groups = layer_groups
+        self.kv_cache_manager = kv_cache_manager
+        self.page_size = page_size
+        self.group_size = num_query_heads_per_kv_head
+        self.dtype = dtype
+        self.device = device
+
+    def build(
+        self, scheduler_output: SchedulerOutput, padding: Padding | None, min_rows: int = 0
+    ) -> BatchInputs:
+        """`padding` applies to decode-only steps; steps with prefill chunks keep exact shapes.
+
+        With padding, a decode-only step has at least `min_rows` rows: an empty `scheduler_output` and
+        `min_rows=n` give a step of padding rows alone, which is how CUDA graphs are captured ahead of use.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        decode: list[_Chunk] = []
+        prefill: list[_Chunk] = []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            chunk = _Chunk(request.request_id, len(input_ids), start, end)
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            if item.samples_token:
+                logits_rows.append(chunk.row + item.num_new_tokens - 1)
+            (decode if item.num_new_tokens == 1 else prefill).append(chunk)
+
+        is_decode_only = not prefill
+        sampled_logits = None
+        num_padding_rows = 0
+        if is_decode_only and padding is not None:
+            num_rows = padded_size(max(len(decode), min_rows), padding.rows_interval)
+            num_padding_rows = num_rows - len(decode)
+            decode.extend(_Chunk(None, row, 0, 1) for row in range(len(decode), num_rows))
+            input_ids.extend([0] * num_padding_rows)
+            positions.extend([0] * num_padding_rows)
+            # Logits of every row, so their count depends on the padded shape alone.
+            sampled_logits = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+            logits_rows = list(range(num_rows))
+
+        keys_interval = padding.keys_interval if is_decode_only and padding is not None else None
+        batches = [self._batch(decode, keys_interval, covers_all_rows=is_decode_only)] if decode else []
+        batches.extend(self._batch([chunk], None, covers_all_rows=False) for chunk in prefill)
+        all_chunks = decode + prefill
+        metadata = PagedAttentionMetadata(
+            key_caches=self.key_caches,
+            value_caches=self.value_caches,
+            layer_groups=self.layer_groups,
+            write_slots=[self._write_slots(group, all_chunks) for group in range(len(self.groups))],
+            batches=batches,
+            is_decode_only=is_decode_only,
+        )
+        device = self.device
+        return BatchInputs(
+            input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
+            sampled_logits=sampled_logits,
+            metadata=metadata,
+            num_padding_rows=num_padding_rows,
+        )
+
+    def _table(self, chunk: _Chunk, group: int) -> list[int]:
+        if chunk.request_id is None:
+            return [NULL_BLOCK_ID]
+        return self.kv_cache_manager.block_ids(chunk.request_id, group)
+
+    def _write_slots(self, group: int, chunks: list[_Chunk]) -> torch.Tensor:
+        """[T] cache slot of every packed row's new key, in packed-row order."""
+        page_size = self.page_size
+        slots = [0] * sum(chunk.end - chunk.start for chunk in chunks)
+        for chunk in chunks:
+            table = self._table(chunk, group)
+            for offset, position in enumerate(range(chunk.start, chunk.end)):
+                slots[chunk.row + offset] = table[position // page_size] * page_size + position % page_size
+        return torch.tensor(slots, dtype=torch.long, device=self.device)
+
+    def _first_key_position(self, group: int, first_query_position: int) -> int:
+        """The first position any query from `first_query_position` on may attend to in `group`: 0 for
+        full attention, the start of the earliest query's window for a sliding group, so its attention
+        costs O(window), not O(length). Pages before it may be the null block in a sliding table."""
+        window = self.groups[group].sliding_window
+        return 0 if window is None else max(0, first_query_position - window + 1)
+
+    def _batch(
+        self, chunks: list[_Chunk], keys_interval: int | None, covers_all_rows: bool
+    ) -> AttentionBatch:
+        device = self.device
+        num_queries = [chunk.end - chunk.start for chunk in chunks]
+        width = max(num_queries)
+        query_offsets = torch.arange(width, device=device)
+        counts = torch.tensor(num_queries, dtype=torch.long, device=device)
+        # Padding queries repeat the request's last query: same row, same mask, so never an empty row.
+        clamped = torch.minimum(query_offsets.unsqueeze(0), counts.unsqueeze(1) - 1)  # [S, Q]
+        first_rows = torch.tensor([chunk.row for chunk in chunks], dtype=torch.long, device=device)
+        starts = torch.tensor([chunk.start for chunk in chunks], dtype=torch.long, device=device)
+        query_positions = starts.unsqueeze(1) + clamped
+        real_queries = None
+        if any(count != width for count in num_queries):
+            real = (query_offsets.unsqueeze(0) < counts.unsqueeze(1)).flatten()
+            real_queries = real.nonzero().squeeze(1)
+        key_slots: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        for group in range(len(self.groups)):
+            slots, mask = self._group_keys(group, chunks, query_positions, keys_interval)
+            key_slots.append(slots)
+            masks.append(mask)
+        output_rows = None
+        if not covers_all_rows:
+            rows = [
+                chunk.row + offset
+                for chunk, count in zip(chunks, num_queries, strict=True)
+                for offset in range(count)
+            ]
+            output_rows = torch.tensor(rows, dtype=torch.long, device=device)
+        return AttentionBatch(
+            query_rows=first_rows.unsqueeze(1) + clamped,
+            real_queries=real_queries,
+            output_rows=output_rows,
+            key_slots=key_slots,
+            masks=masks,
+        )
+
+    def _group_keys(
+        self, group: int, chunks: list[_Chunk], query_positions: torch.Tensor, keys_interval: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Key slots [S, K] and additive mask [S, 1, G * Q, K] of one cache group.
+
+        Row s reads keys at positions first[s] .. end[s] - 1; columns past that read the null block and
+        are masked.
+        """
+        page_size = self.page_size
+        device = self.device
+        firsts = [self._first_key_position(group, chunk.start) for chunk in chunks]
+        num_keys = max(chunk.end - first for chunk, first in zip(chunks, firsts, strict=True))
+        if keys_interval is not None:
+            num_keys = -(-num_keys // keys_interval) * keys_interval
+        tables = [self._table(chunk, group) for chunk in chunks]
+        num_pages = max(len(table) for table in tables)
+        block_table = torch.tensor(
+            [table + [NULL_BLOCK_ID] * (num_pages - len(table)) for table in tables],
+            dtype=torch.long,
+            device=device,
+        )
+        first_positions = torch.tensor(firsts, dtype=torch.long, device=device)
+        ends = torch.tensor([chunk.end for chunk in chunks], dtype=torch.long, device=device)
+        key_positions = first_positions.unsqueeze(1) + torch.arange(num_keys, device=device)  # [S, K]
+        past_end = key_positions >= ends.unsqueeze(1)
+        safe_positions = key_positions.masked_fill(past_end, 0)
+        blocks = torch.gather(block_table, 1, safe_positions // page_size)
+        slots = (blocks * page_size + safe_positions % page_size).masked_fill_(
+            past_end, NULL_BLOCK_ID * page_size
+        )
+
+        # allowed[s, q, k]: key k is one of row s's keys and causal (and inside the window) for query q.
+        keys = key_positions.unsqueeze(1)  # [S, 1, K]
+        queries = query_positions.unsqueeze(2)  # [S, Q, 1]
+        allowed = ~past_end.unsqueeze(1) & (keys <= queries)
+        window = self.groups[group].sliding_window
+        if window is not None:
+            allowed &= keys > queries - window
+        num_rows, width = query_positions.shape
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=device).masked_fill_(
+            ~allowed, torch.finfo(self.dtype).min
+        )
+        folded = mask.unsqueeze(1).expand(num_rows, self.group_size, width, num_keys)
+        return slots, folded.reshape(num_rows, 1, self.group_size * width, num_keys)

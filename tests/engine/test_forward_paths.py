@@ -1,0 +1,169 @@
+"""The decode and varlen forward paths: padded shapes, torch.compile per path, CUDA graphs of decode steps.
+
+Greedy outputs must equal `model.generate` whichever path runs. The compile tests use real compilers on
+the CPU (dynamo with the eager backend for speed, one run through inductor); the CUDA graph tests need
+a GPU (bench/gpu_check.sh runs them there with CBSERVE_TEST_DEVICE=cuda).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+from engine import ContinuousBatchingConfig, init_continuous_batching
+from engine.runner.inputs import Padding, padded_size, padded_sizes
+from tests.conftest import TEST_DEVICE, random_prompt, reference_greedy, tiny_model
+
+PROMPT_LENGTHS = (1, 3, 16, 17, 40, 90, 130)
+NEW_TOKENS = (20, 9, 33, 1, 25, 12, 18)
+FAMILIES = ("llama", "qwen3", "mistral", "gemma2")
+needs_cuda = pytest.mark.skipif(
+    TEST_DEVICE.type != "cuda", reason="CUDA graphs need CBSERVE_TEST_DEVICE=cuda"
+)
+
+
+def _generate(model: torch.nn.Module, config: ContinuousBatchingConfig, warmup: bool = False):
+    """Greedy tokens of every prompt through one manager, and the engine it ran on (before destroy)."""
+    prompts = [random_prompt(length, seed=500 + length) for length in PROMPT_LENGTHS]
+    manager = init_continuous_batching(model, continuous_batching_config=config)
+    if warmup:
+        manager.warmup()
+    manager.start()
+    try:
+        ids = [
+            manager.add_request(prompt, max_new_tokens=count, eos_token_id=[])
+            for prompt, count in zip(prompts, NEW_TOKENS, strict=True)
+        ]
+        outputs = [manager.get_result(request_id, timeout=600) for request_id in ids]
+        engine = manager._engine
+    finally:
+        manager.destroy()
+    for output in outputs:
+        assert output is not None and output.error is None, output
+    return prompts, [output.generated_tokens for output in outputs], engine
+
+
+def _assert_parity(model: torch.nn.Module, prompts, generated, label: str) -> None:
+    for prompt, count, tokens in zip(prompts, NEW_TOKENS, generated, strict=True):
+        expected = reference_greedy(model, prompt, count)
+        assert tokens == expected, (
+            f"{label}: prompt of {len(prompt)} tokens differs from model.generate\n"
+            f"  engine:   {tokens}\n  generate: {expected}"
+        )
+
+
+def test_padded_sizes_are_powers_of_two_then_multiples_of_the_interval() -> None:
+    assert [padded_size(n, 16) for n in (0, 1, 2, 3, 5, 8, 9, 16, 17, 33, 48)] == [
+        1,
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        16,
+        32,
+        48,
+        48,
+    ]
+    assert padded_sizes(70, 16) == [1, 2, 4, 8, 16, 32, 48, 64, 80]
+    assert padded_sizes(5, 4) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_shape_compile_pads_decode_steps_and_keeps_parity(family: str) -> None:
+    """dynamic=False on the decode path pads decode steps (rows to 1, 2, 4, then multiples of 4; keys to
+    multiples of 8): padding rows must not disturb real ones, in full and sliding-window groups."""
+    model = tiny_model(family)
+    config = ContinuousBatchingConfig(
+        page_size=8,
+        num_blocks=160,
+        max_batch_tokens=48,  # chunked prefill: mixed varlen steps, and 1-token chunks that do not sample
+        decode_compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager"),
+        varlen_compile_config=CompileConfig(backend="eager"),
+        q_padding_interval_size=4,
+        kv_padding_interval_size=8,
+    )
+    prompts, generated, engine = _generate(model, config)
+    assert engine.runner.forward_paths.padding == Padding(4, 8)
+    _assert_parity(model, prompts, generated, f"{family}, padded static-shape decode")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_dynamic_compile_keeps_parity_without_padding(family: str) -> None:
+    model = tiny_model(family)
+    config = ContinuousBatchingConfig(
+        page_size=16,
+        num_blocks=80,
+        max_batch_tokens=64,
+        decode_compile_config=CompileConfig(fullgraph=True, dynamic=True, backend="eager"),
+        varlen_compile_config=CompileConfig(fullgraph=True, dynamic=True, backend="eager"),
+    )
+    prompts, generated, engine = _generate(model, config)
+    assert engine.runner.forward_paths.padding is None
+    _assert_parity(model, prompts, generated, f"{family}, dynamic compile")
+
+
+def test_compile_level_one_through_inductor_keeps_parity() -> None:
+    """The preset of level 1 (inductor, mode "default", dynamic, whole-graph on the decode path)."""
+    model = tiny_model("llama")
+    config = ContinuousBatchingConfig(
+        page_size=16, num_blocks=80, max_batch_tokens=64, default_compile_level=1
+    )
+    prompts, generated, engine = _generate(model, config)
+    compile_config = engine.runner.forward_paths.compile_configs["decode"]
+    assert compile_config is not None and compile_config.backend == "inductor" and compile_config.dynamic
+    _assert_parity(model, prompts, generated, "compile level 1")
+
+
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="checks the warning on a device without CUDA")
+def test_cuda_graphs_requested_on_the_cpu_warn_and_run_without(caplog: pytest.LogCaptureFixture) -> None:
+    model = tiny_model("llama")
+    config = ContinuousBatchingConfig(
+        page_size=16, num_blocks=80, max_batch_tokens=64, use_cuda_graph=(False, True)
+    )
+    with caplog.at_level(logging.WARNING, logger="engine.runner.forward_paths"):
+        prompts, generated, engine = _generate(model, config)
+    assert "CUDA graphs need a CUDA device" in caplog.text
+    assert engine.runner.forward_paths.decode_graphs is None
+    _assert_parity(model, prompts, generated, "graphs requested on the CPU")
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_cuda_graphs_keep_parity(family: str) -> None:
+    model = tiny_model(family)
+    config = ContinuousBatchingConfig(
+        page_size=8,
+        num_blocks=160,
+        max_batch_tokens=48,
+        use_cuda_graph=(False, True),
+        kv_padding_interval_size=16,
+    )
+    prompts, generated, engine = _generate(model, config)
+    graphs = engine.runner.forward_paths.decode_graphs
+    assert graphs is not None and len(graphs.graphs) > 0, "no decode step replayed a graph"
+    _assert_parity(model, prompts, generated, f"{family}, decode CUDA graphs")
+
+
+@needs_cuda
+def test_warmup_captures_a_decode_graph_per_batch_size_before_any_request() -> None:
+    model = tiny_model("llama")
+    config = ContinuousBatchingConfig(
+        page_size=8,
+        num_blocks=160,
+        max_batch_tokens=48,
+        max_requests_per_batch=20,
+        use_cuda_graph=True,
+        q_padding_interval_size=8,
+        kv_padding_interval_size=16,
+    )
+    prompts, generated, engine = _generate(model, config, warmup=True)
+    graphs = engine.runner.forward_paths.decode_graphs
+    assert graphs is not None
+    captured_rows = {key[0][1] for key in graphs.graphs}  # input_ids is [1, rows]
+    assert captured_rows >= {1, 2, 4, 8, 16, 24}
+    _assert_parity(model, prompts, generated, "decode CUDA graphs after warmup")
