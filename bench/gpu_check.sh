@@ -4,11 +4,12 @@
 #   wheels    installs the wheels carried in .whl/, if any (the H200 image needs none; see bench/README.md)
 #   env       nvidia-smi, Python, torch and package versions, and which imports the check needs are missing
 #   parity    tests/engine/test_greedy_parity.py with the tiny fp32 models on the GPU (CBSERVE_TEST_DEVICE)
-#   paths     tests/engine/test_forward_paths.py on the GPU: decode CUDA graphs (parity, warmup capture) and
-#             static-shape compilation, less the inductor compile test (its CPU run covers it)
+#   paths     tests/engine/test_forward_paths.py and test_paged_decode_kernel.py on the GPU: decode CUDA graphs
+#             (parity, warmup capture), static-shape compilation and the Triton decode kernel, less the
+#             inductor compile test (its CPU run covers it)
 #   bench     bench/offline_throughput.py: Qwen3-0.6B shapes (random weights), bf16, 256 requests, prompts
-#             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with decode CUDA graphs unless
-#             GPU_CHECK_CUDA_GRAPHS=0), transformers_cb and static
+#             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with decode CUDA graphs and the decode
+#             kernel when the paths step passed, unless GPU_CHECK_CUDA_GRAPHS=0), transformers_cb and static
 #   sampling  tests/engine/test_sampling.py on the GPU, less its logprobs test, whose tensors stay on the CPU
 #
 # Each step runs under `timeout`, within one overall budget, and $OUT/gpu_check.json is rewritten after every
@@ -337,11 +338,11 @@ PY
 
 # 3. Greedy parity on the device. In a small run, a few of the tests.
 parity_select=()
-paths_select=(-k "not inductor")
+paths_select=(-k "not inductor and not warns")
 sampling_select=(-k "not logprobs")
 if [[ $SMALL == 1 ]]; then
   parity_select=(-k "generate_batch_returns or chunked_prefill")
-  paths_select=(-k "padded_sizes or cuda_graphs or warmup")
+  paths_select=(-k "padded_sizes or cuda_graphs or warmup or fast_path_keeps")
   sampling_select=(-k "limits_of_sampling and not logprobs")
 fi
 run_step parity 120 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_greedy_parity.py \
@@ -349,7 +350,9 @@ run_step parity 120 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/
 
 # 4. Forward paths on the device: decode CUDA graphs, static-shape compilation.
 run_step paths 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_forward_paths.py \
-  -v -p no:cacheprovider -o timeout=80 --junitxml="$WORK/paths.xml" "${paths_select[@]}"
+  tests/engine/test_paged_decode_kernel.py -v -p no:cacheprovider -o timeout=80 --junitxml="$WORK/paths.xml" \
+  "${paths_select[@]}"
+paths_passed=$?
 
 # 5. Offline throughput.
 if [[ $SMALL == 1 ]]; then
@@ -358,8 +361,9 @@ else
   workload=(--model qwen3-0.6b --requests 256 --new-tokens 64 --min-prompt 16 --max-prompt 256
     --static-batch-size 64)
 fi
+# cbserve's GPU paths go into the benchmark only once their parity tests passed on this GPU.
 graphs=()
-[[ $CUDA_GRAPHS == 1 && $DEVICE == cuda ]] && graphs=(--cuda-graphs)
+[[ $CUDA_GRAPHS == 1 && $DEVICE == cuda && $paths_passed == 0 ]] && graphs=(--cuda-graphs --max-blocks-per-request 64)
 run_step bench 200 "$PYTHON" bench/offline_throughput.py --device "$DEVICE" --dtype "$DTYPE" \
   "${workload[@]}" "${graphs[@]}" --engines cbserve transformers_cb static --repeats "$REPEATS" --keep-going \
   --json-out "$WORK/bench.jsonl"

@@ -127,6 +127,7 @@ class EngineOptions:
     num_blocks: int | None = None
     compile_level: int = 0
     cuda_graphs: bool = False
+    max_blocks_per_request: int = 0
     static_batch_size: int = 16
     transformers_cb_page_size: int = TRANSFORMERS_CB_PAGE_SIZE
     transformers_cb_num_blocks: int | None = TRANSFORMERS_CB_NUM_BLOCKS
@@ -193,6 +194,7 @@ def cbserve_config(options: EngineOptions) -> engine.ContinuousBatchingConfig:
         max_batch_tokens=options.max_batch_tokens,
         default_compile_level=options.compile_level,
         use_cuda_graph=options.cuda_graphs,
+        max_blocks_per_request=options.max_blocks_per_request,
     )
 
 
@@ -399,6 +401,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
         num_blocks=args.num_blocks,
         compile_level=args.compile_level,
         cuda_graphs=args.cuda_graphs,
+        max_blocks_per_request=args.max_blocks_per_request,
         static_batch_size=args.static_batch_size,
         **gpu_peer_options,
     )
@@ -539,6 +542,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "max_batch_tokens": options.max_batch_tokens,
                 "default_compile_level": options.compile_level,
                 "use_cuda_graph": options.cuda_graphs,
+                "max_blocks_per_request": options.max_blocks_per_request,
             },
             "transformers_cb_config": {
                 "page_size": options.transformers_cb_page_size,
@@ -613,6 +617,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--cuda-graphs", action="store_true", help="cbserve replays CUDA graphs for decode steps (cuda only)"
+    )
+    parser.add_argument(
+        "--max-blocks-per-request",
+        type=int,
+        default=0,
+        help="cbserve's decode fast path (Triton kernel, cuda only): widest block table it reads; 0 off",
     )
     parser.add_argument("--static-batch-size", type=int, default=16)
     parser.add_argument(

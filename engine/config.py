@@ -56,8 +56,11 @@ class ContinuousBatchingConfig:
     max_requests_per_batch: most requests in one batch; bounds the logits tensor, which grows with the
     vocabulary. None infers it from workload hints, falling back to 1024.
 
-    max_blocks_per_request: width of the block table used by the `flash_attn_with_kvcache` decode fast path.
-    0 disables that path; None infers the width.
+    max_blocks_per_request: the decode fast path, where a kernel reads each request's keys in place through
+    its block table (cbserve's own Triton kernel, engine.runner.paged_decode_kernel, where transformers uses
+    `flash_attn_with_kvcache`). A positive value turns it on for decode-only steps whose requests hold at most
+    that many blocks (wider steps gather their keys); 0 or None keeps it off. It needs CUDA, and works with
+    sliding-window layers too.
 
     allow_block_sharing: enable prefix caching, where requests with a common prefix share its full blocks.
     It is a permission, not an order: it is only honoured for models whose layers all use full attention.
@@ -124,11 +127,11 @@ class ContinuousBatchingConfig:
     `page_size`).
 
     Built: CPU offloading and tensor parallelism (engine.kv.offload, engine.parallel); torch.compile per path
-    (the compile levels and configs) and CUDA graphs of decode steps with their padding intervals
-    (engine.runner.forward_paths). Not built: async batching, CUDA graphs of the varlen path and the flash
-    decode fast path (`max_blocks_per_request`, `auto_switch_to_flash`; cbserve runs its own paged SDPA or
-    eager attention). Their fields are accepted and validated so that configs written for transformers
-    load, and the engine warns and runs without them.
+    (the compile levels and configs), CUDA graphs of decode steps with their padding intervals
+    (engine.runner.forward_paths) and the decode fast path (`max_blocks_per_request`). Not built: async
+    batching, CUDA graphs of the varlen path and flash-attention kernels (`auto_switch_to_flash`: cbserve
+    runs its own paged SDPA or eager attention and its Triton decode kernel). Their fields are accepted and
+    validated so that configs written for transformers load, and the engine warns and runs without them.
     """
 
     page_size: int = _DEFAULT_PAGE_SIZE
@@ -278,8 +281,6 @@ class ContinuousBatchingConfig:
             requested.append("use_async_batching=True")
         if self.cuda_graph_flags()[0]:
             requested.append("CUDA graphs of the varlen path (use_cuda_graph)")
-        if self.max_blocks_per_request:
-            requested.append(f"max_blocks_per_request={self.max_blocks_per_request} (flash decode fast path)")
         return requested
 
     def cuda_graph_flags(self) -> tuple[bool | None, bool | None]:

@@ -2,12 +2,21 @@
 
 They live on the CPU unless CBSERVE_TEST_DEVICE names another device (e.g. "cuda"), which moves them
 there, so the parity tests run on a GPU (bench/gpu_check.sh).
+
+On the CPU, Triton kernels (the decode fast path) run under Triton's interpreter. It must be chosen before
+triton is first imported, which torch may do, hence before anything else here.
 """
 
 from __future__ import annotations
 
-import functools
 import os
+
+if os.environ.get("CBSERVE_TEST_DEVICE", "cpu").startswith("cpu"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import functools
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -88,3 +97,48 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: 
             pad_token_id=0,
         )
     return output[0, len(prompt) :].tolist()
+
+
+def generate_greedy(
+    model: torch.nn.Module,
+    config: Any,
+    prompts: list[list[int]],
+    new_tokens: Sequence[int],
+    warmup: bool = False,
+) -> tuple[list[list[int]], Any]:
+    """Greedy tokens of every prompt through one started manager (EOS ignored), and the engine they ran
+    on, for tests that look at which path it took."""
+    from engine import init_continuous_batching
+
+    manager = init_continuous_batching(model, continuous_batching_config=config)
+    if warmup:
+        manager.warmup()
+    manager.start()
+    try:
+        ids = [
+            manager.add_request(prompt, max_new_tokens=count, eos_token_id=[])
+            for prompt, count in zip(prompts, new_tokens, strict=True)
+        ]
+        outputs = [manager.get_result(request_id, timeout=600) for request_id in ids]
+        engine = manager._engine
+    finally:
+        manager.destroy()
+    for output in outputs:
+        assert output is not None and output.error is None, output
+    return [list(output.generated_tokens) for output in outputs], engine
+
+
+def assert_greedy_parity(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    new_tokens: Sequence[int],
+    generated: list[list[int]],
+    label: str,
+) -> None:
+    """Each request's tokens equal `model.generate`'s; prints both sides on failure."""
+    for prompt, count, tokens in zip(prompts, new_tokens, generated, strict=True):
+        expected = reference_greedy(model, prompt, count)
+        assert tokens == expected, (
+            f"{label}: prompt of {len(prompt)} tokens, {count} new tokens, differs from model.generate\n"
+            f"  engine:   {tokens}\n  generate: {expected}"
+        )

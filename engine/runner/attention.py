@@ -48,8 +48,29 @@ class AttentionBatch:
     real_queries: torch.Tensor | None
     # [N] packed rows the real queries fill; None when the batch covers rows 0..N-1 in order.
     output_rows: torch.Tensor | None
-    key_slots: list[torch.Tensor]  # per cache group: [S, K] slot of each key
-    masks: list[torch.Tensor]  # per cache group: [S, 1, G * Q, K] additive, 0 where allowed
+    # The gather path: per cache group, [S, K] slot of each key and the additive [S, 1, G * Q, K] mask.
+    key_slots: list[torch.Tensor]
+    masks: list[torch.Tensor]
+    # The decode fast path instead (Q == 1, no key_slots or masks): the kernel reads keys in place.
+    block_table_keys: BlockTableKeys | None = None
+
+    def step_tensors(self) -> list[torch.Tensor]:
+        """The per-step tensors this batch reads, in a fixed order (what a CUDA graph copies in)."""
+        tensors = [self.query_rows, *self.key_slots, *self.masks]
+        if self.block_table_keys is not None:
+            keys = self.block_table_keys
+            tensors += [*keys.block_tables, *keys.first_positions, keys.seq_lens]
+        return tensors
+
+
+@dataclass
+class BlockTableKeys:
+    """Where a decode batch's keys are, for `paged_decode_kernel`: row s reads positions
+    first_positions[g][s] .. seq_lens[s] - 1 of group g through block_tables[g][s]."""
+
+    block_tables: list[torch.Tensor]  # per cache group: [S, W] block ids, padded with the null block
+    first_positions: list[torch.Tensor]  # per cache group: [S]
+    seq_lens: torch.Tensor  # [S]
 
 
 @dataclass
@@ -64,6 +85,9 @@ class PagedAttentionMetadata:
     # the rows it fills.
     batches: list[AttentionBatch]
     is_decode_only: bool
+    page_size: int
+    # The decode fast-path kernel (`paged_decode_kernel.paged_decode_attention`), when batches use it.
+    decode_kernel: Callable[..., torch.Tensor] | None = None
 
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float | None], torch.Tensor]
@@ -161,7 +185,22 @@ def _decode_attention(
     key_cache, value_cache, group = _write_and_read_caches(module, key, value, meta)
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     rows = query[0].transpose(0, 1)  # [T, H, D]
-    return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap)[None]
+    batch = meta.batches[0]
+    keys = batch.block_table_keys
+    if keys is not None:
+        assert meta.decode_kernel is not None
+        return meta.decode_kernel(
+            rows,
+            key_cache,
+            value_cache,
+            keys.block_tables[group],
+            keys.seq_lens,
+            keys.first_positions[group],
+            meta.page_size,
+            scale,
+            softcap,
+        )[None]
+    return attend(kernel, batch, group, rows, key_cache, value_cache, scale, softcap)[None]
 
 
 @torch.compiler.disable

@@ -13,6 +13,7 @@ Steps take one of two paths, as in transformers' continuous batching:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import ContinuousBatchingConfig
-from engine.runner.attention import AttentionBatch, PagedAttentionMetadata
+from engine.runner.attention import AttentionBatch, BlockTableKeys, PagedAttentionMetadata
 from engine.runner.inputs import BatchInputs, Padding, padded_sizes
 
 if TYPE_CHECKING:
@@ -129,9 +130,7 @@ def _tensors_of(inputs: BatchInputs) -> list[torch.Tensor]:
     meta = inputs.metadata
     tensors = [inputs.input_ids, inputs.position_ids, inputs.logits_indices, *meta.write_slots]
     for batch in meta.batches:
-        tensors.append(batch.query_rows)
-        tensors.extend(batch.key_slots)
-        tensors.extend(batch.masks)
+        tensors.extend(batch.step_tensors())
     return tensors
 
 
@@ -183,17 +182,27 @@ class DecodeGraphs:
 
 
 def _clone_step(inputs: BatchInputs) -> BatchInputs:
+    """A copy of a decode step whose tensors are the graph's own (static) buffers."""
     meta = inputs.metadata
-    batches = [
-        AttentionBatch(
-            query_rows=batch.query_rows.clone(),
-            real_queries=None,
-            output_rows=None,
-            key_slots=[slots.clone() for slots in batch.key_slots],
-            masks=[mask.clone() for mask in batch.masks],
+    batches = []
+    for batch in meta.batches:
+        keys = batch.block_table_keys
+        batches.append(
+            AttentionBatch(
+                query_rows=batch.query_rows.clone(),
+                real_queries=None,
+                output_rows=None,
+                key_slots=[slots.clone() for slots in batch.key_slots],
+                masks=[mask.clone() for mask in batch.masks],
+                block_table_keys=None
+                if keys is None
+                else BlockTableKeys(
+                    block_tables=[table.clone() for table in keys.block_tables],
+                    first_positions=[first.clone() for first in keys.first_positions],
+                    seq_lens=keys.seq_lens.clone(),
+                ),
+            )
         )
-        for batch in meta.batches
-    ]
     metadata = replace(meta, write_slots=[slots.clone() for slots in meta.write_slots], batches=batches)
     return replace(
         inputs,
@@ -227,6 +236,8 @@ class ForwardPaths:
             if use_decode_graphs(config, device, model)
             else None
         )
+        self.decode_kernel = load_decode_kernel(config, device)
+        self.max_blocks_per_request = config.max_blocks_per_request or 0
         decode_compile = self.compile_configs["decode"]
         static_shapes = decode_compile is not None and decode_compile.dynamic is False
         self.padding = (
@@ -276,3 +287,31 @@ def use_decode_graphs(config: ContinuousBatchingConfig, device: torch.device, mo
         logger.warning("use_cuda_graph: not supported under tensor parallelism; running without")
         return False
     return True
+
+
+def load_decode_kernel(
+    config: ContinuousBatchingConfig, device: torch.device
+) -> Callable[..., torch.Tensor] | None:
+    """The decode fast-path kernel (`paged_decode_kernel`) when the config asks for it and it can run here.
+
+    Only a positive `max_blocks_per_request` turns it on (None means off): the kernel has been checked
+    under Triton's interpreter, not yet on a GPU. It runs on CUDA, or on any device under
+    TRITON_INTERPRET=1 (how the tests run it on the CPU).
+    """
+    if not config.max_blocks_per_request:
+        return None
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        logger.warning(
+            "max_blocks_per_request: the decode fast path needs CUDA (or TRITON_INTERPRET=1); the model "
+            "is on %s, so decode steps gather their keys",
+            device,
+        )
+        return None
+    try:
+        from engine.runner.paged_decode_kernel import paged_decode_attention
+    except ImportError as error:
+        logger.warning(
+            "max_blocks_per_request: Triton is not usable (%s); decode steps gather their keys", error
+        )
+        return None
+    return paged_decode_attention

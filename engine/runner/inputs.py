@@ -13,7 +13,7 @@ The null block therefore holds finite values that only masked columns and paddin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ import torch
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
-from engine.runner.attention import AttentionBatch, PagedAttentionMetadata
+from engine.runner.attention import AttentionBatch, BlockTableKeys, PagedAttentionMetadata
 from engine.scheduler import SchedulerOutput
 
 
@@ -88,7 +88,11 @@ class InputBuilder:
         num_query_heads_per_kv_head: int,
         dtype: torch.dtype,
         device: torch.device,
+        decode_kernel: Callable[..., torch.Tensor] | None = None,
+        max_blocks_per_request: int = 0,
     ) -> None:
+        """With `decode_kernel`, decode-only steps whose requests hold at most `max_blocks_per_request`
+        blocks use the fast path (block tables, no gathered keys or masks); other steps gather."""
         self.groups = list(groups)
         self.key_caches = key_caches
         self.value_caches = value_caches
@@ -98,6 +102,8 @@ class InputBuilder:
         self.group_size = num_query_heads_per_kv_head
         self.dtype = dtype
         self.device = device
+        self.decode_kernel = decode_kernel
+        self.max_blocks_per_request = max_blocks_per_request
 
     def build(
         self, scheduler_output: SchedulerOutput, padding: Padding | None, min_rows: int = 0
@@ -136,7 +142,12 @@ class InputBuilder:
             logits_rows = list(range(num_rows))
 
         keys_interval = padding.keys_interval if is_decode_only and padding is not None else None
-        batches = [self._batch(decode, keys_interval, covers_all_rows=is_decode_only)] if decode else []
+        batches = []
+        if decode and is_decode_only and self.decode_kernel is not None:
+            fast = self._block_table_batch(decode, keys_interval)
+            batches = [fast] if fast is not None else []
+        if decode and not batches:
+            batches = [self._batch(decode, keys_interval, covers_all_rows=is_decode_only)]
         batches.extend(self._batch([chunk], None, covers_all_rows=False) for chunk in prefill)
         all_chunks = decode + prefill
         metadata = PagedAttentionMetadata(
@@ -146,6 +157,8 @@ class InputBuilder:
             write_slots=[self._write_slots(group, all_chunks) for group in range(len(self.groups))],
             batches=batches,
             is_decode_only=is_decode_only,
+            page_size=self.page_size,
+            decode_kernel=self.decode_kernel,
         )
         device = self.device
         return BatchInputs(
@@ -216,6 +229,45 @@ class InputBuilder:
             output_rows=output_rows,
             key_slots=key_slots,
             masks=masks,
+        )
+
+    def _block_table_batch(self, chunks: list[_Chunk], keys_interval: int | None) -> AttentionBatch | None:
+        """The decode fast path's batch, or None when a request's table is wider than the kernel takes.
+
+        With padding, the table width is rounded up like the key width, so graphs see few shapes.
+        """
+        device = self.device
+        tables = [[self._table(chunk, group) for chunk in chunks] for group in range(len(self.groups))]
+        width = max(len(table) for group_tables in tables for table in group_tables)
+        if keys_interval is not None:
+            pages_per_interval = max(1, keys_interval // self.page_size)
+            width = -(-width // pages_per_interval) * pages_per_interval
+        if width > self.max_blocks_per_request:
+            return None
+        block_tables = [
+            torch.tensor(
+                [table + [NULL_BLOCK_ID] * (width - len(table)) for table in group_tables],
+                dtype=torch.int32,
+                device=device,
+            )
+            for group_tables in tables
+        ]
+        first_positions = [
+            torch.tensor(
+                [self._first_key_position(group, chunk.start) for chunk in chunks],
+                dtype=torch.int32,
+                device=device,
+            )
+            for group in range(len(self.groups))
+        ]
+        seq_lens = torch.tensor([chunk.end for chunk in chunks], dtype=torch.int32, device=device)
+        return AttentionBatch(
+            query_rows=torch.arange(len(chunks), device=device).unsqueeze(1),
+            real_queries=None,
+            output_rows=None,
+            key_slots=[],
+            masks=[],
+            block_table_keys=BlockTableKeys(block_tables, first_positions, seq_lens),
         )
 
     def _group_keys(

@@ -85,6 +85,7 @@ class ModelRunner:
         text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
         num_heads = text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        self.forward_paths = ForwardPaths(model, config, self.device)
         self.input_builder = InputBuilder(
             self.groups,
             self._key_caches,
@@ -95,8 +96,9 @@ class ModelRunner:
             num_heads // num_kv_heads,
             kv_caches[0].key_caches[0].dtype,
             self.device,
+            self.forward_paths.decode_kernel,
+            self.forward_paths.max_blocks_per_request,
         )
-        self.forward_paths = ForwardPaths(model, config, self.device)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
         return self.input_builder.build(scheduler_output, self.forward_paths.padding)

@@ -411,7 +411,6 @@ def test_gpu_paths_not_built_are_named_and_the_engine_warns_once_it_starts(
     assert config.requested_unbuilt_features() == [
         "use_async_batching=True",
         "CUDA graphs of the varlen path (use_cuda_graph)",
-        "max_blocks_per_request=8 (flash decode fast path)",
     ]
     with caplog.at_level("WARNING", logger="engine.engine_core"):
         EngineCore(tiny_model("llama"), config)

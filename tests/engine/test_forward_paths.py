@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import CompileConfig
 
-from engine import ContinuousBatchingConfig, init_continuous_batching
+from engine import ContinuousBatchingConfig
 from engine.runner.inputs import Padding, padded_size, padded_sizes
-from tests.conftest import TEST_DEVICE, random_prompt, reference_greedy, tiny_model
+from tests.conftest import TEST_DEVICE, assert_greedy_parity, generate_greedy, random_prompt, tiny_model
 
 PROMPT_LENGTHS = (1, 3, 16, 17, 40, 90, 130)
 NEW_TOKENS = (20, 9, 33, 1, 25, 12, 18)
@@ -26,33 +26,13 @@ needs_cuda = pytest.mark.skipif(
 
 
 def _generate(model: torch.nn.Module, config: ContinuousBatchingConfig, warmup: bool = False):
-    """Greedy tokens of every prompt through one manager, and the engine it ran on (before destroy)."""
     prompts = [random_prompt(length, seed=500 + length) for length in PROMPT_LENGTHS]
-    manager = init_continuous_batching(model, continuous_batching_config=config)
-    if warmup:
-        manager.warmup()
-    manager.start()
-    try:
-        ids = [
-            manager.add_request(prompt, max_new_tokens=count, eos_token_id=[])
-            for prompt, count in zip(prompts, NEW_TOKENS, strict=True)
-        ]
-        outputs = [manager.get_result(request_id, timeout=600) for request_id in ids]
-        engine = manager._engine
-    finally:
-        manager.destroy()
-    for output in outputs:
-        assert output is not None and output.error is None, output
-    return prompts, [output.generated_tokens for output in outputs], engine
+    generated, engine = generate_greedy(model, config, prompts, NEW_TOKENS, warmup)
+    return prompts, generated, engine
 
 
 def _assert_parity(model: torch.nn.Module, prompts, generated, label: str) -> None:
-    for prompt, count, tokens in zip(prompts, NEW_TOKENS, generated, strict=True):
-        expected = reference_greedy(model, prompt, count)
-        assert tokens == expected, (
-            f"{label}: prompt of {len(prompt)} tokens differs from model.generate\n"
-            f"  engine:   {tokens}\n  generate: {expected}"
-        )
+    assert_greedy_parity(model, prompts, NEW_TOKENS, generated, label)
 
 
 def test_padded_sizes_are_powers_of_two_then_multiples_of_the_interval() -> None:
@@ -133,8 +113,9 @@ def test_cuda_graphs_requested_on_the_cpu_warn_and_run_without(caplog: pytest.Lo
 
 
 @needs_cuda
+@pytest.mark.parametrize("max_blocks_per_request", [0, 32], ids=["gather", "decode_kernel"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_decode_cuda_graphs_keep_parity(family: str) -> None:
+def test_decode_cuda_graphs_keep_parity(family: str, max_blocks_per_request: int) -> None:
     model = tiny_model(family)
     config = ContinuousBatchingConfig(
         page_size=8,
@@ -142,6 +123,7 @@ def test_decode_cuda_graphs_keep_parity(family: str) -> None:
         max_batch_tokens=48,
         use_cuda_graph=(False, True),
         kv_padding_interval_size=16,
+        max_blocks_per_request=max_blocks_per_request,
     )
     prompts, generated, engine = _generate(model, config)
     graphs = engine.runner.forward_paths.decode_graphs
