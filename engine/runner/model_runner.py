@@ -70,6 +70,8 @@ class ModelRunner:
         self.kv_cache_manager = kv_cache_manager
         self.sampler = sampler
         self.timings = StepTimings()
+        # Padding rows run by padded decode steps so far: the compute static shapes cost.
+        self.num_padding_rows = 0
         self.host_kv_caches = list(host_kv_caches) if host_kv_caches is not None else None
         self.device = kv_caches[0].device
         self.page_size = kv_caches[0].page_size
@@ -131,6 +133,7 @@ class ModelRunner:
         started = time.perf_counter()
         self.copy_blocks(scheduler_output)
         inputs = self.prepare_inputs(scheduler_output)
+        self.num_padding_rows += inputs.num_padding_rows
         prepared = time.perf_counter()
         logits = self.forward(inputs)
         forwarded = time.perf_counter()

@@ -69,6 +69,7 @@ def test_static_shape_compile_pads_decode_steps_and_keeps_parity(family: str) ->
     )
     prompts, generated, engine = _generate(model, config)
     assert engine.runner.forward_paths.padding == Padding(4, 8)
+    assert engine.runner.num_padding_rows > 0, "no decode step was padded"
     _assert_parity(model, prompts, generated, f"{family}, padded static-shape decode")
 
 
@@ -84,6 +85,7 @@ def test_dynamic_compile_keeps_parity_without_padding(family: str) -> None:
     )
     prompts, generated, engine = _generate(model, config)
     assert engine.runner.forward_paths.padding is None
+    assert engine.runner.num_padding_rows == 0
     _assert_parity(model, prompts, generated, f"{family}, dynamic compile")
 
 
