@@ -89,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
         help="torch.compile preset of the forward, 0 (off) to 3 (see default_compile_level)",
     )
     engine.add_argument(
+        "--max-blocks-per-request",
+        type=int,
+        help="turn on the decode fast path (Triton kernel, CUDA only) for requests of up to N KV blocks",
+    )
+    engine.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="replay CUDA graphs for decode steps (CUDA only, one model rank; captured before serving)",
@@ -109,7 +114,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     """The engine config from the flags given; the others keep the engine's defaults."""
-    knobs = ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "max_queue_size")
+    knobs = (
+        "page_size",
+        "num_blocks",
+        "max_batch_tokens",
+        "max_requests_per_batch",
+        "max_queue_size",
+        "max_blocks_per_request",
+    )
     values = {
         name: getattr(args, name) for name in (*knobs, "scheduler_type") if getattr(args, name) is not None
     }
