@@ -158,17 +158,24 @@ def paged_attention(
     return _decode_attention(kernel, module, query, key, value, paged_metadata, scaling, softcap), None
 
 
-def _write_and_read_caches(
-    module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor, meta: PagedAttentionMetadata
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Writes this step's keys and values, returns the layer's caches and its cache group."""
+def _write_caches(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scaling: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float]:
+    """Writes this step's keys and values; returns the query rows [T, H, D], the layer's caches, its cache
+    group and the softmax scale."""
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
     key_cache, value_cache = meta.key_caches[layer_idx], meta.value_caches[layer_idx]
     group = meta.layer_groups[layer_idx]
     write_slots = meta.write_slots[group]
     key_cache.index_copy_(0, write_slots, key[0].transpose(0, 1))
     value_cache.index_copy_(0, write_slots, value[0].transpose(0, 1))
-    return key_cache, value_cache, group
+    scale = scaling if scaling is not None else query.shape[3] ** -0.5
+    return query[0].transpose(0, 1), key_cache, value_cache, group, scale
 
 
 def _decode_attention(
@@ -182,9 +189,7 @@ def _decode_attention(
     softcap: float | None,
 ) -> torch.Tensor:
     """A decode-only step: one batch covering every packed row in order."""
-    key_cache, value_cache, group = _write_and_read_caches(module, key, value, meta)
-    scale = scaling if scaling is not None else query.shape[3] ** -0.5
-    rows = query[0].transpose(0, 1)  # [T, H, D]
+    rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
     batch = meta.batches[0]
     keys = batch.block_table_keys
     if keys is not None:
@@ -217,9 +222,7 @@ def _varlen_attention(
     """Steps with prefill chunks: one batch per chunk, a count that changes every step. It runs outside
     any compiled graph (which would otherwise recompile for every new count); the projections and MLP
     around it still compile."""
-    key_cache, value_cache, group = _write_and_read_caches(module, key, value, meta)
-    scale = scaling if scaling is not None else query.shape[3] ** -0.5
-    rows = query[0].transpose(0, 1)  # [T, H, D]
+    rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
     output = torch.zeros_like(rows)
     for batch in meta.batches:
         attended = attend(kernel, batch, group, rows, key_cache, value_cache, scale, softcap)

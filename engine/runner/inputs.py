@@ -25,11 +25,15 @@ from engine.runner.attention import AttentionBatch, BlockTableKeys, PagedAttenti
 from engine.scheduler import SchedulerOutput
 
 
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def padded_size(size: int, interval: int) -> int:
     """`size` rounded up to a power of two below `interval`, to a multiple of `interval` from there on:
     small decode batches waste little, large ones need few distinct shapes."""
     if size >= interval:
-        return -(-size // interval) * interval
+        return round_up(size, interval)
     return 1 << max(size - 1, 0).bit_length()
 
 
@@ -241,7 +245,7 @@ class InputBuilder:
         width = max(len(table) for group_tables in tables for table in group_tables)
         if keys_interval is not None:
             pages_per_interval = max(1, keys_interval // self.page_size)
-            width = -(-width // pages_per_interval) * pages_per_interval
+            width = round_up(width, pages_per_interval)
         if width > self.max_blocks_per_request:
             return None
         block_tables = [
@@ -283,7 +287,7 @@ class InputBuilder:
         firsts = [self._first_key_position(group, chunk.start) for chunk in chunks]
         num_keys = max(chunk.end - first for chunk, first in zip(chunks, firsts, strict=True))
         if keys_interval is not None:
-            num_keys = -(-num_keys // keys_interval) * keys_interval
+            num_keys = round_up(num_keys, keys_interval)
         tables = [self._table(chunk, group) for chunk in chunks]
         num_pages = max(len(table) for table in tables)
         block_table = torch.tensor(
