@@ -161,11 +161,8 @@ public final class CbserveClient implements AutoCloseable {
         request,
         options.timeout(),
         new ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse>() {
-          private ClientCallStreamObserver<Generation.GenerateRequest> call;
-
           @Override
           public void beforeStart(ClientCallStreamObserver<Generation.GenerateRequest> stream) {
-            call = stream;
             future.whenComplete(
                 (value, error) -> {
                   if (future.isCancelled()) {
@@ -183,6 +180,9 @@ public final class CbserveClient implements AutoCloseable {
             if (!chunk.requestId().equals(requestId)) {
               return;
             }
+            // A rejected request has ended on the server, and the call is half-closed as soon as
+            // it starts, so the server ends the call by itself: cancelling here could race the
+            // half-close in startGenerate (which then throws "call was cancelled").
             CbserveException rejected = Calls.rejection(chunk);
             try {
               if (rejected != null) {
@@ -194,7 +194,6 @@ public final class CbserveClient implements AutoCloseable {
               }
             } catch (CbserveException e) {
               future.completeExceptionally(e);
-              call.cancel("request rejected", null);
             }
           }
 
