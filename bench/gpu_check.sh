@@ -7,9 +7,11 @@
 #   paths     tests/engine/test_forward_paths.py and test_paged_decode_kernel.py on the GPU: decode CUDA graphs
 #             (parity, warmup capture), static-shape compilation and the Triton decode kernel, less the
 #             inductor compile test (its CPU run covers it)
+#   async     tests/engine/test_async_batching.py on the GPU: steps launched ahead of their predecessor's tokens
 #   bench     bench/offline_throughput.py: Qwen3-0.6B shapes (random weights), bf16, 256 requests, prompts
 #             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with decode CUDA graphs and the decode
-#             kernel when the paths step passed, unless GPU_CHECK_CUDA_GRAPHS=0), transformers_cb and static
+#             kernel when the paths step passed, unless GPU_CHECK_CUDA_GRAPHS=0; with async batching when the
+#             async step passed), transformers_cb and static
 #   sampling  tests/engine/test_sampling.py on the GPU, less its logprobs test, whose tensors stay on the CPU
 #
 # Each step runs under `timeout`, within one overall budget, and $OUT/gpu_check.json is rewritten after every
@@ -187,6 +189,7 @@ result = {
     "env": json.loads(read("env.json") or "null"),
     "parity": pytest_counts("parity"),
     "paths": pytest_counts("paths"),
+    "async": pytest_counts("async"),
     "sampling": pytest_counts("sampling"),
     "bench": bench(),
 }
@@ -195,7 +198,7 @@ summary["steps"] = {step["name"]: step["status"] for step in steps}
 summary["all_passed"] = state == "finished" and all(
     step["status"] in ("passed", "skipped") for step in steps
 )
-for name in ("parity", "paths", "sampling"):
+for name in ("parity", "paths", "async", "sampling"):
     counts = result[name]
     if counts and "tests" in counts:
         finished_tests = " (stopped early: of the tests that finished)" if counts.get("incomplete") else ""
@@ -354,6 +357,13 @@ run_step paths 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/en
   "${paths_select[@]}"
 paths_passed=$?
 
+# 4b. Async batching on the device: steps launched ahead, tokens fed back on the device.
+async_select=()
+[[ $SMALL == 1 ]] && async_select=(-k "llama or eos")
+run_step async 60 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_async_batching.py \
+  -v -p no:cacheprovider -o timeout=50 --junitxml="$WORK/async.xml" "${async_select[@]}"
+async_passed=$?
+
 # 5. Offline throughput.
 if [[ $SMALL == 1 ]]; then
   workload=(--model tiny --requests 8 --new-tokens 8 --max-prompt 64 --warmup-requests 2 --matmul-size 256)
@@ -364,6 +374,7 @@ fi
 # cbserve's GPU paths go into the benchmark only once their parity tests passed on this GPU.
 graphs=()
 [[ $CUDA_GRAPHS == 1 && $DEVICE == cuda && $paths_passed == 0 ]] && graphs=(--cuda-graphs --max-blocks-per-request 64)
+[[ $DEVICE == cuda && $async_passed == 0 ]] && graphs+=(--async-batching)
 run_step bench 200 "$PYTHON" bench/offline_throughput.py --device "$DEVICE" --dtype "$DTYPE" \
   "${workload[@]}" "${graphs[@]}" --engines cbserve transformers_cb static --repeats "$REPEATS" --keep-going \
   --json-out "$WORK/bench.jsonl"

@@ -127,6 +127,7 @@ class EngineOptions:
     num_blocks: int | None = None
     compile_level: int = 0
     cuda_graphs: bool = False
+    async_batching: bool = False
     max_blocks_per_request: int = 0
     static_batch_size: int = 16
     transformers_cb_page_size: int = TRANSFORMERS_CB_PAGE_SIZE
@@ -194,6 +195,7 @@ def cbserve_config(options: EngineOptions) -> engine.ContinuousBatchingConfig:
         max_batch_tokens=options.max_batch_tokens,
         default_compile_level=options.compile_level,
         use_cuda_graph=options.cuda_graphs,
+        use_async_batching=options.async_batching,
         max_blocks_per_request=options.max_blocks_per_request,
     )
 
@@ -401,6 +403,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
         num_blocks=args.num_blocks,
         compile_level=args.compile_level,
         cuda_graphs=args.cuda_graphs,
+        async_batching=args.async_batching,
         max_blocks_per_request=args.max_blocks_per_request,
         static_batch_size=args.static_batch_size,
         **gpu_peer_options,
@@ -542,6 +545,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "max_batch_tokens": options.max_batch_tokens,
                 "default_compile_level": options.compile_level,
                 "use_cuda_graph": options.cuda_graphs,
+                "use_async_batching": options.async_batching,
                 "max_blocks_per_request": options.max_blocks_per_request,
             },
             "transformers_cb_config": {
@@ -617,6 +621,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--cuda-graphs", action="store_true", help="cbserve replays CUDA graphs for decode steps (cuda only)"
+    )
+    parser.add_argument(
+        "--async-batching",
+        action="store_true",
+        help="cbserve prepares each step while the previous one runs (use_async_batching)",
     )
     parser.add_argument(
         "--max-blocks-per-request",

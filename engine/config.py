@@ -65,8 +65,11 @@ class ContinuousBatchingConfig:
     allow_block_sharing: enable prefix caching, where requests with a common prefix share its full blocks.
     It is a permission, not an order: it is only honoured for models whose layers all use full attention.
 
-    use_async_batching: overlap CPU batch preparation with the forward pass through double buffering, at the
-    cost of twice the batch buffers. Needs CUDA; None decides automatically.
+    use_async_batching: launch each step before the previous one's tokens are back, so the host schedules
+    and prepares step N+1 while the device runs step N (engine.engine_core). Input copies go through
+    pinned buffers that live until their copy has run (about twice the input buffers). True turns it on;
+    None and False keep it off (not yet measured on a GPU here). It works without CUDA graphs; on the CPU
+    results are the same and nothing overlaps. Not under tensor parallelism.
 
     use_cuda_graph: capture and replay CUDA graphs. A bool applies to both execution paths, a tuple
     `(varlen, decode)` sets each path on its own, None decides automatically (see `cuda_graph_flags`).
@@ -128,8 +131,8 @@ class ContinuousBatchingConfig:
 
     Built: CPU offloading and tensor parallelism (engine.kv.offload, engine.parallel); torch.compile per path
     (the compile levels and configs), CUDA graphs of decode steps with their padding intervals
-    (engine.runner.forward_paths) and the decode fast path (`max_blocks_per_request`). Not built: async
-    batching, CUDA graphs of the varlen path and flash-attention kernels (`auto_switch_to_flash`: cbserve
+    (engine.runner.forward_paths), the decode fast path (`max_blocks_per_request`) and async batching.
+    Not built: CUDA graphs of the varlen path and flash-attention kernels (`auto_switch_to_flash`: cbserve
     runs its own paged SDPA or eager attention and its Triton decode kernel). Their fields are accepted and
     validated so that configs written for transformers load, and the engine warns and runs without them.
     """
@@ -277,8 +280,6 @@ class ContinuousBatchingConfig:
     def requested_unbuilt_features(self) -> list[str]:
         """The GPU paths this config asks for that the engine does not have (it runs without them)."""
         requested = []
-        if self.use_async_batching:
-            requested.append("use_async_batching=True")
         if self.cuda_graph_flags()[0]:
             requested.append("CUDA graphs of the varlen path (use_cuda_graph)")
         return requested

@@ -27,9 +27,9 @@ from engine.runner.kv_cache import (
     resolve_cache_sizes,
     resolve_offload_blocks,
 )
-from engine.runner.model_runner import ModelRunner
+from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.sampling import Sampler
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,22 @@ def cb_attention_implementation(current: str | None) -> str:
         f"attn_implementation {current!r} is not supported by cbserve's engine on this machine; "
         "load the model with attn_implementation='sdpa' or 'eager'"
     )
+
+
+def use_async_batching(config: ContinuousBatchingConfig, parallel: TensorParallelGroup | None) -> bool:
+    """Whether steps are launched one ahead of their results (`use_async_batching`).
+
+    Only an explicit request turns it on (None means off): the overlap has not been measured on a GPU
+    in this project yet. On the CPU it runs the same steps with the same results and no overlap (the
+    forward pass runs on the calling thread). Not under tensor parallelism: ranks stay in lockstep
+    one whole step at a time.
+    """
+    if not config.use_async_batching:
+        return False
+    if parallel is not None:
+        logger.warning("use_async_batching: not supported under tensor parallelism; running without")
+        return False
+    return True
 
 
 class EngineCore:
@@ -164,6 +180,9 @@ class EngineCore:
             config,
             self.host_kv_caches,
         )
+        self.async_batching = use_async_batching(config, parallel)
+        # The step launched but not yet resolved (async batching only).
+        self._in_flight: _StepInFlight | None = None
         self.requests: dict[str, Request] = {}
         self.num_failed_steps = 0
         # Version of the weights in the model, stamped on every token (the manager bumps it on updates).
@@ -201,6 +220,8 @@ class EngineCore:
         return request
 
     def fail_all(self, error: str) -> list[Request]:
+        # The step in flight only holds rows of these requests: its tokens are dropped with them.
+        self._in_flight = None
         failed = []
         for request in list(self.requests.values()):
             self.scheduler.finish_request(request, RequestStatus.FAILED, FinishReason.ERROR, error)
@@ -214,18 +235,49 @@ class EngineCore:
             self.scheduler.host_block_pool.release_pending()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether a step remains to run or to be resolved."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def has_in_flight_requests(self) -> bool:
         """Whether a request that was scheduled at least once (running, or preempted) has not ended."""
-        if self.scheduler.running:
+        if self.scheduler.running or self._in_flight is not None:
             return True
         # Preempted requests sit at the head of the queue, ahead of every request never admitted.
         waiting = self.scheduler.waiting
         return bool(waiting) and waiting[0].num_preemptions > 0
 
+    @property
+    def has_step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
     def step(self) -> StepResult:
+        """Schedules and runs one step.
+
+        With async batching the step is only launched, and the result returned is that of the step
+        launched before it, which ran while this one was scheduled and prepared: the host's work for
+        step N+1 overlaps the device's for step N, and the host waits for N only once N+1 is queued.
+        """
         result = StepResult()
+        launched = self._schedule_and_launch(result)
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._resolve(previous, result)
+        if launched is not None:
+            if self.async_batching:
+                self._in_flight = launched
+            else:
+                self._resolve(launched, result)
+        return result
+
+    def flush(self) -> StepResult:
+        """Waits for the step in flight (async batching) and returns its result; an empty one if none."""
+        result = StepResult()
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._resolve(previous, result)
+        return result
+
+    def _schedule_and_launch(self, result: StepResult) -> _StepInFlight | None:
         timings = self.runner.timings
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
@@ -235,32 +287,30 @@ class EngineCore:
             self.requests.pop(failed.request_id, None)
             result.finished.append(failed)
         if not scheduler_output.scheduled:
-            return result
+            return None
         for item in scheduler_output.scheduled:
             if item.request.scheduled_time is None:
                 item.request.scheduled_time = now
                 result.num_newly_scheduled += 1
         result.num_scheduled_tokens = scheduler_output.num_batched_tokens
+        previous = self._in_flight.launched if self._in_flight is not None else None
         try:
-            runner_output = self.runner.execute(scheduler_output)
+            launched = self.runner.launch(scheduler_output, previous)
         except Exception as exc:  # a bad step fails its own requests, never the engine
-            logger.exception(
-                "engine step failed; failing the %d requests in it", len(scheduler_output.scheduled)
-            )
-            self.num_failed_steps += 1
-            error = f"engine step failed: {type(exc).__name__}: {exc}"
-            for item in scheduler_output.scheduled:
-                self.scheduler.finish_request(item.request, RequestStatus.FAILED, FinishReason.ERROR, error)
-                self.requests.pop(item.request.request_id, None)
-                result.finished.append(item.request)
-            self.scheduler.remove_finished_running()
-            # Blocks registered for this step may never have been written, nor offloads copied.
-            self.kv_cache_manager.reset_prefix_cache()
-            self.scheduler.forget_offloads(scheduler_output)
-            self._release_host_blocks()
-            return result
+            self._fail_step(scheduler_output, exc, result)
+            return None
         self._release_host_blocks()
+        return _StepInFlight(launched, self.weight_version)
 
+    def _resolve(self, step: _StepInFlight, result: StepResult) -> None:
+        """Folds a launched step's tokens into its requests (waiting for them) and into `result`."""
+        scheduler_output = step.launched.scheduler_output
+        try:
+            runner_output = self.runner.resolve(step.launched)
+        except Exception as exc:  # the device failed the step: its requests fail, the engine goes on
+            self._fail_step(scheduler_output, exc, result)
+            return
+        timings = self.runner.timings
         updating = time.perf_counter()
         timings.num_steps += 1
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.token_ids)
@@ -275,7 +325,7 @@ class EngineCore:
                 request.top_logprobs.append(top)
         for item in advanced:
             request = item.request
-            request.weight_version = self.weight_version
+            request.weight_version = step.weight_version
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.record_timestamps:
@@ -285,4 +335,29 @@ class EngineCore:
                 self.requests.pop(request.request_id, None)
                 result.finished.append(request)
         timings.update_s += time.perf_counter() - updating
-        return result
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception, result: StepResult) -> None:
+        live = [item.request for item in scheduler_output.scheduled if not item.request.is_finished]
+        logger.error(
+            "engine step failed; failing the %d requests in it",
+            len(live),
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        self.num_failed_steps += 1
+        error = f"engine step failed: {type(exc).__name__}: {exc}"
+        for request in live:
+            self.scheduler.finish_request(request, RequestStatus.FAILED, FinishReason.ERROR, error)
+            self.requests.pop(request.request_id, None)
+            result.finished.append(request)
+        self.scheduler.remove_finished_running()
+        # Blocks registered for this step may never have been written, nor offloads copied.
+        self.kv_cache_manager.reset_prefix_cache()
+        self.scheduler.forget_offloads(scheduler_output)
+        self._release_host_blocks()
+
+
+@dataclass
+class _StepInFlight:
+    launched: LaunchedStep
+    # The weights that compute it (a weight update first waits for the step in flight).
+    weight_version: int

@@ -522,6 +522,11 @@ class ContinuousBatchingManager:
         encoded = parallel.encode_commands([_replayable(entry) for entry in commands]) if parallel else b""
         for command, payload in commands:
             self._apply(engine, command, payload)
+        if engine.has_step_in_flight:
+            with self._cond:
+                stepping = self._next_action(engine) == STEP
+            if not stepping:  # a step launched ahead (async batching) delivers before the loop parks
+                self._flush(engine)
         with self._cond:
             action = self._next_action(engine)
             self._enter(engine, action)
@@ -616,6 +621,16 @@ class ContinuousBatchingManager:
         self._publish(result)
         self._refresh_stats()
 
+    def _flush(self, engine: EngineCore) -> None:
+        """Waits for the step launched ahead (async batching) and publishes its tokens."""
+        try:
+            result = engine.flush()
+        except Exception as exc:  # as in _step: a bug must not leave requests hanging
+            logger.exception("generation loop error; failing every live request")
+            result = StepResult(finished=engine.fail_all(f"engine error: {type(exc).__name__}: {exc}"))
+        self._publish(result)
+        self._refresh_stats()
+
     def _state_digest(self, engine: EngineCore) -> tuple[int, int, int, int]:
         """What every rank must agree on after each iteration; a mismatch means the lockstep broke."""
         return (self.weight_version, engine.num_failed_steps, self._tokens_emitted, self._token_sum)
@@ -653,6 +668,9 @@ class ContinuousBatchingManager:
                     future.set_result(version)
 
     def _apply_update(self, engine: EngineCore, update: WeightUpdate) -> int:
+        # Tokens of a step launched ahead are the old weights' and are stamped with their version.
+        if engine.has_step_in_flight:
+            self._flush(engine)
         staged = stage_weights(self.model, update.source)
         apply_weights(staged)
         engine.kv_cache_manager.reset_prefix_cache()

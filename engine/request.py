@@ -82,7 +82,9 @@ class Request:
     """Engine-side state of one request.
 
     Progress is tracked as in vLLM: `all_token_ids` holds prompt + generated tokens and
-    `num_computed_tokens` counts those whose KV is in the cache. Every step the scheduler gives a
+    `num_computed_tokens` counts those whose KV is in the cache or being written by a scheduled step.
+    A step that samples leaves a placeholder until its token is known (`num_output_placeholders`).
+    Every step the scheduler gives a
     request some tokens so that computed catches up with `num_tokens`; prefill, chunked prefill,
     prefix-cache hits and recompute after preemption are all that one rule, with no phase flags.
     """
@@ -98,6 +100,7 @@ class Request:
         "logprobs",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "num_tokens_to_recompute",
@@ -128,6 +131,8 @@ class Request:
         self.streaming = streaming
         self.record_timestamps = record_timestamps
         self.num_computed_tokens = 0
+        # Tokens sampled by scheduled steps whose results are not back yet (engine.scheduler).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         # Tokens whose KV was computed before the last preemption: recomputing them is counted.
@@ -151,7 +156,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Prompt and generated tokens, counting those sampled by steps still running (placeholders)."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_generated_tokens(self) -> int:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import SamplingParams
+from engine.runner.device_copies import HostCopies, to_device
 
 
 @dataclass
@@ -20,6 +21,44 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # log_softmax of the model's logits at the chosen token
     top_logprobs: list[dict[int, float]] | None
+
+
+class SampledTokens:
+    """One step's sampled tokens (and log-probabilities), on the device and on their way to the host.
+
+    `token_ids` stays on the device: the next step reads a decoding request's input from it before the
+    host knows the token (async batching). `to_output()` waits for the host copies.
+    """
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        logprobs: torch.Tensor | None,
+        top_logprobs: tuple[torch.Tensor, torch.Tensor] | None,
+        top_logprob_counts: list[int],
+    ) -> None:
+        self.token_ids = token_ids
+        self._has_logprobs = logprobs is not None
+        self._has_top = top_logprobs is not None
+        tensors = [token_ids]
+        if logprobs is not None:
+            tensors.append(logprobs)
+        if top_logprobs is not None:
+            tensors.extend(top_logprobs)
+        self._copies = HostCopies(tensors)
+        self._top_logprob_counts = top_logprob_counts
+
+    def to_output(self) -> SamplerOutput:
+        token_ids, *rest = self._copies.wait()
+        logprobs = rest.pop(0).tolist() if self._has_logprobs else None
+        top_logprobs = None
+        if self._has_top:
+            values, indices = rest
+            top_logprobs = [
+                dict(zip(indices[row, :count].tolist(), values[row, :count].tolist(), strict=True))
+                for row, count in enumerate(self._top_logprob_counts)
+            ]
+        return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
 
 
 class Sampler:
@@ -33,12 +72,18 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> SamplerOutput:
-        """logits [R, V] (any float dtype) for the R rows that sample a token this step."""
+        return self.sample(logits, params, generators).to_output()
+
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> SampledTokens:
+        """logits [R, V] (any float dtype) for the R rows that sample a token this step. Queues the work
+        and the copies back to the host; never waits for the device."""
         logits = logits.float()
         token_ids = logits.argmax(dim=-1)
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, dtype=torch.long, device=logits.device)
+            rows = to_device(sampled_rows, torch.long, logits.device)
             chosen = self._sample(
                 logits.index_select(0, rows),
                 [params[r] for r in sampled_rows],
@@ -47,30 +92,20 @@ class Sampler:
             token_ids.index_copy_(0, rows, chosen)
 
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
-        logprobs: list[float] | None = None
-        top_logprobs: list[dict[int, float]] | None = None
+        logprobs: torch.Tensor | None = None
+        top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
         if want_logprobs:
             log_probs = torch.log_softmax(logits, dim=-1)
-            logprobs = log_probs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+            logprobs = log_probs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
             max_top = max(p.top_logprobs for p in params)
             if max_top:
-                values, indices = log_probs.topk(max_top, dim=-1)
-                top_logprobs = [
-                    dict(
-                        zip(
-                            indices[row, : p.top_logprobs].tolist(),
-                            values[row, : p.top_logprobs].tolist(),
-                            strict=True,
-                        )
-                    )
-                    for row, p in enumerate(params)
-                ]
-        return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+                top_logprobs = log_probs.topk(max_top, dim=-1)
+        return SampledTokens(token_ids, logprobs, top_logprobs, [p.top_logprobs for p in params])
 
     def _sample(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
-        temperatures = torch.tensor([p.temperature or 1.0 for p in params], dtype=logits.dtype)
+        temperatures = to_device([p.temperature or 1.0 for p in params], logits.dtype, logits.device)
         logits = logits / temperatures.unsqueeze(1)
         vocab_size = logits.shape[1]
         top_ks = [p.top_k if p.top_k else vocab_size for p in params]
@@ -88,11 +123,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     sorted_logits, sorted_indices = logits.sort(dim=-1, descending=True)
     vocab_size = logits.shape[1]
     ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
-    remove = ranks >= torch.tensor(top_ks, device=logits.device).unsqueeze(1)
+    remove = ranks >= to_device(top_ks, torch.long, logits.device).unsqueeze(1)
     # Top-p keeps the smallest prefix whose mass reaches p: drop a token when the mass before it does.
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    remove |= mass_before >= torch.tensor(top_ps, device=logits.device).unsqueeze(1)
+    remove |= mass_before >= to_device(top_ps, logits.dtype, logits.device).unsqueeze(1)
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_indices, sorted_logits)

@@ -5,6 +5,13 @@ There is no prefill phase and no decode phase. Each request has `num_computed_to
 gets many (chunked when it does not fit the budget), a decoding request gets one, a request resumed
 after preemption recomputes what it lost — all the same rule. A request samples a token in the step
 where it catches up.
+
+Scheduling a step commits it: `num_computed_tokens` advances at once, and a request that samples in it
+holds a placeholder token (`num_output_placeholders`) until `update_from_output` brings the real one.
+So the next step can be scheduled while this one still runs (async batching): a decoding request is
+then scheduled for the position of its placeholder, whose input id the runner takes from the previous
+step's sampled tokens on the device. A request whose placeholders already reach `max_new_tokens` is not
+scheduled again; one that turns out to have hit EOS wastes its row in one step, and its output is dropped.
 """
 
 from __future__ import annotations
@@ -25,11 +32,11 @@ class ScheduledRequest:
     num_new_tokens: int
     # Tokens of this request already in the cache when the step starts (after prefix hits).
     num_computed_tokens: int
+    # True when this step catches the request up, so its last position yields the next token.
+    samples_token: bool = field(init=False)
 
-    @property
-    def samples_token(self) -> bool:
-        """True when this step catches the request up, so its last position yields the next token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples_token = self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -157,6 +164,12 @@ class Scheduler:
                 continue
             if len(output.scheduled) >= self.max_requests_per_batch:
                 break
+            if (
+                request.num_generated_tokens + request.num_output_placeholders
+                >= request.sampling.max_new_tokens
+            ):
+                index += 1  # its last token is still being sampled: the request ends when it lands
+                continue
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
                 victim = self._lowest_priority_victim(index, newly_admitted) or request
@@ -165,9 +178,7 @@ class Scheduler:
                     break
             else:
                 self._count_recompute(request, request.num_computed_tokens, num_new_tokens)
-                output.scheduled.append(
-                    ScheduledRequest(request, num_new_tokens, request.num_computed_tokens)
-                )
+                self._commit(output, ScheduledRequest(request, num_new_tokens, request.num_computed_tokens))
                 budget -= num_new_tokens
                 index += 1
                 continue
@@ -187,6 +198,8 @@ class Scheduler:
             request = self.waiting[0]
             if self.hold_new_admissions and request.num_preemptions == 0:
                 break
+            if request.num_output_placeholders:
+                break  # preempted while a step sampling for it still runs: resume once its token is in
             if len(self.running) >= self.max_requests_per_batch:
                 break
             if len(output.scheduled) >= self.max_requests_per_batch:
@@ -215,9 +228,19 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.PREFILLING
             self.running.append(request)
-            output.scheduled.append(ScheduledRequest(request, num_new_tokens, num_hit_tokens))
+            self._commit(output, ScheduledRequest(request, num_new_tokens, num_hit_tokens))
             budget -= num_new_tokens
         return budget
+
+    @staticmethod
+    def _commit(output: SchedulerOutput, item: ScheduledRequest) -> None:
+        """Adds `item` to the step: its tokens count as computed from now on, and a sampled token as a
+        placeholder until the step's output comes back."""
+        output.scheduled.append(item)
+        request = item.request
+        request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+        if item.samples_token:
+            request.num_output_placeholders += 1
 
     def _restore(self, request: Request, output: SchedulerOutput, budget: int) -> bool:
         """Re-admits an offloaded request: its KV comes back from the host instead of being recomputed."""
@@ -241,7 +264,7 @@ class Scheduler:
         request.status = RequestStatus.PREFILLING
         self.running.append(request)
         self.counters.restored_blocks += len(all_host_block_ids)
-        output.scheduled.append(ScheduledRequest(request, num_new_tokens, offloaded.num_tokens))
+        self._commit(output, ScheduledRequest(request, num_new_tokens, offloaded.num_tokens))
         return True
 
     def _offload(self, request: Request, output: SchedulerOutput) -> bool:
@@ -332,13 +355,12 @@ class Scheduler:
         advanced = []
         for item, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
             request = item.request
-            if request.is_finished:
-                continue
-            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-            if token_id is None:
-                continue
+            if token_id is None or request.is_finished:
+                continue  # a finished request's row is dropped: it ended while this step ran
+            request.num_output_placeholders -= 1
             request.all_token_ids.append(token_id)
-            request.status = RequestStatus.DECODING
+            if request.status == RequestStatus.PREFILLING:  # not if preempted since: it waits again
+                request.status = RequestStatus.DECODING
             advanced.append(item)
             if token_id in request.sampling.eos_token_ids:
                 self.finish_request(request, RequestStatus.FINISHED, FinishReason.EOS)

@@ -98,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replay CUDA graphs for decode steps (CUDA only, one model rank; captured before serving)",
     )
+    engine.add_argument(
+        "--async-batching",
+        action="store_true",
+        help="prepare each step while the previous one runs on the GPU (one model rank; use_async_batching)",
+    )
 
     generate = commands.add_parser("generate", help="stream a completion from a running server")
     generate.add_argument("prompt")
@@ -129,6 +134,8 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
         values["default_compile_level"] = args.compile_level
     if args.cuda_graphs:
         values["use_cuda_graph"] = (False, True)
+    if args.async_batching:
+        values["use_async_batching"] = True
     return ContinuousBatchingConfig(**values)
 
 

@@ -142,3 +142,17 @@ def assert_greedy_parity(
             f"{label}: prompt of {len(prompt)} tokens, {count} new tokens, differs from model.generate\n"
             f"  engine:   {tokens}\n  generate: {expected}"
         )
+
+
+def fail_forward_once(monkeypatch: pytest.MonkeyPatch, runner: Any, on_call: int) -> None:
+    """Makes the `on_call`-th forward pass of `runner` (counting from 1) raise "injected fault"."""
+    original_forward = runner.forward
+    calls = {"count": 0}
+
+    def forward(inputs: Any) -> Any:
+        calls["count"] += 1
+        if calls["count"] == on_call:
+            raise RuntimeError("injected fault")
+        return original_forward(inputs)
+
+    monkeypatch.setattr(runner, "forward", forward)

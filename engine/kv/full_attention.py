@@ -113,7 +113,8 @@ class FullAttentionManager:
         # A block is registered once this step fills it. Attention writes every new token of a step
         # before any request reads the cache, so a request admitted later in the same step may
         # already share it.
-        num_full = min(num_tokens_after_step, request.num_tokens) // self.page_size
+        # Only known tokens count: a page that ends in a placeholder is registered by a later step.
+        num_full = min(num_tokens_after_step, len(request.all_token_ids)) // self.page_size
         start = self._num_registered_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -22,6 +22,7 @@ from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
 from engine.runner.attention import AttentionBatch, BlockTableKeys, PagedAttentionMetadata
+from engine.runner.device_copies import to_device
 from engine.scheduler import SchedulerOutput
 
 
@@ -55,6 +56,14 @@ class Padding:
     keys_interval: int
 
 
+@dataclass(frozen=True)
+class PreviousTokens:
+    """The tokens a step still running samples, on the device: `token_ids[rows[request_id]]`."""
+
+    token_ids: torch.Tensor
+    rows: dict[str, int]
+
+
 @dataclass
 class BatchInputs:
     input_ids: torch.Tensor  # [1, T]
@@ -64,6 +73,8 @@ class BatchInputs:
     sampled_logits: torch.Tensor | None
     metadata: PagedAttentionMetadata
     num_padding_rows: int
+    # Input ids copied on the device from the previous step's sampled tokens (async batching).
+    num_placeholder_inputs: int = 0
 
     @property
     def is_decode_only(self) -> bool:
@@ -110,14 +121,24 @@ class InputBuilder:
         self.max_blocks_per_request = max_blocks_per_request
 
     def build(
-        self, scheduler_output: SchedulerOutput, padding: Padding | None, min_rows: int = 0
+        self,
+        scheduler_output: SchedulerOutput,
+        padding: Padding | None,
+        min_rows: int = 0,
+        previous: PreviousTokens | None = None,
     ) -> BatchInputs:
         """`padding` applies to decode-only steps; steps with prefill chunks keep exact shapes.
 
         With padding, a decode-only step has at least `min_rows` rows: an empty `scheduler_output` and
         `min_rows=n` give a step of padding rows alone, which is how CUDA graphs are captured ahead of use.
+
+        A request may be scheduled for the position of a token the still-running step samples (async
+        batching): its input id is copied from `previous` on the device, never read on the host.
         """
         input_ids: list[int] = []
+        # Packed rows whose input id is a token of `previous`, and that token's row there.
+        placeholder_rows: list[int] = []
+        previous_rows: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
         decode: list[_Chunk] = []
@@ -126,7 +147,14 @@ class InputBuilder:
             request = item.request
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
             chunk = _Chunk(request.request_id, len(input_ids), start, end)
-            input_ids.extend(request.all_token_ids[start:end])
+            known = request.all_token_ids[start:end]
+            input_ids.extend(known)
+            if len(known) < end - start:
+                # Scheduling gives a request at most its one placeholder, which is its last token.
+                assert previous is not None and len(known) == end - start - 1, (request, previous)
+                placeholder_rows.append(len(input_ids))
+                previous_rows.append(previous.rows[request.request_id])
+                input_ids.append(0)
             positions.extend(range(start, end))
             if item.samples_token:
                 logits_rows.append(chunk.row + item.num_new_tokens - 1)
@@ -142,7 +170,7 @@ class InputBuilder:
             input_ids.extend([0] * num_padding_rows)
             positions.extend([0] * num_padding_rows)
             # Logits of every row, so their count depends on the padded shape alone.
-            sampled_logits = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+            sampled_logits = to_device(logits_rows, torch.long, self.device)
             logits_rows = list(range(num_rows))
 
         keys_interval = padding.keys_interval if is_decode_only and padding is not None else None
@@ -165,13 +193,22 @@ class InputBuilder:
             decode_kernel=self.decode_kernel,
         )
         device = self.device
+        packed_ids = to_device(input_ids, torch.long, device)
+        if placeholder_rows:
+            assert previous is not None
+            packed_ids.index_copy_(
+                0,
+                to_device(placeholder_rows, torch.long, device),
+                previous.token_ids.index_select(0, to_device(previous_rows, torch.long, device)),
+            )
         return BatchInputs(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
+            input_ids=packed_ids.unsqueeze(0),
+            position_ids=to_device(positions, torch.long, device).unsqueeze(0),
+            logits_indices=to_device(logits_rows, torch.long, device),
             sampled_logits=sampled_logits,
             metadata=metadata,
             num_padding_rows=num_padding_rows,
+            num_placeholder_inputs=len(placeholder_rows),
         )
 
     def _table(self, chunk: _Chunk, group: int) -> list[int]:
@@ -187,7 +224,7 @@ class InputBuilder:
             table = self._table(chunk, group)
             for offset, position in enumerate(range(chunk.start, chunk.end)):
                 slots[chunk.row + offset] = table[position // page_size] * page_size + position % page_size
-        return torch.tensor(slots, dtype=torch.long, device=self.device)
+        return to_device(slots, torch.long, self.device)
 
     def _first_key_position(self, group: int, first_query_position: int) -> int:
         """The first position any query from `first_query_position` on may attend to in `group`: 0 for
@@ -203,16 +240,24 @@ class InputBuilder:
         num_queries = [chunk.end - chunk.start for chunk in chunks]
         width = max(num_queries)
         query_offsets = torch.arange(width, device=device)
-        counts = torch.tensor(num_queries, dtype=torch.long, device=device)
+        counts = to_device(num_queries, torch.long, device)
         # Padding queries repeat the request's last query: same row, same mask, so never an empty row.
         clamped = torch.minimum(query_offsets.unsqueeze(0), counts.unsqueeze(1) - 1)  # [S, Q]
-        first_rows = torch.tensor([chunk.row for chunk in chunks], dtype=torch.long, device=device)
-        starts = torch.tensor([chunk.start for chunk in chunks], dtype=torch.long, device=device)
+        first_rows = to_device([chunk.row for chunk in chunks], torch.long, device)
+        starts = to_device([chunk.start for chunk in chunks], torch.long, device)
         query_positions = starts.unsqueeze(1) + clamped
         real_queries = None
         if any(count != width for count in num_queries):
-            real = (query_offsets.unsqueeze(0) < counts.unsqueeze(1)).flatten()
-            real_queries = real.nonzero().squeeze(1)
+            # Built on the host: a device `nonzero()` would wait for the device.
+            real_queries = to_device(
+                [
+                    index * width + offset
+                    for index, count in enumerate(num_queries)
+                    for offset in range(count)
+                ],
+                torch.long,
+                device,
+            )
         key_slots: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []
         for group in range(len(self.groups)):
@@ -226,7 +271,7 @@ class InputBuilder:
                 for chunk, count in zip(chunks, num_queries, strict=True)
                 for offset in range(count)
             ]
-            output_rows = torch.tensor(rows, dtype=torch.long, device=device)
+            output_rows = to_device(rows, torch.long, device)
         return AttentionBatch(
             query_rows=first_rows.unsqueeze(1) + clamped,
             real_queries=real_queries,
@@ -249,22 +294,18 @@ class InputBuilder:
         if width > self.max_blocks_per_request:
             return None
         block_tables = [
-            torch.tensor(
+            to_device(
                 [table + [NULL_BLOCK_ID] * (width - len(table)) for table in group_tables],
-                dtype=torch.int32,
-                device=device,
+                torch.int32,
+                device,
             )
             for group_tables in tables
         ]
         first_positions = [
-            torch.tensor(
-                [self._first_key_position(group, chunk.start) for chunk in chunks],
-                dtype=torch.int32,
-                device=device,
-            )
+            to_device([self._first_key_position(group, chunk.start) for chunk in chunks], torch.int32, device)
             for group in range(len(self.groups))
         ]
-        seq_lens = torch.tensor([chunk.end for chunk in chunks], dtype=torch.int32, device=device)
+        seq_lens = to_device([chunk.end for chunk in chunks], torch.int32, device)
         return AttentionBatch(
             query_rows=torch.arange(len(chunks), device=device).unsqueeze(1),
             real_queries=None,
@@ -290,13 +331,11 @@ class InputBuilder:
             num_keys = round_up(num_keys, keys_interval)
         tables = [self._table(chunk, group) for chunk in chunks]
         num_pages = max(len(table) for table in tables)
-        block_table = torch.tensor(
-            [table + [NULL_BLOCK_ID] * (num_pages - len(table)) for table in tables],
-            dtype=torch.long,
-            device=device,
+        block_table = to_device(
+            [table + [NULL_BLOCK_ID] * (num_pages - len(table)) for table in tables], torch.long, device
         )
-        first_positions = torch.tensor(firsts, dtype=torch.long, device=device)
-        ends = torch.tensor([chunk.end for chunk in chunks], dtype=torch.long, device=device)
+        first_positions = to_device(firsts, torch.long, device)
+        ends = to_device([chunk.end for chunk in chunks], torch.long, device)
         key_positions = first_positions.unsqueeze(1) + torch.arange(num_keys, device=device)  # [S, K]
         past_end = key_positions >= ends.unsqueeze(1)
         safe_positions = key_positions.masked_fill(past_end, 0)

@@ -13,9 +13,9 @@ from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
 from engine.request import SamplingParams
 from engine.runner.forward_paths import ForwardPaths
-from engine.runner.inputs import BatchInputs, InputBuilder
+from engine.runner.inputs import BatchInputs, InputBuilder, PreviousTokens
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
-from engine.sampling import Sampler, request_generator
+from engine.sampling import SampledTokens, Sampler, request_generator
 from engine.scheduler import SchedulerOutput
 
 
@@ -24,7 +24,8 @@ class StepTimings:
     """Seconds spent in each phase of the steps so far (host wall clock).
 
     On a GPU the forward pass is asynchronous: its time shows up where the host first waits for it,
-    in sampling (`.tolist()`), so compare phases on the CPU or with CUDA_LAUNCH_BLOCKING=1.
+    in sampling (the wait for the sampled tokens), so compare phases on the CPU or with
+    CUDA_LAUNCH_BLOCKING=1.
     """
 
     schedule_s: float = 0.0
@@ -36,6 +37,16 @@ class StepTimings:
 
     def as_dict(self) -> dict[str, float]:
         return {name: round(value, 4) for name, value in vars(self).items()}
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued on the device; `ModelRunner.resolve` waits for its tokens."""
+
+    scheduler_output: SchedulerOutput
+    sampled: SampledTokens | None
+    # Row of each sampling request in `sampled.token_ids`.
+    sampled_rows: dict[str, int]
 
 
 @dataclass
@@ -72,6 +83,9 @@ class ModelRunner:
         self.timings = StepTimings()
         # Padding rows run by padded decode steps so far: the compute static shapes cost.
         self.num_padding_rows = 0
+        # Input ids fed from the previous step's tokens on the device, never seen by the host in time
+        # (async batching): how often a step was prepared before its predecessor's tokens came back.
+        self.num_placeholder_inputs = 0
         self.host_kv_caches = list(host_kv_caches) if host_kv_caches is not None else None
         self.device = kv_caches[0].device
         self.page_size = kv_caches[0].page_size
@@ -102,9 +116,6 @@ class ModelRunner:
             self.forward_paths.max_blocks_per_request,
         )
 
-    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
-        return self.input_builder.build(scheduler_output, self.forward_paths.padding)
-
     def capture_decode_graphs(self, max_rows: int) -> int:
         """Pre-captures decode CUDA graphs when they are on; returns how many exist."""
         empty = SchedulerOutput()
@@ -129,11 +140,26 @@ class ModelRunner:
             self.host_kv_caches[copy.group].restore(list(copy.device_block_ids), list(copy.host_block_ids))
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step and waits for its tokens."""
+        return self.resolve(self.launch(scheduler_output))
+
+    def launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queues one step's copies, forward pass and sampling without waiting for the device.
+
+        `previous` is the step still running when this one was scheduled: requests scheduled for the
+        position of a token it samples read that token from it on the device.
+        """
         timings = self.timings
         started = time.perf_counter()
         self.copy_blocks(scheduler_output)
-        inputs = self.prepare_inputs(scheduler_output)
+        previous_tokens = None
+        if previous is not None and previous.sampled is not None:
+            previous_tokens = PreviousTokens(previous.sampled.token_ids, previous.sampled_rows)
+        inputs = self.input_builder.build(
+            scheduler_output, self.forward_paths.padding, previous=previous_tokens
+        )
         self.num_padding_rows += inputs.num_padding_rows
+        self.num_placeholder_inputs += inputs.num_placeholder_inputs
         prepared = time.perf_counter()
         logits = self.forward(inputs)
         forwarded = time.perf_counter()
@@ -151,13 +177,20 @@ class ModelRunner:
             ):
                 request.generator = request_generator(request.sampling.seed, self.device)
             generators.append(request.generator if isinstance(request.generator, torch.Generator) else None)
-        sampled = self.sampler(logits, params, generators) if sampling_items else None
+        sampled = self.sampler.sample(logits, params, generators) if sampling_items else None
+        timings.sample_s += time.perf_counter() - forwarded
+        rows = {item.request.request_id: row for row, item in enumerate(sampling_items)}
+        return LaunchedStep(scheduler_output, sampled, rows)
 
+    def resolve(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Waits for a launched step's tokens; one entry per scheduled request, in scheduling order."""
+        waiting = time.perf_counter()
+        sampled = launched.sampled.to_output() if launched.sampled is not None else None
         token_ids: list[int | None] = []
         logprobs: list[float | None] = []
         top_logprobs: list[dict[int, float] | None] = []
         row = 0
-        for item in scheduler_output.scheduled:
+        for item in launched.scheduler_output.scheduled:
             if item.samples_token and sampled is not None:
                 token_ids.append(sampled.token_ids[row])
                 logprobs.append(sampled.logprobs[row] if sampled.logprobs is not None else None)
@@ -167,5 +200,5 @@ class ModelRunner:
                 token_ids.append(None)
                 logprobs.append(None)
                 top_logprobs.append(None)
-        timings.sample_s += time.perf_counter() - forwarded
+        self.timings.sample_s += time.perf_counter() - waiting
         return ModelRunnerOutput(token_ids, logprobs, top_logprobs)

@@ -18,7 +18,7 @@ from engine import (
     generate_batch,
     init_continuous_batching,
 )
-from tests.conftest import VOCAB_SIZE, random_prompt, reference_greedy, tiny_model
+from tests.conftest import VOCAB_SIZE, fail_forward_once, random_prompt, reference_greedy, tiny_model
 
 TIMEOUT = 60
 
@@ -283,18 +283,8 @@ def test_full_queue_raises_queue_full_error_and_keeps_queued_requests(model):
 
 
 def test_a_failing_step_fails_only_its_requests_and_the_loop_keeps_serving(manager, monkeypatch):
-    runner = manager._engine.runner
-    original_forward = runner.forward
-    calls = {"count": 0}
-
-    def failing_once(inputs):
-        calls["count"] += 1
-        if calls["count"] == 1:
-            raise RuntimeError("injected fault")
-        return original_forward(inputs)
-
     with manager.pause():
-        monkeypatch.setattr(runner, "forward", failing_once)
+        fail_forward_once(monkeypatch, manager._engine.runner, on_call=1)
         doomed = manager.add_request(random_prompt(4, seed=21), max_new_tokens=3, eos_token_id=[])
     output = manager.get_result(doomed, timeout=TIMEOUT)
     assert output.status == RequestStatus.FAILED and "injected fault" in output.error

@@ -26,10 +26,14 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-@pytest.fixture
-def manager():
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def manager(request: pytest.FixtureRequest):
+    """Updates and pauses with and without a step launched ahead (async batching): tokens of a step
+    launched before an update carry the old version."""
     model = copy.deepcopy(tiny_model("llama"))
-    config = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=64)
+    config = ContinuousBatchingConfig(
+        page_size=8, num_blocks=64, max_batch_tokens=64, use_async_batching=request.param
+    )
     running = ContinuousBatchingManager(model, continuous_batching_config=config)
     running.start()
     try:
