@@ -1,6 +1,7 @@
-"""`EngineCore`: one model, one cache, and the step `schedule() -> execute() -> update()`.
+"""`EngineCore`: one model, one cache, and the step `schedule() -> launch() -> resolve()`.
 
-It is single-threaded and synchronous; `ContinuousBatchingManager` owns the thread and the queues.
+It is single-threaded (with async batching the device runs one step while the host prepares the
+next); `ContinuousBatchingManager` owns the thread and the queues.
 Tests drive it directly: `add_request`, then `step()` until `has_unfinished_requests()` is False.
 """
 

@@ -139,10 +139,6 @@ class ModelRunner:
         for copy in scheduler_output.restores:
             self.host_kv_caches[copy.group].restore(list(copy.device_block_ids), list(copy.host_block_ids))
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs one step and waits for its tokens."""
-        return self.resolve(self.launch(scheduler_output))
-
     def launch(self, scheduler_output: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queues one step's copies, forward pass and sampling without waiting for the device.
 

@@ -46,8 +46,9 @@ def test_greedy_parity_with_chunked_prefill_for_every_family(family):
     assert_greedy_parity(model, prompts, new_tokens, generated, f"async, {family}")
 
 
+@pytest.mark.parametrize("scheduler_type", ["fifo", "prefill_first"])
 @pytest.mark.parametrize("offload", [False, True], ids=["recompute", "offload"])
-def test_greedy_parity_under_preemption(offload):
+def test_greedy_parity_under_preemption(offload, scheduler_type):
     model = tiny_model("llama")
     prompts = [random_prompt(length, seed=200 + length) for length in (60, 75, 90, 50, 66, 81)]
     new_tokens = [40] * len(prompts)
@@ -56,6 +57,7 @@ def test_greedy_parity_under_preemption(offload):
         max_batch_tokens=256,
         allow_block_sharing=False,
         cpu_offload_space=0.01 if offload else 0.0,
+        scheduler_type=scheduler_type,
     )
     generated, engine = generate_greedy(model, config, prompts, new_tokens)
     counters = engine.scheduler.counters

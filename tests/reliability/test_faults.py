@@ -75,23 +75,23 @@ READ_BACK_THREADS = 16
 class StepFault:
     """Makes exactly one engine step raise, once armed, and remembers the requests that step carried.
 
-    It wraps the model runner's `execute` (called on the engine's loop thread only).
+    It wraps the model runner's `launch` (called on the engine's loop thread only).
     """
 
     def __init__(self, runner: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         self.armed = threading.Event()
         self.fired = threading.Event()
         self.request_ids: set[str] = set()
-        execute = runner.execute
+        launch = runner.launch
 
-        def execute_or_fail(scheduler_output: Any) -> Any:
+        def launch_or_fail(scheduler_output: Any, previous: Any = None) -> Any:
             if self.armed.is_set() and not self.fired.is_set():
                 self.request_ids = {item.request.request_id for item in scheduler_output.scheduled}
                 self.fired.set()
                 raise RuntimeError("injected fault in one engine step")
-            return execute(scheduler_output)
+            return launch(scheduler_output, previous)
 
-        monkeypatch.setattr(runner, "execute", execute_or_fail)
+        monkeypatch.setattr(runner, "launch", launch_or_fail)
 
 
 @dataclass
