@@ -359,7 +359,7 @@ paths_passed=$?
 
 # 4b. Async batching on the device: steps launched ahead, tokens fed back on the device.
 async_select=()
-[[ $SMALL == 1 ]] && async_select=(-k "llama or eos")
+[[ $SMALL == 1 ]] && async_select=(-k "llama or eos or never_waits")
 run_step async 60 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_async_batching.py \
   -v -p no:cacheprovider -o timeout=50 --junitxml="$WORK/async.xml" "${async_select[@]}"
 async_passed=$?

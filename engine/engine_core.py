@@ -260,9 +260,7 @@ class EngineCore:
         """
         result = StepResult()
         launched = self._schedule_and_launch(result)
-        previous, self._in_flight = self._in_flight, None
-        if previous is not None:
-            self._resolve(previous, result)
+        self._resolve_in_flight(result)
         if launched is not None:
             if self.async_batching:
                 self._in_flight = launched
@@ -273,10 +271,13 @@ class EngineCore:
     def flush(self) -> StepResult:
         """Waits for the step in flight (async batching) and returns its result; an empty one if none."""
         result = StepResult()
+        self._resolve_in_flight(result)
+        return result
+
+    def _resolve_in_flight(self, result: StepResult) -> None:
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
             self._resolve(previous, result)
-        return result
 
     def _schedule_and_launch(self, result: StepResult) -> _StepInFlight | None:
         timings = self.runner.timings

@@ -31,11 +31,11 @@ def test_steps_past_the_budget_are_recorded_as_out_of_time_and_fail_the_check(tm
     statuses = {step["name"]: step["status"] for step in result["steps"]}
     assert done.returncode == 1, output
     assert result["state"] == "finished", result
-    assert list(statuses) == ["wheels", "env", "parity", "paths", "bench", "sampling"], statuses
+    assert list(statuses) == ["wheels", "env", "parity", "paths", "async", "bench", "sampling"], statuses
     assert statuses["wheels"] == "skipped", statuses
     # A loaded machine may need longer than the env step's share of the budget; either outcome is recorded.
     assert statuses["env"] in ("passed", "timed_out"), statuses
-    later_steps = ("parity", "paths", "bench", "sampling")
-    assert [statuses[name] for name in later_steps] == ["out_of_time"] * 4, statuses
+    later_steps = ("parity", "paths", "async", "bench", "sampling")
+    assert [statuses[name] for name in later_steps] == ["out_of_time"] * 5, statuses
     assert result["summary"]["all_passed"] is False, result["summary"]
     assert (out / "gpu_check.log").exists()

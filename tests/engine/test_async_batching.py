@@ -14,6 +14,7 @@ import torch
 from engine import ContinuousBatchingConfig, RequestStatus, init_continuous_batching
 from engine.engine_core import EngineCore
 from tests.conftest import (
+    TEST_DEVICE,
     assert_greedy_parity,
     fail_forward_once,
     generate_greedy,
@@ -159,12 +160,13 @@ def test_cancel_with_a_step_in_flight_ends_cancelled_and_frees_every_block():
         last = list(stream)[-1]
         assert last.status == RequestStatus.CANCELLED and len(last.generated_tokens) < 400
         finished = manager.get_result(kept, timeout=TIMEOUT)
-        assert finished.generated_tokens == reference_greedy(model, random_prompt(12, seed=601), 30)
         stats = manager.stats()
-        assert stats.num_blocks_used == 0, stats
-        _assert_ran_ahead(manager._engine)
+        engine = manager._engine
     finally:
         manager.destroy()
+    assert finished.generated_tokens == reference_greedy(model, random_prompt(12, seed=601), 30)
+    assert stats.num_blocks_used == 0, stats
+    _assert_ran_ahead(engine)
 
 
 def test_async_batching_is_off_unless_asked_for():
@@ -187,10 +189,42 @@ def test_a_step_that_fails_to_launch_fails_its_requests_and_the_loop_keeps_servi
         assert len(output.generated_tokens) <= 2, output
         prompt = random_prompt(9, seed=701)
         survivor = manager.add_request(prompt, max_new_tokens=6, eos_token_id=[])
-        assert manager.get_result(survivor, timeout=TIMEOUT).generated_tokens == reference_greedy(
-            model, prompt, 6
-        )
+        served = manager.get_result(survivor, timeout=TIMEOUT)
         stats = manager.stats()
-        assert stats.failed_steps == 1 and stats.num_blocks_used == 0, stats
     finally:
         manager.destroy()
+    assert served.generated_tokens == reference_greedy(model, prompt, 6)
+    assert stats.failed_steps == 1 and stats.num_blocks_used == 0, stats
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="only CUDA has implicit synchronisations to look for")
+def test_launching_a_step_never_waits_for_the_device(monkeypatch):
+    """The overlap exists only if `launch` queues its work without an implicit synchronisation (a pageable
+    copy, `.item()`, `nonzero()`): CUDA's sync debug mode turns each into an error that fails the step."""
+    model = tiny_model("llama")
+    manager = init_continuous_batching(model, continuous_batching_config=_config(return_logprobs=True))
+    manager.start()
+    try:
+        runner = manager._engine.runner
+        launch = runner.launch
+
+        def launch_without_synchronising(scheduler_output, previous=None):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch(scheduler_output, previous)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        monkeypatch.setattr(runner, "launch", launch_without_synchronising)
+        prompts = [random_prompt(length, seed=800 + length) for length in (5, 40, 90)]
+        greedy = [manager.add_request(prompt, max_new_tokens=10, eos_token_id=[]) for prompt in prompts]
+        sampled = manager.add_request(prompts[0], max_new_tokens=10, temperature=0.7, top_p=0.9, seed=1)
+        outputs = [manager.get_result(request_id, timeout=TIMEOUT) for request_id in [*greedy, sampled]]
+        engine = manager._engine
+    finally:
+        manager.destroy()
+    for output in outputs:
+        assert output.error is None, output.error
+    for output, prompt in zip(outputs, prompts, strict=False):
+        assert output.generated_tokens == reference_greedy(model, prompt, 10)
+    _assert_ran_ahead(engine)
