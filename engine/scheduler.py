@@ -198,8 +198,6 @@ class Scheduler:
             request = self.waiting[0]
             if self.hold_new_admissions and request.num_preemptions == 0:
                 break
-            if request.num_output_placeholders:
-                break  # preempted while a step sampling for it still runs: resume once its token is in
             if len(self.running) >= self.max_requests_per_batch:
                 break
             if len(output.scheduled) >= self.max_requests_per_batch:

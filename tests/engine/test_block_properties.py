@@ -1,9 +1,10 @@
 """Property tests: random workloads over a small pool keep the block accounting and the KV content sound.
 
 Operations: add a request (prompts from a tiny vocabulary, so prefixes are shared), step the scheduler
-with random sampled tokens, cancel or finish a random live request, add a burst of requests that fill the
-pool (preemption by pressure), fail a step (as EngineCore does), reset the prefix cache. Invariants are
-checked after every operation.
+with random sampled tokens, step it one ahead (async batching: the next step is scheduled and launched
+before the previous one's tokens land), cancel or finish a random live request, add a burst of requests
+that fill the pool (preemption by pressure), fail a step (as EngineCore does), reset the prefix cache.
+Invariants are checked after every operation.
 
 A fake model runner stands in for attention: each step it writes, into the slot the block table maps
 each scheduled position to, the prefix that position's KV depends on, then checks that every position
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,9 +27,19 @@ from engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 3
+# Stands, in the fake KV, for a token the step in flight has not returned yet.
+PENDING = -1
 # Prompts are a prefix of one of a few base sequences plus a short random tail, so that full pages are
 # often shared between requests.
 BASES = ([1] * 48, [1, 2] * 24, [2, 1, 1] * 16)
+
+
+@dataclass
+class PendingStep:
+    """A step launched ahead: its tokens land once the next step has been launched."""
+
+    output: SchedulerOutput
+    sampled: list[int | None]
 
 
 @dataclass
@@ -39,6 +51,7 @@ class World:
     live: dict[str, Request] = field(default_factory=dict)
     all_requests: list[Request] = field(default_factory=list)
     next_id: int = 0
+    in_flight: PendingStep | None = None
 
     @property
     def manager(self) -> KVCacheManager:
@@ -70,6 +83,7 @@ sampled_tokens = st.lists(st.sampled_from([1, 2, 1, 2, 1, 2, EOS]), min_size=1, 
 OPERATION_ARGUMENTS = {
     "add": st.tuples(prompts, st.integers(1, 16)),
     "step": st.tuples(sampled_tokens),
+    "step_ahead": st.tuples(sampled_tokens),
     "cancel": st.tuples(st.integers(0, 1_000)),
     "finish": st.tuples(st.integers(0, 1_000)),
     "pressure": st.tuples(st.integers(2, 4), st.integers(0, len(BASES) - 1)),
@@ -79,7 +93,8 @@ OPERATION_ARGUMENTS = {
 # Adds and steps dominate, so that the pool fills up and requests share prefixes and get preempted.
 OPERATION_WEIGHTS = {
     "add": 6,
-    "step": 12,
+    "step": 6,
+    "step_ahead": 6,
     "pressure": 2,
     "cancel": 1,
     "finish": 1,
@@ -153,6 +168,18 @@ def check_invariants(world: World) -> None:
         if request.is_finished or request.status == RequestStatus.PENDING:
             assert request.request_id not in manager.block_tables, f"{request!r} holds blocks"
 
+    # Only the step in flight leaves placeholders, one per request it samples for.
+    sampling_in_flight = set()
+    if world.in_flight is not None:
+        sampling_in_flight = {
+            item.request.request_id for item in world.in_flight.output.scheduled if item.samples_token
+        }
+    for request in world.all_requests:
+        if request.is_finished:
+            continue
+        expected = int(request.request_id in sampling_in_flight)
+        assert request.num_output_placeholders == expected, f"{request!r}: {request.num_output_placeholders}"
+
 
 # --- operations -----------------------------------------------------------------------------------
 
@@ -199,46 +226,89 @@ def check_schedule(world: World, output: SchedulerOutput) -> None:
         assert item.num_computed_tokens + item.num_new_tokens <= item.request.num_tokens
 
 
-def run_fake_attention(world: World, output: SchedulerOutput) -> None:
+def run_fake_attention(world: World, output: SchedulerOutput) -> list[tuple[int, int, Request]]:
     """Writes the step's KV into its slots, then checks every attended slot holds the right KV.
 
     The KV of position p depends on every token up to p, so a slot holds that whole prefix: a block
-    computed after another prefix reads as wrong even when its own tokens match.
+    computed after another prefix reads as wrong even when its own tokens match. A position whose token
+    the step in flight samples holds PENDING in its place; the slots so written are returned, for
+    `resolve` to fill in once the token lands.
     """
     page_size = world.page_size
+    placeholders = []
     for item in output.scheduled:
-        tokens = item.request.all_token_ids
-        table = world.manager.block_tables[item.request.request_id]
+        request = item.request
+        tokens = request.all_token_ids
+        table = world.manager.block_tables[request.request_id]
         end = item.num_computed_tokens + item.num_new_tokens
         assert len(table) >= blocks_for_tokens(end, page_size)
         for position in range(item.num_computed_tokens, end):
             block_id = table[position // page_size].block_id
             assert block_id != NULL_BLOCK_ID
-            world.kv[block_id][position % page_size] = tuple(tokens[: position + 1])
+            if position < len(tokens):
+                world.kv[block_id][position % page_size] = tuple(tokens[: position + 1])
+                continue
+            assert position == len(tokens) == end - 1, f"{request!r} scheduled past its placeholder"
+            pending = world.in_flight
+            assert pending is not None and any(
+                other.request is request and other.samples_token for other in pending.output.scheduled
+            ), f"{request!r} scheduled for a token no step in flight samples"
+            world.kv[block_id][position % page_size] = (*tokens, PENDING)
+            placeholders.append((block_id, position % page_size, request))
     for item in output.scheduled:
         tokens = item.request.all_token_ids
         table = world.manager.block_tables[item.request.request_id]
         end = item.num_computed_tokens + item.num_new_tokens
         for position in range(end):
             held = world.kv[table[position // page_size].block_id][position % page_size]
-            assert held == tuple(tokens[: position + 1]), (
-                f"{item.request!r} position {position} attends to KV of {held}, "
-                f"its prefix is {tuple(tokens[: position + 1])}"
+            expected = tuple(tokens[: position + 1]) if position < len(tokens) else (*tokens, PENDING)
+            assert held == expected, (
+                f"{item.request!r} position {position} attends to KV of {held}, its prefix is {expected}"
             )
+    return placeholders
+
+
+def sampled_tokens_of(output: SchedulerOutput, tokens: list[int]) -> list[int | None]:
+    return [
+        tokens[i % len(tokens)] if item.samples_token else None for i, item in enumerate(output.scheduled)
+    ]
+
+
+def resolve(world: World, pending: PendingStep, placeholders: list[tuple[int, int, Request]] = ()) -> None:
+    """The tokens of `pending` land; the device computed `placeholders` from them."""
+    world.scheduler.update_from_output(pending.output, pending.sampled)
+    for block_id, slot, request in placeholders:
+        held = world.kv[block_id][slot]
+        assert held is not None
+        world.kv[block_id][slot] = (*held[:-1], request.all_token_ids[len(held) - 1])
+    for item in pending.output.scheduled:
+        if item.request.is_finished:
+            world.live.pop(item.request.request_id, None)
+
+
+def flush(world: World) -> None:
+    if world.in_flight is not None:
+        pending, world.in_flight = world.in_flight, None
+        resolve(world, pending)
 
 
 def step(world: World, tokens: list[int]) -> None:
-    scheduler = world.scheduler
-    output = scheduler.schedule()
+    flush(world)
+    output = world.scheduler.schedule()
     check_schedule(world, output)
     run_fake_attention(world, output)
-    sampled = [
-        tokens[i % len(tokens)] if item.samples_token else None for i, item in enumerate(output.scheduled)
-    ]
-    scheduler.update_from_output(output, sampled)
-    for item in output.scheduled:
-        if item.request.is_finished:
-            world.live.pop(item.request.request_id, None)
+    resolve(world, PendingStep(output, sampled_tokens_of(output, tokens)))
+
+
+def step_ahead(world: World, tokens: list[int]) -> None:
+    """EngineCore.step with async batching: launch the next step, then let the one in flight land."""
+    output = world.scheduler.schedule()
+    check_schedule(world, output)
+    placeholders = run_fake_attention(world, output)
+    previous = world.in_flight
+    world.in_flight = PendingStep(output, sampled_tokens_of(output, tokens)) if output.scheduled else None
+    if previous is not None:
+        resolve(world, previous, placeholders)
 
 
 def fail_step(world: World) -> None:
@@ -252,6 +322,7 @@ def fail_step(world: World) -> None:
         world.live.pop(item.request.request_id, None)
     scheduler.remove_finished_running()
     world.manager.reset_prefix_cache()
+    flush(world)  # a step in flight still lands, with rows of the failed requests dropped
 
 
 def end_request(world: World, index: int, status: RequestStatus, reason: str) -> None:
@@ -272,6 +343,8 @@ def apply(world: World, operation: tuple) -> None:
         add_pressure(world, operation[1], operation[2])
     elif kind == "step":
         step(world, operation[1])
+    elif kind == "step_ahead":
+        step_ahead(world, operation[1])
     elif kind == "cancel":
         end_request(world, operation[1], RequestStatus.CANCELLED, FinishReason.CANCELLED)
     elif kind == "finish":
@@ -304,6 +377,8 @@ def test_block_accounting_survives_any_sequence_of_operations(config: dict, ops:
     for operation in ops:
         apply(world, operation)
         check_invariants(world)
+    flush(world)
+    check_invariants(world)
     for request in list(world.live.values()):
         world.scheduler.finish_request(request, RequestStatus.CANCELLED, FinishReason.CANCELLED)
     world.scheduler.remove_finished_running()
@@ -319,21 +394,23 @@ def test_block_accounting_survives_any_sequence_of_operations(config: dict, ops:
     requests=st.lists(st.tuples(prompts, st.integers(1, 8)), min_size=1, max_size=8),
     tokens=sampled_tokens,
 )
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "ahead"])
 def test_every_admissible_request_finishes_when_steps_keep_running(
-    config: dict, requests: list[tuple[list[int], int]], tokens: list[int]
+    ahead: bool, config: dict, requests: list[tuple[list[int], int]], tokens: list[int]
 ) -> None:
-    """No livelock: preemption and the safety margin may delay a request, never starve it forever."""
+    """No livelock: preemption and the safety margin may delay a request, never starve it forever, with
+    steps resolved at once or launched one ahead."""
     world = make_world(config)
     for prompt, max_new_tokens in requests:
         add(world, prompt, max_new_tokens)
     max_steps = 4 * sum(len(r.all_token_ids) + r.sampling.max_new_tokens for r in world.all_requests) + 20
     steps = 0
-    while world.scheduler.has_unfinished_requests():
+    while world.scheduler.has_unfinished_requests() or world.in_flight is not None:
         assert steps < max_steps, (
             f"still unfinished after {steps} steps: running={world.scheduler.running} "
             f"waiting={list(world.scheduler.waiting)}"
         )
-        step(world, tokens)
+        (step_ahead if ahead else step)(world, tokens)
         check_invariants(world)
         steps += 1
     assert all(request.status == RequestStatus.FINISHED for request in world.all_requests)

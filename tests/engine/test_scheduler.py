@@ -43,19 +43,10 @@ def sampled(output: SchedulerOutput, token: int = TOKEN) -> list[int | None]:
 
 
 def step(scheduler: Scheduler, token: int = TOKEN) -> SchedulerOutput:
-    """One engine step. `samples_token` compares with the request's live length, so check it before
-    this returns (it reads False once the sampled token is appended)."""
+    """One engine step: schedule, then feed back one token per item that `samples_token`."""
     output = scheduler.schedule()
     scheduler.update_from_output(output, sampled(output, token))
     return output
-
-
-def step_sampling(scheduler: Scheduler, token: int = TOKEN) -> tuple[SchedulerOutput, list[bool]]:
-    """One engine step; also returns each item's `samples_token` as it was when scheduled."""
-    output = scheduler.schedule()
-    samples = [item.samples_token for item in output.scheduled]
-    scheduler.update_from_output(output, sampled(output, token))
-    return output, samples
 
 
 def plan(output: SchedulerOutput) -> list[tuple[str, int]]:
@@ -81,9 +72,9 @@ def test_a_prompt_within_the_budget_is_prefilled_in_one_step_and_samples() -> No
     scheduler = make_scheduler(max_batch_tokens=64)
     request = make_request("r", prompt(100, 10))
     scheduler.add_request(request)
-    output, samples = step_sampling(scheduler)
+    output = step(scheduler)
     assert plan(output) == [("r", 10)]
-    assert samples == [True]
+    assert [item.samples_token for item in output.scheduled] == [True]
     assert request.generated_tokens == [TOKEN]
     assert request.num_computed_tokens == 10
     assert request.status == RequestStatus.DECODING
@@ -108,8 +99,8 @@ def test_a_chunked_request_samples_only_on_its_last_chunk() -> None:
     scheduler.add_request(request)
     samples = []
     for _ in range(3):
-        _, [samples_token] = step_sampling(scheduler)
-        samples.append(samples_token)
+        [item] = step(scheduler).scheduled
+        samples.append(item.samples_token)
         if not samples[-1]:
             assert request.generated_tokens == [], "no token may be sampled mid-prefill"
             assert request.status == RequestStatus.PREFILLING
@@ -290,11 +281,11 @@ def test_a_preempted_request_recomputes_prompt_and_generated_tokens() -> None:
     scheduler, (a, _, c) = _three_requests_filling_the_pool(enable_prefix_caching=False)
     step(scheduler)  # c preempted; a reaches max_new_tokens=2 and frees its blocks
     assert a.finish_reason == FinishReason.LENGTH
-    output, samples = step_sampling(scheduler)
+    output = step(scheduler)
     assert [item.request.request_id for item in output.scheduled] == ["b", "c"]
     resumed = output.scheduled[1]
     assert (resumed.num_computed_tokens, resumed.num_new_tokens) == (0, 9), "8 prompt + 1 generated"
-    assert samples[1], "catching up on prompt + generated tokens samples the next token"
+    assert resumed.samples_token, "catching up on prompt + generated tokens samples the next token"
     assert c.generated_tokens == [TOKEN, TOKEN]
     assert c.status == RequestStatus.DECODING
 
@@ -528,3 +519,51 @@ def test_requests_admitted_in_the_same_step_share_a_prefix() -> None:
     ]
     manager = scheduler.kv_cache_manager
     assert manager.block_ids("b")[:3] == manager.block_ids("a")[:3]
+
+
+# --- scheduling one step ahead (async batching) ---------------------------------------------------
+
+
+def test_a_step_scheduled_ahead_gives_a_decoding_request_the_position_of_its_placeholder() -> None:
+    scheduler = make_scheduler(page_size=4)
+    request = make_request("r", prompt(100, 6), max_new_tokens=4)
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert (request.num_computed_tokens, request.num_output_placeholders, request.num_tokens) == (6, 1, 7)
+    second = scheduler.schedule()  # the first step's token is not back yet
+    [item] = second.scheduled
+    assert (item.num_computed_tokens, item.num_new_tokens, item.samples_token) == (6, 1, True)
+    assert request.num_output_placeholders == 2
+    assert scheduler.update_from_output(first, [11])[0].request is request
+    assert (request.generated_tokens, request.num_output_placeholders) == ([11], 1)
+    scheduler.update_from_output(second, [12])
+    assert (request.generated_tokens, request.num_output_placeholders) == ([11, 12], 0)
+    assert request.num_computed_tokens == 7
+
+
+def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again() -> None:
+    scheduler = make_scheduler(page_size=4)
+    request = make_request("r", prompt(100, 7), max_new_tokens=2)
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    assert plan(second) == [("r", 1)]
+    assert plan(scheduler.schedule()) == [], "its second and last token is already being sampled"
+    blocks_held = len(scheduler.kv_cache_manager.block_ids("r"))
+    assert blocks_held == 2, "no slot allocated past the 8 positions whose KV is ever read"
+    scheduler.update_from_output(first, [11])
+    scheduler.update_from_output(second, [12])
+    assert request.finish_reason == FinishReason.LENGTH and request.generated_tokens == [11, 12]
+
+
+def test_the_step_run_ahead_of_an_eos_is_dropped() -> None:
+    scheduler = make_scheduler(page_size=4)
+    request = make_request("r", prompt(100, 6), max_new_tokens=8)
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    assert scheduler.update_from_output(first, [EOS])[0].request is request
+    assert request.finish_reason == FinishReason.EOS
+    assert scheduler.update_from_output(second, [12]) == [], "a finished request gains no token"
+    assert request.generated_tokens == [EOS]
+    assert scheduler.kv_cache_manager.block_pool.num_used_blocks == 0
