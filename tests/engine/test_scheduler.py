@@ -524,16 +524,23 @@ def test_requests_admitted_in_the_same_step_share_a_prefix() -> None:
 # --- scheduling one step ahead (async batching) ---------------------------------------------------
 
 
-def test_a_step_scheduled_ahead_gives_a_decoding_request_the_position_of_its_placeholder() -> None:
+def _two_steps_ahead(
+    prompt_length: int, max_new_tokens: int
+) -> tuple[Scheduler, Request, SchedulerOutput, SchedulerOutput]:
+    """One request scheduled twice in a row, as async batching does: the first step's token not back."""
     scheduler = make_scheduler(page_size=4)
-    request = make_request("r", prompt(100, 6), max_new_tokens=4)
+    request = make_request("r", prompt(100, prompt_length), max_new_tokens=max_new_tokens)
     scheduler.add_request(request)
     first = scheduler.schedule()
-    assert (request.num_computed_tokens, request.num_output_placeholders, request.num_tokens) == (6, 1, 7)
-    second = scheduler.schedule()  # the first step's token is not back yet
+    second = scheduler.schedule()
+    return scheduler, request, first, second
+
+
+def test_a_step_scheduled_ahead_gives_a_decoding_request_the_position_of_its_placeholder() -> None:
+    scheduler, request, first, second = _two_steps_ahead(prompt_length=6, max_new_tokens=4)
     [item] = second.scheduled
     assert (item.num_computed_tokens, item.num_new_tokens, item.samples_token) == (6, 1, True)
-    assert request.num_output_placeholders == 2
+    assert (request.num_computed_tokens, request.num_output_placeholders, request.num_tokens) == (7, 2, 8)
     assert scheduler.update_from_output(first, [11])[0].request is request
     assert (request.generated_tokens, request.num_output_placeholders) == ([11], 1)
     scheduler.update_from_output(second, [12])
@@ -542,11 +549,7 @@ def test_a_step_scheduled_ahead_gives_a_decoding_request_the_position_of_its_pla
 
 
 def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again() -> None:
-    scheduler = make_scheduler(page_size=4)
-    request = make_request("r", prompt(100, 7), max_new_tokens=2)
-    scheduler.add_request(request)
-    first = scheduler.schedule()
-    second = scheduler.schedule()
+    scheduler, request, first, second = _two_steps_ahead(prompt_length=7, max_new_tokens=2)
     assert plan(second) == [("r", 1)]
     assert plan(scheduler.schedule()) == [], "its second and last token is already being sampled"
     blocks_held = len(scheduler.kv_cache_manager.block_ids("r"))
@@ -557,11 +560,7 @@ def test_a_request_whose_last_token_is_in_flight_is_not_scheduled_again() -> Non
 
 
 def test_the_step_run_ahead_of_an_eos_is_dropped() -> None:
-    scheduler = make_scheduler(page_size=4)
-    request = make_request("r", prompt(100, 6), max_new_tokens=8)
-    scheduler.add_request(request)
-    first = scheduler.schedule()
-    second = scheduler.schedule()
+    scheduler, request, first, second = _two_steps_ahead(prompt_length=6, max_new_tokens=8)
     assert scheduler.update_from_output(first, [EOS])[0].request is request
     assert request.finish_reason == FinishReason.EOS
     assert scheduler.update_from_output(second, [12]) == [], "a finished request gains no token"
