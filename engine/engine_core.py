@@ -70,7 +70,9 @@ def cb_attention_implementation(current: str | None) -> str:
     )
 
 
-def use_async_batching(config: ContinuousBatchingConfig, parallel: TensorParallelGroup | None) -> bool:
+def use_async_batching(
+    config: ContinuousBatchingConfig, device: torch.device, parallel: TensorParallelGroup | None
+) -> bool:
     """Whether steps are launched one ahead of their results (`use_async_batching`).
 
     Only an explicit request turns it on (None means off): the overlap has not been measured on a GPU
@@ -83,6 +85,11 @@ def use_async_batching(config: ContinuousBatchingConfig, parallel: TensorParalle
     if parallel is not None:
         logger.warning("use_async_batching: not supported under tensor parallelism; running without")
         return False
+    if device.type == "cpu":
+        logger.info(
+            "use_async_batching on the CPU: steps run one ahead with the same results, but nothing overlaps "
+            "(the forward pass runs on the calling thread)"
+        )
     return True
 
 
@@ -181,7 +188,7 @@ class EngineCore:
             config,
             self.host_kv_caches,
         )
-        self.async_batching = use_async_batching(config, parallel)
+        self.async_batching = use_async_batching(config, self.device, parallel)
         # The step launched but not yet resolved (async batching only).
         self._in_flight: _StepInFlight | None = None
         self.requests: dict[str, Request] = {}
