@@ -197,6 +197,21 @@ def test_a_step_that_fails_to_launch_fails_its_requests_and_the_loop_keeps_servi
     assert stats.failed_steps == 1 and stats.num_blocks_used == 0, stats
 
 
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA graphs need CBSERVE_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_greedy_parity_with_decode_graphs_and_the_decode_kernel(family):
+    """Placeholder inputs go into a graph's static input buffer; the kernel reads their fresh keys."""
+    model = tiny_model(family)
+    prompts = [random_prompt(length, seed=900 + length) for length in (1, 9, 30, 70)]
+    new_tokens = [20, 12, 30, 9]
+    config = _config(use_cuda_graph=(False, True), kv_padding_interval_size=16, max_blocks_per_request=32)
+    generated, engine = generate_greedy(model, config, prompts, new_tokens, warmup=True)
+    graphs = engine.runner.forward_paths.decode_graphs
+    assert graphs is not None and len(graphs.graphs) > 0, "no decode step replayed a graph"
+    _assert_ran_ahead(engine)
+    assert_greedy_parity(model, prompts, new_tokens, generated, f"async, decode graphs, {family}")
+
+
 @pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="only CUDA has implicit synchronisations to look for")
 def test_launching_a_step_never_waits_for_the_device(monkeypatch):
     """The overlap exists only if `launch` queues its work without an implicit synchronisation (a pageable
