@@ -88,7 +88,7 @@ def use_async_batching(
     if device.type == "cpu":
         logger.info(
             "use_async_batching on the CPU: steps run one ahead with the same results, but nothing overlaps "
-            "(the forward pass runs on the calling thread)"
+            "(the forward pass runs on the calling thread) and each token is delivered one step later"
         )
     return True
 
