@@ -31,17 +31,26 @@ def test_an_unknown_dtype_names_the_choices() -> None:
         resolve_placement("cpu", "int4")
 
 
-def test_serve_flags_turn_on_compilation_decode_graphs_and_the_decode_kernel() -> None:
+def test_serve_flags_turn_on_compilation_decode_graphs_the_decode_kernel_and_async_batching() -> None:
     from service.cli import _parser, engine_config
 
-    arguments = ["serve", "--compile-level", "2", "--cuda-graphs", "--max-blocks-per-request", "64"]
+    arguments = [
+        "serve",
+        "--compile-level",
+        "2",
+        "--cuda-graphs",
+        "--max-blocks-per-request",
+        "64",
+        "--async-batching",
+    ]
     config = engine_config(_parser().parse_args(arguments))
     assert config.default_compile_level == 2
     assert config.use_cuda_graph == (False, True)
     assert config.max_blocks_per_request == 64
+    assert config.use_async_batching is True
     plain = engine_config(_parser().parse_args(["serve"]))
     assert plain.default_compile_level == 0 and plain.use_cuda_graph is None
-    assert plain.max_blocks_per_request is None
+    assert plain.max_blocks_per_request is None and plain.use_async_batching is None
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--compile-level", "4"])
 
