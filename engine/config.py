@@ -69,7 +69,7 @@ class ContinuousBatchingConfig:
     and prepares step N+1 while the device runs step N (engine.engine_core). Input copies go through
     pinned buffers that live until their copy has run (about twice the input buffers). True turns it on;
     None and False keep it off (not yet measured on a GPU here). It works without CUDA graphs; on the CPU
-    results are the same and nothing overlaps. Not under tensor parallelism.
+    results are the same and nothing overlaps.
 
     use_cuda_graph: capture and replay CUDA graphs. A bool applies to both execution paths, a tuple
     `(varlen, decode)` sets each path on its own, None decides automatically (see `cuda_graph_flags`).

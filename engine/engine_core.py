@@ -70,20 +70,15 @@ def cb_attention_implementation(current: str | None) -> str:
     )
 
 
-def use_async_batching(
-    config: ContinuousBatchingConfig, device: torch.device, parallel: TensorParallelGroup | None
-) -> bool:
+def use_async_batching(config: ContinuousBatchingConfig, device: torch.device) -> bool:
     """Whether steps are launched one ahead of their results (`use_async_batching`).
 
     Only an explicit request turns it on (None means off): the overlap has not been measured on a GPU
     in this project yet. On the CPU it runs the same steps with the same results and no overlap (the
-    forward pass runs on the calling thread). Not under tensor parallelism: ranks stay in lockstep
-    one whole step at a time.
+    forward pass runs on the calling thread). Under tensor parallelism every rank launches and resolves
+    the same steps at the same ticks (the manager flushes on every rank where the driver does).
     """
     if not config.use_async_batching:
-        return False
-    if parallel is not None:
-        logger.warning("use_async_batching: not supported under tensor parallelism; running without")
         return False
     if device.type == "cpu":
         logger.info(
@@ -188,7 +183,7 @@ class EngineCore:
             config,
             self.host_kv_caches,
         )
-        self.async_batching = use_async_batching(config, self.device, parallel)
+        self.async_batching = use_async_batching(config, self.device)
         # The step launched but not yet resolved (async batching only).
         self._in_flight: _StepInFlight | None = None
         self.requests: dict[str, Request] = {}

@@ -556,6 +556,8 @@ class ContinuousBatchingManager:
             )
         for command, payload in commands:
             self._apply(engine, command, payload)
+        if tick.action != STEP and engine.has_step_in_flight:
+            self._flush(engine)  # where the driver flushed: it flushes exactly when it does not step
         engine.hold_admission = tick.hold_admission
         self._loop_paused = tick.action == PARK
         if tick.action == EXIT:
@@ -609,8 +611,15 @@ class ContinuousBatchingManager:
             self._cond.wait(timeout)
 
     def _step(self, engine: EngineCore) -> None:
+        self._run_step(engine, engine.step)
+
+    def _flush(self, engine: EngineCore) -> None:
+        """Waits for the step launched ahead (async batching) and publishes its tokens."""
+        self._run_step(engine, engine.flush)
+
+    def _run_step(self, engine: EngineCore, run: Callable[[], StepResult]) -> None:
         try:
-            result = engine.step()
+            result = run()
         except Exception as exc:  # a scheduler bug must not leave requests hanging forever
             logger.exception("generation loop error; failing every live request")
             result = StepResult(finished=engine.fail_all(f"engine error: {type(exc).__name__}: {exc}"))
@@ -618,16 +627,6 @@ class ContinuousBatchingManager:
             for request in result.advanced:
                 self._tokens_emitted += 1
                 self._token_sum = (self._token_sum + request.all_token_ids[-1]) % TOKEN_SUM_MODULUS
-        self._publish(result)
-        self._refresh_stats()
-
-    def _flush(self, engine: EngineCore) -> None:
-        """Waits for the step launched ahead (async batching) and publishes its tokens."""
-        try:
-            result = engine.flush()
-        except Exception as exc:  # as in _step: a bug must not leave requests hanging
-            logger.exception("generation loop error; failing every live request")
-            result = StepResult(finished=engine.fail_all(f"engine error: {type(exc).__name__}: {exc}"))
         self._publish(result)
         self._refresh_stats()
 

@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--async-batching",
         action="store_true",
-        help="prepare each step while the previous one runs on the GPU (one model rank; use_async_batching)",
+        help="prepare each step while the previous one runs on the GPU (use_async_batching)",
     )
 
     generate = commands.add_parser("generate", help="stream a completion from a running server")

@@ -115,12 +115,17 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--async-batching", action="store_true")
     args = parser.parse_args()
 
     model = load_sharded_model(args.model, torch.float32, "sdpa")
     rank = dist.get_rank()
     config = ContinuousBatchingConfig(
-        page_size=16, num_blocks=64, max_batch_tokens=128, cpu_group_timeout=args.timeout
+        page_size=16,
+        num_blocks=64,
+        max_batch_tokens=128,
+        cpu_group_timeout=args.timeout,
+        use_async_batching=args.async_batching,
     )
     manager = ContinuousBatchingManager(model, continuous_batching_config=config)
     finished: dict[str, dict[str, Any]] = {}
@@ -163,6 +168,8 @@ def main() -> None:
         manager.join()
     if manager._engine is not None:
         report["kv_heads_cached"] = manager._engine.kv_caches[0].shape.num_kv_heads
+        report["async_batching"] = manager._engine.async_batching
+        report["placeholder_inputs"] = manager._engine.runner.num_placeholder_inputs
     report["loop_error"] = manager.loop_error
     report["finished"] = finished
     report["loop_ended"] = not manager.is_running()

@@ -86,15 +86,18 @@ def saved_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pat
     yield folder / "seed0", folder / "seed1" / "model.safetensors"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def lockstep(
-    saved_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, saved_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> list[dict[str, Any]]:
+    """Both ranks through the lockstep scenario, with steps resolved at once or launched one ahead."""
     model_dir, new_weights = saved_models
     out = tmp_path_factory.mktemp("tp-lockstep")
     prompts = [random_prompt(length, seed=length) for length in PROMPT_LENGTHS]
     (out / "prompts.json").write_text(json.dumps(prompts))
     arguments = ["--scenario", "lockstep", "--model", str(model_dir), "--new-weights", str(new_weights)]
+    if request.param:
+        arguments.append("--async-batching")
     codes = launch_ranks(
         [*arguments, "--out", str(out), "--max-new-tokens", str(MAX_NEW_TOKENS)], timeout_s=300
     )
@@ -111,6 +114,16 @@ def test_each_rank_holds_a_shard(lockstep: list[dict[str, Any]]) -> None:
     assert [report["kv_heads_cached"] for report in lockstep] == [num_kv_heads // WORLD_SIZE] * WORLD_SIZE
     assert [report["loop_error"] for report in lockstep] == [None, None]
     assert all(report["loop_ended"] for report in lockstep), "stop on the driver must end every rank's loop"
+
+
+def test_every_rank_runs_in_the_mode_asked_for(
+    lockstep: list[dict[str, Any]], request: pytest.FixtureRequest
+) -> None:
+    launched_ahead = "async" in request.node.callspec.id
+    assert [report["async_batching"] for report in lockstep] == [launched_ahead] * WORLD_SIZE
+    for report in lockstep:
+        # Steps prepared before their predecessor's tokens landed feed those tokens on the device.
+        assert (report["placeholder_inputs"] > 0) == launched_ahead, report["placeholder_inputs"]
 
 
 def test_greedy_outputs_equal_the_unsharded_model(lockstep: list[dict[str, Any]]) -> None:
