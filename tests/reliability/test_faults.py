@@ -116,10 +116,12 @@ class FaultRun:
             self.faults[fault] += times
 
 
-@pytest.fixture(scope="module")
-def served(prompt_pool: list[PoolEntry]) -> Iterator[RunningServer]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def served(request: pytest.FixtureRequest, prompt_pool: list[PoolEntry]) -> Iterator[RunningServer]:
+    """The server under faults, with steps resolved at once or launched one ahead (async batching)."""
     # Depends on the pool: its references are computed before the server takes the model.
-    running = RunningServer(tiny_model("llama"), config=engine_config_for_tests(num_blocks=96))
+    config = engine_config_for_tests(num_blocks=96, use_async_batching=request.param)
+    running = RunningServer(tiny_model("llama"), config=config)
     try:
         running.load()
         yield running
@@ -171,8 +173,11 @@ def test_faults_under_load_fail_only_their_own_requests_and_leak_nothing(
         stream = client.stream(canary.prompt, max_new_tokens=canary.max_new_tokens, ignore_eos=True)
         outcome = read_to_end(stream)
     assert mismatch(canary, outcome) is None, mismatch(canary, outcome)
+    async_batching = host.manager._engine.async_batching
+    if async_batching:
+        assert host.manager._engine.runner.num_placeholder_inputs > 0, "no step was launched ahead"
     report(
-        "faults",
+        "faults (async batching)" if async_batching else "faults",
         load_s=FAULT_LOAD_S,
         wall_s=round(time.monotonic() - started, 1),
         workers=NUM_WORKERS,
