@@ -213,6 +213,7 @@ if result["bench"]:
     if result["bench"]["summary"]:
         summary["cbserve_vs_transformers_cb"] = result["bench"]["summary"].get("cbserve_vs_transformers_cb")
         summary["cbserve_vs_static"] = result["bench"]["summary"].get("cbserve_vs_static")
+        summary["cbserve_vs_cbserve_defaults"] = result["bench"]["summary"].get("cbserve_vs_cbserve_defaults")
 temporary = json_path + ".tmp"
 with open(temporary, "w", encoding="utf-8") as file:
     json.dump(result, file, indent=1)
@@ -375,8 +376,12 @@ fi
 graphs=()
 [[ $CUDA_GRAPHS == 1 && $DEVICE == cuda && $paths_passed == 0 ]] && graphs=(--cuda-graphs --max-blocks-per-request 64)
 [[ $DEVICE == cuda && $async_passed == 0 ]] && graphs+=(--async-batching)
+# With opt-in paths on, cbserve also runs without them: their gain, measured in the same run, and a cbserve
+# figure even if they fail.
+engines=(cbserve transformers_cb static)
+[[ ${#graphs[@]} -gt 0 ]] && engines+=(cbserve_defaults)
 run_step bench 200 "$PYTHON" bench/offline_throughput.py --device "$DEVICE" --dtype "$DTYPE" \
-  "${workload[@]}" "${graphs[@]}" --engines cbserve transformers_cb static --repeats "$REPEATS" --keep-going \
+  "${workload[@]}" "${graphs[@]}" --engines "${engines[@]}" --repeats "$REPEATS" --keep-going \
   --json-out "$WORK/bench.jsonl"
 
 # 6. Sampling on the device.

@@ -43,7 +43,10 @@ from transformers import (
 import engine
 
 BENCH_NAME = "offline_throughput"
-ENGINES = ("cbserve", "transformers_cb", "static")
+ENGINES = ("cbserve", "transformers_cb", "static", "cbserve_defaults")
+# What a run compares unless --engines says otherwise; cbserve_defaults is for runs that turn on cbserve's
+# opt-in paths, to measure them against cbserve without them in the same run.
+DEFAULT_ENGINES = ("cbserve", "transformers_cb", "static")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +218,19 @@ def run_cbserve(
     return _ordered_tokens("cbserve", outputs, len(prompts))
 
 
+def run_cbserve_defaults(
+    model: CausalLM,
+    prompts: list[list[int]],
+    generation_config: GenerationConfig,
+    options: EngineOptions,
+) -> list[list[int]]:
+    """cbserve with none of its opt-in paths (compilation, CUDA graphs, the decode kernel, async batching)."""
+    defaults = dataclasses.replace(
+        options, compile_level=0, cuda_graphs=False, async_batching=False, max_blocks_per_request=0
+    )
+    return run_cbserve(model, prompts, generation_config, defaults)
+
+
 def cbserve_step_breakdown(
     model: CausalLM, prompts: list[list[int]], new_tokens: int, options: EngineOptions
 ) -> dict[str, Any]:
@@ -298,6 +314,7 @@ RUNNERS: dict[str, EngineRunner] = {
     "cbserve": run_cbserve,
     "transformers_cb": run_transformers_cb,
     "static": run_static,
+    "cbserve_defaults": run_cbserve_defaults,
 }
 
 
@@ -520,6 +537,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
             "model": args.model,
             "cbserve_vs_transformers_cb": ratio("transformers_cb"),
             "cbserve_vs_static": ratio("static"),
+            "cbserve_vs_cbserve_defaults": ratio("cbserve_defaults"),
             "parity_cbserve_vs_static": next(
                 (record.get("parity_vs_static") for record in records if record["engine"] == "cbserve"), None
             ),
@@ -595,7 +613,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype", choices=list(DTYPES), default="float32", help="of the weights and the KV caches"
     )
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        choices=ENGINES,
+        default=list(DEFAULT_ENGINES),
+        help="engines to compare (cbserve_defaults: cbserve without the opt-in paths the flags turn on)",
+    )
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--min-prompt", type=int, default=16)
