@@ -69,11 +69,6 @@ class Sampler:
         else:
             self._default_generator.seed()
 
-    def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> SamplerOutput:
-        return self.sample(logits, params, generators).to_output()
-
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> SampledTokens:
