@@ -4,12 +4,12 @@
 #   wheels    installs the wheels carried in .whl/, if any (the H200 image needs none; see bench/README.md)
 #   env       nvidia-smi, Python, torch and package versions, and which imports the check needs are missing
 #   parity    tests/engine/test_greedy_parity.py with the tiny fp32 models on the GPU (CBSERVE_TEST_DEVICE)
-#   paths     tests/engine/test_forward_paths.py and test_paged_decode_kernel.py on the GPU: decode CUDA graphs
-#             (parity, warmup capture), static-shape compilation and the Triton decode kernel, less the
+#   paths     tests/engine/test_forward_paths.py and test_paged_attention_kernel.py on the GPU: decode CUDA graphs
+#             (parity, warmup capture), static-shape compilation and the Triton attention kernel, less the
 #             inductor compile test (its CPU run covers it)
 #   async     tests/engine/test_async_batching.py on the GPU: steps launched ahead of their predecessor's tokens
 #   bench     bench/offline_throughput.py: Qwen3-0.6B shapes (random weights), bf16, 256 requests, prompts
-#             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with decode CUDA graphs and the decode
+#             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with decode CUDA graphs and the attention
 #             kernel when the paths step passed, unless GPU_CHECK_CUDA_GRAPHS=0; with async batching when the
 #             async step passed), transformers_cb and static
 #   sampling  tests/engine/test_sampling.py on the GPU, less its logprobs test, whose tensors stay on the CPU
@@ -354,7 +354,7 @@ run_step parity 120 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/
 
 # 4. Forward paths on the device: decode CUDA graphs, static-shape compilation.
 run_step paths 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_forward_paths.py \
-  tests/engine/test_paged_decode_kernel.py -v -p no:cacheprovider -o timeout=80 --junitxml="$WORK/paths.xml" \
+  tests/engine/test_paged_attention_kernel.py -v -p no:cacheprovider -o timeout=80 --junitxml="$WORK/paths.xml" \
   "${paths_select[@]}"
 paths_passed=$?
 

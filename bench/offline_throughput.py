@@ -224,7 +224,8 @@ def run_cbserve_defaults(
     generation_config: GenerationConfig,
     options: EngineOptions,
 ) -> list[list[int]]:
-    """cbserve with none of its opt-in paths (compilation, CUDA graphs, the decode kernel, async batching)."""
+    """cbserve with none of its opt-in paths (compilation, CUDA graphs, the attention kernel, async
+    batching)."""
     defaults = dataclasses.replace(
         options, compile_level=0, cuda_graphs=False, async_batching=False, max_blocks_per_request=0
     )
@@ -655,7 +656,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max-blocks-per-request",
         type=int,
         default=0,
-        help="cbserve's decode fast path (Triton kernel, cuda only): widest block table it reads; 0 off",
+        help="cbserve's attention kernel path (Triton, cuda only): widest block table it reads; 0 off",
     )
     parser.add_argument("--static-batch-size", type=int, default=16)
     parser.add_argument(

@@ -56,11 +56,11 @@ class ContinuousBatchingConfig:
     max_requests_per_batch: most requests in one batch; bounds the logits tensor, which grows with the
     vocabulary. None infers it from workload hints, falling back to 1024.
 
-    max_blocks_per_request: the decode fast path, where a kernel reads each request's keys in place through
-    its block table (cbserve's own Triton kernel, engine.runner.paged_decode_kernel, where transformers uses
-    `flash_attn_with_kvcache`). A positive value turns it on for decode-only steps whose requests hold at most
-    that many blocks (wider steps gather their keys); 0 or None keeps it off. It needs CUDA, and works with
-    sliding-window layers too.
+    max_blocks_per_request: the kernel path, where a kernel reads each request's keys in place through its
+    block table (cbserve's own Triton kernel, engine.runner.paged_attention_kernel, where transformers uses
+    `flash_attn_with_kvcache` for decode steps). A positive value turns it on for steps whose requests hold
+    at most that many blocks, decode-only steps and steps with prefill chunks alike (wider steps gather
+    their keys); 0 or None keeps it off. It needs CUDA, and works with sliding-window layers too.
 
     allow_block_sharing: enable prefix caching, where requests with a common prefix share its full blocks.
     It is a permission, not an order: it is only honoured for models whose layers all use full attention.
@@ -78,7 +78,7 @@ class ContinuousBatchingConfig:
     are padded so that a bounded number of CUDA graphs covers every batch shape. 0 uses the built-in preset.
 
     varlen_compile_config, decode_compile_config: explicit `transformers.CompileConfig` for the varlen
-    (prefill and mixed) path and the decode fast path. A dict is accepted and converted, so configs shipped
+    (prefill and mixed) path and the decode path. A dict is accepted and converted, so configs shipped
     through `to_dict()` come back intact.
 
     default_compile_level: compile preset used for a path without an explicit config, 0 to 3. Higher levels
@@ -131,9 +131,9 @@ class ContinuousBatchingConfig:
 
     Built: CPU offloading and tensor parallelism (engine.kv.offload, engine.parallel); torch.compile per path
     (the compile levels and configs), CUDA graphs of decode steps with their padding intervals
-    (engine.runner.forward_paths), the decode fast path (`max_blocks_per_request`) and async batching.
+    (engine.runner.forward_paths), the kernel path (`max_blocks_per_request`) and async batching.
     Not built: CUDA graphs of the varlen path and flash-attention kernels (`auto_switch_to_flash`: cbserve
-    runs its own paged SDPA or eager attention and its Triton decode kernel). Their fields are accepted and
+    runs its own paged SDPA or eager attention and its Triton attention kernel). Their fields are accepted and
     validated so that configs written for transformers load, and the engine warns and runs without them.
     """
 

@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--max-blocks-per-request",
         type=int,
-        help="turn on the decode fast path (Triton kernel, CUDA only) for requests of up to N KV blocks",
+        help="turn on the attention kernel (Triton, CUDA only) for requests holding up to N KV blocks",
     )
     engine.add_argument(
         "--cuda-graphs",

@@ -3,7 +3,7 @@
 They live on the CPU unless CBSERVE_TEST_DEVICE names another device (e.g. "cuda"), which moves them
 there, so the parity tests run on a GPU (bench/gpu_check.sh).
 
-On the CPU, Triton kernels (the decode fast path) run under Triton's interpreter. It must be chosen before
+On the CPU, Triton kernels (the kernel path) run under Triton's interpreter. It must be chosen before
 triton is first imported, which torch may do, hence before anything else here.
 """
 

@@ -2,19 +2,20 @@
 
 Unmodified model code calls `attention_interface(module, query, key, value, attention_mask, ...)` with
 the step's tokens packed into one sequence (batch dimension 1). These functions write the new keys and
-values into the paged cache, then attend each request to its own cached tokens, one `AttentionBatch` at
-a time:
+values into the paged cache, then attend each request to its own cached tokens, on one of two paths:
 
-- all decode rows (one query token each) form one batch, padded to the longest row's keys;
-- every prefill chunk is a batch of its own, against its own prefix.
+- the kernel path (`max_blocks_per_request`): `paged_attention_kernel` serves the whole step in one
+  launch, reading keys in place through block tables (`KernelInputs`);
+- the gather path, one `AttentionBatch` at a time: all decode rows (one query token each) form one batch,
+  padded to the longest row's keys; every prefill chunk is a batch of its own, against its own prefix.
 
 So attention work follows each request's own length; there is never one dense mask over every token
 in flight. All new tokens of a layer are written before any are read, which lets requests scheduled in
 the same step share prefix blocks that step fills.
 
-Everything a batch needs (gather indices, slots, masks) is built once per step by the model runner, so
-a layer runs tensor operations only: a decode-only step is traceable by torch.compile and capturable
-in a CUDA graph.
+Everything a step needs (gather indices, slots, masks, block tables) is built once per step by the model
+runner, so a layer runs tensor operations and kernel launches only: a decode-only step is traceable by
+torch.compile and capturable in a CUDA graph.
 
 Grouped-query attention never repeats keys: the query heads that share a key head are folded into the
 query axis, `[S, Q, H, D] -> [S, H_kv, G * Q, D]`, and masks are built for that folded axis.
@@ -31,11 +32,14 @@ import torch
 import torch.nn.functional as F
 
 CBSERVE_ATTENTION_PREFIX = "cbserve|"
+# Queries per kernel tile in steps with prefill chunks (decode-only steps use one): enough rows for
+# tensor-core dots, few enough that a short chunk wastes little.
+PREFILL_QUERIES_PER_TILE = 16
 
 
 @dataclass
 class AttentionBatch:
-    """S requests' queries padded to Q each, every request attending to its own K keys.
+    """S requests' queries padded to Q each, every request attending to its own K keys (the gather path).
 
     Padding queries (past a request's own query count) gather some real row and are dropped from the
     result; padding keys read the null block and are masked. Invariant: every mask row allows at least
@@ -48,29 +52,35 @@ class AttentionBatch:
     real_queries: torch.Tensor | None
     # [N] packed rows the real queries fill; None when the batch covers rows 0..N-1 in order.
     output_rows: torch.Tensor | None
-    # The gather path: per cache group, [S, K] slot of each key and the additive [S, 1, G * Q, K] mask.
+    # Per cache group, [S, K] slot of each key and the additive [S, 1, G * Q, K] mask.
     key_slots: list[torch.Tensor]
     masks: list[torch.Tensor]
-    # The decode fast path instead (Q == 1, no key_slots or masks): the kernel reads keys in place.
-    block_table_keys: BlockTableKeys | None = None
 
     def step_tensors(self) -> list[torch.Tensor]:
         """The per-step tensors this batch reads, in a fixed order (what a CUDA graph copies in)."""
-        tensors = [self.query_rows, *self.key_slots, *self.masks]
-        if self.block_table_keys is not None:
-            keys = self.block_table_keys
-            tensors += [*keys.block_tables, *keys.first_positions, keys.seq_lens]
-        return tensors
+        return [self.query_rows, *self.key_slots, *self.masks]
 
 
 @dataclass
-class BlockTableKeys:
-    """Where a decode batch's keys are, for `paged_decode_kernel`: row s reads positions
-    first_positions[g][s] .. seq_lens[s] - 1 of group g through block_tables[g][s]."""
+class KernelInputs:
+    """A whole step for `paged_attention_kernel`, which reads keys in place (the kernel path).
 
-    block_tables: list[torch.Tensor]  # per cache group: [S, W] block ids, padded with the null block
-    first_positions: list[torch.Tensor]  # per cache group: [S]
-    seq_lens: torch.Tensor  # [S]
+    Request r owns packed rows query_starts[r] .. query_starts[r + 1] - 1, the last of its seq_lens[r]
+    positions, and finds its keys in cache group g through block_tables[g][r]. Tiles of up to
+    `queries_per_tile` queries are the kernel's units of work: tile p covers queries tile_offsets[p] on of
+    request tile_requests[p] (-1: a padding tile).
+    """
+
+    block_tables: list[torch.Tensor]  # per cache group: [R, W] block ids, padded with the null block
+    query_starts: torch.Tensor  # [R + 1]
+    seq_lens: torch.Tensor  # [R]
+    tile_requests: torch.Tensor  # [P]
+    tile_offsets: torch.Tensor  # [P]
+    queries_per_tile: int
+
+    def step_tensors(self) -> list[torch.Tensor]:
+        """The per-step tensors the kernel reads, in a fixed order (what a CUDA graph copies in)."""
+        return [*self.block_tables, self.query_starts, self.seq_lens, self.tile_requests, self.tile_offsets]
 
 
 @dataclass
@@ -80,14 +90,25 @@ class PagedAttentionMetadata:
     key_caches: list[torch.Tensor]  # per model layer [num_slots, num_kv_heads, head_dim] of its group
     value_caches: list[torch.Tensor]
     layer_groups: list[int]  # per model layer: index of its cache group
+    sliding_windows: list[int | None]  # per cache group
     write_slots: list[torch.Tensor]  # per cache group: [num_packed_tokens] where each new token's KV goes
-    # A decode-only step has one batch, covering every packed row in order; otherwise every batch names
-    # the rows it fills.
+    # The gather path: a decode-only step has one batch, covering every packed row in order; otherwise
+    # every batch names the rows it fills. Empty on the kernel path.
     batches: list[AttentionBatch]
     is_decode_only: bool
     page_size: int
-    # The decode fast-path kernel (`paged_decode_kernel.paged_decode_attention`), when batches use it.
-    decode_kernel: Callable[..., torch.Tensor] | None = None
+    # The kernel path instead: `paged_attention_kernel.paged_attention` and its inputs.
+    attention_kernel: Callable[..., torch.Tensor] | None = None
+    kernel_inputs: KernelInputs | None = None
+
+    def step_tensors(self) -> list[torch.Tensor]:
+        """Every per-step tensor attention reads, in a fixed order (the caches are not per-step)."""
+        tensors = list(self.write_slots)
+        for batch in self.batches:
+            tensors.extend(batch.step_tensors())
+        if self.kernel_inputs is not None:
+            tensors.extend(self.kernel_inputs.step_tensors())
+        return tensors
 
 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float | None], torch.Tensor]
@@ -153,6 +174,9 @@ def paged_attention(
             softcap=softcap,
             **kwargs,
         )
+    if paged_metadata.kernel_inputs is not None:
+        in_place = _kernel_attention if paged_metadata.is_decode_only else _varlen_kernel_attention
+        return in_place(module, query, key, value, paged_metadata, scaling, softcap), None
     if not paged_metadata.is_decode_only:
         return _varlen_attention(kernel, module, query, key, value, paged_metadata, scaling, softcap), None
     return _decode_attention(kernel, module, query, key, value, paged_metadata, scaling, softcap), None
@@ -178,6 +202,41 @@ def _write_caches(
     return query[0].transpose(0, 1), key_cache, value_cache, group, scale
 
 
+def _kernel_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scaling: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The kernel path: one launch for the whole step, keys read in place."""
+    rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
+    inputs = meta.kernel_inputs
+    assert inputs is not None and meta.attention_kernel is not None
+    return meta.attention_kernel(
+        rows,
+        key_cache,
+        value_cache,
+        inputs.block_tables[group],
+        inputs.query_starts,
+        inputs.seq_lens,
+        inputs.tile_requests,
+        inputs.tile_offsets,
+        inputs.queries_per_tile,
+        meta.page_size,
+        scale,
+        softcap,
+        meta.sliding_windows[group],
+    )[None]
+
+
+# Steps with prefill chunks run their attention outside any compiled graph, on either path: their tile
+# count changes every step (see `_varlen_attention`).
+_varlen_kernel_attention = torch.compiler.disable(_kernel_attention)
+
+
 def _decode_attention(
     kernel: Kernel,
     module: torch.nn.Module,
@@ -188,24 +247,9 @@ def _decode_attention(
     scaling: float | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """A decode-only step: one batch covering every packed row in order."""
+    """A decode-only step on the gather path: one batch covering every packed row in order."""
     rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
-    batch = meta.batches[0]
-    keys = batch.block_table_keys
-    if keys is not None:
-        assert meta.decode_kernel is not None
-        return meta.decode_kernel(
-            rows,
-            key_cache,
-            value_cache,
-            keys.block_tables[group],
-            keys.seq_lens,
-            keys.first_positions[group],
-            meta.page_size,
-            scale,
-            softcap,
-        )[None]
-    return attend(kernel, batch, group, rows, key_cache, value_cache, scale, softcap)[None]
+    return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap)[None]
 
 
 @torch.compiler.disable

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import ContinuousBatchingConfig
-from engine.runner.attention import AttentionBatch, BlockTableKeys, PagedAttentionMetadata
+from engine.runner.attention import AttentionBatch, KernelInputs, PagedAttentionMetadata
 from engine.runner.inputs import BatchInputs, Padding, padded_sizes
 
 if TYPE_CHECKING:
@@ -127,11 +127,7 @@ class _CapturedGraph:
 
 def _tensors_of(inputs: BatchInputs) -> list[torch.Tensor]:
     """Every per-step tensor of a decode step, in a fixed order (the caches are not per-step)."""
-    meta = inputs.metadata
-    tensors = [inputs.input_ids, inputs.position_ids, inputs.logits_indices, *meta.write_slots]
-    for batch in meta.batches:
-        tensors.extend(batch.step_tensors())
-    return tensors
+    return [inputs.input_ids, inputs.position_ids, inputs.logits_indices, *inputs.metadata.step_tensors()]
 
 
 def graph_key(inputs: BatchInputs) -> tuple[tuple[int, ...], ...]:
@@ -184,26 +180,32 @@ class DecodeGraphs:
 def _clone_step(inputs: BatchInputs) -> BatchInputs:
     """A copy of a decode step whose tensors are the graph's own (static) buffers."""
     meta = inputs.metadata
-    batches = []
-    for batch in meta.batches:
-        keys = batch.block_table_keys
-        batches.append(
-            AttentionBatch(
-                query_rows=batch.query_rows.clone(),
-                real_queries=None,
-                output_rows=None,
-                key_slots=[slots.clone() for slots in batch.key_slots],
-                masks=[mask.clone() for mask in batch.masks],
-                block_table_keys=None
-                if keys is None
-                else BlockTableKeys(
-                    block_tables=[table.clone() for table in keys.block_tables],
-                    first_positions=[first.clone() for first in keys.first_positions],
-                    seq_lens=keys.seq_lens.clone(),
-                ),
-            )
+    batches = [
+        AttentionBatch(
+            query_rows=batch.query_rows.clone(),
+            real_queries=None,
+            output_rows=None,
+            key_slots=[slots.clone() for slots in batch.key_slots],
+            masks=[mask.clone() for mask in batch.masks],
         )
-    metadata = replace(meta, write_slots=[slots.clone() for slots in meta.write_slots], batches=batches)
+        for batch in meta.batches
+    ]
+    kernel_inputs = meta.kernel_inputs
+    if kernel_inputs is not None:
+        kernel_inputs = KernelInputs(
+            block_tables=[table.clone() for table in kernel_inputs.block_tables],
+            query_starts=kernel_inputs.query_starts.clone(),
+            seq_lens=kernel_inputs.seq_lens.clone(),
+            tile_requests=kernel_inputs.tile_requests.clone(),
+            tile_offsets=kernel_inputs.tile_offsets.clone(),
+            queries_per_tile=kernel_inputs.queries_per_tile,
+        )
+    metadata = replace(
+        meta,
+        write_slots=[slots.clone() for slots in meta.write_slots],
+        batches=batches,
+        kernel_inputs=kernel_inputs,
+    )
     return replace(
         inputs,
         input_ids=inputs.input_ids.clone(),
@@ -236,7 +238,7 @@ class ForwardPaths:
             if use_decode_graphs(config, device, model)
             else None
         )
-        self.decode_kernel = load_decode_kernel(config, device)
+        self.attention_kernel = load_attention_kernel(config, device)
         self.max_blocks_per_request = config.max_blocks_per_request or 0
         decode_compile = self.compile_configs["decode"]
         static_shapes = decode_compile is not None and decode_compile.dynamic is False
@@ -289,10 +291,10 @@ def use_decode_graphs(config: ContinuousBatchingConfig, device: torch.device, mo
     return True
 
 
-def load_decode_kernel(
+def load_attention_kernel(
     config: ContinuousBatchingConfig, device: torch.device
 ) -> Callable[..., torch.Tensor] | None:
-    """The decode fast-path kernel (`paged_decode_kernel`) when the config asks for it and it can run here.
+    """The paged attention kernel (`paged_attention_kernel`) when the config asks for it and it can run here.
 
     Only a positive `max_blocks_per_request` turns it on (None means off): the kernel has been checked
     under Triton's interpreter, not yet on a GPU. It runs on CUDA, or on any device under
@@ -302,16 +304,14 @@ def load_decode_kernel(
         return None
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         logger.warning(
-            "max_blocks_per_request: the decode fast path needs CUDA (or TRITON_INTERPRET=1); the model "
-            "is on %s, so decode steps gather their keys",
+            "max_blocks_per_request: the attention kernel needs CUDA (or TRITON_INTERPRET=1); the model "
+            "is on %s, so steps gather their keys",
             device,
         )
         return None
     try:
-        from engine.runner.paged_decode_kernel import paged_decode_attention
+        from engine.runner.paged_attention_kernel import paged_attention
     except ImportError as error:
-        logger.warning(
-            "max_blocks_per_request: Triton is not usable (%s); decode steps gather their keys", error
-        )
+        logger.warning("max_blocks_per_request: Triton is not usable (%s); steps gather their keys", error)
         return None
-    return paged_decode_attention
+    return paged_attention

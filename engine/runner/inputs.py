@@ -21,7 +21,12 @@ import torch
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
-from engine.runner.attention import AttentionBatch, BlockTableKeys, PagedAttentionMetadata
+from engine.runner.attention import (
+    PREFILL_QUERIES_PER_TILE,
+    AttentionBatch,
+    KernelInputs,
+    PagedAttentionMetadata,
+)
 from engine.runner.device_copies import to_device
 from engine.scheduler import SchedulerOutput
 
@@ -103,11 +108,11 @@ class InputBuilder:
         num_query_heads_per_kv_head: int,
         dtype: torch.dtype,
         device: torch.device,
-        decode_kernel: Callable[..., torch.Tensor] | None = None,
+        attention_kernel: Callable[..., torch.Tensor] | None = None,
         max_blocks_per_request: int = 0,
     ) -> None:
-        """With `decode_kernel`, decode-only steps whose requests hold at most `max_blocks_per_request`
-        blocks use the fast path (block tables, no gathered keys or masks); other steps gather."""
+        """With `attention_kernel`, steps whose requests hold at most `max_blocks_per_request` blocks take
+        the kernel path (block tables, no gathered keys or masks); other steps gather."""
         self.groups = list(groups)
         self.key_caches = key_caches
         self.value_caches = value_caches
@@ -117,7 +122,7 @@ class InputBuilder:
         self.group_size = num_query_heads_per_kv_head
         self.dtype = dtype
         self.device = device
-        self.decode_kernel = decode_kernel
+        self.attention_kernel = attention_kernel
         self.max_blocks_per_request = max_blocks_per_request
 
     def build(
@@ -174,23 +179,27 @@ class InputBuilder:
             logits_rows = list(range(num_rows))
 
         keys_interval = padding.keys_interval if is_decode_only and padding is not None else None
-        batches = []
-        if decode and is_decode_only and self.decode_kernel is not None:
-            fast = self._block_table_batch(decode, keys_interval)
-            batches = [fast] if fast is not None else []
-        if decode and not batches:
-            batches = [self._batch(decode, keys_interval, covers_all_rows=is_decode_only)]
-        batches.extend(self._batch([chunk], None, covers_all_rows=False) for chunk in prefill)
         all_chunks = decode + prefill
+        kernel_inputs = None
+        if self.attention_kernel is not None:
+            queries_per_tile = 1 if is_decode_only else PREFILL_QUERIES_PER_TILE
+            kernel_inputs = self._kernel_inputs(all_chunks, keys_interval, queries_per_tile)
+        batches = []
+        if kernel_inputs is None:
+            if decode:
+                batches.append(self._batch(decode, keys_interval, covers_all_rows=is_decode_only))
+            batches.extend(self._batch([chunk], None, covers_all_rows=False) for chunk in prefill)
         metadata = PagedAttentionMetadata(
             key_caches=self.key_caches,
             value_caches=self.value_caches,
             layer_groups=self.layer_groups,
+            sliding_windows=[group.sliding_window for group in self.groups],
             write_slots=[self._write_slots(group, all_chunks) for group in range(len(self.groups))],
             batches=batches,
             is_decode_only=is_decode_only,
             page_size=self.page_size,
-            decode_kernel=self.decode_kernel,
+            attention_kernel=self.attention_kernel if kernel_inputs is not None else None,
+            kernel_inputs=kernel_inputs,
         )
         device = self.device
         packed_ids = to_device(input_ids, torch.long, device)
@@ -280,12 +289,15 @@ class InputBuilder:
             masks=masks,
         )
 
-    def _block_table_batch(self, chunks: list[_Chunk], keys_interval: int | None) -> AttentionBatch | None:
-        """The decode fast path's batch, or None when a request's table is wider than the kernel takes.
+    def _kernel_inputs(
+        self, chunks: list[_Chunk], keys_interval: int | None, queries_per_tile: int
+    ) -> KernelInputs | None:
+        """The kernel path's inputs, or None when a request's table is wider than the kernel takes.
 
         With padding, the table width is rounded up like the key width, so graphs see few shapes.
         """
         device = self.device
+        chunks = sorted(chunks, key=lambda chunk: chunk.row)
         tables = [[self._table(chunk, group) for chunk in chunks] for group in range(len(self.groups))]
         width = max(len(table) for group_tables in tables for table in group_tables)
         if keys_interval is not None:
@@ -301,18 +313,22 @@ class InputBuilder:
             )
             for group_tables in tables
         ]
-        first_positions = [
-            to_device([self._first_key_position(group, chunk.start) for chunk in chunks], torch.int32, device)
-            for group in range(len(self.groups))
-        ]
-        seq_lens = to_device([chunk.end for chunk in chunks], torch.int32, device)
-        return AttentionBatch(
-            query_rows=torch.arange(len(chunks), device=device).unsqueeze(1),
-            real_queries=None,
-            output_rows=None,
-            key_slots=[],
-            masks=[],
-            block_table_keys=BlockTableKeys(block_tables, first_positions, seq_lens),
+        # Each request's rows follow the previous request's: packing puts a request's new tokens together.
+        query_starts = [chunk.row for chunk in chunks]
+        query_starts.append(query_starts[-1] + chunks[-1].end - chunks[-1].start)
+        tile_requests: list[int] = []
+        tile_offsets: list[int] = []
+        for index, chunk in enumerate(chunks):
+            offsets = range(0, chunk.end - chunk.start, queries_per_tile)
+            tile_requests.extend([index] * len(offsets))
+            tile_offsets.extend(offsets)
+        return KernelInputs(
+            block_tables=block_tables,
+            query_starts=to_device(query_starts, torch.int32, device),
+            seq_lens=to_device([chunk.end for chunk in chunks], torch.int32, device),
+            tile_requests=to_device(tile_requests, torch.int32, device),
+            tile_offsets=to_device(tile_offsets, torch.int32, device),
+            queries_per_tile=queries_per_tile,
         )
 
     def _group_keys(

@@ -112,7 +112,7 @@ class ModelRunner:
             num_heads // num_kv_heads,
             kv_caches[0].key_caches[0].dtype,
             self.device,
-            self.forward_paths.decode_kernel,
+            self.forward_paths.attention_kernel,
             self.forward_paths.max_blocks_per_request,
         )
 

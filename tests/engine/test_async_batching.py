@@ -199,7 +199,7 @@ def test_a_step_that_fails_to_launch_fails_its_requests_and_the_loop_keeps_servi
 
 @pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="CUDA graphs need CBSERVE_TEST_DEVICE=cuda")
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_greedy_parity_with_decode_graphs_and_the_decode_kernel(family):
+def test_greedy_parity_with_decode_graphs_and_the_attention_kernel(family):
     """Placeholder inputs go into a graph's static input buffer; the kernel reads their fresh keys."""
     model = tiny_model(family)
     prompts = [random_prompt(length, seed=900 + length) for length in (1, 9, 30, 70)]

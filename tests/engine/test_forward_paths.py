@@ -115,7 +115,7 @@ def test_cuda_graphs_requested_on_the_cpu_warn_and_run_without(caplog: pytest.Lo
 
 
 @needs_cuda
-@pytest.mark.parametrize("max_blocks_per_request", [0, 32], ids=["gather", "decode_kernel"])
+@pytest.mark.parametrize("max_blocks_per_request", [0, 32], ids=["gather", "attention_kernel"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_cuda_graphs_keep_parity(family: str, max_blocks_per_request: int) -> None:
     model = tiny_model(family)

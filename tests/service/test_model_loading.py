@@ -31,7 +31,7 @@ def test_an_unknown_dtype_names_the_choices() -> None:
         resolve_placement("cpu", "int4")
 
 
-def test_serve_flags_turn_on_compilation_decode_graphs_the_decode_kernel_and_async_batching() -> None:
+def test_serve_flags_turn_on_compilation_decode_graphs_the_attention_kernel_and_async_batching() -> None:
     from service.cli import _parser, engine_config
 
     arguments = [

@@ -1,0 +1,184 @@
+"""The kernel path: cbserve's Triton kernel reading keys in place through block tables, for decode-only
+steps and steps with prefill chunks alike.
+
+On the CPU the kernel runs under Triton's interpreter; with CBSERVE_TEST_DEVICE=cuda (bench/gpu_check.sh)
+it is compiled and run on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine import ContinuousBatchingConfig
+from engine.runner.attention import PREFILL_QUERIES_PER_TILE
+from tests.conftest import TEST_DEVICE, assert_greedy_parity, generate_greedy, random_prompt, tiny_model
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(scope="module")
+def kernel_module() -> object:
+    """The kernel module: compiled on a GPU, interpreted on the CPU (tests/conftest.py sets
+    TRITON_INTERPRET=1 before triton is first imported)."""
+    if TEST_DEVICE.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.fail("on the CPU these tests need TRITON_INTERPRET=1 from tests/conftest.py")
+    import engine.runner.paged_attention_kernel as module
+
+    return module
+
+
+def _reference(
+    queries, key_cache, value_cache, tables, query_starts, seq_lens, page_size, scale, softcap, window
+):
+    """Per request, query and head: gather the keys the query may see by position, softmax in fp32."""
+    num_heads = queries.shape[1]
+    group = num_heads // key_cache.shape[1]
+    output = torch.zeros_like(queries)
+    for request in range(seq_lens.shape[0]):
+        first_row, end_row = int(query_starts[request]), int(query_starts[request + 1])
+        context = int(seq_lens[request]) - (end_row - first_row)
+        for index, row in enumerate(range(first_row, end_row)):
+            position = context + index
+            first = 0 if window is None else max(0, position - window + 1)
+            positions = torch.arange(first, position + 1, device=queries.device)
+            slots = tables[request].long()[positions // page_size] * page_size + positions % page_size
+            keys, values = key_cache[slots].float(), value_cache[slots].float()
+            for head in range(num_heads):
+                scores = keys[:, head // group] @ queries[row, head].float() * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                attended = torch.softmax(scores, 0) @ values[:, head // group]
+                output[row, head] = attended.to(queries.dtype)
+    return output
+
+
+# (context, new queries) of each request: decode rows, a prompt's first chunk, later chunks of long
+# prompts, chunks longer than a tile and shorter than one.
+MIXED_STEP = [(10, 1), (0, 37), (40, 5), (70, 1), (3, 20), (150, 16)]
+DECODE_STEP = [(0, 1), (6, 1), (32, 1), (63, 1), (149, 1)]
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "page_size", "softcap", "window"),
+    [
+        (4, 4, 16, 4, None, None),  # no grouping, pages smaller than a key tile
+        (8, 2, 64, 16, None, None),  # 4 query heads per KV head
+        (6, 2, 24, 16, None, 10),  # head_dim not a power of two; windows shorter than a chunk
+        (4, 2, 16, 8, 50.0, 24),  # Gemma 2's softcapping with its sliding window
+        (4, 2, 32, 64, None, None),  # pages larger than a key tile
+    ],
+)
+@pytest.mark.parametrize("step", ["mixed", "decode"])
+def test_kernel_matches_a_gathered_softmax(
+    kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window
+) -> None:
+    generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim + page_size)
+    shape = MIXED_STEP if step == "mixed" else DECODE_STEP
+    queries_per_tile = PREFILL_QUERIES_PER_TILE if step == "mixed" else 1
+    seq_lens = torch.tensor([context + count for context, count in shape])
+    counts = [count for _, count in shape]
+    query_starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    num_blocks = 64
+    key_cache = torch.randn(num_blocks * page_size, num_kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_blocks * page_size, num_kv_heads, head_dim, generator=generator)
+    width = -(-int(seq_lens.max()) // page_size) + 2  # wider than needed: padding entries are never read
+    tables = torch.stack([torch.randperm(num_blocks - 1, generator=generator)[:width] + 1 for _ in shape])
+    tile_requests, tile_offsets = [], []
+    for request, count in enumerate(counts):
+        for offset in range(0, count, queries_per_tile):
+            tile_requests.append(request)
+            tile_offsets.append(offset)
+    # Two padding tiles, and three packed rows no request owns (a padded step's shape): both stay zero.
+    tile_requests += [-1, -1]
+    tile_offsets += [0, 0]
+    num_rows = int(query_starts[-1]) + 3
+    queries = torch.randn(num_rows, num_heads, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    tensors = [queries, key_cache, value_cache, tables.int(), query_starts.int(), seq_lens.int()]
+    device_tensors = [tensor.to(TEST_DEVICE) for tensor in tensors]
+    tiles = [
+        torch.tensor(values, dtype=torch.int32, device=TEST_DEVICE)
+        for values in (tile_requests, tile_offsets)
+    ]
+    output = kernel_module.paged_attention(
+        *device_tensors, *tiles, queries_per_tile, page_size, scale, softcap, window
+    )
+    expected = _reference(*device_tensors, page_size, scale, softcap, window)
+    torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)
+
+
+PROMPT_LENGTHS = (5, 9, 16, 17, 40, 90)
+NEW_TOKENS = (30, 9, 33, 12, 25, 18)
+
+
+def _generate_counting_kernel_calls(kernel_module, monkeypatch, model, config, prompts=None):
+    """Greedy generation asserted equal to model.generate; returns the queries-per-tile of every kernel
+    call (1: a decode-only step, more: a step with prefill chunks)."""
+    calls = []
+    original = kernel_module.paged_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[8])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_module, "paged_attention", counting)
+    if prompts is None:
+        prompts = [random_prompt(length, seed=700 + length) for length in PROMPT_LENGTHS]
+    new_tokens = NEW_TOKENS[: len(prompts)]
+    generated, _ = generate_greedy(model, config, prompts, new_tokens)
+    assert_greedy_parity(model, prompts, new_tokens, generated, "kernel path")
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma2"])
+def test_kernel_path_keeps_parity(kernel_module, monkeypatch, family: str) -> None:
+    """Full, sliding (Mistral) and hybrid (Gemma 2: both groups, softcapping) attention; a 48-token budget
+    chunks the long prompts, so steps mix chunks with decode rows."""
+    config = ContinuousBatchingConfig(
+        page_size=8, num_blocks=160, max_batch_tokens=48, max_blocks_per_request=32
+    )
+    calls = _generate_counting_kernel_calls(kernel_module, monkeypatch, tiny_model(family), config)
+    assert 1 in calls, "no decode-only step used the kernel"
+    assert any(tile > 1 for tile in calls), "no step with prefill chunks used the kernel"
+
+
+def test_requests_sharing_a_prefix_in_one_step_read_blocks_that_step_writes(
+    kernel_module, monkeypatch
+) -> None:
+    """Prefix caching: every layer writes all new keys before the kernel reads any, so requests admitted
+    together may share the prefix blocks they fill."""
+    shared = random_prompt(24, seed=5)
+    prompts = [shared + random_prompt(length, seed=50 + length) for length in (3, 8, 13)]
+    config = ContinuousBatchingConfig(
+        page_size=8, num_blocks=160, max_batch_tokens=256, max_blocks_per_request=32, allow_block_sharing=True
+    )
+    calls = _generate_counting_kernel_calls(kernel_module, monkeypatch, tiny_model("llama"), config, prompts)
+    assert any(tile > 1 for tile in calls)
+
+
+def test_requests_wider_than_max_blocks_per_request_gather_instead(kernel_module, monkeypatch) -> None:
+    # Every prompt spans at least two 4-token pages, more than the one block the kernel may read.
+    config = ContinuousBatchingConfig(
+        page_size=4, num_blocks=400, max_batch_tokens=48, max_blocks_per_request=1
+    )
+    calls = _generate_counting_kernel_calls(kernel_module, monkeypatch, tiny_model("llama"), config)
+    assert calls == []
+
+
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="checks the warning on a device without CUDA")
+def test_kernel_asked_for_on_the_cpu_without_the_interpreter_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from engine.runner.forward_paths import load_attention_kernel
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with caplog.at_level("WARNING", logger="engine.runner.forward_paths"):
+        kernel = load_attention_kernel(
+            ContinuousBatchingConfig(max_blocks_per_request=16), torch.device("cpu")
+        )
+    assert kernel is None
+    assert "the attention kernel needs CUDA" in caplog.text
+    assert load_attention_kernel(ContinuousBatchingConfig(), torch.device("cpu")) is None
