@@ -4,12 +4,12 @@
 #   wheels    installs the wheels carried in .whl/, if any (the H200 image needs none; see bench/README.md)
 #   env       nvidia-smi, Python, torch and package versions, and which imports the check needs are missing
 #   parity    tests/engine/test_greedy_parity.py with the tiny fp32 models on the GPU (CBSERVE_TEST_DEVICE)
-#   paths     tests/engine/test_forward_paths.py and test_paged_attention_kernel.py on the GPU: decode CUDA graphs
-#             (parity, warmup capture), static-shape compilation and the Triton attention kernel, less the
+#   paths     tests/engine/test_forward_paths.py and test_paged_attention_kernel.py on the GPU: decode and varlen
+#             CUDA graphs (parity, warmup capture), static-shape compilation and the Triton attention kernel, less the
 #             inductor compile test (its CPU run covers it)
 #   async     tests/engine/test_async_batching.py on the GPU: steps launched ahead of their predecessor's tokens
 #   bench     bench/offline_throughput.py: Qwen3-0.6B shapes (random weights), bf16, 256 requests, prompts
-#             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with decode CUDA graphs and the attention
+#             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with CUDA graphs of both paths and the attention
 #             kernel when the paths step passed, unless GPU_CHECK_CUDA_GRAPHS=0; with async batching when the
 #             async step passed), transformers_cb and static
 #   sampling  tests/engine/test_sampling.py on the GPU, less its logprobs test, whose tensors stay on the CPU
@@ -346,14 +346,14 @@ paths_select=(-k "not inductor and not warns")
 sampling_select=(-k "not logprobs")
 if [[ $SMALL == 1 ]]; then
   parity_select=(-k "generate_batch_returns or chunked_prefill")
-  paths_select=(-k "padded_sizes or cuda_graphs or warmup or fast_path_keeps")
+  paths_select=(-k "padded_sizes or cuda_graphs or warmup or kernel_path_keeps")
   sampling_select=(-k "limits_of_sampling and not logprobs")
 fi
 run_step parity 120 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_greedy_parity.py \
   -v -p no:cacheprovider -o timeout=90 --junitxml="$WORK/parity.xml" "${parity_select[@]}"
 
-# 4. Forward paths on the device: decode CUDA graphs, static-shape compilation.
-run_step paths 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_forward_paths.py \
+# 4. Forward paths on the device: decode and varlen CUDA graphs, static-shape compilation, the attention kernel.
+run_step paths 120 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_forward_paths.py \
   tests/engine/test_paged_attention_kernel.py -v -p no:cacheprovider -o timeout=80 --junitxml="$WORK/paths.xml" \
   "${paths_select[@]}"
 paths_passed=$?

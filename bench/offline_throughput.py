@@ -645,7 +645,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="cbserve's default_compile_level (torch.compile; the untimed warmup run compiles)",
     )
     parser.add_argument(
-        "--cuda-graphs", action="store_true", help="cbserve replays CUDA graphs for decode steps (cuda only)"
+        "--cuda-graphs",
+        action="store_true",
+        help="cbserve replays CUDA graphs (cuda only; varlen steps need --max-blocks-per-request)",
     )
     parser.add_argument(
         "--async-batching",

@@ -72,10 +72,15 @@ class ContinuousBatchingConfig:
     results are the same and nothing overlaps.
 
     use_cuda_graph: capture and replay CUDA graphs. A bool applies to both execution paths, a tuple
-    `(varlen, decode)` sets each path on its own, None decides automatically (see `cuda_graph_flags`).
+    `(varlen, decode)` sets each path on its own; None keeps them off (not yet verified on a GPU here).
+    Graphs need CUDA and an unsharded model; varlen graphs (steps with prefill chunks) also need the
+    kernel path (`max_blocks_per_request`), whose launch shape does not depend on the chunks.
 
     q_padding_interval_size, kv_padding_interval_size: granularity, in tokens, to which query and KV lengths
-    are padded so that a bounded number of CUDA graphs covers every batch shape. 0 uses the built-in preset.
+    are padded so that a bounded number of CUDA graphs covers every batch shape: decode rows and the
+    requests of a varlen step, and the packed tokens of a varlen step, round to powers of two below the
+    query interval and to multiples of it above; key widths to multiples of the KV interval. 0 uses the
+    built-in presets (queries: 16 for rows and requests, 256 for packed tokens; keys: 256).
 
     varlen_compile_config, decode_compile_config: explicit `transformers.CompileConfig` for the varlen
     (prefill and mixed) path and the decode path. A dict is accepted and converted, so configs shipped
@@ -130,11 +135,11 @@ class ContinuousBatchingConfig:
     `page_size`).
 
     Built: CPU offloading and tensor parallelism (engine.kv.offload, engine.parallel); torch.compile per path
-    (the compile levels and configs), CUDA graphs of decode steps with their padding intervals
+    (the compile levels and configs), CUDA graphs of both paths with their padding intervals
     (engine.runner.forward_paths), the kernel path (`max_blocks_per_request`) and async batching.
-    Not built: CUDA graphs of the varlen path and flash-attention kernels (`auto_switch_to_flash`: cbserve
-    runs its own paged SDPA or eager attention and its Triton attention kernel). Their fields are accepted and
-    validated so that configs written for transformers load, and the engine warns and runs without them.
+    Not built: flash-attention kernels (`auto_switch_to_flash` is accepted and validated so that configs
+    written for transformers load; cbserve runs its own paged SDPA or eager attention and its Triton
+    attention kernel).
     """
 
     page_size: int = _DEFAULT_PAGE_SIZE
@@ -277,15 +282,8 @@ class ContinuousBatchingConfig:
             return _MAX_MEMORY_PERCENT_WITH_LOGIT_PROCESSING
         return _MAX_MEMORY_PERCENT
 
-    def requested_unbuilt_features(self) -> list[str]:
-        """The GPU paths this config asks for that the engine does not have (it runs without them)."""
-        requested = []
-        if self.cuda_graph_flags()[0]:
-            requested.append("CUDA graphs of the varlen path (use_cuda_graph)")
-        return requested
-
     def cuda_graph_flags(self) -> tuple[bool | None, bool | None]:
-        """`use_cuda_graph` as a `(varlen, decode)` pair; None in a slot means "decide automatically"."""
+        """`use_cuda_graph` as a `(varlen, decode)` pair; None in a slot leaves that path without graphs."""
         if self.use_cuda_graph is None or isinstance(self.use_cuda_graph, bool):
             return self.use_cuda_graph, self.use_cuda_graph
         varlen, decode = self.use_cuda_graph

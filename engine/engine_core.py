@@ -102,12 +102,6 @@ class EngineCore:
         self.model = model
         self.config = config
         self.device = model_device(model)
-        unbuilt = config.requested_unbuilt_features()
-        if unbuilt:
-            logger.warning(
-                "not built in cbserve, so ignored: %s",
-                ", ".join(unbuilt),
-            )
         text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
         self.vocab_size: int = text_config.vocab_size
         self.max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)

@@ -96,7 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="replay CUDA graphs for decode steps (CUDA only, one model rank; captured before serving)",
+        help=(
+            "replay CUDA graphs (CUDA only, one model rank): of decode steps, captured before serving, and "
+            "of steps with prefill chunks when --max-blocks-per-request is set, captured on first use"
+        ),
     )
     engine.add_argument(
         "--async-batching",
@@ -133,7 +136,7 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     if args.compile_level is not None:
         values["default_compile_level"] = args.compile_level
     if args.cuda_graphs:
-        values["use_cuda_graph"] = (False, True)
+        values["use_cuda_graph"] = True
     if args.async_batching:
         values["use_async_batching"] = True
     return ContinuousBatchingConfig(**values)

@@ -308,4 +308,4 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) ->
 def _compiles_or_captures(config: ContinuousBatchingConfig) -> bool:
     """Whether the engine compiles code (torch.compile, the Triton attention kernel) or captures graphs."""
     compiles = any(config.compile_config_for(path) is not None for path in ("varlen", "decode"))
-    return compiles or bool(config.cuda_graph_flags()[1]) or bool(config.max_blocks_per_request)
+    return compiles or any(config.cuda_graph_flags()) or bool(config.max_blocks_per_request)

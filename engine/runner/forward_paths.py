@@ -7,7 +7,9 @@ Steps take one of two paths, as in transformers' continuous batching:
   shapes are on, the step is padded (`engine.runner.inputs`) so a bounded set of shapes recurs.
 - varlen: prefill chunks, possibly mixed with decode rows. Chunk count and lengths change every step,
   so attention runs outside any compiled graph (`attention._varlen_attention`) and only the layers
-  around it compile; this path is never captured in a CUDA graph.
+  around it compile. On the kernel path (`max_blocks_per_request`) one launch serves any mix of chunks,
+  so with varlen CUDA graphs on, the step is padded to a bounded set of (tokens, requests) shapes and
+  replays a graph captured for its shape.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Presets used when the config's padding intervals are 0: decode batches round to 1, 2, 4, 8, 16, then
-# multiples of 16; key widths to multiples of 256 tokens.
+# Presets used when the config's padding intervals are 0: decode batches (and the requests of a padded
+# varlen step) round to 1, 2, 4, 8, 16, then multiples of 16; key widths to multiples of 256 tokens; the
+# packed tokens of a padded varlen step to powers of two below 256, then multiples of 256.
 DEFAULT_ROWS_PADDING_INTERVAL = 16
 DEFAULT_KEYS_PADDING_INTERVAL = 256
+DEFAULT_TOKENS_PADDING_INTERVAL = 256
 # Compilations each path may hold (torch's default is 8): one per padded shape with static shapes.
 RECOMPILE_LIMIT = 256
 
@@ -126,27 +130,29 @@ class _CapturedGraph:
 
 
 def _tensors_of(inputs: BatchInputs) -> list[torch.Tensor]:
-    """Every per-step tensor of a decode step, in a fixed order (the caches are not per-step)."""
+    """Every per-step tensor of a step, in a fixed order (the caches are not per-step)."""
     return [inputs.input_ids, inputs.position_ids, inputs.logits_indices, *inputs.metadata.step_tensors()]
 
 
 def graph_key(inputs: BatchInputs) -> tuple[tuple[int, ...], ...]:
-    """Shapes of a decode step's tensors: steps with equal keys replay the same graph."""
+    """Shapes of a step's tensors: steps of one path with equal keys replay the same graph."""
     return tuple(tuple(tensor.shape) for tensor in _tensors_of(inputs))
 
 
-class DecodeGraphs:
-    """CUDA graphs of padded decode steps, one per shape, captured on first use (or by `warmup`).
+class StepGraphs:
+    """CUDA graphs of one path's padded steps, one per shape, captured on first use (decode graphs also
+    by `warmup`).
 
-    All graphs share one memory pool, and their output buffers are reused: a step's logits are valid
-    until the next replay, which is as long as the runner needs them (it samples before the next step).
+    All graphs of both paths share one memory pool, and their output buffers are reused: a step's logits
+    are valid until the next replay, which is as long as the runner needs them (its sampling is queued on
+    the stream before the next step's forward).
     """
 
-    def __init__(self, function: ForwardFunction, device: torch.device) -> None:
+    def __init__(self, function: ForwardFunction, device: torch.device, pool: Any) -> None:
         self.function = function
         self.device = device
         self.graphs: dict[tuple[tuple[int, ...], ...], _CapturedGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = pool
 
     def run(self, inputs: BatchInputs) -> torch.Tensor:
         key = graph_key(inputs)
@@ -173,12 +179,12 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             logits = self.function(*arguments)
-        logger.debug("captured decode CUDA graph %s", graph_key(inputs))
+        logger.debug("captured a CUDA graph of shapes %s", graph_key(inputs))
         return _CapturedGraph(graph, static, logits)
 
 
 def _clone_step(inputs: BatchInputs) -> BatchInputs:
-    """A copy of a decode step whose tensors are the graph's own (static) buffers."""
+    """A copy of a step whose tensors are the graph's own (static) buffers."""
     meta = inputs.metadata
     batches = [
         AttentionBatch(
@@ -218,8 +224,9 @@ def _clone_step(inputs: BatchInputs) -> BatchInputs:
 class ForwardPaths:
     """Picks and runs the decode or varlen forward for each step, per the config.
 
-    `padding` is the shape padding decode-only steps get: on with CUDA graphs (a graph serves one
-    shape) and with static-shape compilation (`dynamic=False`, one compilation per shape).
+    `padding` is the shape padding steps get: decode-only steps with decode CUDA graphs (a graph serves
+    one shape) and with static-shape compilation (`dynamic=False`, one compilation per shape); steps with
+    prefill chunks on the kernel path with varlen CUDA graphs.
     """
 
     def __init__(
@@ -233,21 +240,26 @@ class ForwardPaths:
             else compile_function(eager[path], compile_config, path)
             for path, compile_config in self.compile_configs.items()
         }
-        self.decode_graphs = (
-            DecodeGraphs(self.functions["decode"], device)
-            if use_decode_graphs(config, device, model)
-            else None
-        )
         self.attention_kernel = load_attention_kernel(config, device)
         self.max_blocks_per_request = config.max_blocks_per_request or 0
+        varlen_graphs, decode_graphs = use_cuda_graphs(
+            config, device, model, self.attention_kernel is not None
+        )
+        pool = torch.cuda.graph_pool_handle() if varlen_graphs or decode_graphs else None
+        self.decode_graphs = StepGraphs(self.functions["decode"], device, pool) if decode_graphs else None
+        self.varlen_graphs = StepGraphs(self.functions["varlen"], device, pool) if varlen_graphs else None
         decode_compile = self.compile_configs["decode"]
         static_shapes = decode_compile is not None and decode_compile.dynamic is False
+        pads_decode = decode_graphs or static_shapes
         self.padding = (
             Padding(
-                config.q_padding_interval_size or DEFAULT_ROWS_PADDING_INTERVAL,
-                config.kv_padding_interval_size or DEFAULT_KEYS_PADDING_INTERVAL,
+                rows_interval=config.q_padding_interval_size or DEFAULT_ROWS_PADDING_INTERVAL,
+                keys_interval=config.kv_padding_interval_size or DEFAULT_KEYS_PADDING_INTERVAL,
+                tokens_interval=config.q_padding_interval_size or DEFAULT_TOKENS_PADDING_INTERVAL,
+                decode=pads_decode,
+                varlen=varlen_graphs,
             )
-            if self.decode_graphs is not None or static_shapes
+            if pads_decode or varlen_graphs
             else None
         )
 
@@ -257,6 +269,7 @@ class ForwardPaths:
         capturing. Returns the number of graphs held."""
         if self.decode_graphs is None or self.padding is None:
             return 0
+        assert self.padding.decode
         for rows in padded_sizes(max_rows, self.padding.rows_interval):
             self.run(build(self.padding, rows))
         return len(self.decode_graphs.graphs)
@@ -264,31 +277,41 @@ class ForwardPaths:
     @torch.inference_mode()
     def run(self, inputs: BatchInputs) -> torch.Tensor:
         """Logits [L, V] of the rows in `inputs.logits_indices`."""
-        if inputs.is_decode_only and self.decode_graphs is not None:
-            return self.decode_graphs.run(inputs)
+        graphs = self.decode_graphs if inputs.is_decode_only else self.varlen_graphs
+        if graphs is not None and inputs.is_padded:
+            return graphs.run(inputs)
         function = self.functions["decode" if inputs.is_decode_only else "varlen"]
         return function(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata)
 
 
-def use_decode_graphs(config: ContinuousBatchingConfig, device: torch.device, model: torch.nn.Module) -> bool:
-    """Whether decode steps replay CUDA graphs.
+def use_cuda_graphs(
+    config: ContinuousBatchingConfig, device: torch.device, model: torch.nn.Module, has_attention_kernel: bool
+) -> tuple[bool, bool]:
+    """Whether (varlen, decode) steps replay CUDA graphs.
 
     Only an explicit request turns them on (None means off): graph replay has not been verified on a GPU
     in this project yet. They need CUDA, and the model must not be sharded: collectives inside graphs
-    are not supported here.
+    are not supported here. Varlen graphs also need the attention kernel (`max_blocks_per_request`): the
+    gather path's shapes follow each step's chunks.
     """
-    decode = config.cuda_graph_flags()[1]
-    if not decode:
-        return False
+    varlen, decode = (bool(flag) for flag in config.cuda_graph_flags())
+    if not (varlen or decode):
+        return False, False
     if device.type != "cuda":
         logger.warning(
             "use_cuda_graph: CUDA graphs need a CUDA device, the model is on %s; running without", device
         )
-        return False
+        return False, False
     if getattr(model, "tp_size", None) not in (None, 1):
         logger.warning("use_cuda_graph: not supported under tensor parallelism; running without")
-        return False
-    return True
+        return False, False
+    if varlen and not has_attention_kernel:
+        logger.warning(
+            "use_cuda_graph: varlen CUDA graphs need the attention kernel (max_blocks_per_request); "
+            "steps with prefill chunks run without"
+        )
+        varlen = False
+    return varlen, decode
 
 
 def load_attention_kernel(

@@ -4,11 +4,19 @@ A step packs every scheduled token into one sequence. Decode rows (one new token
 in scheduling order only by coincidence; nothing here relies on it: each `AttentionBatch` says which
 packed rows it reads and fills.
 
-Padding (for CUDA graphs and static-shape compilation) rounds a decode-only step up to a bounded set of
-shapes: the number of rows to `padded_size(rows, q_interval)` and the key width to a multiple of the KV
-interval. Padding rows are fake requests at position 0 whose block table is the null block alone, so
-they write their keys to the null block's first slot and attend to it; their logits are never sampled.
-The null block therefore holds finite values that only masked columns and padding rows ever read.
+Padding (for CUDA graphs and static-shape compilation) rounds a step up to a bounded set of shapes.
+
+- A decode-only step: the number of rows to `padded_size(rows, rows_interval)` and the key width to a
+  multiple of the KV interval. Padding rows are fake requests at position 0 whose block table is the
+  null block alone, so they write their keys to the null block's first slot and attend to it.
+- A step with prefill chunks, on the kernel path only (varlen CUDA graphs): the packed tokens to
+  `padded_size(tokens, tokens_interval)`, the requests to `padded_size(requests, rows_interval)` and the
+  block tables to `max_blocks_per_request` columns. Padding tokens belong to no request (no kernel tile
+  reads them; their attention output is zero) and write their keys to the null block's first slot;
+  padding requests own no tokens.
+
+Padded logits rows are never sampled. The null block therefore holds finite values that only masked
+columns and padding rows ever read.
 """
 
 from __future__ import annotations
@@ -55,10 +63,14 @@ def padded_sizes(max_size: int, interval: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Padding:
-    """Granularity of padded decode shapes, in tokens: rows (requests) and key width."""
+    """Which steps are padded, and the granularity of their shapes in tokens: rows (requests), key width,
+    and packed tokens of steps with prefill chunks."""
 
     rows_interval: int
     keys_interval: int
+    tokens_interval: int
+    decode: bool = True
+    varlen: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,8 @@ class BatchInputs:
     num_padding_rows: int
     # Input ids copied on the device from the previous step's sampled tokens (async batching).
     num_placeholder_inputs: int = 0
+    # Whether the step's shapes come from the padded set (the only steps a CUDA graph can replay).
+    is_padded: bool = False
 
     @property
     def is_decode_only(self) -> bool:
@@ -132,7 +146,8 @@ class InputBuilder:
         min_rows: int = 0,
         previous: PreviousTokens | None = None,
     ) -> BatchInputs:
-        """`padding` applies to decode-only steps; steps with prefill chunks keep exact shapes.
+        """`padding` says which steps are padded (see the module docstring); a step with prefill chunks is
+        padded only on the kernel path.
 
         With padding, a decode-only step has at least `min_rows` rows: an empty `scheduler_output` and
         `min_rows=n` give a step of padding rows alone, which is how CUDA graphs are captured ahead of use.
@@ -168,7 +183,9 @@ class InputBuilder:
         is_decode_only = not prefill
         sampled_logits = None
         num_padding_rows = 0
-        if is_decode_only and padding is not None:
+        pads_decode = is_decode_only and padding is not None and padding.decode
+        if pads_decode:
+            assert padding is not None
             num_rows = padded_size(max(len(decode), min_rows), padding.rows_interval)
             num_padding_rows = num_rows - len(decode)
             decode.extend(_Chunk(None, row, 0, 1) for row in range(len(decode), num_rows))
@@ -178,12 +195,29 @@ class InputBuilder:
             sampled_logits = to_device(logits_rows, torch.long, self.device)
             logits_rows = list(range(num_rows))
 
-        keys_interval = padding.keys_interval if is_decode_only and padding is not None else None
+        keys_interval = padding.keys_interval if pads_decode and padding is not None else None
         all_chunks = decode + prefill
         kernel_inputs = None
+        pads_varlen = False
         if self.attention_kernel is not None:
             queries_per_tile = 1 if is_decode_only else PREFILL_QUERIES_PER_TILE
-            kernel_inputs = self._kernel_inputs(all_chunks, keys_interval, queries_per_tile)
+            padded_shape = None
+            if not is_decode_only and padding is not None and padding.varlen:
+                padded_shape = (
+                    padded_size(len(input_ids), padding.tokens_interval),
+                    padded_size(len(all_chunks), padding.rows_interval),
+                )
+            kernel_inputs = self._kernel_inputs(all_chunks, keys_interval, queries_per_tile, padded_shape)
+            pads_varlen = kernel_inputs is not None and padded_shape is not None
+            if pads_varlen:
+                assert padded_shape is not None
+                num_tokens, num_requests = padded_shape
+                num_padding_rows = num_tokens - len(input_ids)
+                input_ids.extend([0] * num_padding_rows)
+                positions.extend([0] * num_padding_rows)
+                # Logits of one row per request, so their count depends on the padded shape alone.
+                sampled_logits = to_device(list(range(len(logits_rows))), torch.long, self.device)
+                logits_rows.extend([0] * (num_requests - len(logits_rows)))
         batches = []
         if kernel_inputs is None:
             if decode:
@@ -194,7 +228,9 @@ class InputBuilder:
             value_caches=self.value_caches,
             layer_groups=self.layer_groups,
             sliding_windows=[group.sliding_window for group in self.groups],
-            write_slots=[self._write_slots(group, all_chunks) for group in range(len(self.groups))],
+            write_slots=[
+                self._write_slots(group, all_chunks, len(input_ids)) for group in range(len(self.groups))
+            ],
             batches=batches,
             is_decode_only=is_decode_only,
             page_size=self.page_size,
@@ -218,6 +254,7 @@ class InputBuilder:
             metadata=metadata,
             num_padding_rows=num_padding_rows,
             num_placeholder_inputs=len(placeholder_rows),
+            is_padded=pads_decode or pads_varlen,
         )
 
     def _table(self, chunk: _Chunk, group: int) -> list[int]:
@@ -225,10 +262,11 @@ class InputBuilder:
             return [NULL_BLOCK_ID]
         return self.kv_cache_manager.block_ids(chunk.request_id, group)
 
-    def _write_slots(self, group: int, chunks: list[_Chunk]) -> torch.Tensor:
-        """[T] cache slot of every packed row's new key, in packed-row order."""
+    def _write_slots(self, group: int, chunks: list[_Chunk], num_rows: int) -> torch.Tensor:
+        """[T] cache slot of every packed row's new key, in packed-row order; rows no chunk owns (padding
+        tokens) write to the null block's first slot."""
         page_size = self.page_size
-        slots = [0] * sum(chunk.end - chunk.start for chunk in chunks)
+        slots = [NULL_BLOCK_ID * page_size] * num_rows
         for chunk in chunks:
             table = self._table(chunk, group)
             for offset, position in enumerate(range(chunk.start, chunk.end)):
@@ -290,11 +328,18 @@ class InputBuilder:
         )
 
     def _kernel_inputs(
-        self, chunks: list[_Chunk], keys_interval: int | None, queries_per_tile: int
+        self,
+        chunks: list[_Chunk],
+        keys_interval: int | None,
+        queries_per_tile: int,
+        padded_shape: tuple[int, int] | None = None,
     ) -> KernelInputs | None:
         """The kernel path's inputs, or None when a request's table is wider than the kernel takes.
 
-        With padding, the table width is rounded up like the key width, so graphs see few shapes.
+        With `keys_interval` (a padded decode step), the table width is rounded up like the key width, so
+        graphs see few shapes. With `padded_shape` (a padded step with prefill chunks: packed tokens,
+        requests), tables are `max_blocks_per_request` wide, padding requests own no tokens, and the tile
+        list has the most entries that many tokens and requests can need.
         """
         device = self.device
         chunks = sorted(chunks, key=lambda chunk: chunk.row)
@@ -305,6 +350,12 @@ class InputBuilder:
             width = round_up(width, pages_per_interval)
         if width > self.max_blocks_per_request:
             return None
+        num_padding_requests = 0
+        if padded_shape is not None:
+            width = self.max_blocks_per_request
+            num_padding_requests = padded_shape[1] - len(chunks)
+            for group_tables in tables:
+                group_tables.extend([[NULL_BLOCK_ID]] * num_padding_requests)
         block_tables = [
             to_device(
                 [table + [NULL_BLOCK_ID] * (width - len(table)) for table in group_tables],
@@ -315,17 +366,24 @@ class InputBuilder:
         ]
         # Each request's rows follow the previous request's: packing puts a request's new tokens together.
         query_starts = [chunk.row for chunk in chunks]
-        query_starts.append(query_starts[-1] + chunks[-1].end - chunks[-1].start)
+        num_real_rows = query_starts[-1] + chunks[-1].end - chunks[-1].start
+        query_starts.extend([num_real_rows] * (num_padding_requests + 1))
+        seq_lens = [chunk.end for chunk in chunks] + [0] * num_padding_requests
         tile_requests: list[int] = []
         tile_offsets: list[int] = []
         for index, chunk in enumerate(chunks):
             offsets = range(0, chunk.end - chunk.start, queries_per_tile)
             tile_requests.extend([index] * len(offsets))
             tile_offsets.extend(offsets)
+        if padded_shape is not None:
+            # Each request's tiles cover its queries with less than one tile to spare.
+            num_tiles = padded_shape[0] // queries_per_tile + padded_shape[1]
+            tile_requests.extend([-1] * (num_tiles - len(tile_requests)))
+            tile_offsets.extend([0] * (num_tiles - len(tile_offsets)))
         return KernelInputs(
             block_tables=block_tables,
             query_starts=to_device(query_starts, torch.int32, device),
-            seq_lens=to_device([chunk.end for chunk in chunks], torch.int32, device),
+            seq_lens=to_device(seq_lens, torch.int32, device),
             tile_requests=to_device(tile_requests, torch.int32, device),
             tile_offsets=to_device(tile_offsets, torch.int32, device),
             queries_per_tile=queries_per_tile,

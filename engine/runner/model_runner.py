@@ -81,7 +81,8 @@ class ModelRunner:
         self.kv_cache_manager = kv_cache_manager
         self.sampler = sampler
         self.timings = StepTimings()
-        # Padding rows run by padded decode steps so far: the compute static shapes cost.
+        # Padding rows (decode rows, or tokens of steps with prefill chunks) run by padded steps so far:
+        # the compute static shapes cost.
         self.num_padding_rows = 0
         # Input ids fed from the previous step's tokens on the device, never seen by the host in time
         # (async batching): how often a step was prepared before its predecessor's tokens came back.

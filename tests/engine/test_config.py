@@ -385,30 +385,3 @@ def test_validate_after_valid_mutation_passes() -> None:
     config.page_size = 16
     config.use_cuda_graph = (True, True)
     config.validate()
-
-
-def test_gpu_paths_not_built_are_named_and_the_engine_warns_once_it_starts(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    from engine.engine_core import EngineCore
-    from tests.conftest import tiny_model
-
-    assert ContinuousBatchingConfig().requested_unbuilt_features() == []
-    # Built paths (decode graphs, compile levels, async batching) are not named.
-    assert (
-        ContinuousBatchingConfig(
-            use_cuda_graph=(False, True), default_compile_level=2, use_async_batching=True
-        ).requested_unbuilt_features()
-        == []
-    )
-    config = ContinuousBatchingConfig(
-        num_blocks=16,
-        max_batch_tokens=64,
-        use_cuda_graph=True,
-        use_async_batching=True,
-        max_blocks_per_request=8,
-    )
-    assert config.requested_unbuilt_features() == ["CUDA graphs of the varlen path (use_cuda_graph)"]
-    with caplog.at_level("WARNING", logger="engine.engine_core"):
-        EngineCore(tiny_model("llama"), config)
-    assert "not built in cbserve, so ignored: CUDA graphs of the varlen path" in caplog.text

@@ -1,4 +1,4 @@
-"""The decode and varlen forward paths: padded shapes, torch.compile per path, CUDA graphs of decode steps.
+"""The decode and varlen forward paths: padded shapes, torch.compile per path, CUDA graphs of both paths.
 
 Greedy outputs must equal `model.generate` whichever path runs. The compile tests use real compilers on
 the CPU (dynamo with the eager backend for speed, one run through inductor); the CUDA graph tests need
@@ -68,7 +68,7 @@ def test_static_shape_compile_pads_decode_steps_and_keeps_parity(family: str) ->
         kv_padding_interval_size=8,
     )
     prompts, generated, engine = _generate(model, config)
-    assert engine.runner.forward_paths.padding == Padding(4, 8)
+    assert engine.runner.forward_paths.padding == Padding(4, 8, 4, decode=True, varlen=False)
     assert engine.runner.num_padding_rows > 0, "no decode step was padded"
     _assert_parity(model, prompts, generated, f"{family}, padded static-shape decode")
 
@@ -131,6 +131,58 @@ def test_decode_cuda_graphs_keep_parity(family: str, max_blocks_per_request: int
     graphs = engine.runner.forward_paths.decode_graphs
     assert graphs is not None and len(graphs.graphs) > 0, "no decode step replayed a graph"
     _assert_parity(model, prompts, generated, f"{family}, decode CUDA graphs")
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_varlen_cuda_graphs_keep_parity(family: str) -> None:
+    """Steps with prefill chunks (a 48-token budget chunks the long prompts) padded on the kernel path and
+    replayed from graphs, next to decode graphs."""
+    model = tiny_model(family)
+    config = ContinuousBatchingConfig(
+        page_size=8,
+        num_blocks=160,
+        max_batch_tokens=48,
+        use_cuda_graph=True,
+        q_padding_interval_size=16,
+        kv_padding_interval_size=16,
+        max_blocks_per_request=32,
+    )
+    prompts, generated, engine = _generate(model, config)
+    paths = engine.runner.forward_paths
+    assert paths.varlen_graphs is not None and len(paths.varlen_graphs.graphs) > 0, "no varlen graph replayed"
+    assert paths.decode_graphs is not None and len(paths.decode_graphs.graphs) > 0
+    _assert_parity(model, prompts, generated, f"{family}, varlen and decode CUDA graphs")
+
+
+@pytest.mark.parametrize(
+    ("device", "flags", "max_blocks_per_request", "expected", "warning"),
+    [
+        ("cpu", True, 32, (False, False), "CUDA graphs need a CUDA device"),
+        ("cuda", True, 32, (True, True), None),
+        ("cuda", True, 0, (False, True), "varlen CUDA graphs need the attention kernel"),
+        ("cuda", (True, False), 0, (False, False), "varlen CUDA graphs need the attention kernel"),
+        ("cuda", (False, True), 0, (False, True), None),
+        ("cuda", None, 32, (False, False), None),
+    ],
+)
+def test_which_paths_replay_graphs(
+    caplog: pytest.LogCaptureFixture, device, flags, max_blocks_per_request, expected, warning
+) -> None:
+    """Graphs only where asked for, on CUDA, and varlen graphs only with the kernel path (decided from the
+    config and the device type alone, so it is checked without a GPU)."""
+    from engine.runner.forward_paths import use_cuda_graphs
+
+    config = ContinuousBatchingConfig(use_cuda_graph=flags, max_blocks_per_request=max_blocks_per_request)
+    with caplog.at_level(logging.WARNING, logger="engine.runner.forward_paths"):
+        decided = use_cuda_graphs(
+            config, torch.device(device), tiny_model("llama"), has_attention_kernel=max_blocks_per_request > 0
+        )
+    assert decided == expected
+    if warning is None:
+        assert caplog.text == ""
+    else:
+        assert warning in caplog.text
 
 
 @needs_cuda

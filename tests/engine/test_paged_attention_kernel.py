@@ -159,6 +159,46 @@ def test_requests_sharing_a_prefix_in_one_step_read_blocks_that_step_writes(
     assert any(tile > 1 for tile in calls)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_padded_steps_with_prefill_chunks_keep_parity(kernel_module, family: str) -> None:
+    """The shapes varlen CUDA graphs replay, run eagerly: padding tokens that belong to no request,
+    padding requests that own no tokens, tables max_blocks_per_request wide, padding tiles, and logits
+    rows that are never sampled must leave every real row as it was."""
+    from engine import init_continuous_batching
+    from engine.runner.inputs import Padding
+
+    model = tiny_model(family)
+    config = ContinuousBatchingConfig(
+        page_size=8, num_blocks=160, max_batch_tokens=48, max_blocks_per_request=32
+    )
+    prompts = [random_prompt(length, seed=700 + length) for length in PROMPT_LENGTHS]
+    manager = init_continuous_batching(model, continuous_batching_config=config)
+    try:
+        runner = manager._ensure_engine().runner
+        runner.forward_paths.padding = Padding(4, 16, 16, decode=False, varlen=True)
+        padded_steps = []
+        original_forward = runner.forward
+
+        def forward(inputs):
+            if not inputs.is_decode_only:
+                padded_steps.append((inputs.is_padded, inputs.num_padding_rows))
+            return original_forward(inputs)
+
+        runner.forward = forward
+        manager.start()
+        ids = [
+            manager.add_request(prompt, max_new_tokens=count, eos_token_id=[])
+            for prompt, count in zip(prompts, NEW_TOKENS, strict=True)
+        ]
+        outputs = [manager.get_result(request_id, timeout=600) for request_id in ids]
+    finally:
+        manager.destroy()
+    assert all(is_padded for is_padded, _ in padded_steps), padded_steps
+    assert any(num_padding_rows > 0 for _, num_padding_rows in padded_steps), "no step needed padding"
+    generated = [list(output.generated_tokens) for output in outputs]
+    assert_greedy_parity(model, prompts, NEW_TOKENS, generated, f"{family}, padded varlen steps")
+
+
 def test_requests_wider_than_max_blocks_per_request_gather_instead(kernel_module, monkeypatch) -> None:
     # Every prompt spans at least two 4-token pages, more than the one block the kernel may read.
     config = ContinuousBatchingConfig(

@@ -45,7 +45,7 @@ def test_serve_flags_turn_on_compilation_decode_graphs_the_attention_kernel_and_
     ]
     config = engine_config(_parser().parse_args(arguments))
     assert config.default_compile_level == 2
-    assert config.use_cuda_graph == (False, True)
+    assert config.use_cuda_graph is True
     assert config.max_blocks_per_request == 64
     assert config.use_async_batching is True
     plain = engine_config(_parser().parse_args(["serve"]))
