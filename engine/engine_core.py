@@ -56,6 +56,18 @@ def model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+# Implementations that compute standard attention with other kernels: the engine's paged SDPA stands in
+# for them (with its Triton kernel on the kernel path), so a model loaded for training with flash
+# attention serves as it is.
+_STANDS_IN_FOR_SDPA = (
+    "flash_attention_2",
+    "flash_attention_3",
+    "flex_attention",
+    "paged|flash_attention_2",
+    "paged|flash_attention_3",
+)
+
+
 def cb_attention_implementation(current: str | None) -> str:
     """The paged implementation that stands in for `current` while the engine runs the model."""
     if current is not None and current.startswith(CBSERVE_ATTENTION_PREFIX):
@@ -64,9 +76,18 @@ def cb_attention_implementation(current: str | None) -> str:
         return f"{CBSERVE_ATTENTION_PREFIX}sdpa"
     if current in ("eager", "paged|eager"):
         return f"{CBSERVE_ATTENTION_PREFIX}eager"
+    if current in _STANDS_IN_FOR_SDPA:
+        logger.info(
+            "attn_implementation %r: the engine runs cbserve's paged SDPA attention in its place (and its "
+            "Triton kernel with max_blocks_per_request); the model gets %r back when the manager is "
+            "destroyed",
+            current,
+            current,
+        )
+        return f"{CBSERVE_ATTENTION_PREFIX}sdpa"
+    supported = ", ".join(repr(name) for name in ("sdpa", "eager", *_STANDS_IN_FOR_SDPA))
     raise ValueError(
-        f"attn_implementation {current!r} is not supported by cbserve's engine on this machine; "
-        "load the model with attn_implementation='sdpa' or 'eager'"
+        f"attn_implementation {current!r} is not supported by cbserve's engine; supported: {supported}"
     )
 
 

@@ -154,7 +154,8 @@ class ContinuousBatchingManager:
     def switch_to_cb_friendly_attn(self, model: torch.nn.Module, auto_switch_to_flash: bool = True) -> None:
         """Swaps the model's attention for the paged one (idempotent; `destroy` restores the original).
 
-        `auto_switch_to_flash` is accepted for API compatibility; no flash kernel is used on this path.
+        `auto_switch_to_flash` is accepted for API compatibility; no flash kernel is used on this path (a
+        model loaded with a flash implementation runs cbserve's paged SDPA: `cb_attention_implementation`).
         """
         current: str | None = model.config._attn_implementation  # type: ignore[union-attr, assignment]
         target = cb_attention_implementation(current)

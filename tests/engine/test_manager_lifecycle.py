@@ -306,6 +306,44 @@ def test_destroy_is_idempotent_final_and_restores_attention(model):
         manager.start()
 
 
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "paged|flash_attention_3", "flex_attention"])
+def test_a_model_loaded_with_flash_attention_is_served_and_gets_it_back(model, monkeypatch, implementation):
+    """A training loop's model (often loaded with flash attention) is served through paged SDPA, with
+    outputs equal to model.generate's, and has its own implementation back after destroy. flash-attn is
+    not installed here, so the model's switches are recorded rather than loading it."""
+    switches = []
+
+    def set_attn_implementation(name):
+        switches.append(name)
+        model.config._attn_implementation = name
+
+    monkeypatch.setattr(model, "set_attn_implementation", set_attn_implementation)
+    model.config._attn_implementation = implementation
+    prompt = random_prompt(12, seed=3)
+    try:
+        manager = init_continuous_batching(
+            model, continuous_batching_config=ContinuousBatchingConfig(page_size=8, num_blocks=32)
+        )
+        manager.start()
+        request_id = manager.add_request(prompt, max_new_tokens=6, eos_token_id=[])
+        output = manager.get_result(request_id, timeout=TIMEOUT)
+        manager.destroy()
+        assert switches == ["cbserve|sdpa", implementation]
+    finally:
+        model.config._attn_implementation = "sdpa"
+    assert output.generated_tokens == reference_greedy(model, prompt, 6)
+
+
+def test_an_attention_implementation_the_engine_cannot_stand_in_for_is_refused_by_name(model, monkeypatch):
+    monkeypatch.setattr(model.config, "_attn_implementation", "kernels-community/vllm-flash-attn3")
+    manager = init_continuous_batching(
+        model, continuous_batching_config=ContinuousBatchingConfig(num_blocks=32)
+    )
+    with pytest.raises(ValueError, match=r"'kernels-community/vllm-flash-attn3' is not supported.*'sdpa'"):
+        manager.start()
+    manager.destroy()
+
+
 def test_timestamps_are_recorded_per_generated_token(manager):
     request_id = manager.add_request(
         random_prompt(4, seed=23), max_new_tokens=5, record_timestamps=True, eos_token_id=[]
