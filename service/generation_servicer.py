@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,6 +18,8 @@ from service.validation import RequestRejected, invalid, prepare
 
 # Marks the end of a Generate stream's output queue.
 _END = object()
+
+logger = logging.getLogger(__name__)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -108,16 +111,29 @@ class _GenerateSession:
         self.followers: set[asyncio.Task[None]] = set()
 
     async def read(self, request_iterator: AsyncIterator[generation_pb2.GenerateRequest]) -> None:
-        async for message in request_iterator:
-            action = message.WhichOneof("action")
-            if action == "add":
-                self._add(message.add)
-            elif action == "cancel":
-                if message.cancel.request_id in self.records:
-                    self.host.cancel(message.cancel.request_id)
-            else:
-                self.outbox.put_nowait(invalid("GenerateRequest.action: one of add or cancel must be set"))
-                return
+        """Runs as its own task, so it must end the call itself when reading fails: nothing else would."""
+        try:
+            async for message in request_iterator:
+                action = message.WhichOneof("action")
+                if action == "add":
+                    self._add(message.add)
+                elif action == "cancel":
+                    if message.cancel.request_id in self.records:
+                        self.host.cancel(message.cancel.request_id)
+                else:
+                    self.outbox.put_nowait(
+                        invalid("GenerateRequest.action: one of add or cancel must be set")
+                    )
+                    return
+        except RequestRejected as exc:  # a malformed message (service.message_decoding)
+            self.outbox.put_nowait(exc)
+            return
+        except Exception as exc:
+            logger.exception("Generate: reading the request stream failed")
+            self.outbox.put_nowait(
+                RequestRejected(grpc.StatusCode.INTERNAL, f"reading the stream failed: {exc}")
+            )
+            return
         # Half-closed: the call completes once every request made on it has ended.
         if self.followers:
             await asyncio.wait(set(self.followers))

@@ -17,6 +17,7 @@ from service.auth import BearerTokenInterceptor
 from service.engine_host import EngineHost
 from service.generation_servicer import GenerationServicer
 from service.host_slot import HostSlot
+from service.message_decoding import MalformedMessageInterceptor
 from service.metrics import MeteredAdminServicer, MeteredTracer, ServerMetrics
 from service.tls import ServerTls
 from service.tracing import build_tracer_provider
@@ -68,8 +69,11 @@ class CbserveServer:
         # Health updates run as tasks (listeners are plain callbacks); kept here so none is collected early.
         self._health_updates: set[asyncio.Future[None]] = set()
         self.health = health.aio.HealthServicer()
-        self.main_server = grpc.aio.server()
-        self.admin_server = grpc.aio.server(interceptors=[BearerTokenInterceptor(options.admin_token)])
+        self.main_server = grpc.aio.server(interceptors=[MalformedMessageInterceptor()])
+        self.admin_server = grpc.aio.server(
+            # Authentication answers first: a caller without the token learns nothing about its messages.
+            interceptors=[BearerTokenInterceptor(options.admin_token), MalformedMessageInterceptor()]
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.main_server)
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
             GenerationServicer(self.slot, MeteredTracer(self.tracer_provider, self.metrics)), self.main_server

@@ -50,9 +50,6 @@ DEFAULT_MAX_NEW_TOKENS = 20
 CALL_TIMEOUT_S = 30.0
 OK = grpc.StatusCode.OK
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
-# A message that does not parse never reaches cbserve's code: grpc-python answers UNKNOWN ("Unexpected
-# DecodeError"), gRPC's other servers INTERNAL; INVALID_ARGUMENT would say it best. Any of them will do.
-UNPARSABLE_CODES = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, INVALID_ARGUMENT}
 # Byte sequences that are not UTF-8: a stray continuation byte, a truncated pair, a surrogate, an
 # overlong encoding, a 5-byte form and an invalid lead byte.
 INVALID_UTF8 = (b"\x80", b"\xc3\x28", b"\xed\xa0\x80", b"\xc0\xaf", b"\xf8\x88\x80\x80\x80", b"\xff")
@@ -433,7 +430,8 @@ def _add_bytes(
     except DecodeError:
         message = None
     if message is None:
-        expected = UNPARSABLE_CODES
+        # Not grpc-python's UNKNOWN ("Unexpected DecodeError"): service.message_decoding names the type.
+        expected = {INVALID_ARGUMENT}
     elif not message.HasField("request"):
         expected = {INVALID_ARGUMENT}
     else:

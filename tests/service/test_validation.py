@@ -59,6 +59,56 @@ def test_bad_field_is_invalid_argument_naming_it(served: RunningServer, client: 
     assert client.generate([5, 6, 7], max_new_tokens=2).token_ids  # still serving
 
 
+# Bytes that are no protobuf message (a field key of 0xff.. runs past the varint limit).
+CORRUPT_BYTES = b"\xff\xff\xff\xff"
+AUTHORIZED = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
+
+
+def _call_with_corrupt_bytes(
+    channel: grpc.Channel, method: str, kind: str, metadata: tuple[tuple[str, str], ...] = ()
+) -> grpc.RpcError:
+    """Sends bytes that do not decode to `method` (no serializer: the bytes go out as they are)."""
+    multi_callable = getattr(channel, kind)(method)
+    request = CORRUPT_BYTES if kind.startswith("unary") else iter([CORRUPT_BYTES])
+    with pytest.raises(grpc.RpcError) as caught:
+        response = multi_callable(request, timeout=10, metadata=metadata)
+        if kind.endswith("stream"):
+            list(response)
+    return caught.value
+
+
+@pytest.mark.parametrize(
+    ("method", "kind", "message_type"),
+    [
+        ("GenerationService/AddRequest", "unary_unary", "AddRequestRequest"),
+        ("GenerationService/StreamResults", "unary_stream", "StreamResultsRequest"),
+        ("GenerationService/Generate", "stream_stream", "GenerateRequest"),
+        ("AdminService/GetStatus", "unary_unary", "GetStatusRequest"),
+        ("AdminService/UpdateWeights", "stream_unary", "UpdateWeightsRequest"),
+    ],
+)
+def test_bytes_that_are_no_message_are_invalid_argument_naming_the_type(
+    served: RunningServer, client: Client, method: str, kind: str, message_type: str
+) -> None:
+    """Not UNKNOWN, and a Generate stream ends at once instead of waiting for its deadline."""
+    admin = method.startswith("AdminService")
+    with grpc.insecure_channel(served.admin_target if admin else served.target) as channel:
+        error = _call_with_corrupt_bytes(
+            channel, f"/cbserve.v1.{method}", kind, metadata=AUTHORIZED if admin else ()
+        )
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert f"cbserve.v1.{message_type}" in error.details()
+    assert client.generate([5, 6, 7], max_new_tokens=2).token_ids  # still serving
+
+
+def test_a_caller_without_the_admin_token_is_unauthenticated_before_its_message_is_read(
+    served: RunningServer,
+) -> None:
+    with grpc.insecure_channel(served.admin_target) as channel:
+        error = _call_with_corrupt_bytes(channel, "/cbserve.v1.AdminService/GetStatus", "unary_unary")
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_duplicate_live_id_is_already_exists_and_rejection_on_generate_is_a_failed_chunk(
     served: RunningServer, client: Client
 ) -> None:
