@@ -9,6 +9,8 @@ from typing import Any
 
 import grpc
 
+from service.rpc_handlers import handler_like
+
 TOKEN_ENV = "CBSERVE_ADMIN_TOKEN"
 ADMIN_METHOD_PREFIX = "/cbserve.v1.AdminService/"
 
@@ -63,14 +65,4 @@ def _refusal(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandl
     async def abort(request: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+    return handler_like(handler, abort)

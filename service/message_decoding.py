@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from service.rpc_handlers import behavior_of, handler_like
 from service.validation import RequestRejected, invalid
 
 
@@ -79,14 +80,6 @@ def _guarded(behavior: Callable[..., Any], request_streaming: bool) -> Callable[
     return single
 
 
-_HANDLER_FACTORIES = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
 class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
     """Put it after interceptors that refuse calls by themselves (authentication): they answer first, and
     their refusal handlers decode through the tolerant deserializer it installs."""
@@ -99,19 +92,8 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        streaming = (handler.request_streaming, handler.response_streaming)
-        behavior = next(
-            function
-            for function in (
-                handler.unary_unary,
-                handler.unary_stream,
-                handler.stream_unary,
-                handler.stream_stream,
-            )
-            if function is not None
-        )
-        return _HANDLER_FACTORIES[streaming](
-            _guarded(behavior, handler.request_streaming),
-            request_deserializer=_tolerant(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
+        return handler_like(
+            handler,
+            _guarded(behavior_of(handler), handler.request_streaming),
+            _tolerant(handler.request_deserializer),
         )
