@@ -11,6 +11,7 @@ only one that touches it (so the engine needs no locks); outputs leave through t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -35,6 +36,7 @@ from engine.parallel import (
     IDLE,
     PARK,
     STEP,
+    TensorBroadcast,
     TensorParallelGroup,
     tensor_parallel_size,
 )
@@ -67,7 +69,9 @@ class PauseHandle:
 class WeightUpdate:
     """An `update_weights` call as the loop applies it (and sends it to the other tensor-parallel ranks)."""
 
-    source: Any  # a safetensors path, or a list of (name, tensor) pairs
+    # A safetensors path, or a list of (name, tensor) pairs; in a tick to the other tensor-parallel ranks,
+    # a `TensorBroadcast` in place of the pairs, whose bytes follow the tick.
+    source: Any
     label: str | None
 
 
@@ -520,7 +524,8 @@ class ContinuousBatchingManager:
             self._inbox.clear()
         parallel = self._parallel
         digest = self._state_digest(engine)
-        encoded = parallel.encode_commands([_replayable(entry) for entry in commands]) if parallel else b""
+        replayable = [_replayable(entry) for entry in commands] if parallel else []
+        encoded = parallel.encode_commands(replayable) if parallel else b""
         for command, payload in commands:
             self._apply(engine, command, payload)
         if engine.has_step_in_flight:
@@ -534,6 +539,9 @@ class ContinuousBatchingManager:
             hold, hard = engine.hold_admission, self._hard_stop_requested
         if parallel is not None:
             parallel.send_tick(encoded, action, hold, hard, digest)
+            for (command, payload), (_, replayed) in zip(commands, replayable, strict=True):
+                if command == "update" and isinstance(replayed[0].source, TensorBroadcast):
+                    parallel.send_tensors(payload[0].source)
         if commands or action != self._last_action:  # an idle loop polls 20 times a second: no refresh
             self._refresh_stats()
         self._last_action = action
@@ -549,6 +557,7 @@ class ContinuousBatchingManager:
         """One iteration on a non-driver rank: replay the driver's next tick."""
         assert self._parallel is not None
         commands, tick = self._parallel.receive_tick()
+        commands = [self._with_broadcast_tensors(command, payload) for command, payload in commands]
         digest = self._state_digest(engine)
         if tick.digest != digest:
             raise RuntimeError(
@@ -570,6 +579,14 @@ class ContinuousBatchingManager:
         elif commands:
             self._refresh_stats()
         return True
+
+    def _with_broadcast_tensors(self, command: str, payload: Any) -> tuple[str, Any]:
+        """A replayed command with the tensors that followed its tick in place of their description."""
+        if command == "update" and isinstance(payload[0].source, TensorBroadcast):
+            assert self._parallel is not None
+            update = payload[0]
+            return command, (WeightUpdate(self._parallel.receive_tensors(update.source), update.label), None)
+        return command, payload
 
     def _next_action(self, engine: EngineCore) -> str:
         """With `_cond` held: what the loop does now. Reads state only, so `_wait` can ask it again."""
@@ -856,9 +873,14 @@ def _global_rank() -> int:
 
 
 def _replayable(entry: tuple[str, Any]) -> tuple[str, Any]:
-    """A command as the other tensor-parallel ranks replay it: without the caller's future."""
+    """A command as the other tensor-parallel ranks replay it: without the caller's future, and with
+    in-memory tensors described rather than pickled (their bytes follow the tick)."""
     command, payload = entry
     if command == "update":
         update, _future = payload
+        if not isinstance(update.source, str):
+            # Entries that are not (name, tensor) pairs go pickled, and every rank rejects them alike.
+            with contextlib.suppress(TypeError, ValueError):
+                update = WeightUpdate(TensorBroadcast.describe(update.source), update.label)
         return command, (update, None)
     return entry

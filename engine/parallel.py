@@ -18,6 +18,11 @@ Invariants the lockstep relies on, kept by `EngineCore` and the manager:
 - logits are identical on every rank (the all-reduce hands each rank the same bits), so sampling agrees.
 
 A rank that dies or hangs makes the next tick fail on the others within `cpu_group_timeout`.
+
+A weight update from in-memory tensors travels in two parts: the tick names each tensor
+(`TensorBroadcast`: name, dtype, shape), then its bytes follow the tick one tensor at a time as plain
+gloo broadcasts, never pickled. The driver sends them right after the tick, every other rank receives
+them right after reading it, so no other collective comes between.
 """
 
 from __future__ import annotations
@@ -43,6 +48,37 @@ STEP = "step"
 IDLE = "idle"
 PARK = "park"
 EXIT = "exit"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class TensorBroadcast:
+    """Named tensors whose bytes follow the tick that carries this (`send_tensors`, `receive_tensors`)."""
+
+    specs: tuple[TensorSpec, ...]
+
+    @classmethod
+    def describe(cls, tensors: list[tuple[str, torch.Tensor]]) -> TensorBroadcast:
+        """Raises TypeError when an entry is not a (name, tensor) pair."""
+        specs = []
+        for entry in tensors:
+            name, tensor = entry
+            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"expected (name, tensor) pairs, got {type(name).__name__}, {type(tensor).__name__}"
+                )
+            specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape)))
+        return cls(tuple(specs))
 
 
 @dataclass(frozen=True)
@@ -183,6 +219,23 @@ class TensorParallelGroup:
     def encode_commands(commands: list[tuple[str, Any]]) -> bytes:
         """The commands as the other ranks will replay them; call before applying them."""
         return pickle.dumps(commands)
+
+    def send_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Driver: the bytes of tensors a `TensorBroadcast` described, in its order."""
+        for _name, tensor in tensors:
+            if tensor.numel():
+                data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                dist.broadcast(data, src=DRIVER_RANK, group=self.cpu_group)
+
+    def receive_tensors(self, broadcast: TensorBroadcast) -> list[tuple[str, torch.Tensor]]:
+        """Other ranks: the tensors `broadcast` describes, as the driver sends them."""
+        tensors = []
+        for spec in broadcast.specs:
+            data = torch.empty(spec.num_bytes, dtype=torch.uint8)
+            if spec.num_bytes:
+                dist.broadcast(data, src=DRIVER_RANK, group=self.cpu_group)
+            tensors.append((spec.name, data.view(spec.dtype).reshape(spec.shape)))
+        return tensors
 
     def close(self) -> None:
         dist.destroy_process_group(self.cpu_group)

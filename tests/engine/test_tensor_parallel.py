@@ -174,6 +174,27 @@ def test_weight_updates_reach_every_shard(lockstep: list[dict[str, Any]]) -> Non
     )
 
 
+def test_a_weight_update_tick_names_its_tensors_and_leaves_their_bytes_to_follow() -> None:
+    """A state dict pushed to a sharded model is not pickled into the tick: every rank would otherwise
+    hold several copies of the whole model while it travels (the lockstep test above runs it for real)."""
+    from engine.manager import WeightUpdate, _replayable
+    from engine.parallel import TensorBroadcast, TensorParallelGroup, TensorSpec
+
+    weights = [("model.embed_tokens.weight", torch.zeros(4096, 1024)), ("model.norm.weight", torch.ones(8))]
+    command, (update, future) = _replayable(("update", (WeightUpdate(weights, "step-7"), object())))
+    assert future is None and update.label == "step-7"
+    assert update.source == TensorBroadcast(
+        (
+            TensorSpec("model.embed_tokens.weight", torch.float32, (4096, 1024)),
+            TensorSpec("model.norm.weight", torch.float32, (8,)),
+        )
+    )
+    assert len(TensorParallelGroup.encode_commands([(command, (update, None))])) < 2_000
+    # Entries that are not (name, tensor) pairs still travel, so that every rank rejects them alike.
+    _, (bad, _) = _replayable(("update", (WeightUpdate([("model.norm.weight", [1.0])], None), None)))
+    assert bad.source == [("model.norm.weight", [1.0])]
+
+
 @pytest.mark.parametrize("scenario", ["hang", "die"])
 def test_a_lost_rank_fails_the_driver_within_the_timeout(
     scenario: str, saved_models: tuple[Path, Path], tmp_path: Path
