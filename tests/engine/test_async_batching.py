@@ -47,6 +47,20 @@ def test_greedy_parity_with_chunked_prefill_for_every_family(family):
     assert_greedy_parity(model, prompts, new_tokens, generated, f"async, {family}")
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_greedy_parity_on_the_kernel_path(family):
+    """Placeholder input ids in steps the attention kernel serves whole, prefill chunks included (on the
+    CPU under Triton's interpreter)."""
+    pytest.importorskip("triton")
+    model = tiny_model(family)
+    prompts = [random_prompt(length, seed=150 + length) for length in (1, 9, 30, 70)]
+    new_tokens = [12, 20, 9, 16]
+    generated, engine = generate_greedy(model, _config(max_blocks_per_request=32), prompts, new_tokens)
+    assert engine.runner.forward_paths.attention_kernel is not None
+    _assert_ran_ahead(engine)
+    assert_greedy_parity(model, prompts, new_tokens, generated, f"async, kernel path, {family}")
+
+
 @pytest.mark.parametrize("scheduler_type", ["fifo", "prefill_first"])
 @pytest.mark.parametrize("offload", [False, True], ids=["recompute", "offload"])
 def test_greedy_parity_under_preemption(offload, scheduler_type):
