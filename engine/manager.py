@@ -32,10 +32,13 @@ from engine.errors import QueueFullError
 from engine.output_router import OutputRouter
 from engine.parallel import (
     DRIVER_RANK,
+    END,
     EXIT,
     IDLE,
     PARK,
+    RESTART,
     STEP,
+    StoppedHeartbeat,
     TensorBroadcast,
     TensorParallelGroup,
     tensor_parallel_size,
@@ -135,6 +138,8 @@ class ContinuousBatchingManager:
         self._num_queued = 0
         self._id_counter = itertools.count()
         self._original_attn_implementation: str | None = None
+        # Under tensor parallelism, on the driver while its loop is stopped (engine.parallel).
+        self._stopped_heartbeat: StoppedHeartbeat | None = None
         self._stats: ManagerStats | None = None
         self.warmed_up = False
         # WAIT pauses whose in-flight requests have not all ended yet (the loop keeps stepping for them).
@@ -207,17 +212,25 @@ class ContinuousBatchingManager:
         self.warmed_up = True
 
     def start(self) -> None:
-        """Starts the background loop; works again after `stop()` (on one rank: under tensor parallelism
-        the other ranks' loops end with the driver's, so a sharded engine starts once per process)."""
+        """Starts the background loop; works again after `stop()`.
+
+        Under tensor parallelism every rank calls it once; a stop on the driver stops every rank's loop,
+        and the driver's `start()` restarts them all (the other ranks' loop threads wait for it, and end
+        with the driver's `destroy()`). A group that lost a rank cannot start again.
+        """
         self._ensure_engine()
         if self.is_running():
             logger.warning("ContinuousBatchingManager.start(): already running")
             return
-        if self._parallel is not None and self._thread is not None:
-            raise RuntimeError(
-                "a tensor-parallel engine starts once: its other ranks ended with stop(); "
-                "restart the processes to serve again"
-            )
+        if self._parallel is not None and self.loop_error is not None:
+            raise RuntimeError(f"{self.loop_error}; restart the processes to serve again")
+        if self._stopped_heartbeat is not None:
+            heartbeat, self._stopped_heartbeat = self._stopped_heartbeat, None
+            try:
+                heartbeat.end(RESTART)
+            except RuntimeError as exc:
+                self.loop_error = str(exc)
+                raise
         with self._cond:
             self._accepting = True
             self._stop_requested = False
@@ -273,6 +286,12 @@ class ContinuousBatchingManager:
             self._original_attn_implementation = None
         if getattr(self.model, "_cbserve_cached_manager", None) is self:
             del self.model._cbserve_cached_manager
+        if self._stopped_heartbeat is not None:
+            heartbeat, self._stopped_heartbeat = self._stopped_heartbeat, None
+            try:
+                heartbeat.end(END)
+            except RuntimeError as exc:
+                logger.warning("%s", exc)
         if self._parallel is not None and not self.is_running():
             self._parallel.close()
         self._parallel = None
@@ -498,17 +517,23 @@ class ContinuousBatchingManager:
     def _run_loop(self) -> None:
         engine = self._engine
         assert engine is not None
+        parallel = self._parallel
         try:
-            iterate = self._drive if self.is_driver else self._follow
-            while iterate(engine):
-                pass
+            if self.is_driver:
+                self._run_session(engine, self._drive)
+            else:
+                # A stop on the driver ends a session; this thread waits for the next or the end.
+                assert parallel is not None
+                self._run_session(engine, self._follow)
+                while parallel.await_restart():
+                    self._run_session(engine, self._follow)
         except Exception as exc:  # only the tensor-parallel exchange raises: a rank died, hung or diverged
             self.loop_error = f"the generation loop failed: {type(exc).__name__}: {exc}"
             logger.exception("generation loop failed; failing every live request")
             self._fail_everything(engine, self.loop_error)
         else:
-            if self._hard_stop_requested:
-                self._fail_everything(engine, "the manager was hard-stopped before this request finished")
+            if parallel is not None and self.is_driver:
+                self._stopped_heartbeat = StoppedHeartbeat(parallel, self._tick_interval_s())
         with self._cond:
             self._loop_paused = False
             self._cond.notify_all()
@@ -516,6 +541,15 @@ class ContinuousBatchingManager:
         self._router.wake_all()
         for handler in list(self._loop_exit_handlers):
             handler()
+
+    def _run_session(self, engine: EngineCore, iterate: Callable[[EngineCore], bool]) -> None:
+        """Iterates until the loop stops, then fails what a hard stop left live."""
+        while iterate(engine):
+            pass
+        if self._hard_stop_requested:
+            self._fail_everything(engine, "the manager was hard-stopped before this request finished")
+            if not self.is_driver:  # the driver's start() clears its own
+                self._hard_stop_requested = False
 
     def _drive(self, engine: EngineCore) -> bool:
         """One iteration on the driver (or a single process): apply the inbox, then step, wait or exit."""
@@ -623,10 +657,15 @@ class ContinuousBatchingManager:
             if self._inbox or self._next_action(engine) != action:
                 return
             if self._parallel is not None:
-                timeout: float | None = min(IDLE_TICK_S, (self._parallel.timeout_s or IDLE_TICK_S) / 4)
+                timeout: float | None = self._tick_interval_s()
             else:
                 timeout = IDLE_WAIT_S if action == IDLE else None
             self._cond.wait(timeout)
+
+    def _tick_interval_s(self) -> float:
+        """How often an idle, parked or stopped tensor-parallel driver tells the other ranks it lives."""
+        assert self._parallel is not None
+        return min(IDLE_TICK_S, (self._parallel.timeout_s or IDLE_TICK_S) / 4)
 
     def _step(self, engine: EngineCore) -> None:
         self._run_step(engine, engine.step)

@@ -19,6 +19,10 @@ Invariants the lockstep relies on, kept by `EngineCore` and the manager:
 
 A rank that dies or hangs makes the next tick fail on the others within `cpu_group_timeout`.
 
+A stop ends the loops, not the group: while the driver is stopped, a `StoppedHeartbeat` tells the other
+ranks now and then that it still is (so their wait never times out while it lives), then whether the
+engine starts again or ends for good; the other ranks wait for that in `await_restart`.
+
 A weight update from in-memory tensors travels in two parts: the tick names each tensor
 (`TensorBroadcast`: name, dtype, shape), then its bytes follow the tick one tensor at a time as plain
 gloo broadcasts, never pickled. The driver sends them right after the tick, every other rank receives
@@ -31,6 +35,7 @@ import logging
 import os
 import pickle
 import random
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -48,6 +53,11 @@ STEP = "step"
 IDLE = "idle"
 PARK = "park"
 EXIT = "exit"
+
+# What a stopped driver tells the other ranks: still stopped, starting again, or ending for good.
+STILL_STOPPED = "stopped"
+RESTART = "restart"
+END = "end"
 
 
 @dataclass(frozen=True)
@@ -237,5 +247,54 @@ class TensorParallelGroup:
             tensors.append((spec.name, data.view(spec.dtype).reshape(spec.shape)))
         return tensors
 
+    def await_restart(self) -> bool:
+        """Other ranks, once the driver's loop stopped: True when it starts again, False when it ends."""
+        while True:
+            news = self.broadcast(None)
+            if news != STILL_STOPPED:
+                return bool(news == RESTART)
+
     def close(self) -> None:
         dist.destroy_process_group(self.cpu_group)
+
+
+class StoppedHeartbeat:
+    """The driver's side of a stop: until `end`, it tells the other ranks every `interval_s` that the
+    engine is still stopped, from a thread of its own (the loop thread has ended)."""
+
+    def __init__(self, group: TensorParallelGroup, interval_s: float) -> None:
+        self._group = group
+        self._interval_s = interval_s
+        self._cond = threading.Condition()
+        self._decision: str | None = None
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="cbserve-tp-stopped", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._decision is None:
+                    self._cond.wait(self._interval_s)
+                decision = self._decision
+            try:
+                self._group.broadcast(decision or STILL_STOPPED)
+            except Exception as exc:  # a rank died or hung while the engine was stopped
+                self.error = f"{type(exc).__name__}: {exc}"
+                logger.error("a tensor-parallel rank was lost while the engine was stopped: %s", self.error)
+                return
+            if decision is not None:
+                return
+
+    def end(self, decision: str) -> None:
+        """Tells the other ranks `decision` (RESTART or END) and returns once they have it; raises
+        RuntimeError if a rank was lost meanwhile."""
+        with self._cond:
+            self._decision = decision
+            self._cond.notify_all()
+        self._thread.join()
+        if self.error is not None:
+            raise RuntimeError(
+                f"a tensor-parallel rank was lost while the engine was stopped ({self.error}); "
+                "restart the processes to serve again"
+            )

@@ -94,7 +94,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         host = await self.slot.require(context)
         try:
             started = await host.start_async()
-        except RuntimeError as exc:  # a tensor-parallel engine cannot restart in the same processes
+        except RuntimeError as exc:  # a tensor-parallel group that lost a rank cannot start again
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             raise AssertionError("context.abort raises") from exc
         return admin_pb2.StartResponse(already_running=not started)

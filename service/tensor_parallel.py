@@ -6,7 +6,8 @@ signals: `launch` hands SIGTERM and SIGINT to rank 0 alone, which drains, stops 
 and exits; the followers then exit on their own. If any rank fails, the others are stopped.
 
 `follow` is a non-driver rank: it loads its shard, runs the engine loop the driver's ticks dictate
-(engine.parallel) and exits when that loop ends: 0 after the driver's stop, 1 when the loop failed.
+(engine.parallel) and exits when that loop ends: 0 once the driver's engine is destroyed (a stop only
+holds the loop until `Admin.Start`), 1 when the loop failed.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def launch(serve_argv: list[str], tp_size: int) -> int:
 
 
 def follow(model_path: str, config: ContinuousBatchingConfig, dtype: str = "auto") -> int:
-    """Runs a non-driver rank until the driver stops the engine; 0 then, 1 if the loop failed."""
+    """Runs a non-driver rank until the driver destroys the engine; 0 then, 1 if the loop failed."""
     # Signals are rank 0's to handle: it drains, then its stop ends this rank's loop too.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

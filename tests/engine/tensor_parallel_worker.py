@@ -8,7 +8,7 @@ loop error, and on rank 0 the scenario's results.
 Scenarios:
 - lockstep: greedy batch, sampled requests (seeded and not), a cancel, an in-place update from a state
   dict while a request is in flight (KEEP), a rejected update, an ABORT pause, an update from a
-  safetensors folder, stop.
+  safetensors folder, a stop and a start again, stop.
 - hang: rank 1 builds its engine and then never joins the loop; rank 0 must fail within the timeout.
 - die: rank 1 exits abruptly while rank 0 generates; rank 0 must fail its request, not hang.
 """
@@ -55,6 +55,11 @@ def wait_for_tokens(manager: ContinuousBatchingManager, request_id: str, count: 
         assert output is not None and not output.is_finished(), f"{request_id} ended early: {output}"
         if len(output.generated_tokens) >= count:
             return output
+
+
+# How long the lockstep scenario keeps the engine stopped: several of the driver's heartbeats (one a
+# second at most), which the other ranks must wait through without timing out.
+STOPPED_S = 2.5
 
 
 def drive_lockstep(manager: ContinuousBatchingManager, args: argparse.Namespace) -> dict[str, Any]:
@@ -104,6 +109,12 @@ def drive_lockstep(manager: ContinuousBatchingManager, args: argparse.Namespace)
 
     results["version_after_path"] = manager.update_weights(args.model)
     results["greedy_after_path"] = greedy(manager, prompts[:2], args.max_new_tokens)
+
+    manager.stop(block=True, timeout=60)
+    results["running_while_stopped"] = manager.is_running()
+    time.sleep(STOPPED_S)
+    manager.start()
+    results["greedy_after_restart"] = greedy(manager, prompts[:2], args.max_new_tokens)
     return results
 
 

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,51 @@ def test_weight_updates_reach_every_shard(lockstep: list[dict[str, Any]]) -> Non
     assert results["greedy_after_path"] == results["greedy_before"][:2], (
         "the folder update did not restore seed 0"
     )
+
+
+def test_a_stopped_engine_starts_again_on_every_rank(lockstep: list[dict[str, Any]]) -> None:
+    """The driver's stop ends every rank's loop; its start resumes them all, serving the same tokens
+    (the folder update restored seed 0's weights, as before the stop)."""
+    results = lockstep[0]["results"]
+    assert results["running_while_stopped"] is False
+    assert results["greedy_after_restart"] == results["greedy_before"][:2]
+    assert all(rank["loop_error"] is None for rank in lockstep)
+
+
+class _RecordingGroup:
+    """Stands in for the gloo group: records what a stopped driver broadcasts, or fails like a lost rank."""
+
+    def __init__(self, lost: bool = False) -> None:
+        self.lost = lost
+        self.sent: list[Any] = []
+
+    def broadcast(self, value: Any) -> Any:
+        if self.lost:
+            raise RuntimeError("Connection closed by peer")
+        self.sent.append(value)
+        return value
+
+
+def test_a_stopped_driver_beats_until_it_restarts_or_ends() -> None:
+    from engine.parallel import END, RESTART, STILL_STOPPED, StoppedHeartbeat
+
+    for decision in (RESTART, END):
+        group = _RecordingGroup()
+        heartbeat = StoppedHeartbeat(group, interval_s=0.01)  # type: ignore[arg-type]
+        time.sleep(0.2)
+        heartbeat.end(decision)
+        assert len(group.sent) >= 3 and set(group.sent[:-1]) == {STILL_STOPPED}, group.sent
+        assert group.sent[-1] == decision
+
+
+def test_a_rank_lost_while_stopped_makes_the_restart_fail_saying_so() -> None:
+    from engine.parallel import RESTART, StoppedHeartbeat
+
+    heartbeat = StoppedHeartbeat(_RecordingGroup(lost=True), interval_s=0.01)  # type: ignore[arg-type]
+    with pytest.raises(
+        RuntimeError, match=r"lost while the engine was stopped .*closed by peer.*restart the processes"
+    ):
+        heartbeat.end(RESTART)
 
 
 def test_a_weight_update_tick_names_its_tensors_and_leaves_their_bytes_to_follow() -> None:
