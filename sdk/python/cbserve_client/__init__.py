@@ -6,7 +6,8 @@
         print(client.generate("The capital of France is", max_new_tokens=8).text)
 
 Public API: :class:`Client` (sync), :class:`AsyncClient` (asyncio), :class:`AdminClient` (pause,
-stop/start, status, weight updates), the result dataclasses, and the exceptions of
+stop/start, status, weight updates), :class:`AdminFleet` (the same on every replica of a deployment at
+once), the result dataclasses, and the exceptions of
 :mod:`cbserve_client.errors`. The raw protobuf modules are in :mod:`cbserve_client.proto`.
 """
 
@@ -32,6 +33,7 @@ from cbserve_client.errors import (
     CancelledError,
     CbserveError,
     DeadlineExceededError,
+    FleetError,
     InternalError,
     InvalidArgumentError,
     NotFoundError,
@@ -39,11 +41,13 @@ from cbserve_client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from cbserve_client.fleet import AdminFleet, replica_targets
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdminClient",
+    "AdminFleet",
     "AlreadyExistsError",
     "AsyncChunkStream",
     "AsyncClient",
@@ -54,6 +58,7 @@ __all__ = [
     "Client",
     "Completion",
     "DeadlineExceededError",
+    "FleetError",
     "InternalError",
     "InvalidArgumentError",
     "ModelInfo",
@@ -71,4 +76,5 @@ __all__ = [
     "Usage",
     "WeightsUpdate",
     "__version__",
+    "replica_targets",
 ]

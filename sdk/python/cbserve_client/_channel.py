@@ -11,7 +11,25 @@ import grpc
 from cbserve_client._call import call_metadata, make_channel
 
 
-class ChannelOwner:
+class Closeable:
+    """`with` support for an object with a `close()`: leaving the block closes it."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class ChannelOwner(Closeable):
     """Owns one gRPC channel; `close()` (or leaving a `with` block) closes it, which cancels in-flight
     streams and releases an open pause."""
 
@@ -30,17 +48,6 @@ class ChannelOwner:
 
     def close(self) -> None:
         self._channel.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return call_metadata(self._token)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -16,7 +15,7 @@ from cbserve_client._call import (
     call_with_retry,
     resolve_timeout,
 )
-from cbserve_client._channel import ChannelOwner
+from cbserve_client._channel import ChannelOwner, Closeable
 from cbserve_client._convert import (
     CompletionBuilder,
     Prompt,
@@ -35,7 +34,7 @@ __all__ = ["ChunkStream", "Client"]
 DEFAULT_TIMEOUT_S = 60.0
 
 
-class ChunkStream(Iterator[Chunk]):
+class ChunkStream(Closeable, Iterator[Chunk]):
     """An iterator over a streaming call's chunks.
 
     ``close()`` (or leaving a ``with`` block, or dropping the iterator) cancels the RPC. For
@@ -78,17 +77,6 @@ class ChunkStream(Iterator[Chunk]):
         self._call.cancel()
 
     cancel = close
-
-    def __enter__(self) -> ChunkStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __del__(self) -> None:
         call = getattr(self, "_call", None)

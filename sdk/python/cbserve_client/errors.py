@@ -7,6 +7,8 @@ is kept as ``__cause__``). Codes without a dedicated class raise :class:`Cbserve
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "CancelledError",
     "CbserveError",
     "DeadlineExceededError",
+    "FleetError",
     "InternalError",
     "InvalidArgumentError",
     "NotFoundError",
@@ -110,3 +113,22 @@ def from_rpc_error(error: grpc.RpcError) -> CbserveError:
     mapped = error_from_code(code, details if isinstance(details, str) else str(error))
     mapped.__cause__ = error
     return mapped
+
+
+class FleetError(CbserveError):
+    """A call of an :class:`~cbserve_client.AdminFleet` that failed on some replicas.
+
+    Attributes:
+        failures: the error of each replica that failed, by target.
+        results: what each replica that succeeded returned, by target.
+        code: the first failure's status code.
+    """
+
+    def __init__(self, failures: dict[str, CbserveError], results: dict[str, Any]) -> None:
+        self.failures = failures
+        self.results = results
+        first = next(iter(failures.values()))
+        listed = "; ".join(f"{target}: {error}" for target, error in failures.items())
+        super().__init__(
+            first.code, f"{len(failures)} of {len(failures) + len(results)} replicas failed: {listed}"
+        )

@@ -1,0 +1,167 @@
+"""Every replica of one deployment at once, for trainers that pause them all and push weights to all.
+
+Behind a Kubernetes Service a call reaches *one* pod; a weight update must reach every replica. A
+headless Service's name resolves to one address per ready pod: :meth:`AdminFleet.resolve` opens an
+:class:`AdminClient` to each, and the fleet fans each call out to all of them in parallel.
+
+    from cbserve_client import AdminFleet
+
+    with AdminFleet.resolve("cbserve.cbserve.svc.cluster.local:50052", token=token) as fleet:
+        with fleet.paused():
+            fleet.update_weights(model.state_dict(), version=f"step-{step}")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+
+from cbserve_client._channel import Closeable
+from cbserve_client._types import PauseInfo, Status, WeightsUpdate
+from cbserve_client._weights import WeightsSource
+from cbserve_client.admin import DEFAULT_TIMEOUT_S, AdminClient
+from cbserve_client.errors import CbserveError, FleetError, UnavailableError
+
+__all__ = ["AdminFleet", "replica_targets"]
+
+Result = TypeVar("Result")
+
+
+def _split_host_port(target: str) -> tuple[str, int]:
+    host, separator, port = target.rpartition(":")
+    if not separator or not host or not port.isdigit():
+        raise ValueError(f"target must be host:port (IPv6 as [addr]:port), got {target!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def replica_targets(target: str) -> list[str]:
+    """``"host:port"`` -> one ``"address:port"`` per address ``host`` resolves to, in resolver order
+    (IPv6 addresses in brackets). Raises :class:`UnavailableError` when the name does not resolve."""
+    host, port = _split_host_port(target)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{host} does not resolve: {exc}") from exc
+    targets: list[str] = []
+    for family, _type, _proto, _name, address in infos:
+        ip = str(address[0])
+        formatted = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+        if formatted not in targets:
+            targets.append(formatted)
+    return targets
+
+
+class AdminFleet(Closeable):
+    """:class:`AdminClient` s of several replicas; each call runs on all of them in parallel.
+
+    A call that fails on some replicas raises :class:`FleetError` once every replica has answered,
+    naming each failed target; the replicas that succeeded keep their change (there is no cross-replica
+    transaction), and ``FleetError.results`` holds what they returned, so a caller can retry the others.
+
+    Args:
+        targets: the admin address of each replica.
+        token, credentials, timeout, options: as for :class:`AdminClient`, for every replica.
+    """
+
+    def __init__(
+        self,
+        targets: Sequence[str],
+        token: str | None,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if not targets:
+            raise ValueError("an AdminFleet needs at least one target")
+        self.clients = [
+            AdminClient(target, token, credentials=credentials, timeout=timeout, options=options)
+            for target in targets
+        ]
+        self._executor = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="cbserve-fleet")
+
+    @classmethod
+    def resolve(
+        cls,
+        target: str,
+        token: str | None,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT_S,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> AdminFleet:
+        """A fleet of every address ``target``'s host resolves to (:func:`replica_targets`). With TLS,
+        each connection still checks the server certificate against that host name, not the address."""
+        host, _port = _split_host_port(target)
+        if credentials is not None:
+            options = (*options, ("grpc.ssl_target_name_override", host))
+        return cls(replica_targets(target), token, credentials=credentials, timeout=timeout, options=options)
+
+    @property
+    def targets(self) -> list[str]:
+        return [client.target for client in self.clients]
+
+    def _on_all(self, call: Callable[[AdminClient], Result]) -> list[Result]:
+        """`call` on every replica in parallel; results in target order, or FleetError."""
+        futures = [self._executor.submit(call, client) for client in self.clients]
+        results: dict[str, Any] = {}
+        failures: dict[str, CbserveError] = {}
+        for client, future in zip(self.clients, futures, strict=True):
+            try:
+                results[client.target] = future.result()
+            except CbserveError as exc:
+                failures[client.target] = exc
+        if failures:
+            raise FleetError(failures, results)
+        return [results[client.target] for client in self.clients]
+
+    @contextlib.contextmanager
+    def paused(
+        self, mode: str = "keep", lease_s: float | None = None, *, timeout: float | None = None
+    ) -> Iterator[list[PauseInfo]]:
+        """Holds every replica paused for the duration of a ``with`` block (see
+        :meth:`AdminClient.paused`); yields each replica's :class:`PauseInfo`, in target order. If a
+        replica cannot be paused, the holds already taken are released and FleetError is raised."""
+
+        def hold(client: AdminClient) -> tuple[contextlib.AbstractContextManager[PauseInfo], PauseInfo]:
+            pause = client.paused(mode, lease_s, timeout=timeout)
+            return pause, pause.__enter__()
+
+        with contextlib.ExitStack() as holds:
+            try:
+                entered = self._on_all(hold)
+            except FleetError as error:
+                for pause, _info in error.results.values():
+                    holds.push(pause)
+                infos = {target: info for target, (_pause, info) in error.results.items()}
+                raise FleetError(error.failures, infos) from None
+            for pause, _info in entered:
+                holds.push(pause)
+            yield [info for _pause, info in entered]
+
+    def update_weights(
+        self, state_dict_or_path: WeightsSource, version: str | None = None, *, timeout: float | None = None
+    ) -> list[WeightsUpdate]:
+        """:meth:`AdminClient.update_weights` on every replica at once; results in target order.
+
+        A mapping or path is sent to each replica as it is; an iterator of (name, tensor) pairs is
+        read once, up front, since every replica needs all of it."""
+        if not isinstance(state_dict_or_path, (str, bytes)) and not hasattr(state_dict_or_path, "items"):
+            state_dict_or_path = list(state_dict_or_path)  # type: ignore[arg-type]
+        return self._on_all(
+            lambda client: client.update_weights(state_dict_or_path, version, timeout=timeout)
+        )
+
+    def status(self) -> list[Status]:
+        """Each replica's :class:`Status`, in target order."""
+        return self._on_all(lambda client: client.status())
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        self._executor.shutdown(wait=False)
