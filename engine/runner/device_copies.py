@@ -45,6 +45,10 @@ class HostCopies:
         self._event = torch.cuda.Event()
         self._event.record()
 
+    def ready(self) -> bool:
+        """Whether the copies have landed (never blocks)."""
+        return self._event is None or self._event.query()
+
     def wait(self) -> list[torch.Tensor]:
         if self._event is not None:
             self._event.synchronize()

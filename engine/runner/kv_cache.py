@@ -16,6 +16,7 @@ until it fills. Only the null block is zeroed, because padding reads it.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.full_attention import blocks_for_tokens
 from engine.kv.layer_groups import KVCacheGroupSpec
+from engine.runner.device_copies import HostCopies, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -174,11 +176,27 @@ class PagedKVCache:
         return b"".join(parts)
 
 
+@dataclass
+class _PendingOffload:
+    """An offload whose rows are on their way to the host: `copies` holds each layer's rows, to be
+    written to `host_slots` of the matching tensor of `host_caches` once they have landed."""
+
+    host_slots: torch.Tensor
+    host_caches: list[torch.Tensor]
+    copies: HostCopies
+
+
 class HostKVCache:
     """Host-memory copies of KV blocks for CPU offload, laid out like `PagedKVCache` (pinned on CUDA).
 
     Copies go through `index_select` / `index_copy_` on whole block ranges: an advanced-indexing copy
     into a temporary (`host[rows].copy_(...)`) would silently copy nothing.
+
+    An offload never waits for the device (async batching keeps its overlap in a step that preempts):
+    each layer's rows are gathered on the device and copied to pinned memory without blocking, and
+    written into the host blocks later, in offload order, once landed. Every pending offload is written
+    before a restore reads the host blocks, and in order, so a host block freed and offloaded to again
+    ends up with the newest rows.
     """
 
     def __init__(self, device_cache: PagedKVCache, num_blocks: int) -> None:
@@ -194,9 +212,10 @@ class HostKVCache:
         self.value_caches = [
             torch.empty(row_shape, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)
         ]
+        self._pending: deque[_PendingOffload] = deque()
 
     def _slots(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
-        blocks = torch.tensor(block_ids, dtype=torch.long, device=device)
+        blocks = to_device(block_ids, torch.long, device)  # a plain copy to the device would wait for it
         return (blocks.unsqueeze(1) * self.page_size + torch.arange(self.page_size, device=device)).flatten()
 
     def _slot_pairs(
@@ -215,17 +234,28 @@ class HostKVCache:
         return device_slots, host_slots, pairs
 
     def offload(self, device_block_ids: list[int], host_block_ids: list[int]) -> None:
-        """Copies device blocks to host blocks, every layer."""
+        """Queues the copy of device blocks to host blocks, every layer (see the class docstring)."""
         if not device_block_ids:
             return
+        self._write_landed(wait=False)
         device_slots, host_slots, pairs = self._slot_pairs(device_block_ids, host_block_ids)
-        for device_cache, host_cache in pairs:
-            host_cache.index_copy_(0, host_slots, device_cache.index_select(0, device_slots).cpu())
+        rows = [device_cache.index_select(0, device_slots) for device_cache, _host_cache in pairs]
+        host_caches = [host_cache for _device_cache, host_cache in pairs]
+        self._pending.append(_PendingOffload(host_slots, host_caches, HostCopies(rows)))
+
+    def _write_landed(self, wait: bool) -> None:
+        """Writes pending offloads into the host blocks, oldest first: all of them with `wait`, else
+        those that have landed, up to the first that has not."""
+        while self._pending and (wait or self._pending[0].copies.ready()):
+            pending = self._pending.popleft()
+            for host_cache, rows in zip(pending.host_caches, pending.copies.wait(), strict=True):
+                host_cache.index_copy_(0, pending.host_slots, rows)
 
     def restore(self, device_block_ids: list[int], host_block_ids: list[int]) -> None:
         """Copies host blocks back into device blocks, every layer."""
         if not device_block_ids:
             return
+        self._write_landed(wait=True)
         device_slots, host_slots, pairs = self._slot_pairs(device_block_ids, host_block_ids)
         for device_cache, host_cache in pairs:
             rows = host_cache.index_select(0, host_slots).to(self.device_cache.device, non_blocking=True)

@@ -40,6 +40,18 @@ def test_offload_then_restore_round_trips_block_bytes_exactly():
     assert all(device.block_bytes(block) == data for block, data in untouched.items())
 
 
+def test_a_host_block_offloaded_to_twice_before_a_restore_holds_the_newer_rows():
+    """Offloads land in the host blocks after the offload call, in order: a host block freed (its request
+    cancelled) and offloaded to again must not get the older rows written over the newer."""
+    device = _filled_cache(num_blocks=10, page_size=4)
+    host = HostKVCache(device, num_blocks=4)
+    older, newer = device.block_bytes(3), device.block_bytes(5)
+    host.offload([3], [1])
+    host.offload([5], [1])
+    host.restore([8], [1])
+    assert device.block_bytes(8) == newer != older
+
+
 def test_host_blocks_read_by_a_restore_return_to_the_pool_only_after_the_step():
     pool = HostBlockPool(3)
     taken = pool.allocate(2)
