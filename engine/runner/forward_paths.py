@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_ROWS_PADDING_INTERVAL = 16
 DEFAULT_KEYS_PADDING_INTERVAL = 256
 DEFAULT_TOKENS_PADDING_INTERVAL = 256
+# Varlen steps of more tokens run without graphs: their launch overhead is small next to their compute
+# (vLLM's default largest captured size is the same), and bounding them bounds the number of shapes.
+MAX_VARLEN_GRAPH_TOKENS = 512
+# Graphs each path may hold; a step of a new shape past it runs without one (its shape is not captured).
+MAX_GRAPHS_PER_PATH = 256
 # Compilations each path may hold (torch's default is 8): one per padded shape with static shapes.
 RECOMPILE_LIMIT = 256
 
@@ -148,16 +153,32 @@ class StepGraphs:
     the stream before the next step's forward).
     """
 
-    def __init__(self, function: ForwardFunction, device: torch.device, pool: Any) -> None:
+    def __init__(
+        self, function: ForwardFunction, device: torch.device, pool: Any, path: str, max_graphs: int
+    ) -> None:
         self.function = function
         self.device = device
         self.graphs: dict[tuple[tuple[int, ...], ...], _CapturedGraph] = {}
         self.pool = pool
+        self.path = path
+        self.max_graphs = max_graphs
+        self.full = False
 
-    def run(self, inputs: BatchInputs) -> torch.Tensor:
+    def run(self, inputs: BatchInputs) -> torch.Tensor | None:
+        """The step's logits from its graph; None when its shape has no graph and no more may be captured
+        (the caller runs it without one)."""
         key = graph_key(inputs)
         captured = self.graphs.get(key)
         if captured is None:
+            if len(self.graphs) >= self.max_graphs:
+                if not self.full:
+                    logger.warning(
+                        "%s path: %d CUDA graphs held, the most allowed; steps of other shapes run without",
+                        self.path,
+                        self.max_graphs,
+                    )
+                    self.full = True
+                return None
             captured = self.graphs[key] = self._capture(inputs)
         else:
             for static, fresh in zip(_tensors_of(captured.inputs), _tensors_of(inputs), strict=True):
@@ -246,8 +267,16 @@ class ForwardPaths:
             config, device, model, self.attention_kernel is not None
         )
         pool = torch.cuda.graph_pool_handle() if varlen_graphs or decode_graphs else None
-        self.decode_graphs = StepGraphs(self.functions["decode"], device, pool) if decode_graphs else None
-        self.varlen_graphs = StepGraphs(self.functions["varlen"], device, pool) if varlen_graphs else None
+        self.decode_graphs = (
+            StepGraphs(self.functions["decode"], device, pool, "decode", MAX_GRAPHS_PER_PATH)
+            if decode_graphs
+            else None
+        )
+        self.varlen_graphs = (
+            StepGraphs(self.functions["varlen"], device, pool, "varlen", MAX_GRAPHS_PER_PATH)
+            if varlen_graphs
+            else None
+        )
         decode_compile = self.compile_configs["decode"]
         static_shapes = decode_compile is not None and decode_compile.dynamic is False
         pads_decode = decode_graphs or static_shapes
@@ -258,6 +287,7 @@ class ForwardPaths:
                 tokens_interval=config.q_padding_interval_size or DEFAULT_TOKENS_PADDING_INTERVAL,
                 decode=pads_decode,
                 varlen=varlen_graphs,
+                varlen_max_tokens=MAX_VARLEN_GRAPH_TOKENS,
             )
             if pads_decode or varlen_graphs
             else None
@@ -279,7 +309,9 @@ class ForwardPaths:
         """Logits [L, V] of the rows in `inputs.logits_indices`."""
         graphs = self.decode_graphs if inputs.is_decode_only else self.varlen_graphs
         if graphs is not None and inputs.is_padded:
-            return graphs.run(inputs)
+            logits = graphs.run(inputs)
+            if logits is not None:
+                return logits
         function = self.functions["decode" if inputs.is_decode_only else "varlen"]
         return function(inputs.input_ids, inputs.position_ids, inputs.logits_indices, inputs.metadata)
 

@@ -9,9 +9,9 @@ Padding (for CUDA graphs and static-shape compilation) rounds a step up to a bou
 - A decode-only step: the number of rows to `padded_size(rows, rows_interval)` and the key width to a
   multiple of the KV interval. Padding rows are fake requests at position 0 whose block table is the
   null block alone, so they write their keys to the null block's first slot and attend to it.
-- A step with prefill chunks, on the kernel path only (varlen CUDA graphs): the packed tokens to
-  `padded_size(tokens, tokens_interval)`, the requests to `padded_size(requests, rows_interval)` and the
-  block tables to `max_blocks_per_request` columns. Padding tokens belong to no request (no kernel tile
+- A step with prefill chunks of at most `varlen_max_tokens` tokens, on the kernel path only (varlen CUDA
+  graphs): the packed tokens to `padded_size(tokens, tokens_interval)`, the requests to
+  `padded_size(requests, rows_interval)` and the block tables to `max_blocks_per_request` columns. Padding tokens belong to no request (no kernel tile
   reads them; their attention output is zero) and write their keys to the null block's first slot;
   padding requests own no tokens.
 
@@ -71,6 +71,8 @@ class Padding:
     tokens_interval: int
     decode: bool = True
     varlen: bool = False
+    # Steps with prefill chunks are padded only up to this many packed tokens (larger ones run unpadded).
+    varlen_max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,12 @@ class InputBuilder:
         if self.attention_kernel is not None:
             queries_per_tile = 1 if is_decode_only else PREFILL_QUERIES_PER_TILE
             padded_shape = None
-            if not is_decode_only and padding is not None and padding.varlen:
+            if (
+                not is_decode_only
+                and padding is not None
+                and padding.varlen
+                and len(input_ids) <= padding.varlen_max_tokens
+            ):
                 padded_shape = (
                     padded_size(len(input_ids), padding.tokens_interval),
                     padded_size(len(all_chunks), padding.rows_interval),

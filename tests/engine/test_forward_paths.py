@@ -14,6 +14,7 @@ import torch
 from transformers import CompileConfig
 
 from engine import ContinuousBatchingConfig
+from engine.runner.forward_paths import MAX_VARLEN_GRAPH_TOKENS, StepGraphs
 from engine.runner.inputs import Padding, padded_size, padded_sizes
 from tests.conftest import TEST_DEVICE, assert_greedy_parity, generate_greedy, random_prompt, tiny_model
 
@@ -68,7 +69,9 @@ def test_static_shape_compile_pads_decode_steps_and_keeps_parity(family: str) ->
         kv_padding_interval_size=8,
     )
     prompts, generated, engine = _generate(model, config)
-    assert engine.runner.forward_paths.padding == Padding(4, 8, 4, decode=True, varlen=False)
+    assert engine.runner.forward_paths.padding == Padding(
+        4, 8, 4, decode=True, varlen=False, varlen_max_tokens=MAX_VARLEN_GRAPH_TOKENS
+    )
     assert engine.runner.num_padding_rows > 0, "no decode step was padded"
     _assert_parity(model, prompts, generated, f"{family}, padded static-shape decode")
 
@@ -183,6 +186,30 @@ def test_which_paths_replay_graphs(
         assert caplog.text == ""
     else:
         assert warning in caplog.text
+
+
+def test_a_path_at_its_graph_limit_runs_new_shapes_without_capturing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Past MAX_GRAPHS_PER_PATH a step of a new shape gets no graph (the runner runs it eagerly), and
+    the limit is logged once. Nothing is captured, so this runs without a GPU."""
+    from types import SimpleNamespace
+
+    def never_called(*arguments: object) -> torch.Tensor:
+        raise AssertionError("a step past the limit must not be captured")
+
+    graphs = StepGraphs(never_called, torch.device("cpu"), pool=None, path="varlen", max_graphs=0)
+    step = SimpleNamespace(
+        input_ids=torch.zeros(1, 16, dtype=torch.long),
+        position_ids=torch.zeros(1, 16, dtype=torch.long),
+        logits_indices=torch.zeros(2, dtype=torch.long),
+        metadata=SimpleNamespace(step_tensors=lambda: []),
+    )
+    with caplog.at_level(logging.WARNING, logger="engine.runner.forward_paths"):
+        assert graphs.run(step) is None  # type: ignore[arg-type]
+        assert graphs.run(step) is None  # type: ignore[arg-type]
+    assert caplog.text.count("CUDA graphs held, the most allowed") == 1
+    assert graphs.graphs == {}
 
 
 @needs_cuda

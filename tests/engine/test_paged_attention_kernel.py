@@ -159,6 +159,10 @@ def test_requests_sharing_a_prefix_in_one_step_read_blocks_that_step_writes(
     assert any(tile > 1 for tile in calls)
 
 
+# Below the 48-token budget of the test below, so that some of its steps are too large to pad.
+MAX_PADDED_TOKENS = 40
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
 def test_padded_steps_with_prefill_chunks_keep_parity(kernel_module, family: str) -> None:
     """The shapes varlen CUDA graphs replay, run eagerly: padding tokens that belong to no request,
@@ -171,32 +175,42 @@ def test_padded_steps_with_prefill_chunks_keep_parity(kernel_module, family: str
     config = ContinuousBatchingConfig(
         page_size=8, num_blocks=160, max_batch_tokens=48, max_blocks_per_request=32
     )
-    prompts = [random_prompt(length, seed=700 + length) for length in PROMPT_LENGTHS]
+    # 48-token steps while the long prompt is chunked (too large to pad), then its last chunk of 22 with
+    # three decode rows (25 tokens, padded to 32).
+    prompts = [random_prompt(length, seed=700 + length) for length in (3, 12, 30, 70)]
+    new_tokens = NEW_TOKENS[: len(prompts)]
     manager = init_continuous_batching(model, continuous_batching_config=config)
     try:
         runner = manager._ensure_engine().runner
-        runner.forward_paths.padding = Padding(4, 16, 16, decode=False, varlen=True)
+        runner.forward_paths.padding = Padding(
+            4, 16, 16, decode=False, varlen=True, varlen_max_tokens=MAX_PADDED_TOKENS
+        )
         padded_steps = []
         original_forward = runner.forward
 
         def forward(inputs):
             if not inputs.is_decode_only:
-                padded_steps.append((inputs.is_padded, inputs.num_padding_rows))
+                num_tokens = inputs.input_ids.shape[1] - inputs.num_padding_rows
+                padded_steps.append((num_tokens, inputs.is_padded, inputs.num_padding_rows))
             return original_forward(inputs)
 
         runner.forward = forward
         manager.start()
         ids = [
             manager.add_request(prompt, max_new_tokens=count, eos_token_id=[])
-            for prompt, count in zip(prompts, NEW_TOKENS, strict=True)
+            for prompt, count in zip(prompts, new_tokens, strict=True)
         ]
         outputs = [manager.get_result(request_id, timeout=600) for request_id in ids]
     finally:
         manager.destroy()
-    assert all(is_padded for is_padded, _ in padded_steps), padded_steps
-    assert any(num_padding_rows > 0 for _, num_padding_rows in padded_steps), "no step needed padding"
+    # Steps of up to MAX_PADDED_TOKENS tokens are padded, larger ones (up to the 48-token budget) are not.
+    assert all(is_padded == (tokens <= MAX_PADDED_TOKENS) for tokens, is_padded, _ in padded_steps), (
+        padded_steps
+    )
+    assert any(padding > 0 for _, _, padding in padded_steps), "no step needed padding"
+    assert any(not is_padded for _, is_padded, _ in padded_steps), "no step was too large to pad"
     generated = [list(output.generated_tokens) for output in outputs]
-    assert_greedy_parity(model, prompts, NEW_TOKENS, generated, f"{family}, padded varlen steps")
+    assert_greedy_parity(model, prompts, new_tokens, generated, f"{family}, padded varlen steps")
 
 
 def test_requests_wider_than_max_blocks_per_request_gather_instead(kernel_module, monkeypatch) -> None:
