@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_ROWS_PADDING_INTERVAL = 16
 DEFAULT_KEYS_PADDING_INTERVAL = 256
 DEFAULT_TOKENS_PADDING_INTERVAL = 256
-# Varlen steps of more tokens run without graphs: their launch overhead is small next to their compute
-# (vLLM's default largest captured size is the same), and bounding them bounds the number of shapes.
+# Varlen steps of more tokens run without graphs: their launch overhead is small next to their compute,
+# and bounding them bounds the number of shapes.
 MAX_VARLEN_GRAPH_TOKENS = 512
 # Graphs each path may hold; a step of a new shape past it runs without one (its shape is not captured).
 MAX_GRAPHS_PER_PATH = 256
