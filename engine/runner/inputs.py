@@ -11,9 +11,9 @@ Padding (for CUDA graphs and static-shape compilation) rounds a step up to a bou
   null block alone, so they write their keys to the null block's first slot and attend to it.
 - A step with prefill chunks of at most `varlen_max_tokens` tokens, on the kernel path only (varlen CUDA
   graphs): the packed tokens to `padded_size(tokens, tokens_interval)`, the requests to
-  `padded_size(requests, rows_interval)` and the block tables to `max_blocks_per_request` columns. Padding tokens belong to no request (no kernel tile
-  reads them; their attention output is zero) and write their keys to the null block's first slot;
-  padding requests own no tokens.
+  `padded_size(requests, rows_interval)` and the block tables to `max_blocks_per_request` columns.
+  Padding tokens belong to no request (no kernel tile reads them; their attention output is zero) and
+  write their keys to the null block's first slot; padding requests own no tokens.
 
 Padded logits rows are never sampled. The null block therefore holds finite values that only masked
 columns and padding rows ever read.
