@@ -77,6 +77,8 @@ class KernelInputs:
     tile_requests: torch.Tensor  # [P]
     tile_offsets: torch.Tensor  # [P]
     queries_per_tile: int
+    # Whether some packed rows belong to no request (padding tokens of a padded step).
+    has_unowned_rows: bool = False
 
     def step_tensors(self) -> list[torch.Tensor]:
         """The per-step tensors the kernel reads, in a fixed order (what a CUDA graph copies in)."""
@@ -229,6 +231,7 @@ def _kernel_attention(
         scale,
         softcap,
         meta.sliding_windows[group],
+        inputs.has_unowned_rows,
     )[None]
 
 

@@ -226,6 +226,7 @@ def _clone_step(inputs: BatchInputs) -> BatchInputs:
             tile_requests=kernel_inputs.tile_requests.clone(),
             tile_offsets=kernel_inputs.tile_offsets.clone(),
             queries_per_tile=kernel_inputs.queries_per_tile,
+            has_unowned_rows=kernel_inputs.has_unowned_rows,
         )
     metadata = replace(
         meta,

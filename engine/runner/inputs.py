@@ -140,6 +140,8 @@ class InputBuilder:
         self.device = device
         self.attention_kernel = attention_kernel
         self.max_blocks_per_request = max_blocks_per_request
+        # Block tables read during the step being built, by (request id, group); callers never mutate them.
+        self._step_tables: dict[tuple[str, int], list[int]] = {}
 
     def build(
         self,
@@ -163,8 +165,11 @@ class InputBuilder:
         previous_rows: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
+        # Every chunk in packed-row order, and the same chunks split by kind (for the gather path).
+        chunks: list[_Chunk] = []
         decode: list[_Chunk] = []
         prefill: list[_Chunk] = []
+        self._step_tables.clear()
         for item in scheduler_output.scheduled:
             request = item.request
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
@@ -180,6 +185,7 @@ class InputBuilder:
             positions.extend(range(start, end))
             if item.samples_token:
                 logits_rows.append(chunk.row + item.num_new_tokens - 1)
+            chunks.append(chunk)
             (decode if item.num_new_tokens == 1 else prefill).append(chunk)
 
         is_decode_only = not prefill
@@ -190,7 +196,9 @@ class InputBuilder:
             assert padding is not None
             num_rows = padded_size(max(len(decode), min_rows), padding.rows_interval)
             num_padding_rows = num_rows - len(decode)
-            decode.extend(_Chunk(None, row, 0, 1) for row in range(len(decode), num_rows))
+            padding_chunks = [_Chunk(None, row, 0, 1) for row in range(len(decode), num_rows)]
+            decode.extend(padding_chunks)
+            chunks.extend(padding_chunks)
             input_ids.extend([0] * num_padding_rows)
             positions.extend([0] * num_padding_rows)
             # Logits of every row, so their count depends on the padded shape alone.
@@ -198,7 +206,6 @@ class InputBuilder:
             logits_rows = list(range(num_rows))
 
         keys_interval = padding.keys_interval if pads_decode and padding is not None else None
-        all_chunks = decode + prefill
         kernel_inputs = None
         pads_varlen = False
         if self.attention_kernel is not None:
@@ -212,9 +219,9 @@ class InputBuilder:
             ):
                 padded_shape = (
                     padded_size(len(input_ids), padding.tokens_interval),
-                    padded_size(len(all_chunks), padding.rows_interval),
+                    padded_size(len(chunks), padding.rows_interval),
                 )
-            kernel_inputs = self._kernel_inputs(all_chunks, keys_interval, queries_per_tile, padded_shape)
+            kernel_inputs = self._kernel_inputs(chunks, keys_interval, queries_per_tile, padded_shape)
             pads_varlen = kernel_inputs is not None and padded_shape is not None
             if pads_varlen:
                 assert padded_shape is not None
@@ -236,7 +243,7 @@ class InputBuilder:
             layer_groups=self.layer_groups,
             sliding_windows=[group.sliding_window for group in self.groups],
             write_slots=[
-                self._write_slots(group, all_chunks, len(input_ids)) for group in range(len(self.groups))
+                self._write_slots(group, chunks, len(input_ids)) for group in range(len(self.groups))
             ],
             batches=batches,
             is_decode_only=is_decode_only,
@@ -265,9 +272,15 @@ class InputBuilder:
         )
 
     def _table(self, chunk: _Chunk, group: int) -> list[int]:
+        """The chunk's block table in `group`, read from the cache manager once per step (the write slots
+        and the attention inputs both need it)."""
         if chunk.request_id is None:
             return [NULL_BLOCK_ID]
-        return self.kv_cache_manager.block_ids(chunk.request_id, group)
+        key = (chunk.request_id, group)
+        table = self._step_tables.get(key)
+        if table is None:
+            table = self._step_tables[key] = self.kv_cache_manager.block_ids(chunk.request_id, group)
+        return table
 
     def _write_slots(self, group: int, chunks: list[_Chunk], num_rows: int) -> torch.Tensor:
         """[T] cache slot of every packed row's new key, in packed-row order; rows no chunk owns (padding
@@ -336,7 +349,7 @@ class InputBuilder:
 
     def _kernel_inputs(
         self,
-        chunks: list[_Chunk],
+        chunks: list[_Chunk],  # in packed-row order
         keys_interval: int | None,
         queries_per_tile: int,
         padded_shape: tuple[int, int] | None = None,
@@ -349,7 +362,6 @@ class InputBuilder:
         list has the most entries that many tokens and requests can need.
         """
         device = self.device
-        chunks = sorted(chunks, key=lambda chunk: chunk.row)
         tables = [[self._table(chunk, group) for chunk in chunks] for group in range(len(self.groups))]
         width = max(len(table) for group_tables in tables for table in group_tables)
         if keys_interval is not None:
@@ -394,6 +406,7 @@ class InputBuilder:
             tile_requests=to_device(tile_requests, torch.int32, device),
             tile_offsets=to_device(tile_offsets, torch.int32, device),
             queries_per_tile=queries_per_tile,
+            has_unowned_rows=padded_shape is not None and padded_shape[0] > num_real_rows,
         )
 
     def _group_keys(

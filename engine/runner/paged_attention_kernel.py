@@ -173,19 +173,21 @@ def paged_attention(
     scale: float,
     softcap: float | None,
     sliding_window: int | None,
+    has_unowned_rows: bool = False,
 ) -> torch.Tensor:
     """queries [T, H, D] -> [T, H, D].
 
     Request r owns packed rows query_starts[r] .. query_starts[r + 1] - 1, the last of its seq_lens[r]
     positions, and finds its keys through block_table[r]. Each query attends causally (and within
-    `sliding_window`) to its request's keys. Rows no tile covers are zero.
+    `sliding_window`) to its request's keys. With `has_unowned_rows` (a padded step), rows no request
+    owns are zero; otherwise every row is written and the output is not cleared first.
     """
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     num_kv_heads = key_cache.shape[1]
     group_size = num_heads // num_kv_heads
     if queries.stride(2) != 1:
         queries = queries.contiguous()
-    output = torch.zeros_like(queries)
+    output = torch.zeros_like(queries) if has_unowned_rows else torch.empty_like(queries)
     block_group = triton.next_power_of_2(group_size)
     block_dim = triton.next_power_of_2(head_dim)
     use_dot = queries_per_tile * block_group >= MIN_DOT_SIZE and block_dim >= MIN_DOT_SIZE

@@ -104,7 +104,7 @@ def test_kernel_matches_a_gathered_softmax(
         for values in (tile_requests, tile_offsets)
     ]
     output = kernel_module.paged_attention(
-        *device_tensors, *tiles, queries_per_tile, page_size, scale, softcap, window
+        *device_tensors, *tiles, queries_per_tile, page_size, scale, softcap, window, has_unowned_rows=True
     )
     expected = _reference(*device_tensors, page_size, scale, softcap, window)
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)
