@@ -224,13 +224,11 @@ class ContinuousBatchingManager:
             return
         if self._parallel is not None and self.loop_error is not None:
             raise RuntimeError(f"{self.loop_error}; restart the processes to serve again")
-        if self._stopped_heartbeat is not None:
-            heartbeat, self._stopped_heartbeat = self._stopped_heartbeat, None
-            try:
-                heartbeat.end(RESTART)
-            except RuntimeError as exc:
-                self.loop_error = str(exc)
-                raise
+        try:
+            self._end_stopped_heartbeat(RESTART)
+        except RuntimeError as exc:
+            self.loop_error = str(exc)
+            raise
         with self._cond:
             self._accepting = True
             self._stop_requested = False
@@ -286,12 +284,10 @@ class ContinuousBatchingManager:
             self._original_attn_implementation = None
         if getattr(self.model, "_cbserve_cached_manager", None) is self:
             del self.model._cbserve_cached_manager
-        if self._stopped_heartbeat is not None:
-            heartbeat, self._stopped_heartbeat = self._stopped_heartbeat, None
-            try:
-                heartbeat.end(END)
-            except RuntimeError as exc:
-                logger.warning("%s", exc)
+        try:
+            self._end_stopped_heartbeat(END)
+        except RuntimeError as exc:
+            logger.warning("%s", exc)
         if self._parallel is not None and not self.is_running():
             self._parallel.close()
         self._parallel = None
@@ -541,6 +537,13 @@ class ContinuousBatchingManager:
         self._router.wake_all()
         for handler in list(self._loop_exit_handlers):
             handler()
+
+    def _end_stopped_heartbeat(self, decision: str) -> None:
+        """Under tensor parallelism, on a stopped driver: tells the other ranks `decision` (RESTART or
+        END); raises RuntimeError if a rank was lost while stopped. A no-op otherwise."""
+        heartbeat, self._stopped_heartbeat = self._stopped_heartbeat, None
+        if heartbeat is not None:
+            heartbeat.end(decision)
 
     def _run_session(self, engine: EngineCore, iterate: Callable[[EngineCore], bool]) -> None:
         """Iterates until the loop stops, then fails what a hard stop left live."""
