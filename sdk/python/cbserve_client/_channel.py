@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -11,11 +12,11 @@ import grpc
 from cbserve_client._call import call_metadata, make_channel
 
 
-class Closeable:
+class Closeable(ABC):
     """`with` support for an object with a `close()`: leaving the block closes it."""
 
-    def close(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def close(self) -> None: ...
 
     def __enter__(self) -> Self:
         return self
