@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
-BUDGET_S = 20
+# The script keeps 5 s back for its last merge and starts no step with under 15 s: with 19 s in all, no
+# step can start however fast or slow the machine is, so the statuses below do not race the clock.
+BUDGET_S = 19
 
 
 def test_steps_past_the_budget_are_recorded_as_out_of_time_and_fail_the_check(tmp_path):
@@ -21,7 +23,6 @@ def test_steps_past_the_budget_are_recorded_as_out_of_time_and_fail_the_check(tm
         "PYTHON": sys.executable,
         "GPU_CHECK_DEVICE": "cpu",
         "GPU_CHECK_SMALL": "1",
-        # Enough for the env step alone: every later step would start with under its 15 s minimum.
         "GPU_CHECK_BUDGET_S": str(BUDGET_S),
         "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels"),
     }
@@ -33,9 +34,7 @@ def test_steps_past_the_budget_are_recorded_as_out_of_time_and_fail_the_check(tm
     assert result["state"] == "finished", result
     assert list(statuses) == ["wheels", "env", "parity", "paths", "async", "bench", "sampling"], statuses
     assert statuses["wheels"] == "skipped", statuses
-    # A loaded machine may need longer than the env step's share of the budget; either outcome is recorded.
-    assert statuses["env"] in ("passed", "timed_out"), statuses
-    later_steps = ("parity", "paths", "async", "bench", "sampling")
-    assert [statuses[name] for name in later_steps] == ["out_of_time"] * 5, statuses
+    timed_steps = ("env", "parity", "paths", "async", "bench", "sampling")
+    assert [statuses[name] for name in timed_steps] == ["out_of_time"] * 6, statuses
     assert result["summary"]["all_passed"] is False, result["summary"]
     assert (out / "gpu_check.log").exists()
