@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +97,7 @@ def test_second_call_uses_the_cache(model_dir: str, cache_root: str, monkeypatch
         raise AssertionError("the converted model should have been reused")
 
     monkeypatch.setattr(default_model, "_convert", no_conversion)
-    started = time.monotonic()
     assert ensure_default_model(cache_root) == model_dir
-    assert time.monotonic() - started < 5.0
 
 
 def test_missing_package_names_the_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
