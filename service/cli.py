@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import Any
 
 from engine import ContinuousBatchingConfig
 from engine.parallel import check_tensor_parallel_size, torchrun_rank, torchrun_world_size
@@ -112,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--target", default="127.0.0.1:50051")
     generate.add_argument("--max-new-tokens", type=int)
     generate.add_argument(
+        "--stop", action="append", metavar="TEXT", help="end the output before TEXT (repeat for several)"
+    )
+    generate.add_argument(
         "--raw", action="store_true", help="send the prompt as plain text, not as a chat message"
     )
     generate.add_argument("--tls-ca", help="PEM CA that signed the server's certificate (turns TLS on)")
@@ -181,7 +185,9 @@ async def serve(args: argparse.Namespace, tls: ServerTls | None = None) -> None:
 def generate(args: argparse.Namespace) -> None:
     from cbserve_client import Client
 
-    sampling = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    sampling: dict[str, Any] = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    if args.stop:
+        sampling["stop"] = args.stop
     use_tls = args.tls_ca is not None or args.tls_cert is not None
     credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
     with Client(args.target, credentials=credentials) as client:

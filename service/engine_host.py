@@ -12,7 +12,13 @@ from typing import Any
 import grpc
 import torch
 
-from engine import ContinuousBatchingConfig, ContinuousBatchingManager, ManagerStats, QueueFullError
+from engine import (
+    ContinuousBatchingConfig,
+    ContinuousBatchingManager,
+    ManagerStats,
+    QueueFullError,
+    RequestStatus,
+)
 from engine.parallel import load_sharded_model, torchrun_world_size
 from service.request_record import RequestRecord
 from service.validation import ModelLimits, PreparedRequest, RequestRejected
@@ -184,7 +190,7 @@ class EngineHost:
             await asyncio.gather(*(record.wait_finished() for record in live))
         finally:
             self._state_changed()
-        drained = sum(1 for record in live if record.finish_reason in ("eos", "length"))
+        drained = sum(1 for record in live if record.status == RequestStatus.FINISHED)
         return drained, len(live) - drained
 
     def begin_drain(self) -> None:
@@ -239,6 +245,7 @@ class EngineHost:
             self.weight_version,
             logprobs=prepared.wants_logprobs,
             record_timestamps=prepared.record_timestamps,
+            stop_strings=prepared.stop_strings,
         )
         self._records[request_id] = record
         self.counters.prompt_tokens += len(prepared.input_ids)
@@ -246,7 +253,11 @@ class EngineHost:
         return record
 
     def _on_output(self, record: RequestRecord, output: Any) -> None:
+        if record.finished:
+            return  # the engine's own end of a request a stop string already ended
         record.on_output(output)
+        if record.stopped_by_text and output.status < RequestStatus.FINISHED:
+            self.manager.cancel_request(record.request_id)  # frees its KV blocks and batch slot
         if record.finished:
             self.counters.finished_requests += 1
             self.counters.generated_tokens += len(record.token_ids)

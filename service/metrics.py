@@ -35,7 +35,7 @@ PREFIX = "cbserve:"
 # The queue-depth gauge the Kubernetes HPA scales on (k8s/base/hpa.yaml): exported under this exact name
 # as well as under the vLLM-style `cbserve:num_requests_waiting`.
 HPA_WAITING_GAUGE = "cbserve_requests_waiting"
-FINISHED_REASONS = ("eos", "length", "cancelled", "error")
+FINISHED_REASONS = ("eos", "stop", "length", "cancelled", "error")
 
 # vLLM's buckets.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)

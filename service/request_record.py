@@ -13,6 +13,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from engine import GenerationOutput, RequestStatus
 from service.detokenizer import IncrementalDetokenizer
+from service.stop_strings import StopStringMatcher
 
 _STATUS = {
     RequestStatus.PENDING: types_pb2.REQUEST_STATUS_QUEUED,
@@ -27,6 +28,7 @@ _FINISH_REASON = {
     "length": types_pb2.FINISH_REASON_LENGTH,
     "cancelled": types_pb2.FINISH_REASON_CANCELLED,
     "error": types_pb2.FINISH_REASON_ERROR,
+    "stop": types_pb2.FINISH_REASON_STOP,
 }
 _INTERNAL = 13  # google.rpc.Code INTERNAL: an engine failure while the request ran
 
@@ -49,6 +51,7 @@ class RequestRecord:
         weight_version: int,
         logprobs: bool,
         record_timestamps: bool,
+        stop_strings: list[str] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_len = prompt_len
@@ -69,6 +72,11 @@ class RequestRecord:
         self._logprobs: list[types_pb2.TokenLogprob] = []
         self._token_times: list[float] = []
         self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        # Ends the request when its text shows a stop string; the engine, which sees only tokens, is
+        # then told to cancel it (see `stopped_by_text`).
+        self._stop_matcher = (
+            StopStringMatcher(stop_strings) if stop_strings and self._detokenizer is not None else None
+        )
         # Text completed by each token (often "" while a character is incomplete), plus what only the
         # end of the request releases, so a reader resuming at token k gets exactly the text after k.
         self._text_by_token: list[str] = []
@@ -84,6 +92,11 @@ class RequestRecord:
     @property
     def finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
+
+    @property
+    def stopped_by_text(self) -> bool:
+        """A stop string ended the request here, whatever the engine still thinks of it."""
+        return self._stop_matcher is not None and self._stop_matcher.stopped
 
     def on_output(self, output: GenerationOutput) -> None:
         """Records one cumulative engine output (runs on the event loop, via the engine's handler)."""
@@ -103,21 +116,37 @@ class RequestRecord:
             index = len(self.token_ids)
             self.token_ids.append(token)
             self._token_versions.append(self.weight_version)
-            self._text_by_token.append(self._detokenizer.step(self.token_ids) if self._detokenizer else "")
+            self._text_by_token.append(
+                self._released_text(self._detokenizer.step(self.token_ids)) if self._detokenizer else ""
+            )
             if self._want_logprobs and index < len(output.logprobs):
                 self._logprobs.append(_token_logprob(output, index))
             stamps = output.timestamps
             self._token_times.append(stamps[index] if stamps and index < len(stamps) else now)
+            if self.stopped_by_text:
+                break  # the tokens after the one that completed a stop string are not part of the output
         self.num_cached_tokens = output.num_cached_tokens
-        self.status = output.status
+        self.status = RequestStatus.FINISHED if self.stopped_by_text else output.status
         if self.finished:
-            self.finish_reason = output.finish_reason
-            self.error = output.error or ""
-            self.finished_at = now
-            if self._detokenizer is not None:
-                self._tail_text = self._detokenizer.flush(self.token_ids)
+            self._finish(output, now)
         self._notify()
         self._call_listeners()
+
+    def _released_text(self, text: str) -> str:
+        return self._stop_matcher.feed(text).text if self._stop_matcher is not None else text
+
+    def _finish(self, output: GenerationOutput, now: float) -> None:
+        self.finished_at = now
+        if self._detokenizer is not None and not self.stopped_by_text:
+            self._tail_text = self._released_text(self._detokenizer.flush(self.token_ids))
+            if self._stop_matcher is not None:
+                self._tail_text += self._stop_matcher.flush()
+        if self.stopped_by_text and self.status == RequestStatus.FINISHED:
+            self.finish_reason = "stop"
+            self.error = ""
+        else:
+            self.finish_reason = output.finish_reason
+            self.error = output.error or ""
 
     def add_listener(self, listener: Callable[[RequestRecord], None]) -> None:
         """`listener(record)` runs on the event loop after every update, the last time once the request

@@ -42,6 +42,7 @@ REQUEST_TEMPERATURE = "gen_ai.request.temperature"
 REQUEST_TOP_P = "gen_ai.request.top_p"
 REQUEST_TOP_K = "gen_ai.request.top_k"
 REQUEST_SEED = "gen_ai.request.seed"
+REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
 RESPONSE_ID = "gen_ai.response.id"
 RESPONSE_MODEL = "gen_ai.response.model"
 RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
@@ -56,7 +57,13 @@ EVENT_SCHEDULED = "scheduled"
 EVENT_FIRST_TOKEN = "first_token"
 
 # The engine's finish reasons as the conventions spell them ("stop": the model ended the text itself).
-FINISH_REASONS = {"eos": "stop", "length": "length", "cancelled": "cancelled", "error": "error"}
+FINISH_REASONS = {
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "cancelled": "cancelled",
+    "error": "error",
+}
 
 
 def otlp_endpoint_from_env(environ: Mapping[str, str] | None = None) -> str | None:
@@ -123,6 +130,8 @@ class RequestTracer:
             attributes[REQUEST_TOP_K] = params.top_k
         if params.HasField("seed"):
             attributes[REQUEST_SEED] = params.seed
+        if params.stop:
+            attributes[REQUEST_STOP_SEQUENCES] = list(params.stop)
         span = self.tracer.start_span(
             f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attributes
         )

@@ -13,6 +13,8 @@ from cbserve_client.proto import types_pb2
 MAX_REQUEST_ID_BYTES = 128
 # The engine's own cap on alternatives per token (engine.manager rejects more).
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 class RequestRejected(Exception):
@@ -45,6 +47,8 @@ class PreparedRequest:
     record_timestamps: bool
     eos_token_id: list[int] | None
     sampling: dict[str, Any] = field(default_factory=dict)
+    # Matched by the service on the decoded text (the engine sees only tokens).
+    stop_strings: list[str] = field(default_factory=list)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -82,6 +86,7 @@ def prepare(
         record_timestamps=request.record_timestamps,
         eos_token_id=_eos_ids(params, limits),
         sampling=_sampling(params),
+        stop_strings=_stop_strings(params, tokenizer),
     )
 
 
@@ -142,6 +147,24 @@ def _eos_ids(params: types_pb2.SamplingParams, limits: ModelLimits) -> list[int]
     if bad is not None:
         raise invalid(f"sampling.eos_token_ids: {bad} is not below the vocab size {limits.vocab_size}")
     return list(params.eos_token_ids) or None
+
+
+def _stop_strings(params: types_pb2.SamplingParams, tokenizer: Any | None) -> list[str]:
+    stop_strings = list(params.stop)
+    if not stop_strings:
+        return []
+    if tokenizer is None:
+        raise invalid(
+            "sampling.stop: the served model has no tokenizer to decode text with; use eos_token_ids"
+        )
+    if len(stop_strings) > MAX_STOP_STRINGS:
+        raise invalid(f"sampling.stop: at most {MAX_STOP_STRINGS} strings, got {len(stop_strings)}")
+    for index, stop in enumerate(stop_strings):
+        if not 1 <= len(stop) <= MAX_STOP_STRING_CHARS:
+            raise invalid(
+                f"sampling.stop[{index}] must be 1 to {MAX_STOP_STRING_CHARS} characters, got {len(stop)}"
+            )
+    return stop_strings
 
 
 def _sampling(params: types_pb2.SamplingParams) -> dict[str, Any]:

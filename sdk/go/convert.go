@@ -23,6 +23,7 @@ var requestStatuses = map[pb.RequestStatus]RequestStatus{
 
 var finishReasons = map[pb.FinishReason]FinishReason{
 	pb.FinishReason_FINISH_REASON_EOS:       FinishEOS,
+	pb.FinishReason_FINISH_REASON_STOP:      FinishStop,
 	pb.FinishReason_FINISH_REASON_LENGTH:    FinishLength,
 	pb.FinishReason_FINISH_REASON_CANCELLED: FinishCancelled,
 	pb.FinishReason_FINISH_REASON_ERROR:     FinishError,

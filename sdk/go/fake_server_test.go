@@ -1,7 +1,8 @@
 package cbserve_test
 
 // Client behaviour checked against an in-process fake GenerationService (no Python server):
-// TLS, the bearer token, the default timeout, and Submit's retries.
+// TLS, the bearer token, the default timeout, Submit's retries, and what Generate sends and
+// makes of scripted chunks.
 
 import (
 	"context"
@@ -14,6 +15,7 @@ import (
 	"errors"
 	"math/big"
 	"net"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -23,6 +25,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	cbserve "github.com/cbserve/cbserve/sdk/go"
 	pb "github.com/cbserve/cbserve/sdk/go/gen/cbserve/v1"
@@ -35,6 +38,8 @@ type fakeGeneration struct {
 	addIDs    []string // request ids of each AddRequest
 	addErrors []error  // what the next AddRequest calls answer (nil: OK)
 	infoDelay time.Duration
+	generated []*pb.GenerationRequest // the request added by each Generate call
+	chunks    []*pb.GenerationChunk   // what each Generate call answers, under its request's id
 }
 
 func (f *fakeGeneration) record(ctx context.Context) {
@@ -67,6 +72,29 @@ func (f *fakeGeneration) AddRequest(ctx context.Context, r *pb.AddRequestRequest
 		}
 	}
 	return &pb.AddRequestResponse{RequestId: r.GetRequest().GetRequestId()}, nil
+}
+
+// Generate records the request of the stream's first (add) message and answers f.chunks, then
+// ends the call as the server does once the request has ended.
+func (f *fakeGeneration) Generate(stream pb.GenerationService_GenerateServer) error {
+	f.record(stream.Context())
+	message, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	request := message.GetAdd()
+	f.mu.Lock()
+	f.generated = append(f.generated, request)
+	chunks := f.chunks
+	f.mu.Unlock()
+	for _, chunk := range chunks {
+		chunk = proto.CloneOf(chunk) // f.chunks is shared by every call
+		chunk.RequestId = request.GetRequestId()
+		if err := stream.Send(&pb.GenerateResponse{Chunk: chunk}); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // startFake serves f on a loopback port (with TLS when creds is set) until the test ends.
@@ -214,5 +242,47 @@ func TestSubmitRetries(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+func TestStopStrings(t *testing.T) {
+	fake := &fakeGeneration{chunks: []*pb.GenerationChunk{
+		{Status: pb.RequestStatus_REQUEST_STATUS_QUEUED},
+		{TokenIds: []uint32{'h', 'i', '\n'}, Text: proto.String("hi"), Status: pb.RequestStatus_REQUEST_STATUS_DECODING},
+		{TokenIndex: 3, TokenIds: []uint32{'\n'}, Text: proto.String(""), Status: pb.RequestStatus_REQUEST_STATUS_FINISHED,
+			FinishReason: pb.FinishReason_FINISH_REASON_STOP, Usage: &pb.Usage{PromptTokens: 2, GeneratedTokens: 4}},
+	}}
+	client, err := cbserve.Dial(testContext(t), startFake(t, fake, nil))
+	if err != nil {
+		t.Fatalf("Dial: %v", err)
+	}
+	defer client.Close()
+	stop := []string{"\n\n", "END", "###"}
+	option := cbserve.WithStop(stop...)
+	stop[0] = "changed after the option was built" // must not reach the wire
+	completion, err := client.Generate(testContext(t), cbserve.Text("hi"), option)
+	if err != nil {
+		t.Fatalf("Generate: %v", err)
+	}
+	if completion.FinishReason != cbserve.FinishStop || completion.Text != "hi" ||
+		!slices.Equal(completion.TokenIDs, []uint32{'h', 'i', '\n', '\n'}) {
+		t.Errorf("Generate = %q %v, finish %q; want \"hi\" with all 4 tokens, stop",
+			completion.Text, completion.TokenIDs, completion.FinishReason)
+	}
+
+	// Without WithStop no stop string goes on the wire.
+	if _, err := client.Generate(testContext(t), cbserve.Text("hi")); err != nil {
+		t.Fatalf("Generate: %v", err)
+	}
+	fake.mu.Lock()
+	defer fake.mu.Unlock()
+	if len(fake.generated) != 2 {
+		t.Fatalf("%d Generate calls; want 2", len(fake.generated))
+	}
+	if sent, want := fake.generated[0].GetSampling().GetStop(), []string{"\n\n", "END", "###"}; !slices.Equal(sent, want) {
+		t.Errorf("WithStop sent stop %q; want %q", sent, want)
+	}
+	if sent := fake.generated[1].GetSampling().GetStop(); sent != nil {
+		t.Errorf("no WithStop sent stop %q; want none", sent)
 	}
 }

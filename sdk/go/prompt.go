@@ -66,6 +66,7 @@ type requestConfig struct {
 	seed                *uint64
 	eos                 []uint32
 	ignoreEOS           bool
+	stop                []string
 	logprobs            *int
 	recordTimestamps    bool
 	addGenerationPrompt *bool
@@ -100,12 +101,23 @@ func WithSeed(seed uint64) GenerateOption {
 // WithEOS sets the token ids that end generation (the id is emitted, then the request finishes
 // with FinishEOS), replacing the model's own EOS ids for this request.
 func WithEOS(ids ...uint32) GenerateOption {
-	return func(c *requestConfig) { c.eos = append([]uint32(nil), ids...) }
+	// Copied now: a caller that reuses its slice after building the option must not change it.
+	ids = append([]uint32(nil), ids...)
+	return func(c *requestConfig) { c.eos = ids }
 }
 
 // WithIgnoreEOS makes EOS tokens not stop generation: the request runs to its max new tokens.
 func WithIgnoreEOS() GenerateOption {
 	return func(c *requestConfig) { c.ignoreEOS = true }
+}
+
+// WithStop sets strings that end generation when the decoded output contains one (the request
+// then finishes with FinishStop): the text ends just before the first match, while TokenIDs
+// still include the token that completed it. A stream holds back text that may begin a stop
+// string. At most 16 strings of 1 to 256 characters; needs a model with a tokenizer.
+func WithStop(stop ...string) GenerateOption {
+	stop = append([]string(nil), stop...) // copied now, as in WithEOS
+	return func(c *requestConfig) { c.stop = stop }
 }
 
 // WithLogprobs returns each generated token's log-probability, and the n most likely
@@ -163,7 +175,7 @@ func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, 
 		}
 		request.Prompt = &pb.GenerationRequest_Messages{Messages: chat}
 	}
-	sampling := &pb.SamplingParams{EosTokenIds: cfg.eos, IgnoreEos: cfg.ignoreEOS}
+	sampling := &pb.SamplingParams{EosTokenIds: cfg.eos, IgnoreEos: cfg.ignoreEOS, Stop: cfg.stop}
 	if cfg.maxNewTokens != nil {
 		v, err := nonNegativeUint32("max new tokens", *cfg.maxNewTokens)
 		if err != nil {

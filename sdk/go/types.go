@@ -33,6 +33,8 @@ type FinishReason string
 const (
 	// FinishEOS: an end-of-sequence token was generated (it is part of the output).
 	FinishEOS FinishReason = "eos"
+	// FinishStop: the output text contained a string of WithStop (the text ends before it).
+	FinishStop FinishReason = "stop"
 	// FinishLength: max_new_tokens were generated, or the model's context is full.
 	FinishLength FinishReason = "length"
 	// FinishCancelled: the request was cancelled.
@@ -87,8 +89,9 @@ type Chunk struct {
 	TokenIndex int
 	// TokenIDs are the newly generated token ids.
 	TokenIDs []uint32
-	// Text is the newly decoded text; it never splits a UTF-8 character, so it may lag
-	// TokenIDs. Always empty when the server has no tokenizer (ModelInfo.HasTokenizer).
+	// Text is the newly decoded text; it never splits a UTF-8 character, nor releases text that
+	// may begin a WithStop string, so it may lag TokenIDs. Always empty when the server has no
+	// tokenizer (ModelInfo.HasTokenizer).
 	Text string
 	// Status is the request's status after this chunk.
 	Status RequestStatus
@@ -119,10 +122,11 @@ type Completion struct {
 	RequestID string
 	// TokenIDs are the generated token ids.
 	TokenIDs []uint32
-	// Text is the decoded output (empty when the server has no tokenizer).
+	// Text is the decoded output, cut before a matched WithStop string (empty when the server
+	// has no tokenizer).
 	Text string
-	// FinishReason says why the request ended: FinishEOS, FinishLength, FinishCancelled or
-	// FinishError (then Error says why).
+	// FinishReason says why the request ended: FinishEOS, FinishStop, FinishLength,
+	// FinishCancelled or FinishError (then Error says why).
 	FinishReason FinishReason
 	// Error describes a failure while the request ran (FinishReason == FinishError).
 	Error string

@@ -52,23 +52,28 @@ def test_cbserve_generate_answers_through_the_served_embedded_model(model_dir: s
     )
     try:
         _wait_serving(f"127.0.0.1:{port}", server)
-        answer = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "service",
-                "generate",
-                "What is the capital of France?",
-                "--target",
-                f"127.0.0.1:{port}",
-            ],
+        command = [
+            sys.executable,
+            "-m",
+            "service",
+            "generate",
+            "What is the capital of France?",
+            "--target",
+            f"127.0.0.1:{port}",
+        ]
+        answer = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=120)
+        assert answer.returncode == 0, answer.stderr
+        assert answer.stdout.strip() == "The capital of France is Paris.", answer.stdout
+        # The same answer cut before a stop string, which the model's BPE tokens complete mid-token.
+        stopped = subprocess.run(
+            [*command, "--stop", "is Par", "--stop", "never said"],
             env=environment,
             capture_output=True,
             text=True,
             timeout=120,
         )
-        assert answer.returncode == 0, answer.stderr
-        assert answer.stdout.strip() == "The capital of France is Paris.", answer.stdout
+        assert stopped.returncode == 0, stopped.stderr
+        assert stopped.stdout == "The capital of France \n", repr(stopped.stdout)
     finally:
         server.send_signal(signal.SIGINT)
         try:

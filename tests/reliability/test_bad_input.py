@@ -37,6 +37,8 @@ MIN_EXAMPLES = 1_000
 CONTEXT = 1024  # the tiny models' max_position_embeddings
 MAX_REQUEST_ID_BYTES = 128
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 # gRPC's default limit on a received message.
 MAX_MESSAGE_BYTES = 4 * 2**20
 UINT32_MAX = 2**32 - 1
@@ -119,6 +121,7 @@ VALID = {
     "top_p": st.one_of(st.floats(0, 1, exclude_min=True, width=32), edges(1e-45, 1.0)),
     "seed": st.one_of(st.integers(0, UINT64_MAX), edges(0, UINT64_MAX)),
     "top_logprobs": st.integers(0, MAX_TOP_LOGPROBS),
+    "stop": st.lists(st.text(min_size=1, max_size=6), max_size=3),
 }
 WILD = {
     "prompt_kind": edges("token_ids", "text", "messages", "none"),
@@ -146,6 +149,14 @@ WILD = {
     "top_p": st.one_of(st.floats(width=32), edges(0.0, -0.0, 1.0000001, 2.0, math.inf, math.nan)),
     "seed": st.integers(0, UINT64_MAX),
     "top_logprobs": st.one_of(st.integers(0, MAX_TOP_LOGPROBS + 2), edges(UINT32_MAX)),
+    "stop": st.one_of(
+        st.lists(st.text(max_size=8), max_size=MAX_STOP_STRINGS + 2),
+        st.builds(
+            lambda count, length: ["x" * length] * count,
+            edges(1, MAX_STOP_STRINGS, MAX_STOP_STRINGS + 1),
+            edges(0, 1, MAX_STOP_STRING_CHARS, MAX_STOP_STRING_CHARS + 1),
+        ),
+    ),
 }
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "top_logprobs")
 
@@ -178,6 +189,7 @@ def generation_requests(draw: st.DrawFn) -> types_pb2.GenerationRequest:
         if value is not None:
             setattr(sampling, name, value)
     sampling.eos_token_ids.extend(draw(st.lists(pick("eos_token_id"), max_size=3)))
+    sampling.stop.extend(draw(pick("stop")))
     sampling.ignore_eos = draw(st.booleans())
     sampling.logprobs = draw(st.booleans())
     return request
@@ -278,6 +290,10 @@ def is_invalid(request: types_pb2.GenerationRequest) -> bool:
     if sampling.HasField("top_p") and not (math.isfinite(sampling.top_p) and 0 < sampling.top_p <= 1):
         return True
     if sampling.HasField("top_logprobs") and sampling.top_logprobs > MAX_TOP_LOGPROBS:
+        return True
+    if len(sampling.stop) > MAX_STOP_STRINGS or any(
+        not 1 <= len(stop) <= MAX_STOP_STRING_CHARS for stop in sampling.stop
+    ):
         return True
     return not sampling.ignore_eos and any(token >= VOCAB_SIZE for token in sampling.eos_token_ids)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cbserve_client import AdminClient, Client, DeadlineExceededError
-from service_harness import RunningServer, wait_all_blocks_free
+from service_harness import ByteTokenizer, RunningServer, wait_all_blocks_free
 
 from tests.conftest import random_prompt, reference_greedy
 
@@ -72,6 +72,38 @@ def test_text_prompt_and_model_info(client: Client) -> None:
     assert (info.vocab_size, info.max_context_length, info.has_tokenizer) == (256, 1024, True)
     assert info.eos_token_ids == (2,) and info.weight_version == 1
     assert client.generate("hello", max_new_tokens=3).usage.prompt_tokens == 5
+
+
+def _two_characters_inside(text: str) -> str:
+    """Two decoded characters from the middle of `text` (not the replacement character of bad bytes)."""
+    for start in range(4, len(text) - 1):
+        pair = text[start : start + 2]
+        if "\ufffd" not in pair:
+            return pair
+    raise AssertionError(f"no two decodable characters in a row in {text!r}")
+
+
+def test_a_stop_string_ends_the_text_before_it_and_frees_the_request(
+    client: Client, admin: AdminClient
+) -> None:
+    prompt = random_prompt(20, 9)
+    full = client.generate(prompt, max_new_tokens=48, ignore_eos=True)
+    stop = _two_characters_inside(full.text or "")
+    completion = client.generate(prompt, max_new_tokens=LONG, ignore_eos=True, stop=[stop])
+    print("full:", repr(full.text), "stop:", repr(stop), "stopped:", repr(completion.text))
+    assert completion.finish_reason == "stop"
+    assert completion.text == full.text[: full.text.index(stop)]
+    # The tokens run up to the one that completed the stop string, and no further.
+    assert completion.token_ids == full.token_ids[: len(completion.token_ids)]
+    decode = ByteTokenizer().decode
+    assert stop in decode(completion.token_ids) and stop not in decode(completion.token_ids[:-1])
+    assert completion.usage.generated_tokens == len(completion.token_ids)
+    # Streamed deltas (some held back while they might begin the stop string) add up to the same text.
+    with client.stream(prompt, max_new_tokens=LONG, ignore_eos=True, stop=[stop]) as stream:
+        chunks = list(stream)
+    assert "".join(chunk.text or "" for chunk in chunks) == completion.text
+    assert chunks[-1].finish_reason == "stop"
+    wait_all_blocks_free(admin)  # the engine was told to drop the request, long before max_new_tokens
 
 
 def _decoding(client: Client, admin: AdminClient, timeout: float | None = None):

@@ -159,7 +159,10 @@ def test_an_add_request_span_ends_when_the_request_ends(
 ) -> None:
     with AdminClient(traced.admin_target, token=ADMIN_TOKEN, timeout=30) as admin:
         with admin.paused(), client_tracer.start_as_current_span("caller") as caller:
-            request_id = client.submit([5, 6, 7], max_new_tokens=3, top_p=0.9, seed=11, temperature=0.7)
+            # A stop string longer than 3 tokens of a byte tokenizer can decode to: it never matches.
+            request_id = client.submit(
+                [5, 6, 7], max_new_tokens=3, top_p=0.9, seed=11, temperature=0.7, stop=["no such text"]
+            )
             time.sleep(0.2)
             assert spans.get_finished_spans() == ()  # the call returned; the request is still queued
         chunks = list(client.results(request_id))
@@ -171,6 +174,7 @@ def test_an_add_request_span_ends_when_the_request_ends(
     assert attributes["gen_ai.request.top_p"] == 0.9
     assert attributes["gen_ai.request.temperature"] == 0.7
     assert attributes["gen_ai.request.seed"] == 11
+    assert attributes["gen_ai.request.stop_sequences"] == ("no such text",)
     assert attributes["gen_ai.usage.input_tokens"] == 3 and attributes["gen_ai.usage.output_tokens"] == 3
     assert attributes["gen_ai.response.finish_reasons"] == ("length",)
     _check_events(span, EVENTS)

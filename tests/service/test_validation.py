@@ -44,6 +44,9 @@ BAD_REQUESTS = {
     "top_logprobs too many": (_sampling(top_logprobs=21), "top_logprobs"),
     "eos id >= vocab": (_sampling(eos_token_ids=[300]), "eos_token_ids"),
     "request id not printable": (_request(request_id="a b\n"), "request_id"),
+    "17 stop strings": (_sampling(stop=[f"s{i}" for i in range(17)]), "sampling.stop: at most 16"),
+    "empty stop string": (_sampling(stop=["ok", ""]), "sampling.stop[1] must be 1 to 256"),
+    "stop string too long": (_sampling(stop=["x" * 257]), "sampling.stop[0] must be 1 to 256"),
 }
 
 

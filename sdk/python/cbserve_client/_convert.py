@@ -40,6 +40,7 @@ SAMPLING_KWARGS = frozenset(
         "ignore_eos",
         "logprobs",
         "top_logprobs",
+        "stop",
         "request_id",
         "record_timestamps",
         "add_generation_prompt",
@@ -60,6 +61,7 @@ _FINISH_NAMES = {
     types_pb2.FINISH_REASON_LENGTH: "length",
     types_pb2.FINISH_REASON_CANCELLED: "cancelled",
     types_pb2.FINISH_REASON_ERROR: "error",
+    types_pb2.FINISH_REASON_STOP: "stop",
 }
 _PAUSE_MODES = {
     "keep": admin_pb2.PAUSE_MODE_KEEP,
@@ -109,6 +111,16 @@ def _check_int_list(name: str, value: object) -> list[int]:
     return [_check_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
+def _check_str_list(name: str, value: object) -> list[str]:
+    # A lone str is a sequence of characters: refuse it rather than stop on every letter.
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of str, got {type(value).__name__}")
+    for index, item in enumerate(value):
+        if not isinstance(item, str):
+            raise TypeError(f"{name}[{index}] must be a str, got {type(item).__name__}")
+    return list(value)
+
+
 def build_sampling(
     *,
     max_new_tokens: int | None = None,
@@ -120,6 +132,7 @@ def build_sampling(
     ignore_eos: bool | None = None,
     logprobs: bool | None = None,
     top_logprobs: int | None = None,
+    stop: Sequence[str] | None = None,
 ) -> types_pb2.SamplingParams:
     """A SamplingParams message with only the given fields set (None leaves a field unset)."""
     params = types_pb2.SamplingParams()
@@ -141,6 +154,8 @@ def build_sampling(
         params.logprobs = _check_bool("logprobs", logprobs)
     if top_logprobs is not None:
         params.top_logprobs = _check_int("top_logprobs", top_logprobs)
+    if stop is not None:
+        params.stop.extend(_check_str_list("stop", stop))
     return params
 
 

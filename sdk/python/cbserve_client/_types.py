@@ -65,8 +65,8 @@ class Chunk:
     ``token_index`` is the index, among the request's generated tokens, of ``token_ids[0]``.
     ``text`` is the decoded text delta (never a split UTF-8 character), or None when the server has
     no tokenizer. ``status`` is one of "queued", "prefilling", "decoding", "finished", "cancelled",
-    "failed"; ``finish_reason`` is None until the request ends, then "eos", "length", "cancelled"
-    or "error".
+    "failed"; ``finish_reason`` is None until the request ends, then "eos", "stop" (a stop
+    string), "length", "cancelled" or "error".
     """
 
     request_id: str
@@ -93,10 +93,11 @@ class Chunk:
 class Completion:
     """The whole output of one request.
 
-    ``text`` is None when the server has no tokenizer. ``finish_reason`` is "eos", "length",
-    "cancelled" or "error" (then ``error`` says why). ``logprobs`` is None unless logprobs were
-    requested. ``weight_version`` is the version of the weights that produced the last token
-    (``weight_versions`` lists every version seen, when a weight update happened mid-request).
+    ``text`` is None when the server has no tokenizer. ``finish_reason`` is "eos", "stop" (a stop
+    string; ``text`` ends before it), "length", "cancelled" or "error" (then ``error`` says why).
+    ``logprobs`` is None unless logprobs were requested. ``weight_version`` is the version of the
+    weights that produced the last token (``weight_versions`` lists every version seen, when a weight
+    update happened mid-request).
     """
 
     request_id: str

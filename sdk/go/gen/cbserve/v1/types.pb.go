@@ -45,7 +45,7 @@ const (
 	RequestStatus_REQUEST_STATUS_PREFILLING RequestStatus = 2
 	// Generating tokens.
 	RequestStatus_REQUEST_STATUS_DECODING RequestStatus = 3
-	// Finished normally (see FinishReason: EOS or LENGTH). Terminal.
+	// Finished normally (see FinishReason: EOS, LENGTH or STOP). Terminal.
 	RequestStatus_REQUEST_STATUS_FINISHED RequestStatus = 4
 	// Cancelled by a Cancel call, by the close of the Generate stream that made it, or by an
 	// admin abort. Terminal.
@@ -118,6 +118,8 @@ const (
 	FinishReason_FINISH_REASON_CANCELLED FinishReason = 3
 	// The request failed; GenerationChunk.error says why.
 	FinishReason_FINISH_REASON_ERROR FinishReason = 4
+	// The output text contained one of SamplingParams.stop; the text ends before it.
+	FinishReason_FINISH_REASON_STOP FinishReason = 5
 )
 
 // Enum value maps for FinishReason.
@@ -128,6 +130,7 @@ var (
 		2: "FINISH_REASON_LENGTH",
 		3: "FINISH_REASON_CANCELLED",
 		4: "FINISH_REASON_ERROR",
+		5: "FINISH_REASON_STOP",
 	}
 	FinishReason_value = map[string]int32{
 		"FINISH_REASON_UNSPECIFIED": 0,
@@ -135,6 +138,7 @@ var (
 		"FINISH_REASON_LENGTH":      2,
 		"FINISH_REASON_CANCELLED":   3,
 		"FINISH_REASON_ERROR":       4,
+		"FINISH_REASON_STOP":        5,
 	}
 )
 
@@ -356,7 +360,13 @@ type SamplingParams struct {
 	Logprobs bool `protobuf:"varint,8,opt,name=logprobs,proto3" json:"logprobs,omitempty"`
 	// Number of most likely alternatives (token id + logprob) to return per generated token; 0 for
 	// none. Values > 0 imply logprobs. The server caps it (INVALID_ARGUMENT above its maximum).
-	TopLogprobs   *uint32 `protobuf:"varint,9,opt,name=top_logprobs,json=topLogprobs,proto3,oneof" json:"top_logprobs,omitempty"`
+	TopLogprobs *uint32 `protobuf:"varint,9,opt,name=top_logprobs,json=topLogprobs,proto3,oneof" json:"top_logprobs,omitempty"`
+	// Strings that end generation when the decoded output contains one (FINISH_REASON_STOP). The
+	// output text ends just before the first match; token_ids still include the token that completed
+	// it. While a stream's text ends with the beginning of a stop string, that text is held back until
+	// the next tokens show whether the string completes. Needs a model with a tokenizer. At most 16
+	// strings of 1 to 256 characters each (INVALID_ARGUMENT otherwise).
+	Stop          []string `protobuf:"bytes,10,rep,name=stop,proto3" json:"stop,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -452,6 +462,13 @@ func (x *SamplingParams) GetTopLogprobs() uint32 {
 		return *x.TopLogprobs
 	}
 	return 0
+}
+
+func (x *SamplingParams) GetStop() []string {
+	if x != nil {
+		return x.Stop
+	}
+	return nil
 }
 
 // One generation request: a prompt plus how to sample from it.
@@ -870,8 +887,9 @@ type GenerationChunk struct {
 	// Newly generated token ids (the delta), starting at token_index.
 	TokenIds []uint32 `protobuf:"varint,3,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
 	// Newly decoded text (the delta). Never splits a UTF-8 character: bytes of an incomplete
-	// character are held back until the next chunk, so text may lag token_ids. Concatenating the
-	// text of all chunks gives the full decoded output (special tokens skipped). Unset (not merely
+	// character are held back until the next chunk, so text may lag token_ids; so is text that may
+	// begin a stop string (SamplingParams.stop). Concatenating the text of all chunks gives the full
+	// decoded output (special tokens skipped, cut before a matched stop string). Unset (not merely
 	// empty) when the server has no tokenizer, so clients can tell "no text" from "no new text".
 	Text *string `protobuf:"bytes,4,opt,name=text,proto3,oneof" json:"text,omitempty"`
 	// One entry per token in token_ids, when SamplingParams.logprobs or top_logprobs was set;
@@ -1038,7 +1056,7 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\fChatMessages\x123\n" +
 	"\bmessages\x18\x01 \x03(\v2\x17.cbserve.v1.ChatMessageR\bmessages\x127\n" +
 	"\x15add_generation_prompt\x18\x02 \x01(\bH\x00R\x13addGenerationPrompt\x88\x01\x01B\x18\n" +
-	"\x16_add_generation_prompt\"\x87\x03\n" +
+	"\x16_add_generation_prompt\"\x9b\x03\n" +
 	"\x0eSamplingParams\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12%\n" +
 	"\vtemperature\x18\x02 \x01(\x02H\x01R\vtemperature\x88\x01\x01\x12\x18\n" +
@@ -1049,7 +1067,9 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\n" +
 	"ignore_eos\x18\a \x01(\bR\tignoreEos\x12\x1a\n" +
 	"\blogprobs\x18\b \x01(\bR\blogprobs\x12&\n" +
-	"\ftop_logprobs\x18\t \x01(\rH\x05R\vtopLogprobs\x88\x01\x01B\x11\n" +
+	"\ftop_logprobs\x18\t \x01(\rH\x05R\vtopLogprobs\x88\x01\x01\x12\x12\n" +
+	"\x04stop\x18\n" +
+	" \x03(\tR\x04stopB\x11\n" +
 	"\x0f_max_new_tokensB\x0e\n" +
 	"\f_temperatureB\b\n" +
 	"\x06_top_kB\b\n" +
@@ -1113,13 +1133,14 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x17REQUEST_STATUS_DECODING\x10\x03\x12\x1b\n" +
 	"\x17REQUEST_STATUS_FINISHED\x10\x04\x12\x1c\n" +
 	"\x18REQUEST_STATUS_CANCELLED\x10\x05\x12\x19\n" +
-	"\x15REQUEST_STATUS_FAILED\x10\x06*\x94\x01\n" +
+	"\x15REQUEST_STATUS_FAILED\x10\x06*\xac\x01\n" +
 	"\fFinishReason\x12\x1d\n" +
 	"\x19FINISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11FINISH_REASON_EOS\x10\x01\x12\x18\n" +
 	"\x14FINISH_REASON_LENGTH\x10\x02\x12\x1b\n" +
 	"\x17FINISH_REASON_CANCELLED\x10\x03\x12\x17\n" +
-	"\x13FINISH_REASON_ERROR\x10\x04b\x06proto3"
+	"\x13FINISH_REASON_ERROR\x10\x04\x12\x16\n" +
+	"\x12FINISH_REASON_STOP\x10\x05b\x06proto3"
 
 var (
 	file_cbserve_v1_types_proto_rawDescOnce sync.Once

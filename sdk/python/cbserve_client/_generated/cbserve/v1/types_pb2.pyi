@@ -44,7 +44,7 @@ class _RequestStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Request
     REQUEST_STATUS_DECODING: _RequestStatus.ValueType  # 3
     """Generating tokens."""
     REQUEST_STATUS_FINISHED: _RequestStatus.ValueType  # 4
-    """Finished normally (see FinishReason: EOS or LENGTH). Terminal."""
+    """Finished normally (see FinishReason: EOS, LENGTH or STOP). Terminal."""
     REQUEST_STATUS_CANCELLED: _RequestStatus.ValueType  # 5
     """Cancelled by a Cancel call, by the close of the Generate stream that made it, or by an
     admin abort. Terminal.
@@ -67,7 +67,7 @@ REQUEST_STATUS_PREFILLING: RequestStatus.ValueType  # 2
 REQUEST_STATUS_DECODING: RequestStatus.ValueType  # 3
 """Generating tokens."""
 REQUEST_STATUS_FINISHED: RequestStatus.ValueType  # 4
-"""Finished normally (see FinishReason: EOS or LENGTH). Terminal."""
+"""Finished normally (see FinishReason: EOS, LENGTH or STOP). Terminal."""
 REQUEST_STATUS_CANCELLED: RequestStatus.ValueType  # 5
 """Cancelled by a Cancel call, by the close of the Generate stream that made it, or by an
 admin abort. Terminal.
@@ -94,6 +94,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """The request was cancelled."""
     FINISH_REASON_ERROR: _FinishReason.ValueType  # 4
     """The request failed; GenerationChunk.error says why."""
+    FINISH_REASON_STOP: _FinishReason.ValueType  # 5
+    """The output text contained one of SamplingParams.stop; the text ends before it."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why a request ended. Set only on the chunk that carries a terminal status."""
@@ -110,6 +112,8 @@ FINISH_REASON_CANCELLED: FinishReason.ValueType  # 3
 """The request was cancelled."""
 FINISH_REASON_ERROR: FinishReason.ValueType  # 4
 """The request failed; GenerationChunk.error says why."""
+FINISH_REASON_STOP: FinishReason.ValueType  # 5
+"""The output text contained one of SamplingParams.stop; the text ends before it."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -218,6 +222,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Maximum number of tokens to generate, EOS included. Must be >= 1. Unset: the server default.
     The request also stops when prompt + generated tokens reach the model's max context length.
@@ -253,6 +258,15 @@ class SamplingParams(_message.Message):
         non-empty these replace the model's EOS ids for this request.
         """
 
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Strings that end generation when the decoded output contains one (FINISH_REASON_STOP). The
+        output text ends just before the first match; token_ids still include the token that completed
+        it. While a stream's text ends with the beginning of a stop string, that text is held back until
+        the next tokens show whether the string completes. Needs a model with a tokenizer. At most 16
+        strings of 1 to 256 characters each (INVALID_ARGUMENT otherwise).
+        """
+
     def __init__(
         self,
         *,
@@ -265,10 +279,11 @@ class SamplingParams(_message.Message):
         ignore_eos: _builtins.bool = ...,
         logprobs: _builtins.bool = ...,
         top_logprobs: _builtins.int | None = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
@@ -530,8 +545,9 @@ class GenerationChunk(_message.Message):
     """
     text: _builtins.str
     """Newly decoded text (the delta). Never splits a UTF-8 character: bytes of an incomplete
-    character are held back until the next chunk, so text may lag token_ids. Concatenating the
-    text of all chunks gives the full decoded output (special tokens skipped). Unset (not merely
+    character are held back until the next chunk, so text may lag token_ids; so is text that may
+    begin a stop string (SamplingParams.stop). Concatenating the text of all chunks gives the full
+    decoded output (special tokens skipped, cut before a matched stop string). Unset (not merely
     empty) when the server has no tokenizer, so clients can tell "no text" from "no new text".
     """
     status: Global___RequestStatus.ValueType

@@ -42,6 +42,8 @@ final class Convert {
         return FinishReason.CANCELLED;
       case FINISH_REASON_ERROR:
         return FinishReason.ERROR;
+      case FINISH_REASON_STOP:
+        return FinishReason.STOP;
       default:
         return null;
     }

@@ -9,5 +9,11 @@ public enum FinishReason {
   /** The request was cancelled. */
   CANCELLED,
   /** The request failed ({@link Completion#error()} says why). */
-  ERROR
+  ERROR,
+  /**
+   * The output text contained one of the {@link SamplingParams.Builder#stop(String...) stop
+   * strings}: the text ends just before it, while the token ids include the token that completed
+   * it.
+   */
+  STOP
 }

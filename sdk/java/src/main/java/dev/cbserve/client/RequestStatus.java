@@ -13,7 +13,7 @@ public enum RequestStatus {
   PREFILLING,
   /** Generating tokens. */
   DECODING,
-  /** Finished normally (EOS or length). Terminal. */
+  /** Finished normally (EOS, stop string or length). Terminal. */
   FINISHED,
   /** Cancelled. Terminal. */
   CANCELLED,

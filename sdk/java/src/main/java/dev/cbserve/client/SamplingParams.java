@@ -1,7 +1,9 @@
 package dev.cbserve.client;
 
 import cbserve.v1.Types;
+import java.util.ArrayList;
 import java.util.Arrays;
+import java.util.List;
 import java.util.Objects;
 
 /**
@@ -28,6 +30,7 @@ public final class SamplingParams {
   private final boolean ignoreEos;
   private final boolean logprobs;
   private final Integer topLogprobs;
+  private final List<String> stop;
 
   private SamplingParams(Builder b) {
     this.maxNewTokens = b.maxNewTokens;
@@ -39,6 +42,7 @@ public final class SamplingParams {
     this.ignoreEos = b.ignoreEos;
     this.logprobs = b.logprobs;
     this.topLogprobs = b.topLogprobs;
+    this.stop = b.stop;
   }
 
   /** All fields unset: the server's defaults. */
@@ -81,6 +85,7 @@ public final class SamplingParams {
     if (topLogprobs != null) {
       p.setTopLogprobs(topLogprobs);
     }
+    p.addAllStop(stop);
     return p.build();
   }
 
@@ -122,6 +127,10 @@ public final class SamplingParams {
     }
     if (topLogprobs != null) {
       s.append(sep).append("topLogprobs=").append(topLogprobs);
+      sep = ", ";
+    }
+    if (!stop.isEmpty()) {
+      s.append(sep).append("stop=").append(stop);
     }
     return s.append('}').toString();
   }
@@ -137,6 +146,7 @@ public final class SamplingParams {
     private boolean ignoreEos;
     private boolean logprobs;
     private Integer topLogprobs;
+    private List<String> stop = List.of();
 
     private Builder() {}
 
@@ -198,6 +208,27 @@ public final class SamplingParams {
     /** Number of most likely alternatives returned per token (implies logprobs when > 0). */
     public Builder topLogprobs(int topLogprobs) {
       this.topLogprobs = nonNegative("topLogprobs", topLogprobs);
+      return this;
+    }
+
+    /**
+     * Strings that end generation when the decoded output contains one: the request finishes with
+     * {@link FinishReason#STOP}, its text cut just before the first match (its token ids still
+     * include the token that completed it). A stream holds back text that may begin a stop string
+     * until the next tokens tell. At most 16 strings of 1 to 256 characters (checked by the
+     * server); needs a model with a tokenizer. Replaces any earlier setting; none: no stop strings.
+     */
+    public Builder stop(String... stop) {
+      return stop(Arrays.asList(Objects.requireNonNull(stop, "stop")));
+    }
+
+    /** Stop strings, in order; see {@link #stop(String...)}. */
+    public Builder stop(List<String> stop) {
+      List<String> copy = new ArrayList<>(Objects.requireNonNull(stop, "stop"));
+      for (int i = 0; i < copy.size(); i++) {
+        Objects.requireNonNull(copy.get(i), "stop[" + i + "]");
+      }
+      this.stop = List.copyOf(copy);
       return this;
     }
 

@@ -9,6 +9,7 @@ import java.io.IOException;
 import java.net.InetAddress;
 import java.net.ServerSocket;
 import java.time.Duration;
+import java.util.Arrays;
 import java.util.concurrent.ExecutionException;
 import java.util.concurrent.TimeUnit;
 import org.junit.jupiter.api.Test;
@@ -39,6 +40,19 @@ class ErrorsTest extends ServerTest {
             ExecutionException.class,
             () -> client.generateAsync(Prompt.tokens(999), greedy(4)).get(30, TimeUnit.SECONDS));
     assertTrue(async.getCause() instanceof InvalidArgumentException, async.getCause().toString());
+  }
+
+  @Test
+  void stopStringsOutsideTheServerBoundsAreInvalidArgument() {
+    // The client leaves these bounds to the server: the request must still be refused.
+    SamplingParams empty = SamplingParams.builder().maxNewTokens(4).stop("").build();
+    InvalidArgumentException e =
+        assertThrows(InvalidArgumentException.class, () -> client.generate(Prompt.text("hi"), empty));
+    assertTrue(e.details().contains("stop"), e.details());
+    String[] seventeen = new String[17];
+    Arrays.fill(seventeen, "x");
+    SamplingParams tooMany = SamplingParams.builder().maxNewTokens(4).stop(seventeen).build();
+    assertThrows(InvalidArgumentException.class, () -> client.submit(Prompt.text("hi"), tooMany));
   }
 
   @Test

@@ -63,6 +63,43 @@ class GenerateTest extends ServerTest {
   }
 
   @Test
+  void aStopStringEndsTheOutputJustBeforeIt() {
+    Completion full = client.generate(Prompt.text("Hello"), greedy(24));
+    String text = full.text();
+    // One character from the middle of the greedy output: the same greedy run must stop where that
+    // character first appears (surrogate pairs kept whole).
+    int middle = text.offsetByCodePoints(0, text.codePointCount(0, text.length()) / 2);
+    String stop = text.substring(middle, text.offsetByCodePoints(middle, 1));
+    String expected = text.substring(0, text.indexOf(stop));
+    SamplingParams params =
+        SamplingParams.builder()
+            .maxNewTokens(24)
+            .temperature(0)
+            .ignoreEos(true)
+            .stop("not in the output", stop)
+            .build();
+
+    Completion cut = client.generate(Prompt.text("Hello"), params);
+    assertEquals(FinishReason.STOP, cut.finishReason(), "full output: " + text);
+    assertEquals(expected, cut.text(), "stop " + stop + " in " + text);
+    assertTrue(cut.tokenIds().size() < 24, cut.tokenIds().toString());
+    assertEquals(full.tokenIds().subList(0, cut.tokenIds().size()), cut.tokenIds());
+
+    StringBuilder streamed = new StringBuilder();
+    Chunk last = null;
+    try (ChunkIterator chunks = client.stream(Prompt.text("Hello"), params)) {
+      while (chunks.hasNext()) {
+        last = chunks.next();
+        if (last.text() != null) {
+          streamed.append(last.text());
+        }
+      }
+    }
+    assertEquals(expected, streamed.toString());
+    assertEquals(FinishReason.STOP, last.finishReason());
+  }
+
+  @Test
   void tokenPromptsAndSeededSamplingAreReproducible() {
     SamplingParams sampled =
         SamplingParams.builder().maxNewTokens(10).temperature(0.9).topK(50).topP(0.95).seed(7).build();

@@ -1,0 +1,71 @@
+package dev.cbserve.client;
+
+import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertNotNull;
+import static org.junit.jupiter.api.Assertions.assertThrows;
+
+import cbserve.v1.Types;
+import java.util.ArrayList;
+import java.util.EnumSet;
+import java.util.List;
+import java.util.Set;
+import org.junit.jupiter.api.Test;
+
+/** The SamplingParams message the client sends, and the finish reasons it reads (no server). */
+class SamplingParamsTest {
+
+  @Test
+  void stopStringsGoInTheMessageInOrder() {
+    SamplingParams params = SamplingParams.builder().stop("\n\n", "User:", "a").build();
+    assertEquals(List.of("\n\n", "User:", "a"), params.toProto().getStopList());
+    SamplingParams fromList = SamplingParams.builder().stop(List.of("b", "a")).build();
+    assertEquals(List.of("b", "a"), fromList.toProto().getStopList());
+    assertEquals(List.of(), SamplingParams.defaults().toProto().getStopList());
+  }
+
+  @Test
+  void stopStringsAreCopiedAndTheLastSettingWins() {
+    List<String> stop = new ArrayList<>(List.of("x", "y"));
+    String[] array = {"p", "q"};
+    SamplingParams.Builder builder = SamplingParams.builder().stop(array);
+    array[0] = "changed";
+    assertEquals(List.of("p", "q"), builder.build().toProto().getStopList());
+
+    SamplingParams params = builder.stop(stop).build();
+    stop.add("z");
+    assertEquals(List.of("x", "y"), params.toProto().getStopList());
+    assertEquals("SamplingParams{stop=[x, y]}", params.toString());
+    assertEquals(List.of(), builder.stop().build().toProto().getStopList());
+  }
+
+  @Test
+  void nullStopStringsAreRefused() {
+    SamplingParams.Builder builder = SamplingParams.builder();
+    NullPointerException e =
+        assertThrows(NullPointerException.class, () -> builder.stop("ok", null));
+    assertEquals("stop[1]", e.getMessage());
+    assertThrows(NullPointerException.class, () -> builder.stop((String[]) null));
+    assertThrows(NullPointerException.class, () -> builder.stop((List<String>) null));
+  }
+
+  @Test
+  void finishReasonStopMapsToStop() {
+    assertEquals(FinishReason.STOP, Convert.finishReason(Types.FinishReason.FINISH_REASON_STOP));
+  }
+
+  @Test
+  void everyFinishReasonOfTheProtoMapsToTheWrapperOfTheSameName() {
+    Set<FinishReason> mapped = EnumSet.noneOf(FinishReason.class);
+    for (Types.FinishReason reason : Types.FinishReason.values()) {
+      if (reason == Types.FinishReason.FINISH_REASON_UNSPECIFIED
+          || reason == Types.FinishReason.UNRECOGNIZED) {
+        continue;
+      }
+      FinishReason wrapper = Convert.finishReason(reason);
+      assertNotNull(wrapper, reason + " has no wrapper");
+      assertEquals(reason.name(), "FINISH_REASON_" + wrapper.name());
+      mapped.add(wrapper);
+    }
+    assertEquals(EnumSet.allOf(FinishReason.class), mapped);
+  }
+}
