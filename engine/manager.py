@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import threading
 import warnings
@@ -50,7 +51,21 @@ logger = logging.getLogger(__name__)
 
 # transformers' GenerationConfig default (max_length=20) read as a number of new tokens.
 DEFAULT_MAX_NEW_TOKENS = 20
-SAMPLING_KWARGS = ("temperature", "top_k", "top_p", "seed", "do_sample", "logprobs", "top_logprobs")
+SAMPLING_KWARGS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "do_sample",
+    "logprobs",
+    "top_logprobs",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_new_tokens",
+)
+# OpenAI's bounds on presence_penalty and frequency_penalty.
+MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
 IDLE_WAIT_S = 0.05
 # How often an idle or parked tensor-parallel driver still ticks (well inside any cpu_group_timeout).
 IDLE_TICK_S = 1.0
@@ -882,6 +897,7 @@ class ContinuousBatchingManager:
         top_logprobs = kwargs.get("top_logprobs", 0) or 0
         if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be an int in [0, 20], got {top_logprobs!r}")
+        penalties = self._penalties(max_new_tokens, kwargs)
         return SamplingParams(
             max_new_tokens=max_new_tokens,
             eos_token_ids=eos_ids,
@@ -891,7 +907,42 @@ class ContinuousBatchingManager:
             seed=seed,
             logprobs=bool(kwargs.get("logprobs", False) or self.config.return_logprobs),
             top_logprobs=top_logprobs,
+            **penalties,
         )
+
+    def _penalties(self, max_new_tokens: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """engine.penalties' parameters; as in `generate`, the model's generation config supplies
+        `repetition_penalty` and `min_new_tokens` when the call does not."""
+        generation_config = self.generation_config
+        repetition_penalty = kwargs.get(
+            "repetition_penalty", getattr(generation_config, "repetition_penalty", None)
+        )
+        if repetition_penalty is not None and (
+            not _is_number(repetition_penalty) or not 0 < repetition_penalty < math.inf
+        ):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 disables it), got {repetition_penalty!r}"
+            )
+        penalties: dict[str, Any] = {
+            "repetition_penalty": float(repetition_penalty) if repetition_penalty is not None else None
+        }
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = kwargs.get(name)
+            bound = MAX_ABS_PRESENCE_FREQUENCY_PENALTY
+            if value is not None and (not _is_number(value) or not -bound <= value <= bound):
+                raise ValueError(f"{name} must be a number in [-{bound:g}, {bound:g}], got {value!r}")
+            penalties[name] = float(value) if value is not None else None
+        min_new_tokens = kwargs.get("min_new_tokens", getattr(generation_config, "min_new_tokens", None)) or 0
+        if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be an int >= 0, got {min_new_tokens!r}")
+        if min_new_tokens > max_new_tokens and "min_new_tokens" not in kwargs:
+            min_new_tokens = max_new_tokens  # the model's default yields to this request's own limit
+        elif min_new_tokens > max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({min_new_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
+            )
+        penalties["min_new_tokens"] = min_new_tokens
+        return penalties
 
 
 def _is_number(value: Any) -> bool:

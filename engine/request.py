@@ -41,10 +41,25 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    # engine.penalties: None (or 1.0 / 0.0) leaves the logits alone.
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_new_tokens: int = 0
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature is None or self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the request's own tokens change its logits (penalties, min_new_tokens)."""
+        return (
+            self.repetition_penalty not in (None, 1.0)
+            or bool(self.presence_penalty)
+            or bool(self.frequency_penalty)
+            or self.min_new_tokens > 0
+        )
 
 
 @dataclass

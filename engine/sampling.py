@@ -1,6 +1,7 @@
 """Per-request sampling, vectorised over the batch.
 
-Temperature, top-k and top-p are applied to all sampled rows in one pass. The random draw uses the
+Penalties and `min_new_tokens` (engine.penalties) come first, for the rows that set them; then
+temperature, top-k and top-p are applied to all sampled rows in one pass. The random draw uses the
 exponential race (`argmax(p / E)`, E ~ Exp(1)), which samples from `p` without a cumulative sum; each
 seeded request draws its noise from its own generator, so its tokens depend on its seed alone, never
 on which requests share its batch.
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import SamplingParams
+from engine.penalties import LogitsPenalties
+from engine.request import Request, SamplingParams
 from engine.runner.device_copies import HostCopies, to_device
 
 
@@ -68,23 +70,31 @@ class Sampler:
             self._default_generator.manual_seed(seed)
         else:
             self._default_generator.seed()
+        self.penalties = LogitsPenalties(device)
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self, logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator | None]
     ) -> SampledTokens:
-        """logits [R, V] (any float dtype) for the R rows that sample a token this step. Queues the work
-        and the copies back to the host; never waits for the device."""
+        """logits [R, V] (any float dtype) for the R requests that sample a token this step, in order.
+        Queues the work and the copies back to the host; never waits for the device.
+
+        Log-probabilities are those of the raw logits, before penalties and sampling parameters.
+        """
         logits = logits.float()
-        token_ids = logits.argmax(dim=-1)
+        params = [request.sampling for request in requests]
+        processed, penalized = self.penalties.apply(logits, requests)
+        token_ids = processed.argmax(dim=-1)
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             rows = to_device(sampled_rows, torch.long, logits.device)
             chosen = self._sample(
-                logits.index_select(0, rows),
+                processed.index_select(0, rows),
                 [params[r] for r in sampled_rows],
                 [generators[r] for r in sampled_rows],
             )
             token_ids.index_copy_(0, rows, chosen)
+        if penalized is not None:
+            self.penalties.count(penalized, token_ids)
 
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         logprobs: torch.Tensor | None = None

@@ -85,18 +85,27 @@ def random_prompt(length: int, seed: int) -> list[int]:
 
 def reference_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The oracle: transformers' own `model.generate`, greedy, EOS ignored, no padding."""
+    return reference_generate(model, prompt, max_new_tokens, min_new_tokens=max_new_tokens)
+
+
+def reference_generate(
+    model: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos: int | None = None, **processing: Any
+) -> list[int]:
+    """`model.generate`, greedy, with `processing` (its own logits-processing arguments); the tokens end
+    at the first `eos`, as the engine's do."""
     device = next(model.parameters()).device
     with torch.no_grad():
         output = model.generate(
             torch.tensor([prompt], device=device),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=None,
+            eos_token_id=eos,
             pad_token_id=0,
+            **processing,
         )
-    return output[0, len(prompt) :].tolist()
+    tokens = output[0, len(prompt) :].tolist()
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
 
 
 def generate_greedy(

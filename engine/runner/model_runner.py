@@ -11,7 +11,6 @@ import torch
 from engine.config import ContinuousBatchingConfig
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
-from engine.request import SamplingParams
 from engine.runner.forward_paths import ForwardPaths
 from engine.runner.inputs import BatchInputs, InputBuilder, PreviousTokens
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
@@ -163,7 +162,7 @@ class ModelRunner:
         timings.prepare_inputs_s += prepared - started
         timings.forward_s += forwarded - prepared
         sampling_items = [item for item in scheduler_output.scheduled if item.samples_token]
-        params: list[SamplingParams] = [item.request.sampling for item in sampling_items]
+        requests = [item.request for item in sampling_items]
         generators = []
         for item in sampling_items:
             request = item.request
@@ -174,7 +173,7 @@ class ModelRunner:
             ):
                 request.generator = request_generator(request.sampling.seed, self.device)
             generators.append(request.generator if isinstance(request.generator, torch.Generator) else None)
-        sampled = self.sampler.sample(logits, params, generators) if sampling_items else None
+        sampled = self.sampler.sample(logits, requests, generators) if sampling_items else None
         timings.sample_s += time.perf_counter() - forwarded
         rows = {item.request.request_id: row for row, item in enumerate(sampling_items)}
         return LaunchedStep(scheduler_output, sampled, rows)
