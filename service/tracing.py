@@ -43,6 +43,8 @@ REQUEST_TOP_P = "gen_ai.request.top_p"
 REQUEST_TOP_K = "gen_ai.request.top_k"
 REQUEST_SEED = "gen_ai.request.seed"
 REQUEST_STOP_SEQUENCES = "gen_ai.request.stop_sequences"
+REQUEST_PRESENCE_PENALTY = "gen_ai.request.presence_penalty"
+REQUEST_FREQUENCY_PENALTY = "gen_ai.request.frequency_penalty"
 RESPONSE_ID = "gen_ai.response.id"
 RESPONSE_MODEL = "gen_ai.response.model"
 RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
@@ -132,6 +134,10 @@ class RequestTracer:
             attributes[REQUEST_SEED] = params.seed
         if params.stop:
             attributes[REQUEST_STOP_SEQUENCES] = list(params.stop)
+        if params.HasField("presence_penalty"):
+            attributes[REQUEST_PRESENCE_PENALTY] = _float32(params.presence_penalty)
+        if params.HasField("frequency_penalty"):
+            attributes[REQUEST_FREQUENCY_PENALTY] = _float32(params.frequency_penalty)
         span = self.tracer.start_span(
             f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attributes
         )

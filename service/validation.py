@@ -15,6 +15,8 @@ MAX_REQUEST_ID_BYTES = 128
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# OpenAI's bounds on presence_penalty and frequency_penalty (engine.manager applies the same).
+MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
 
 
 class RequestRejected(Exception):
@@ -85,7 +87,7 @@ def prepare(
         max_new_tokens=max_new_tokens,
         record_timestamps=request.record_timestamps,
         eos_token_id=_eos_ids(params, limits),
-        sampling=_sampling(params),
+        sampling=_sampling(params, max_new_tokens),
         stop_strings=_stop_strings(params, tokenizer),
     )
 
@@ -149,6 +151,31 @@ def _eos_ids(params: types_pb2.SamplingParams, limits: ModelLimits) -> list[int]
     return list(params.eos_token_ids) or None
 
 
+def _penalties(params: types_pb2.SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    penalties: dict[str, Any] = {}
+    if params.HasField("repetition_penalty"):
+        if not math.isfinite(params.repetition_penalty) or params.repetition_penalty <= 0:
+            raise invalid(
+                f"sampling.repetition_penalty must be a finite number > 0, got {params.repetition_penalty}"
+            )
+        penalties["repetition_penalty"] = params.repetition_penalty
+    bound = MAX_ABS_PRESENCE_FREQUENCY_PENALTY
+    for name in ("presence_penalty", "frequency_penalty"):
+        if params.HasField(name):
+            value = getattr(params, name)
+            if not -bound <= value <= bound:  # NaN fails too
+                raise invalid(f"sampling.{name} must be in [-{bound:g}, {bound:g}], got {value}")
+            penalties[name] = value
+    if params.HasField("min_new_tokens"):
+        if params.min_new_tokens > max_new_tokens:
+            raise invalid(
+                f"sampling.min_new_tokens ({params.min_new_tokens}) must not exceed max_new_tokens "
+                f"({max_new_tokens})"
+            )
+        penalties["min_new_tokens"] = params.min_new_tokens
+    return penalties
+
+
 def _stop_strings(params: types_pb2.SamplingParams, tokenizer: Any | None) -> list[str]:
     stop_strings = list(params.stop)
     if not stop_strings:
@@ -167,9 +194,9 @@ def _stop_strings(params: types_pb2.SamplingParams, tokenizer: Any | None) -> li
     return stop_strings
 
 
-def _sampling(params: types_pb2.SamplingParams) -> dict[str, Any]:
+def _sampling(params: types_pb2.SamplingParams, max_new_tokens: int) -> dict[str, Any]:
     """Only the fields the caller set, so the engine applies the model's defaults to the rest."""
-    sampling: dict[str, Any] = {}
+    sampling: dict[str, Any] = _penalties(params, max_new_tokens)
     if params.HasField("temperature"):
         if not math.isfinite(params.temperature) or params.temperature < 0:
             raise invalid(f"sampling.temperature must be a finite number >= 0, got {params.temperature}")

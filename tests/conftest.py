@@ -72,6 +72,12 @@ def tiny_model(family: str) -> torch.nn.Module:
     return _build(family)
 
 
+def fresh_tiny_model(family: str) -> torch.nn.Module:
+    """A model of `family` with the same weights as `tiny_model`'s but its own: an oracle that can run
+    `generate` while a server holds the shared one."""
+    return _build.__wrapped__(family)
+
+
 @pytest.fixture(params=FULL_ATTENTION_FAMILIES)
 def full_attention_model(request: pytest.FixtureRequest) -> torch.nn.Module:
     return tiny_model(request.param)

@@ -16,6 +16,7 @@ import (
 	"math/big"
 	"net"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -34,6 +35,7 @@ import (
 type fakeGeneration struct {
 	pb.UnimplementedGenerationServiceServer
 	mu        sync.Mutex
+	calls     int      // calls received, of any method
 	auth      []string // authorization metadata of each call
 	addIDs    []string // request ids of each AddRequest
 	addErrors []error  // what the next AddRequest calls answer (nil: OK)
@@ -46,6 +48,7 @@ func (f *fakeGeneration) record(ctx context.Context) {
 	md, _ := metadata.FromIncomingContext(ctx)
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.calls++
 	f.auth = append(f.auth, md.Get("authorization")...)
 }
 
@@ -284,5 +287,67 @@ func TestStopStrings(t *testing.T) {
 	}
 	if sent := fake.generated[1].GetSampling().GetStop(); sent != nil {
 		t.Errorf("no WithStop sent stop %q; want none", sent)
+	}
+}
+
+func TestPenaltiesAndMinNewTokens(t *testing.T) {
+	fake := &fakeGeneration{chunks: []*pb.GenerationChunk{
+		{Status: pb.RequestStatus_REQUEST_STATUS_QUEUED},
+		{TokenIds: []uint32{'o', 'k'}, Text: proto.String("ok"), Status: pb.RequestStatus_REQUEST_STATUS_FINISHED,
+			FinishReason: pb.FinishReason_FINISH_REASON_LENGTH, Usage: &pb.Usage{PromptTokens: 2, GeneratedTokens: 2}},
+	}}
+	client, err := cbserve.Dial(testContext(t), startFake(t, fake, nil))
+	if err != nil {
+		t.Fatalf("Dial: %v", err)
+	}
+	defer client.Close()
+	if _, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithRepetitionPenalty(1.25),
+		cbserve.WithPresencePenalty(-0.5), cbserve.WithFrequencyPenalty(0.75), cbserve.WithMinNewTokens(3)); err != nil {
+		t.Fatalf("Generate with penalties: %v", err)
+	}
+	// Without the options nothing of them goes on the wire.
+	if _, err := client.Generate(testContext(t), cbserve.Text("hi")); err != nil {
+		t.Fatalf("Generate: %v", err)
+	}
+
+	// A negative min new tokens is refused client-side: no call reaches the server.
+	fake.mu.Lock()
+	calls := fake.calls
+	fake.mu.Unlock()
+	_, err = client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithMinNewTokens(-1))
+	var e *cbserve.Error
+	if !errors.Is(err, cbserve.ErrInvalidArgument) || !errors.As(err, &e) || !strings.Contains(e.Message, "min new tokens") {
+		t.Errorf("Generate with WithMinNewTokens(-1): error %v; want invalid argument naming min new tokens", err)
+	}
+	_, err = client.Submit(testContext(t), cbserve.Text("hi"), cbserve.WithMinNewTokens(-1))
+	if !errors.Is(err, cbserve.ErrInvalidArgument) {
+		t.Errorf("Submit with WithMinNewTokens(-1): error %v; want invalid argument", err)
+	}
+
+	fake.mu.Lock()
+	defer fake.mu.Unlock()
+	if fake.calls != calls {
+		t.Errorf("WithMinNewTokens(-1) made %d calls to the server; want none", fake.calls-calls)
+	}
+	if len(fake.generated) != 2 {
+		t.Fatalf("%d Generate requests reached the server; want 2", len(fake.generated))
+	}
+	sent := fake.generated[0].GetSampling()
+	if sent.RepetitionPenalty == nil || *sent.RepetitionPenalty != 1.25 {
+		t.Errorf("WithRepetitionPenalty(1.25) sent %v; want 1.25", sent.RepetitionPenalty)
+	}
+	if sent.PresencePenalty == nil || *sent.PresencePenalty != -0.5 {
+		t.Errorf("WithPresencePenalty(-0.5) sent %v; want -0.5", sent.PresencePenalty)
+	}
+	if sent.FrequencyPenalty == nil || *sent.FrequencyPenalty != 0.75 {
+		t.Errorf("WithFrequencyPenalty(0.75) sent %v; want 0.75", sent.FrequencyPenalty)
+	}
+	if sent.MinNewTokens == nil || *sent.MinNewTokens != 3 {
+		t.Errorf("WithMinNewTokens(3) sent %v; want 3", sent.MinNewTokens)
+	}
+	unset := fake.generated[1].GetSampling()
+	if unset.RepetitionPenalty != nil || unset.PresencePenalty != nil || unset.FrequencyPenalty != nil || unset.MinNewTokens != nil {
+		t.Errorf("no options sent repetition %v, presence %v, frequency %v, min new tokens %v; want all unset",
+			unset.RepetitionPenalty, unset.PresencePenalty, unset.FrequencyPenalty, unset.MinNewTokens)
 	}
 }

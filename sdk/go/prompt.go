@@ -67,6 +67,10 @@ type requestConfig struct {
 	eos                 []uint32
 	ignoreEOS           bool
 	stop                []string
+	repetitionPenalty   *float64
+	presencePenalty     *float64
+	frequencyPenalty    *float64
+	minNewTokens        *int
 	logprobs            *int
 	recordTimestamps    bool
 	addGenerationPrompt *bool
@@ -118,6 +122,31 @@ func WithIgnoreEOS() GenerateOption {
 func WithStop(stop ...string) GenerateOption {
 	stop = append([]string(nil), stop...) // copied now, as in WithEOS
 	return func(c *requestConfig) { c.stop = stop }
+}
+
+// WithRepetitionPenalty divides the logits of tokens already in the prompt or the output by p
+// when positive and multiplies them when negative (transformers' semantics): p > 1 discourages
+// repeats. Must be finite and > 0; 1 disables it.
+func WithRepetitionPenalty(p float64) GenerateOption {
+	return func(c *requestConfig) { c.repetitionPenalty = &p }
+}
+
+// WithPresencePenalty lowers the logits of tokens generated at least once by p (OpenAI's
+// semantics; the prompt does not count). In [-2, 2]; 0 disables it.
+func WithPresencePenalty(p float64) GenerateOption {
+	return func(c *requestConfig) { c.presencePenalty = &p }
+}
+
+// WithFrequencyPenalty lowers the logit of each generated token by p times the number of times
+// it was generated (OpenAI's semantics). In [-2, 2]; 0 disables it.
+func WithFrequencyPenalty(p float64) GenerateOption {
+	return func(c *requestConfig) { c.frequencyPenalty = &p }
+}
+
+// WithMinNewTokens keeps EOS tokens from ending the request before it has generated n tokens
+// (stop strings still can); n must be >= 0 and at most the max new tokens.
+func WithMinNewTokens(n int) GenerateOption {
+	return func(c *requestConfig) { c.minNewTokens = &n }
 }
 
 // WithLogprobs returns each generated token's log-probability, and the n most likely
@@ -175,17 +204,23 @@ func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, 
 		}
 		request.Prompt = &pb.GenerationRequest_Messages{Messages: chat}
 	}
-	sampling := &pb.SamplingParams{EosTokenIds: cfg.eos, IgnoreEos: cfg.ignoreEOS, Stop: cfg.stop}
+	sampling := &pb.SamplingParams{
+		EosTokenIds:       cfg.eos,
+		IgnoreEos:         cfg.ignoreEOS,
+		Stop:              cfg.stop,
+		Temperature:       wireFloat(cfg.temperature),
+		TopP:              wireFloat(cfg.topP),
+		Seed:              cfg.seed,
+		RepetitionPenalty: wireFloat(cfg.repetitionPenalty),
+		PresencePenalty:   wireFloat(cfg.presencePenalty),
+		FrequencyPenalty:  wireFloat(cfg.frequencyPenalty),
+	}
 	if cfg.maxNewTokens != nil {
 		v, err := nonNegativeUint32("max new tokens", *cfg.maxNewTokens)
 		if err != nil {
 			return nil, err
 		}
 		sampling.MaxNewTokens = &v
-	}
-	if cfg.temperature != nil {
-		v := float32(*cfg.temperature)
-		sampling.Temperature = &v
 	}
 	if cfg.topK != nil {
 		v, err := nonNegativeUint32("top k", *cfg.topK)
@@ -194,11 +229,13 @@ func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, 
 		}
 		sampling.TopK = &v
 	}
-	if cfg.topP != nil {
-		v := float32(*cfg.topP)
-		sampling.TopP = &v
+	if cfg.minNewTokens != nil {
+		v, err := nonNegativeUint32("min new tokens", *cfg.minNewTokens)
+		if err != nil {
+			return nil, err
+		}
+		sampling.MinNewTokens = &v
 	}
-	sampling.Seed = cfg.seed
 	if cfg.logprobs != nil {
 		n, err := nonNegativeUint32("logprobs", *cfg.logprobs)
 		if err != nil {
@@ -226,4 +263,13 @@ func wantsLogprobs(opts []GenerateOption) (logprobs, timestamps bool) {
 func unixSeconds(s float64) time.Time {
 	sec, frac := math.Modf(s)
 	return time.Unix(int64(sec), int64(frac*1e9))
+}
+
+// wireFloat narrows an optional float option to the wire's float32; unset stays unset.
+func wireFloat(v *float64) *float32 {
+	if v == nil {
+		return nil
+	}
+	f := float32(*v)
+	return &f
 }

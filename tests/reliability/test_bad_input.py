@@ -122,6 +122,10 @@ VALID = {
     "seed": st.one_of(st.integers(0, UINT64_MAX), edges(0, UINT64_MAX)),
     "top_logprobs": st.integers(0, MAX_TOP_LOGPROBS),
     "stop": st.lists(st.text(min_size=1, max_size=6), max_size=3),
+    "repetition_penalty": st.one_of(st.floats(0.5, 3.0, width=32), edges(1e-45, 1.0, FLOAT32_MAX)),
+    "presence_penalty": st.one_of(st.floats(-2.0, 2.0, width=32), edges(-2.0, 0.0, 2.0)),
+    "frequency_penalty": st.one_of(st.floats(-2.0, 2.0, width=32), edges(-2.0, 0.0, 2.0)),
+    "min_new_tokens": st.integers(0, 4),
 }
 WILD = {
     "prompt_kind": edges("token_ids", "text", "messages", "none"),
@@ -157,8 +161,15 @@ WILD = {
             edges(0, 1, MAX_STOP_STRING_CHARS, MAX_STOP_STRING_CHARS + 1),
         ),
     ),
+    "repetition_penalty": st.one_of(st.floats(width=32), edges(0.0, -0.0, -1.0, math.inf, math.nan)),
+    "presence_penalty": st.one_of(st.floats(width=32), edges(-2.0000002, 2.0000002, math.inf, math.nan)),
+    "frequency_penalty": st.one_of(st.floats(width=32), edges(-2.0000002, 2.0000002, -math.inf, math.nan)),
+    "min_new_tokens": st.one_of(st.integers(0, 40), edges(CONTEXT, UINT32_MAX)),
 }
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "top_logprobs")
+# The optional scalar fields, from the proto: one added there without a strategy above fails here.
+SAMPLING_FIELDS = tuple(
+    field.name for field in types_pb2.SamplingParams.DESCRIPTOR.fields if field.has_presence
+)
 
 
 @st.composite
@@ -290,6 +301,21 @@ def is_invalid(request: types_pb2.GenerationRequest) -> bool:
     if sampling.HasField("top_p") and not (math.isfinite(sampling.top_p) and 0 < sampling.top_p <= 1):
         return True
     if sampling.HasField("top_logprobs") and sampling.top_logprobs > MAX_TOP_LOGPROBS:
+        return True
+    if sampling.HasField("repetition_penalty") and not (
+        math.isfinite(sampling.repetition_penalty) and sampling.repetition_penalty > 0
+    ):
+        return True
+    for name in ("presence_penalty", "frequency_penalty"):
+        if sampling.HasField(name) and not -2 <= getattr(sampling, name) <= 2:
+            return True
+    # What the server resolves an unset max_new_tokens to: its default, within the context.
+    max_new_tokens = (
+        sampling.max_new_tokens
+        if sampling.HasField("max_new_tokens")
+        else min(DEFAULT_MAX_NEW_TOKENS, CONTEXT - len(ids))
+    )
+    if sampling.HasField("min_new_tokens") and sampling.min_new_tokens > max_new_tokens:
         return True
     if len(sampling.stop) > MAX_STOP_STRINGS or any(
         not 1 <= len(stop) <= MAX_STOP_STRING_CHARS for stop in sampling.stop

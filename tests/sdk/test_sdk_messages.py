@@ -19,7 +19,10 @@ from cbserve_client._convert import (
 from cbserve_client.errors import InvalidArgumentError
 from cbserve_client.proto import admin_pb2, types_pb2
 
-OPTIONAL_SAMPLING_FIELDS = ["max_new_tokens", "temperature", "top_k", "top_p", "seed", "top_logprobs"]
+# Every field with presence: a field added to the proto is covered without editing this list.
+OPTIONAL_SAMPLING_FIELDS = [
+    field.name for field in types_pb2.SamplingParams.DESCRIPTOR.fields if field.has_presence
+]
 
 
 def test_unset_sampling_kwargs_stay_unset() -> None:
@@ -55,6 +58,11 @@ def test_all_sampling_kwargs() -> None:
         ignore_eos=True,
         logprobs=True,
         top_logprobs=5,
+        stop=["\n\n", "User:"],
+        repetition_penalty=1.2,
+        presence_penalty=-0.5,
+        frequency_penalty=0.25,
+        min_new_tokens=4,
         request_id="my-req",
         record_timestamps=True,
     )
@@ -69,6 +77,9 @@ def test_all_sampling_kwargs() -> None:
     assert s.top_p == pytest.approx(0.9)
     assert list(s.eos_token_ids) == [2, 32000]
     assert s.ignore_eos and s.logprobs
+    assert list(s.stop) == ["\n\n", "User:"]
+    assert s.repetition_penalty == pytest.approx(1.2)
+    assert (s.presence_penalty, s.frequency_penalty, s.min_new_tokens) == (-0.5, 0.25, 4)
 
 
 def test_text_prompt() -> None:
@@ -107,6 +118,10 @@ def test_chat_prompt() -> None:
         ("text", {"temperature": "hot"}),
         ("text", {"ignore_eos": 1}),
         ("text", {"eos_token_ids": 2}),
+        ("text", {"stop": "User:"}),
+        ("text", {"stop": ["ok", 3]}),
+        ("text", {"presence_penalty": "high"}),
+        ("text", {"min_new_tokens": 2.0}),
         ("text", {"request_id": 7}),
         ("text", {"add_generation_prompt": True}),
         ("text", {"top_n": 3}),

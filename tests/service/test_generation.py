@@ -7,7 +7,7 @@ import torch
 from cbserve_client import AdminClient, Client, DeadlineExceededError
 from service_harness import ByteTokenizer, RunningServer, wait_all_blocks_free
 
-from tests.conftest import random_prompt, reference_greedy
+from tests.conftest import fresh_tiny_model, random_prompt, reference_generate, reference_greedy
 
 # Long enough that a request is still decoding when the test acts on it.
 LONG = 900
@@ -72,6 +72,28 @@ def test_text_prompt_and_model_info(client: Client) -> None:
     assert (info.vocab_size, info.max_context_length, info.has_tokenizer) == (256, 1024, True)
     assert info.eos_token_ids == (2,) and info.weight_version == 1
     assert client.generate("hello", max_new_tokens=3).usage.prompt_tokens == 5
+
+
+def test_penalties_and_min_new_tokens_equal_generate(client: Client) -> None:
+    oracle = fresh_tiny_model("llama")  # the served model is busy serving
+    prompt = random_prompt(24, 11)
+    penalised = reference_generate(oracle, prompt, 16, repetition_penalty=1.8)
+    assert penalised != reference_generate(oracle, prompt, 16), "the penalty should change this output"
+    eos = penalised[1]  # without min_new_tokens the output would end at its second token
+    expected = reference_generate(oracle, prompt, 16, eos, repetition_penalty=1.8, min_new_tokens=6)
+    completion = client.generate(
+        prompt, max_new_tokens=16, eos_token_ids=[eos], repetition_penalty=1.8, min_new_tokens=6
+    )
+    assert completion.token_ids == expected, (completion.token_ids, expected)
+    # Presence and frequency penalties reach the engine: strong ones change the greedy output.
+    plain = client.generate(prompt, max_new_tokens=16, ignore_eos=True)
+    discouraged = client.generate(
+        prompt, max_new_tokens=16, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0
+    )
+    assert len(set(discouraged.token_ids)) > len(set(plain.token_ids)), (
+        plain.token_ids,
+        discouraged.token_ids,
+    )
 
 
 def _two_characters_inside(text: str) -> str:

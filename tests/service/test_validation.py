@@ -47,6 +47,14 @@ BAD_REQUESTS = {
     "17 stop strings": (_sampling(stop=[f"s{i}" for i in range(17)]), "sampling.stop: at most 16"),
     "empty stop string": (_sampling(stop=["ok", ""]), "sampling.stop[1] must be 1 to 256"),
     "stop string too long": (_sampling(stop=["x" * 257]), "sampling.stop[0] must be 1 to 256"),
+    "repetition_penalty 0": (_sampling(repetition_penalty=0.0), "sampling.repetition_penalty"),
+    "repetition_penalty inf": (_sampling(repetition_penalty=float("inf")), "sampling.repetition_penalty"),
+    "presence_penalty > 2": (_sampling(presence_penalty=2.5), "sampling.presence_penalty must be in [-2, 2]"),
+    "frequency_penalty NaN": (_sampling(frequency_penalty=float("nan")), "sampling.frequency_penalty"),
+    "min_new_tokens > max_new_tokens": (
+        _sampling(max_new_tokens=4, min_new_tokens=5),
+        "sampling.min_new_tokens (5) must not exceed max_new_tokens (4)",
+    ),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import grpc
@@ -41,6 +41,10 @@ SAMPLING_KWARGS = frozenset(
         "logprobs",
         "top_logprobs",
         "stop",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_new_tokens",
         "request_id",
         "record_timestamps",
         "add_generation_prompt",
@@ -133,27 +137,32 @@ def build_sampling(
     logprobs: bool | None = None,
     top_logprobs: int | None = None,
     stop: Sequence[str] | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    min_new_tokens: int | None = None,
 ) -> types_pb2.SamplingParams:
     """A SamplingParams message with only the given fields set (None leaves a field unset)."""
     params = types_pb2.SamplingParams()
-    if max_new_tokens is not None:
-        params.max_new_tokens = _check_int("max_new_tokens", max_new_tokens)
-    if temperature is not None:
-        params.temperature = _check_float("temperature", temperature)
-    if top_k is not None:
-        params.top_k = _check_int("top_k", top_k)
-    if top_p is not None:
-        params.top_p = _check_float("top_p", top_p)
-    if seed is not None:
-        params.seed = _check_int("seed", seed)
+    scalars: dict[str, tuple[object, Callable[[str, object], object]]] = {
+        "max_new_tokens": (max_new_tokens, _check_int),
+        "temperature": (temperature, _check_float),
+        "top_k": (top_k, _check_int),
+        "top_p": (top_p, _check_float),
+        "seed": (seed, _check_int),
+        "ignore_eos": (ignore_eos, _check_bool),
+        "logprobs": (logprobs, _check_bool),
+        "top_logprobs": (top_logprobs, _check_int),
+        "repetition_penalty": (repetition_penalty, _check_float),
+        "presence_penalty": (presence_penalty, _check_float),
+        "frequency_penalty": (frequency_penalty, _check_float),
+        "min_new_tokens": (min_new_tokens, _check_int),
+    }
+    for name, (value, check) in scalars.items():
+        if value is not None:
+            setattr(params, name, check(name, value))
     if eos_token_ids is not None:
         params.eos_token_ids.extend(_check_int_list("eos_token_ids", eos_token_ids))
-    if ignore_eos is not None:
-        params.ignore_eos = _check_bool("ignore_eos", ignore_eos)
-    if logprobs is not None:
-        params.logprobs = _check_bool("logprobs", logprobs)
-    if top_logprobs is not None:
-        params.top_logprobs = _check_int("top_logprobs", top_logprobs)
     if stop is not None:
         params.stop.extend(_check_str_list("stop", stop))
     return params

@@ -100,7 +100,8 @@ class Client(ChannelOwner):
     Sampling keyword arguments accepted by :meth:`generate`, :meth:`stream` and :meth:`submit`:
     ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_ids``,
     ``ignore_eos``, ``logprobs``, ``top_logprobs``, ``stop`` (strings that end the output, which stops
-    before the first one), ``request_id``, ``record_timestamps`` and, for chat prompts,
+    before the first one), ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+    ``min_new_tokens``, ``request_id``, ``record_timestamps`` and, for chat prompts,
     ``add_generation_prompt``. Unset arguments take the server's defaults.
     """
 

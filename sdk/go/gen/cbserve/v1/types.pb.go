@@ -356,7 +356,7 @@ type SamplingParams struct {
 	// benchmarks). Default false.
 	IgnoreEos bool `protobuf:"varint,7,opt,name=ignore_eos,json=ignoreEos,proto3" json:"ignore_eos,omitempty"`
 	// When true, each generated token carries its log-probability under the model: log_softmax
-	// of the raw logits, before temperature, top-k and top-p. Default false.
+	// of the raw logits, before penalties, temperature, top-k and top-p. Default false.
 	Logprobs bool `protobuf:"varint,8,opt,name=logprobs,proto3" json:"logprobs,omitempty"`
 	// Number of most likely alternatives (token id + logprob) to return per generated token; 0 for
 	// none. Values > 0 imply logprobs. The server caps it (INVALID_ARGUMENT above its maximum).
@@ -366,7 +366,20 @@ type SamplingParams struct {
 	// it. While a stream's text ends with the beginning of a stop string, that text is held back until
 	// the next tokens show whether the string completes. Needs a model with a tokenizer. At most 16
 	// strings of 1 to 256 characters each (INVALID_ARGUMENT otherwise).
-	Stop          []string `protobuf:"bytes,10,rep,name=stop,proto3" json:"stop,omitempty"`
+	Stop []string `protobuf:"bytes,10,rep,name=stop,proto3" json:"stop,omitempty"`
+	// Divides the logit of every token already in the prompt or the output by this value when it is
+	// positive, and multiplies it when negative (transformers' semantics): > 1 discourages repeats.
+	// Must be finite and > 0; 1 disables it. Unset: the model's generation config, else 1.
+	RepetitionPenalty *float32 `protobuf:"fixed32,11,opt,name=repetition_penalty,json=repetitionPenalty,proto3,oneof" json:"repetition_penalty,omitempty"`
+	// Lowers the logit of every token generated at least once by this value (OpenAI's semantics;
+	// the prompt does not count). In [-2, 2]; 0 disables it. Unset: 0.
+	PresencePenalty *float32 `protobuf:"fixed32,12,opt,name=presence_penalty,json=presencePenalty,proto3,oneof" json:"presence_penalty,omitempty"`
+	// Lowers the logit of every generated token by this value times the number of times it was
+	// generated (OpenAI's semantics). In [-2, 2]; 0 disables it. Unset: 0.
+	FrequencyPenalty *float32 `protobuf:"fixed32,13,opt,name=frequency_penalty,json=frequencyPenalty,proto3,oneof" json:"frequency_penalty,omitempty"`
+	// EOS tokens cannot end the request before it has generated this many tokens (stop strings
+	// still can). At most max_new_tokens. Unset: the model's generation config, else 0.
+	MinNewTokens  *uint32 `protobuf:"varint,14,opt,name=min_new_tokens,json=minNewTokens,proto3,oneof" json:"min_new_tokens,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -469,6 +482,34 @@ func (x *SamplingParams) GetStop() []string {
 		return x.Stop
 	}
 	return nil
+}
+
+func (x *SamplingParams) GetRepetitionPenalty() float32 {
+	if x != nil && x.RepetitionPenalty != nil {
+		return *x.RepetitionPenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetPresencePenalty() float32 {
+	if x != nil && x.PresencePenalty != nil {
+		return *x.PresencePenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetFrequencyPenalty() float32 {
+	if x != nil && x.FrequencyPenalty != nil {
+		return *x.FrequencyPenalty
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetMinNewTokens() uint32 {
+	if x != nil && x.MinNewTokens != nil {
+		return *x.MinNewTokens
+	}
+	return 0
 }
 
 // One generation request: a prompt plus how to sample from it.
@@ -1056,7 +1097,7 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\fChatMessages\x123\n" +
 	"\bmessages\x18\x01 \x03(\v2\x17.cbserve.v1.ChatMessageR\bmessages\x127\n" +
 	"\x15add_generation_prompt\x18\x02 \x01(\bH\x00R\x13addGenerationPrompt\x88\x01\x01B\x18\n" +
-	"\x16_add_generation_prompt\"\x9b\x03\n" +
+	"\x16_add_generation_prompt\"\xb1\x05\n" +
 	"\x0eSamplingParams\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12%\n" +
 	"\vtemperature\x18\x02 \x01(\x02H\x01R\vtemperature\x88\x01\x01\x12\x18\n" +
@@ -1069,13 +1110,21 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\blogprobs\x18\b \x01(\bR\blogprobs\x12&\n" +
 	"\ftop_logprobs\x18\t \x01(\rH\x05R\vtopLogprobs\x88\x01\x01\x12\x12\n" +
 	"\x04stop\x18\n" +
-	" \x03(\tR\x04stopB\x11\n" +
+	" \x03(\tR\x04stop\x122\n" +
+	"\x12repetition_penalty\x18\v \x01(\x02H\x06R\x11repetitionPenalty\x88\x01\x01\x12.\n" +
+	"\x10presence_penalty\x18\f \x01(\x02H\aR\x0fpresencePenalty\x88\x01\x01\x120\n" +
+	"\x11frequency_penalty\x18\r \x01(\x02H\bR\x10frequencyPenalty\x88\x01\x01\x12)\n" +
+	"\x0emin_new_tokens\x18\x0e \x01(\rH\tR\fminNewTokens\x88\x01\x01B\x11\n" +
 	"\x0f_max_new_tokensB\x0e\n" +
 	"\f_temperatureB\b\n" +
 	"\x06_top_kB\b\n" +
 	"\x06_top_pB\a\n" +
 	"\x05_seedB\x0f\n" +
-	"\r_top_logprobs\"\xa4\x02\n" +
+	"\r_top_logprobsB\x15\n" +
+	"\x13_repetition_penaltyB\x13\n" +
+	"\x11_presence_penaltyB\x14\n" +
+	"\x12_frequency_penaltyB\x11\n" +
+	"\x0f_min_new_tokens\"\xa4\x02\n" +
 	"\x11GenerationRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x123\n" +

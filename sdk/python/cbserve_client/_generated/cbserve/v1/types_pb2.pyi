@@ -223,6 +223,10 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    MIN_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Maximum number of tokens to generate, EOS included. Must be >= 1. Unset: the server default.
     The request also stops when prompt + generated tokens reach the model's max context length.
@@ -245,11 +249,28 @@ class SamplingParams(_message.Message):
     """
     logprobs: _builtins.bool
     """When true, each generated token carries its log-probability under the model: log_softmax
-    of the raw logits, before temperature, top-k and top-p. Default false.
+    of the raw logits, before penalties, temperature, top-k and top-p. Default false.
     """
     top_logprobs: _builtins.int
     """Number of most likely alternatives (token id + logprob) to return per generated token; 0 for
     none. Values > 0 imply logprobs. The server caps it (INVALID_ARGUMENT above its maximum).
+    """
+    repetition_penalty: _builtins.float
+    """Divides the logit of every token already in the prompt or the output by this value when it is
+    positive, and multiplies it when negative (transformers' semantics): > 1 discourages repeats.
+    Must be finite and > 0; 1 disables it. Unset: the model's generation config, else 1.
+    """
+    presence_penalty: _builtins.float
+    """Lowers the logit of every token generated at least once by this value (OpenAI's semantics;
+    the prompt does not count). In [-2, 2]; 0 disables it. Unset: 0.
+    """
+    frequency_penalty: _builtins.float
+    """Lowers the logit of every generated token by this value times the number of times it was
+    generated (OpenAI's semantics). In [-2, 2]; 0 disables it. Unset: 0.
+    """
+    min_new_tokens: _builtins.int
+    """EOS tokens cannot end the request before it has generated this many tokens (stop strings
+    still can). At most max_new_tokens. Unset: the model's generation config, else 0.
     """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -280,13 +301,25 @@ class SamplingParams(_message.Message):
         logprobs: _builtins.bool = ...,
         top_logprobs: _builtins.int | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        presence_penalty: _builtins.float | None = ...,
+        frequency_penalty: _builtins.float | None = ...,
+        min_new_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
+    _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__min_new_tokens: _TypeAlias = _typing.Literal["min_new_tokens"]  # noqa: Y015
+    _WhichOneofArgType__min_new_tokens: _TypeAlias = _typing.Literal["_min_new_tokens", b"_min_new_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
+    _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
@@ -298,7 +331,15 @@ class SamplingParams(_message.Message):
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_new_tokens) -> _WhichOneofReturnType__max_new_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_new_tokens) -> _WhichOneofReturnType__min_new_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload

@@ -31,6 +31,10 @@ public final class SamplingParams {
   private final boolean logprobs;
   private final Integer topLogprobs;
   private final List<String> stop;
+  private final Float repetitionPenalty;
+  private final Float presencePenalty;
+  private final Float frequencyPenalty;
+  private final Integer minNewTokens;
 
   private SamplingParams(Builder b) {
     this.maxNewTokens = b.maxNewTokens;
@@ -43,6 +47,10 @@ public final class SamplingParams {
     this.logprobs = b.logprobs;
     this.topLogprobs = b.topLogprobs;
     this.stop = b.stop;
+    this.repetitionPenalty = b.repetitionPenalty;
+    this.presencePenalty = b.presencePenalty;
+    this.frequencyPenalty = b.frequencyPenalty;
+    this.minNewTokens = b.minNewTokens;
   }
 
   /** All fields unset: the server's defaults. */
@@ -86,6 +94,18 @@ public final class SamplingParams {
       p.setTopLogprobs(topLogprobs);
     }
     p.addAllStop(stop);
+    if (repetitionPenalty != null) {
+      p.setRepetitionPenalty(repetitionPenalty);
+    }
+    if (presencePenalty != null) {
+      p.setPresencePenalty(presencePenalty);
+    }
+    if (frequencyPenalty != null) {
+      p.setFrequencyPenalty(frequencyPenalty);
+    }
+    if (minNewTokens != null) {
+      p.setMinNewTokens(minNewTokens);
+    }
     return p.build();
   }
 
@@ -131,6 +151,22 @@ public final class SamplingParams {
     }
     if (!stop.isEmpty()) {
       s.append(sep).append("stop=").append(stop);
+      sep = ", ";
+    }
+    if (repetitionPenalty != null) {
+      s.append(sep).append("repetitionPenalty=").append(repetitionPenalty);
+      sep = ", ";
+    }
+    if (presencePenalty != null) {
+      s.append(sep).append("presencePenalty=").append(presencePenalty);
+      sep = ", ";
+    }
+    if (frequencyPenalty != null) {
+      s.append(sep).append("frequencyPenalty=").append(frequencyPenalty);
+      sep = ", ";
+    }
+    if (minNewTokens != null) {
+      s.append(sep).append("minNewTokens=").append(minNewTokens);
     }
     return s.append('}').toString();
   }
@@ -147,6 +183,10 @@ public final class SamplingParams {
     private boolean logprobs;
     private Integer topLogprobs;
     private List<String> stop = List.of();
+    private Float repetitionPenalty;
+    private Float presencePenalty;
+    private Float frequencyPenalty;
+    private Integer minNewTokens;
 
     private Builder() {}
 
@@ -229,6 +269,42 @@ public final class SamplingParams {
         Objects.requireNonNull(copy.get(i), "stop[" + i + "]");
       }
       this.stop = List.copyOf(copy);
+      return this;
+    }
+
+    /**
+     * Divides the positive logits, and multiplies the negative ones, of tokens already in the prompt
+     * or the output (transformers' semantics): > 1 discourages repeats. Finite and > 0; 1 disables.
+     */
+    public Builder repetitionPenalty(double repetitionPenalty) {
+      this.repetitionPenalty = (float) repetitionPenalty;
+      return this;
+    }
+
+    /**
+     * Subtracted from the logit of every token generated at least once (OpenAI's semantics; the
+     * prompt does not count). In [-2, 2]; 0 disables.
+     */
+    public Builder presencePenalty(double presencePenalty) {
+      this.presencePenalty = (float) presencePenalty;
+      return this;
+    }
+
+    /**
+     * Subtracted, times the number of times it was generated, from the logit of every generated
+     * token (OpenAI's semantics; the prompt does not count). In [-2, 2]; 0 disables.
+     */
+    public Builder frequencyPenalty(double frequencyPenalty) {
+      this.frequencyPenalty = (float) frequencyPenalty;
+      return this;
+    }
+
+    /**
+     * EOS tokens cannot end the request before this many tokens are generated (stop strings still
+     * can). At most maxNewTokens (checked by the server).
+     */
+    public Builder minNewTokens(int minNewTokens) {
+      this.minNewTokens = nonNegative("minNewTokens", minNewTokens);
       return this;
     }
 

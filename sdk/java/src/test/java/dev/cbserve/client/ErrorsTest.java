@@ -56,6 +56,20 @@ class ErrorsTest extends ServerTest {
   }
 
   @Test
+  void presencePenaltyOutsideTheServerBoundsIsInvalidArgument() {
+    // The client leaves the [-2, 2] bound to the server: the request must still be refused.
+    SamplingParams tooHigh = SamplingParams.builder().maxNewTokens(4).presencePenalty(3).build();
+    InvalidArgumentException e =
+        assertThrows(
+            InvalidArgumentException.class, () -> client.generate(Prompt.text("hi"), tooHigh));
+    assertEquals(Status.Code.INVALID_ARGUMENT, e.code());
+    assertTrue(e.details().contains("presence_penalty"), e.details());
+    InvalidArgumentException submitted =
+        assertThrows(InvalidArgumentException.class, () -> client.submit(Prompt.text("hi"), tooHigh));
+    assertTrue(submitted.details().contains("presence_penalty"), submitted.details());
+  }
+
+  @Test
   void unknownRequestIdIsNotFound() {
     try (ChunkIterator chunks = client.results("no-such-request", 0)) {
       NotFoundException e = assertThrows(NotFoundException.class, chunks::hasNext);

@@ -1,8 +1,10 @@
 package dev.cbserve.client;
 
 import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertNotNull;
 import static org.junit.jupiter.api.Assertions.assertThrows;
+import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import cbserve.v1.Types;
 import java.util.ArrayList;
@@ -46,6 +48,76 @@ class SamplingParamsTest {
     assertEquals("stop[1]", e.getMessage());
     assertThrows(NullPointerException.class, () -> builder.stop((String[]) null));
     assertThrows(NullPointerException.class, () -> builder.stop((List<String>) null));
+  }
+
+  @Test
+  void penaltiesAndMinNewTokensGoInTheMessage() {
+    SamplingParams params =
+        SamplingParams.builder()
+            .maxNewTokens(8)
+            .repetitionPenalty(1.25)
+            .presencePenalty(-0.5)
+            .frequencyPenalty(1.5)
+            .minNewTokens(3)
+            .build();
+    Types.SamplingParams proto = params.toProto();
+    assertTrue(proto.hasRepetitionPenalty());
+    assertEquals(1.25f, proto.getRepetitionPenalty());
+    assertTrue(proto.hasPresencePenalty());
+    assertEquals(-0.5f, proto.getPresencePenalty());
+    assertTrue(proto.hasFrequencyPenalty());
+    assertEquals(1.5f, proto.getFrequencyPenalty());
+    assertTrue(proto.hasMinNewTokens());
+    assertEquals(3, proto.getMinNewTokens());
+    assertEquals(
+        "SamplingParams{maxNewTokens=8, repetitionPenalty=1.25, presencePenalty=-0.5,"
+            + " frequencyPenalty=1.5, minNewTokens=3}",
+        params.toString());
+  }
+
+  @Test
+  void zeroPenaltiesAreSentAndUnsetOnesAreNot() {
+    // 0 (and 1 for repetitionPenalty) is a value the caller gave: it must reach the server as set.
+    Types.SamplingParams zeros =
+        SamplingParams.builder()
+            .repetitionPenalty(1)
+            .presencePenalty(0)
+            .frequencyPenalty(0)
+            .minNewTokens(0)
+            .build()
+            .toProto();
+    assertTrue(zeros.hasRepetitionPenalty());
+    assertTrue(zeros.hasPresencePenalty());
+    assertTrue(zeros.hasFrequencyPenalty());
+    assertTrue(zeros.hasMinNewTokens());
+
+    Types.SamplingParams unset = SamplingParams.builder().maxNewTokens(4).build().toProto();
+    assertFalse(unset.hasRepetitionPenalty());
+    assertFalse(unset.hasPresencePenalty());
+    assertFalse(unset.hasFrequencyPenalty());
+    assertFalse(unset.hasMinNewTokens());
+    Types.SamplingParams defaults = SamplingParams.defaults().toProto();
+    assertFalse(defaults.hasRepetitionPenalty());
+    assertFalse(defaults.hasPresencePenalty());
+    assertFalse(defaults.hasFrequencyPenalty());
+    assertFalse(defaults.hasMinNewTokens());
+    assertEquals("SamplingParams{}", SamplingParams.defaults().toString());
+
+    Types.SamplingParams onlyPresence =
+        SamplingParams.builder().presencePenalty(2).build().toProto();
+    assertTrue(onlyPresence.hasPresencePenalty());
+    assertFalse(onlyPresence.hasRepetitionPenalty());
+    assertFalse(onlyPresence.hasFrequencyPenalty());
+    assertFalse(onlyPresence.hasMinNewTokens());
+  }
+
+  @Test
+  void negativeMinNewTokensIsRefused() {
+    SamplingParams.Builder builder = SamplingParams.builder();
+    IllegalArgumentException e =
+        assertThrows(IllegalArgumentException.class, () -> builder.minNewTokens(-1));
+    assertTrue(e.getMessage().contains("minNewTokens"), e.getMessage());
+    assertFalse(builder.build().toProto().hasMinNewTokens());
   }
 
   @Test
