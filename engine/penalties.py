@@ -1,7 +1,7 @@
 """Logits processing that depends on a request's own tokens: penalties and `min_new_tokens`.
 
 Applied, as in transformers' `generate`, to the raw logits before temperature, top-k and top-p, and
-before the argmax of greedy rows:
+before the argmax of greedy rows, in this order:
 
 - `repetition_penalty` (transformers' semantics): the logit of every token already in the prompt or
   the output is divided by the penalty when positive, multiplied by it when negative.
@@ -9,9 +9,11 @@ before the argmax of greedy rows:
   times so far drops by `presence_penalty + c * frequency_penalty`. The prompt does not count.
 - `min_new_tokens`: the request's EOS ids cannot be sampled before it has generated that many tokens.
 
-What each request has generated is counted on the device, in one row per request of a pooled tensor,
-incremented with the step's sampled tokens before they reach the host. A step launched before the
-previous one's tokens are known (async batching) therefore sees them already counted.
+The work is proportional to the tokens a request has seen, not to the vocabulary: each request's
+tokens are kept on the device (`TokenHistory`), and the penalties gather the logits at those tokens and
+scatter the penalised values back. A step's sampled tokens are written into the history on the device
+before they reach the host, so a step launched before the previous one's tokens are known (async
+batching) finds them there.
 """
 
 from __future__ import annotations
@@ -26,25 +28,25 @@ from engine.runner.device_copies import to_device
 
 @dataclass
 class PenalizedRows:
-    """The rows of one step's logits that were processed, and their rows in the counts pool."""
+    """The rows of one step's logits that were processed, and where their sampled tokens go."""
 
-    logit_rows: torch.Tensor  # rows of the step's logits (device)
-    count_rows: torch.Tensor  # rows of TokenCounts for the same requests (device)
+    logit_rows: torch.Tensor  # rows of the step's logits
+    history_rows: torch.Tensor  # the same requests' rows of TokenHistory
+    positions: torch.Tensor  # each sampled token's position in its request (prompt first)
 
 
-class TokenCounts:
-    """Per request: how often each token was generated, and which tokens the prompt holds.
+class TokenHistory:
+    """Every request's prompt and generated tokens, on the device, one row per request.
 
-    Invariant: the row of a live request counts exactly the tokens sampled for it so far, including
-    those of a step still running. Rows are taken on a request's first processed step and given back
-    once it has ended (checked at every step, so no caller has to report the end).
+    Invariant: for a live request, positions [0, n) of its row hold its first n tokens, where n counts
+    the tokens sampled by steps still running (they are written there by the step that samples them).
+    Rows are taken on a request's first processed step and given back once it has ended (checked at
+    every step, so no caller has to report the end); rows and columns grow by doubling.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device, initial_rows: int = 8) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, device: torch.device, initial_rows: int = 8, initial_columns: int = 256) -> None:
         self.device = device
-        self.generated = torch.zeros(initial_rows, vocab_size, dtype=torch.int32, device=device)
-        self.in_prompt = torch.zeros(initial_rows, vocab_size, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(initial_rows, initial_columns, dtype=torch.long, device=device)
         self._rows: dict[str, tuple[Request, int]] = {}
         self._free_rows = list(range(initial_rows - 1, -1, -1))
 
@@ -61,18 +63,19 @@ class TokenCounts:
                 self._free_rows.append(held[1])
                 held = None
             if held is None:
-                row = self._take_row()
-                self._fill(row, request)
+                row = self._take_row(request.num_prompt_tokens + request.sampling.max_new_tokens)
+                # What the host knows; a token still being sampled is written by the step sampling it.
+                known = to_device(request.all_token_ids, torch.long, self.device)
+                self.tokens[row, : known.shape[0]] = known
                 self._rows[request.request_id] = (request, row)
             else:
                 row = held[1]
             rows.append(row)
         return rows
 
-    def add(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Counts one sampled token per row, on the device (no wait for the host)."""
-        ones = torch.ones_like(rows, dtype=torch.int32)
-        self.generated.index_put_((rows, token_ids), ones, accumulate=True)
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Records one sampled token per row, on the device (no wait for the host)."""
+        self.tokens.index_put_((rows, positions), token_ids)
 
     def _release_ended(self) -> None:
         ended = [request_id for request_id, (request, _) in self._rows.items() if request.is_finished]
@@ -80,32 +83,16 @@ class TokenCounts:
             _, row = self._rows.pop(request_id)
             self._free_rows.append(row)
 
-    def _take_row(self) -> int:
-        if not self._free_rows:
-            self._grow()
+    def _take_row(self, max_tokens: int) -> int:
+        rows, columns = self.tokens.shape
+        if not self._free_rows or max_tokens > columns:
+            grown_rows = rows if self._free_rows else 2 * rows
+            grown_columns = max(columns, 1 << (max_tokens - 1).bit_length())
+            tokens = torch.zeros(grown_rows, grown_columns, dtype=torch.long, device=self.device)
+            tokens[:rows, :columns] = self.tokens
+            self.tokens = tokens
+            self._free_rows.extend(range(grown_rows - 1, rows - 1, -1))
         return self._free_rows.pop()
-
-    def _grow(self) -> None:
-        old_rows = self.generated.shape[0]
-        generated = torch.zeros(2 * old_rows, self.vocab_size, dtype=torch.int32, device=self.device)
-        in_prompt = torch.zeros(2 * old_rows, self.vocab_size, dtype=torch.bool, device=self.device)
-        generated[:old_rows] = self.generated
-        in_prompt[:old_rows] = self.in_prompt
-        self.generated, self.in_prompt = generated, in_prompt
-        self._free_rows.extend(range(2 * old_rows - 1, old_rows - 1, -1))
-
-    def _fill(self, row: int, request: Request) -> None:
-        # Tokens the host already knows; a token still being sampled is counted by `add` when it is.
-        self.generated[row].zero_()
-        self.in_prompt[row].zero_()
-        prompt = to_device(request.prompt_ids, torch.long, self.device)
-        self.in_prompt[row].index_fill_(0, prompt, True)
-        generated = request.generated_tokens
-        if generated:
-            tokens = to_device(generated, torch.long, self.device)
-            self.generated[row].index_put_(
-                (tokens,), torch.ones_like(tokens, dtype=torch.int32), accumulate=True
-            )
 
 
 class LogitsPenalties:
@@ -113,50 +100,88 @@ class LogitsPenalties:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.counts: TokenCounts | None = None
+        self.history = TokenHistory(device)
 
-    def apply(
-        self, logits: torch.Tensor, requests: list[Request]
-    ) -> tuple[torch.Tensor, PenalizedRows | None]:
-        """Processed logits (a new tensor, or `logits` itself when no row asks for anything) and the
-        processed rows, whose sampled tokens `count` must then record."""
+    def apply(self, logits: torch.Tensor, requests: list[Request]) -> PenalizedRows | None:
+        """Processes, in place, the rows of `logits` [R, V] whose requests ask for it, and returns them
+        (their sampled tokens must then be `record`ed), or None when no row asks for anything."""
         rows = [row for row, request in enumerate(requests) if request.sampling.processes_logits]
         if not rows:
-            return logits, None
-        if self.counts is None:
-            self.counts = TokenCounts(logits.shape[1], self.device)
+            return None
         selected = [requests[row] for row in rows]
-        logit_rows = to_device(rows, torch.long, logits.device)
-        count_rows = to_device(self.counts.rows_for(selected), torch.long, logits.device)
-        processed = self._process(logits.index_select(0, logit_rows), count_rows, selected)
-        return logits.index_copy(0, logit_rows, processed), PenalizedRows(logit_rows, count_rows)
+        device = logits.device
+        logit_rows = to_device(rows, torch.long, device)
+        history_rows = to_device(self.history.rows_for(selected), torch.long, device)
+        # The token sampled now is each request's (num_tokens - 1)th: its placeholder is counted.
+        num_before = [request.num_tokens - 1 for request in selected]
+        self._penalize(logits, logit_rows, history_rows, selected, num_before)
+        self._hold_eos_back(logits, rows, selected, num_before)
+        return PenalizedRows(logit_rows, history_rows, to_device(num_before, torch.long, device))
 
-    def count(self, penalized: PenalizedRows, token_ids: torch.Tensor) -> None:
-        assert self.counts is not None
-        self.counts.add(penalized.count_rows, token_ids.index_select(0, penalized.logit_rows))
+    def record(self, penalized: PenalizedRows, token_ids: torch.Tensor) -> None:
+        sampled = token_ids.index_select(0, penalized.logit_rows)
+        self.history.write(penalized.history_rows, penalized.positions, sampled)
 
-    def _process(
-        self, logits: torch.Tensor, count_rows: torch.Tensor, requests: list[Request]
-    ) -> torch.Tensor:
-        assert self.counts is not None
+    def _penalize(
+        self,
+        logits: torch.Tensor,
+        logit_rows: torch.Tensor,
+        history_rows: torch.Tensor,
+        requests: list[Request],
+        num_before: list[int],
+    ) -> None:
+        """Penalises `logits` in place at the tokens each request has seen, through flat indices
+        (row * V + token) so that only those entries are read and written.
+
+        A token seen several times is gathered and scattered once per occurrence: every copy computes the
+        same value, so the order in which duplicates land does not matter. Positions past a request's
+        tokens are padding and point at a token whose written value they repeat.
+        """
         params = [request.sampling for request in requests]
-        generated = self.counts.generated.index_select(0, count_rows)
-        was_generated = generated > 0
         repetition = [p.repetition_penalty or 1.0 for p in params]
-        if any(value != 1.0 for value in repetition):
-            seen = was_generated | self.counts.in_prompt.index_select(0, count_rows)
-            penalty = to_device(repetition, logits.dtype, logits.device).unsqueeze(1)
-            logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-        frequency = [p.frequency_penalty or 0.0 for p in params]
         presence = [p.presence_penalty or 0.0 for p in params]
-        if any(frequency) or any(presence):
-            frequency_t = to_device(frequency, logits.dtype, logits.device).unsqueeze(1)
-            presence_t = to_device(presence, logits.dtype, logits.device).unsqueeze(1)
-            logits = logits - frequency_t * generated - presence_t * was_generated
-        for row, request in enumerate(requests):
-            # The token sampled now is the request's (num_tokens - 1)th: its placeholder is counted.
-            num_generated_before = request.num_tokens - 1 - request.num_prompt_tokens
-            eos_ids = [token for token in sorted(request.sampling.eos_token_ids) if token < logits.shape[1]]
-            if num_generated_before < request.sampling.min_new_tokens and eos_ids:
-                logits[row].index_fill_(0, to_device(eos_ids, torch.long, logits.device), float("-inf"))
-        return logits
+        frequency = [p.frequency_penalty or 0.0 for p in params]
+        if all(value == 1.0 for value in repetition) and not any(presence) and not any(frequency):
+            return  # min_new_tokens only
+        device, dtype = logits.device, logits.dtype
+        flat = logits.view(-1)
+        row_offsets = (logit_rows * logits.shape[1]).unsqueeze(1)
+        width = max(num_before)
+        seen = self.history.tokens[:, :width].index_select(0, history_rows)
+        positions = torch.arange(width, device=device).unsqueeze(0)
+        prompt_lens = to_device([request.num_prompt_tokens for request in requests], torch.long, device)
+        lengths = to_device(num_before, torch.long, device).unsqueeze(1)
+        if any(value != 1.0 for value in repetition):
+            # Padding repeats the first prompt token, which every request has seen.
+            at = row_offsets + torch.where(positions < lengths, seen, seen[:, :1])
+            penalty = to_device(repetition, dtype, device).unsqueeze(1)
+            values = flat[at]
+            flat[at] = torch.where(values > 0, values / penalty, values * penalty)
+        if not any(presence) and not any(frequency):
+            return
+        is_output = (positions >= prompt_lens.unsqueeze(1)) & (positions < lengths)
+        has_output = lengths.squeeze(1) > prompt_lens
+        if any(presence):
+            # Padding repeats the request's first generated token (or, with none yet, writes nothing new).
+            first_output = seen.gather(1, prompt_lens.clamp(max=width - 1).unsqueeze(1))
+            at = row_offsets + torch.where(is_output, seen, first_output)
+            penalty = (to_device(presence, dtype, device) * has_output).unsqueeze(1)
+            flat[at] = flat[at] - penalty
+        if any(frequency):
+            penalty = to_device(frequency, dtype, device).unsqueeze(1)
+            flat.index_add_(0, (row_offsets + seen).flatten(), (-penalty * is_output).flatten())
+
+    @staticmethod
+    def _hold_eos_back(
+        logits: torch.Tensor, rows: list[int], requests: list[Request], num_before: list[int]
+    ) -> None:
+        vocab_size = logits.shape[1]
+        at = [
+            row * vocab_size + token
+            for row, request, before in zip(rows, requests, num_before, strict=True)
+            if before - request.num_prompt_tokens < request.sampling.min_new_tokens
+            for token in request.sampling.eos_token_ids
+            if token < vocab_size
+        ]
+        if at:
+            logits.view(-1).index_fill_(0, to_device(at, torch.long, logits.device), float("-inf"))

@@ -72,6 +72,8 @@ class Sampler:
             self._default_generator.seed()
         self.penalties = LogitsPenalties(device)
 
+    # Under inference mode like the forward pass, whose logits it may process in place.
+    @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator | None]
     ) -> SampledTokens:
@@ -82,7 +84,13 @@ class Sampler:
         """
         logits = logits.float()
         params = [request.sampling for request in requests]
-        processed, penalized = self.penalties.apply(logits, requests)
+        want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
+        # Penalties work in place, through flat indices: on a contiguous copy when the raw logits are
+        # still needed for logprobs or are not contiguous.
+        processed = logits
+        if want_logprobs or not logits.is_contiguous():
+            processed = logits.clone(memory_format=torch.contiguous_format)
+        penalized = self.penalties.apply(processed, requests)
         token_ids = processed.argmax(dim=-1)
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
@@ -94,9 +102,8 @@ class Sampler:
             )
             token_ids.index_copy_(0, rows, chosen)
         if penalized is not None:
-            self.penalties.count(penalized, token_ids)
+            self.penalties.record(penalized, token_ids)
 
-        want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         logprobs: torch.Tensor | None = None
         top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
         if want_logprobs:

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from engine import ContinuousBatchingConfig, RequestStatus, init_continuous_batching
+from engine import ContinuousBatchingConfig, RequestStatus, generate_batch, init_continuous_batching
 from tests.conftest import random_prompt, reference_generate, tiny_model
 
 TIMEOUT = 600
@@ -39,12 +39,12 @@ def _run(
         ids = [manager.add_request(**request) for request in requests]
         outputs = [manager.get_result(request_id, timeout=TIMEOUT) for request_id in ids]
         stats = manager.stats()
-        counts = manager._engine.runner.sampler.penalties.counts
+        history = manager._engine.runner.sampler.penalties.history
     finally:
         manager.destroy()
     for output in outputs:
         assert output is not None and output.status == RequestStatus.FINISHED, output
-    return [list(output.generated_tokens) for output in outputs], (stats, counts)
+    return [list(output.generated_tokens) for output in outputs], (stats, history)
 
 
 def _assert_equal(label: str, engine: list[int], generate: list[int]) -> None:
@@ -140,15 +140,55 @@ def test_min_new_tokens_holds_eos_back_as_generate_does() -> None:
         assert len(tokens) >= minimum and eos not in tokens[:minimum], tokens
 
 
-def test_count_rows_are_given_back_when_requests_end() -> None:
+def test_generation_config_penalties_apply_as_in_generate() -> None:
+    # A model's generation config is what training loops and `generate` both read: the engine follows it.
+    model = tiny_model("qwen3")
+    prompts = [random_prompt(18 + 5 * index, seed=650 + index) for index in range(3)]
+    config = GenerationConfig(max_new_tokens=16, do_sample=False, repetition_penalty=1.5, eos_token_id=None)
+    outputs = generate_batch(
+        model, prompts, config, ContinuousBatchingConfig(page_size=8, num_blocks=64), eos_token_id=[]
+    )
+    for prompt, output in zip(prompts, outputs.values(), strict=True):
+        expected = reference_generate(model, prompt, 16, repetition_penalty=1.5)
+        _assert_equal("generation config repetition_penalty=1.5", list(output.generated_tokens), expected)
+
+
+def test_logprobs_stay_those_of_the_raw_logits_under_penalties() -> None:
+    model = tiny_model("llama")
+    prompt = random_prompt(20, seed=800)
+    manager = init_continuous_batching(
+        model, continuous_batching_config=ContinuousBatchingConfig(page_size=8)
+    )
+    manager.start()
+    try:
+        request_id = manager.add_request(
+            prompt, max_new_tokens=8, eos_token_id=[], repetition_penalty=2.0, logprobs=True
+        )
+        output = manager.get_result(request_id, timeout=TIMEOUT)
+    finally:
+        manager.destroy()
+    tokens = list(output.generated_tokens)
+    _assert_equal(
+        "repetition_penalty=2.0 with logprobs",
+        tokens,
+        reference_generate(model, prompt, 8, repetition_penalty=2.0),
+    )
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens], device=device)).logits[0, len(prompt) - 1 : -1].cpu()
+    raw = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(torch.tensor(output.logprobs), raw, atol=1e-4), (output.logprobs, raw.tolist())
+
+
+def test_history_rows_are_given_back_when_requests_end() -> None:
     model = tiny_model("llama")
     # Three waves of penalised requests, one after another: rows are reused, not added.
     requests = [
         dict(input_ids=random_prompt(10, seed=700 + index), max_new_tokens=4 + index, repetition_penalty=1.2)
         for index in range(12)
     ]
-    _, (_, counts) = _run(model, requests, max_batch_tokens=32, max_requests_per_batch=4)
-    assert counts.generated.shape[0] <= 8, f"{counts.generated.shape[0]} rows for at most 4 live requests"
+    _, (_, history) = _run(model, requests, max_batch_tokens=32, max_requests_per_batch=4)
+    assert history.tokens.shape[0] <= 8, f"{history.tokens.shape[0]} rows for at most 4 live requests"
 
 
 @pytest.mark.parametrize(
