@@ -12,7 +12,8 @@
 #             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with CUDA graphs of both paths and the attention
 #             kernel when the paths step passed, unless GPU_CHECK_CUDA_GRAPHS=0; with async batching when the
 #             async step passed), transformers_cb and static
-#   sampling  tests/engine/test_sampling.py on the GPU, less its logprobs test, whose tensors stay on the CPU
+#   sampling  tests/engine/test_sampling.py and test_penalties.py on the GPU, less the sampling logprobs test,
+#             whose tensors stay on the CPU
 #
 # Each step runs under `timeout`, within one overall budget, and $OUT/gpu_check.json is rewritten after every
 # step: a step that fails, hangs or is killed leaves the results of the steps before it. $OUT/gpu_check.log
@@ -386,6 +387,7 @@ run_step bench 200 "$PYTHON" bench/offline_throughput.py --device "$DEVICE" --dt
 
 # 6. Sampling on the device.
 run_step sampling 60 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_sampling.py \
+  tests/engine/test_penalties.py \
   -v -p no:cacheprovider -o timeout=60 --junitxml="$WORK/sampling.xml" "${sampling_select[@]}"
 
 merge finished
