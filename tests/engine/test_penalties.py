@@ -180,6 +180,31 @@ def test_logprobs_stay_those_of_the_raw_logits_under_penalties() -> None:
     assert torch.allclose(torch.tensor(output.logprobs), raw, atol=1e-4), (output.logprobs, raw.tolist())
 
 
+def test_seeded_sampling_with_penalties_ignores_batch_companions() -> None:
+    # Each request's history is its own: penalised companions change nothing in its tokens.
+    model = tiny_model("qwen3")
+    prompt = random_prompt(20, seed=900)
+    sampling = dict(
+        max_new_tokens=16, temperature=1.2, top_p=0.95, seed=77, repetition_penalty=1.3, frequency_penalty=0.4
+    )
+    alone, _ = _run(model, [dict(input_ids=prompt, eos_token_id=[], **sampling)])
+    companions = [
+        dict(
+            input_ids=random_prompt(12 + index, seed=910 + index),
+            max_new_tokens=20,
+            eos_token_id=[],
+            temperature=1.0,
+            presence_penalty=1.5,
+            repetition_penalty=1.1 + index / 10,
+        )
+        for index in range(4)
+    ]
+    batched, _ = _run(
+        model, [*companions[:2], dict(input_ids=prompt, eos_token_id=[], **sampling), *companions[2:]]
+    )
+    assert batched[2] == alone[0], (alone[0], batched[2])
+
+
 def test_history_rows_are_given_back_when_requests_end() -> None:
     model = tiny_model("llama")
     # Three waves of penalised requests, one after another: rows are reused, not added.
