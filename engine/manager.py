@@ -63,9 +63,11 @@ SAMPLING_KWARGS = (
     "presence_penalty",
     "frequency_penalty",
     "min_new_tokens",
+    "logit_bias",
 )
-# OpenAI's bounds on presence_penalty and frequency_penalty.
+# OpenAI's bounds on presence_penalty and frequency_penalty, and on logit_bias values.
 MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
 IDLE_WAIT_S = 0.05
 # How often an idle or parked tensor-parallel driver still ticks (well inside any cpu_group_timeout).
 IDLE_TICK_S = 1.0
@@ -942,7 +944,27 @@ class ContinuousBatchingManager:
                 f"min_new_tokens ({min_new_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
             )
         penalties["min_new_tokens"] = min_new_tokens
+        penalties["logit_bias"] = self._logit_bias(kwargs.get("logit_bias"))
         return penalties
+
+    def _logit_bias(self, logit_bias: Any) -> tuple[tuple[int, float], ...]:
+        if logit_bias is None:
+            return ()
+        if not isinstance(logit_bias, Mapping):
+            kind = type(logit_bias).__name__
+            raise ValueError(f"logit_bias must be a mapping of token id to bias, got {kind}")
+        vocab_size = self._ensure_engine().vocab_size
+        bound = MAX_ABS_LOGIT_BIAS
+        pairs = []
+        for token, bias in logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+                raise ValueError(f"logit_bias: token id {token!r} is not in [0, {vocab_size})")
+            if not _is_number(bias) or not -bound <= bias <= bound:
+                raise ValueError(
+                    f"logit_bias[{token}] must be a number in [-{bound:g}, {bound:g}], got {bias!r}"
+                )
+            pairs.append((token, float(bias)))
+        return tuple(sorted(pairs))
 
 
 def _is_number(value: Any) -> bool:

@@ -1,8 +1,10 @@
-"""Logits processing that depends on a request's own tokens: penalties and `min_new_tokens`.
+"""Per-request logits processing: logit bias, penalties and `min_new_tokens`.
 
 Applied, as in transformers' `generate`, to the raw logits before temperature, top-k and top-p, and
 before the argmax of greedy rows, in this order:
 
+- `logit_bias`: a fixed amount added to the logits of given token ids (transformers' `sequence_bias`
+  with sequences of one token, OpenAI's `logit_bias`).
 - `repetition_penalty` (transformers' semantics): the logit of every token already in the prompt or
   the output is divided by the penalty when positive, multiplied by it when negative.
 - `presence_penalty` and `frequency_penalty` (OpenAI's semantics): the logit of a token generated c > 0
@@ -114,6 +116,7 @@ class LogitsPenalties:
         history_rows = to_device(self.history.rows_for(selected), torch.long, device)
         # The token sampled now is each request's (num_tokens - 1)th: its placeholder is counted.
         num_before = [request.num_tokens - 1 for request in selected]
+        self._add_bias(logits, rows, selected)
         self._penalize(logits, logit_rows, history_rows, selected, num_before)
         self._hold_eos_back(logits, rows, selected, num_before)
         return PenalizedRows(logit_rows, history_rows, to_device(num_before, torch.long, device))
@@ -170,6 +173,21 @@ class LogitsPenalties:
         if any(frequency):
             penalty = to_device(frequency, dtype, device).unsqueeze(1)
             flat.index_add_(0, (row_offsets + seen).flatten(), (-penalty * is_output).flatten())
+
+    @staticmethod
+    def _add_bias(logits: torch.Tensor, rows: list[int], requests: list[Request]) -> None:
+        vocab_size = logits.shape[1]
+        pairs = [
+            (row * vocab_size + token, bias)
+            for row, request in zip(rows, requests, strict=True)
+            for token, bias in request.sampling.logit_bias
+        ]
+        if pairs:
+            at, biases = zip(*pairs, strict=True)
+            device = logits.device
+            logits.view(-1).index_add_(
+                0, to_device(at, torch.long, device), to_device(biases, logits.dtype, device)
+            )
 
     @staticmethod
     def _hold_eos_back(

@@ -46,6 +46,8 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     min_new_tokens: int = 0
+    # (token id, bias) pairs added to the logits first, as transformers' sequence_bias of one token.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -53,12 +55,13 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the request's own tokens change its logits (penalties, min_new_tokens)."""
+        """Whether the engine processes this request's logits before sampling (engine.penalties)."""
         return (
             self.repetition_penalty not in (None, 1.0)
             or bool(self.presence_penalty)
             or bool(self.frequency_penalty)
             or self.min_new_tokens > 0
+            or bool(self.logit_bias)
         )
 
 

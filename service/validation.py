@@ -17,6 +17,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 # OpenAI's bounds on presence_penalty and frequency_penalty (engine.manager applies the same).
 MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class RequestRejected(Exception):
@@ -87,7 +89,7 @@ def prepare(
         max_new_tokens=max_new_tokens,
         record_timestamps=request.record_timestamps,
         eos_token_id=_eos_ids(params, limits),
-        sampling=_sampling(params, max_new_tokens),
+        sampling=_sampling(params, max_new_tokens, limits),
         stop_strings=_stop_strings(params, tokenizer),
     )
 
@@ -176,6 +178,22 @@ def _penalties(params: types_pb2.SamplingParams, max_new_tokens: int) -> dict[st
     return penalties
 
 
+def _logit_bias(params: types_pb2.SamplingParams, limits: ModelLimits) -> dict[int, float]:
+    if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(
+            f"sampling.logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}"
+        )
+    bound = MAX_ABS_LOGIT_BIAS
+    for token, bias in sorted(params.logit_bias.items()):
+        if token >= limits.vocab_size:
+            raise invalid(
+                f"sampling.logit_bias: token id {token} is not below the vocab size {limits.vocab_size}"
+            )
+        if not -bound <= bias <= bound:  # NaN fails too
+            raise invalid(f"sampling.logit_bias[{token}] must be in [-{bound:g}, {bound:g}], got {bias}")
+    return dict(params.logit_bias)
+
+
 def _stop_strings(params: types_pb2.SamplingParams, tokenizer: Any | None) -> list[str]:
     stop_strings = list(params.stop)
     if not stop_strings:
@@ -194,9 +212,11 @@ def _stop_strings(params: types_pb2.SamplingParams, tokenizer: Any | None) -> li
     return stop_strings
 
 
-def _sampling(params: types_pb2.SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+def _sampling(params: types_pb2.SamplingParams, max_new_tokens: int, limits: ModelLimits) -> dict[str, Any]:
     """Only the fields the caller set, so the engine applies the model's defaults to the rest."""
     sampling: dict[str, Any] = _penalties(params, max_new_tokens)
+    if params.logit_bias:
+        sampling["logit_bias"] = _logit_bias(params, limits)
     if params.HasField("temperature"):
         if not math.isfinite(params.temperature) or params.temperature < 0:
             raise invalid(f"sampling.temperature must be a finite number >= 0, got {params.temperature}")

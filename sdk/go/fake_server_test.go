@@ -13,6 +13,7 @@ import (
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"errors"
+	"maps"
 	"math/big"
 	"net"
 	"slices"
@@ -290,7 +291,10 @@ func TestStopStrings(t *testing.T) {
 	}
 }
 
-func TestPenaltiesAndMinNewTokens(t *testing.T) {
+// dialRecordingFake serves a fake that answers every Generate with "ok" (finished, length) and
+// records what it was sent, and returns it with a client connected to it until the test ends.
+func dialRecordingFake(t *testing.T) (*fakeGeneration, *cbserve.Client) {
+	t.Helper()
 	fake := &fakeGeneration{chunks: []*pb.GenerationChunk{
 		{Status: pb.RequestStatus_REQUEST_STATUS_QUEUED},
 		{TokenIds: []uint32{'o', 'k'}, Text: proto.String("ok"), Status: pb.RequestStatus_REQUEST_STATUS_FINISHED,
@@ -300,7 +304,12 @@ func TestPenaltiesAndMinNewTokens(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Dial: %v", err)
 	}
-	defer client.Close()
+	t.Cleanup(func() { _ = client.Close() })
+	return fake, client
+}
+
+func TestPenaltiesAndMinNewTokens(t *testing.T) {
+	fake, client := dialRecordingFake(t)
 	if _, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithRepetitionPenalty(1.25),
 		cbserve.WithPresencePenalty(-0.5), cbserve.WithFrequencyPenalty(0.75), cbserve.WithMinNewTokens(3)); err != nil {
 		t.Fatalf("Generate with penalties: %v", err)
@@ -314,7 +323,7 @@ func TestPenaltiesAndMinNewTokens(t *testing.T) {
 	fake.mu.Lock()
 	calls := fake.calls
 	fake.mu.Unlock()
-	_, err = client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithMinNewTokens(-1))
+	_, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithMinNewTokens(-1))
 	var e *cbserve.Error
 	if !errors.Is(err, cbserve.ErrInvalidArgument) || !errors.As(err, &e) || !strings.Contains(e.Message, "min new tokens") {
 		t.Errorf("Generate with WithMinNewTokens(-1): error %v; want invalid argument naming min new tokens", err)
@@ -349,5 +358,34 @@ func TestPenaltiesAndMinNewTokens(t *testing.T) {
 	if unset.RepetitionPenalty != nil || unset.PresencePenalty != nil || unset.FrequencyPenalty != nil || unset.MinNewTokens != nil {
 		t.Errorf("no options sent repetition %v, presence %v, frequency %v, min new tokens %v; want all unset",
 			unset.RepetitionPenalty, unset.PresencePenalty, unset.FrequencyPenalty, unset.MinNewTokens)
+	}
+}
+
+func TestLogitBias(t *testing.T) {
+	fake, client := dialRecordingFake(t)
+	bias := map[uint32]float64{'a': -100, 'b': 100, 7: 0.5, 0: -2.25}
+	option := cbserve.WithLogitBias(bias)
+	bias['a'] = 42 // changes after the option was built must not reach the wire
+	bias['z'] = 1
+	delete(bias, 7)
+	if _, err := client.Generate(testContext(t), cbserve.Text("hi"), option); err != nil {
+		t.Fatalf("Generate with WithLogitBias: %v", err)
+	}
+	// Without WithLogitBias no bias goes on the wire.
+	if _, err := client.Generate(testContext(t), cbserve.Text("hi")); err != nil {
+		t.Fatalf("Generate: %v", err)
+	}
+
+	fake.mu.Lock()
+	defer fake.mu.Unlock()
+	if len(fake.generated) != 2 {
+		t.Fatalf("%d Generate requests reached the server; want 2", len(fake.generated))
+	}
+	want := map[uint32]float32{'a': -100, 'b': 100, 7: 0.5, 0: -2.25}
+	if sent := fake.generated[0].GetSampling().GetLogitBias(); !maps.Equal(sent, want) {
+		t.Errorf("WithLogitBias sent logit bias %v; want %v", sent, want)
+	}
+	if sent := fake.generated[1].GetSampling().GetLogitBias(); len(sent) != 0 {
+		t.Errorf("no WithLogitBias sent logit bias %v; want none", sent)
 	}
 }

@@ -1,6 +1,7 @@
 package cbserve
 
 import (
+	"maps"
 	"math"
 	"time"
 
@@ -70,6 +71,7 @@ type requestConfig struct {
 	repetitionPenalty   *float64
 	presencePenalty     *float64
 	frequencyPenalty    *float64
+	logitBias           map[uint32]float64
 	minNewTokens        *int
 	logprobs            *int
 	recordTimestamps    bool
@@ -143,6 +145,13 @@ func WithFrequencyPenalty(p float64) GenerateOption {
 	return func(c *requestConfig) { c.frequencyPenalty = &p }
 }
 
+// WithLogitBias adds bias[id] to token id's logit at every step, before penalties and sampling
+// (-100 all but bans it, 100 all but forces it). At most 300 ids below the vocab size; biases in [-100, 100].
+func WithLogitBias(bias map[uint32]float64) GenerateOption {
+	bias = maps.Clone(bias) // copied now, as in WithEOS
+	return func(c *requestConfig) { c.logitBias = bias }
+}
+
 // WithMinNewTokens keeps EOS tokens from ending the request before it has generated n tokens
 // (stop strings still can); n must be >= 0 and at most the max new tokens.
 func WithMinNewTokens(n int) GenerateOption {
@@ -214,6 +223,7 @@ func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, 
 		RepetitionPenalty: wireFloat(cfg.repetitionPenalty),
 		PresencePenalty:   wireFloat(cfg.presencePenalty),
 		FrequencyPenalty:  wireFloat(cfg.frequencyPenalty),
+		LogitBias:         wireFloats(cfg.logitBias),
 	}
 	if cfg.maxNewTokens != nil {
 		v, err := nonNegativeUint32("max new tokens", *cfg.maxNewTokens)
@@ -272,4 +282,17 @@ func wireFloat(v *float64) *float32 {
 	}
 	f := float32(*v)
 	return &f
+}
+
+// wireFloats narrows a float map option to the wire's float32 values, in a map of its own
+// (a request never shares the option's map); unset or empty is nil.
+func wireFloats(m map[uint32]float64) map[uint32]float32 {
+	if len(m) == 0 {
+		return nil
+	}
+	out := make(map[uint32]float32, len(m))
+	for k, v := range m {
+		out[k] = float32(v)
+	}
+	return out
 }

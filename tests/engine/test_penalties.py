@@ -122,6 +122,29 @@ def test_presence_and_frequency_penalties_equal_openai_formula(presence: float, 
         _assert_equal(f"presence={presence} frequency={frequency}", tokens, expected)
 
 
+def test_logit_bias_equals_generate_sequence_bias_before_the_repetition_penalty() -> None:
+    model = tiny_model("llama")
+    prompt = random_prompt(24, seed=550)
+    plain = reference_generate(model, prompt, 12)
+    # Ban the greedy output's first two tokens, pull another one up: the output must change.
+    bias = {plain[0]: -100.0, plain[1]: -100.0, 77: 4.0}
+    generated, _ = _run(
+        model,
+        [
+            dict(input_ids=prompt, max_new_tokens=12, eos_token_id=[], logit_bias=bias),
+            dict(
+                input_ids=prompt, max_new_tokens=12, eos_token_id=[], logit_bias=bias, repetition_penalty=1.4
+            ),
+        ],
+    )
+    sequence_bias = {(token,): value for token, value in bias.items()}
+    expected = reference_generate(model, prompt, 12, sequence_bias=sequence_bias)
+    _assert_equal("logit_bias", generated[0], expected)
+    assert plain[0] not in generated[0] and plain[1] not in generated[0], generated[0]
+    expected = reference_generate(model, prompt, 12, sequence_bias=sequence_bias, repetition_penalty=1.4)
+    _assert_equal("logit_bias with repetition_penalty", generated[1], expected)
+
+
 def test_min_new_tokens_holds_eos_back_as_generate_does() -> None:
     model = tiny_model("llama")
     prompt = random_prompt(30, seed=600)
@@ -225,6 +248,10 @@ def test_history_rows_are_given_back_when_requests_end() -> None:
         (dict(frequency_penalty=float("nan")), r"frequency_penalty must be a number in \[-2, 2\]"),
         (dict(min_new_tokens=-1), "min_new_tokens must be an int >= 0"),
         (dict(min_new_tokens=9), r"min_new_tokens \(9\) must not exceed max_new_tokens \(8\)"),
+        (dict(logit_bias={256: 1.0}), r"logit_bias: token id 256 is not in \[0, 256\)"),
+        (dict(logit_bias={5: 150.0}), r"logit_bias\[5\] must be a number in \[-100, 100\]"),
+        (dict(logit_bias={5: float("nan")}), r"logit_bias\[5\] must be a number"),
+        (dict(logit_bias=[(5, 1.0)]), "logit_bias must be a mapping of token id to bias, got list"),
     ],
 )
 def test_bad_penalties_are_refused_naming_the_parameter(kwargs: dict[str, Any], message: str) -> None:

@@ -39,6 +39,8 @@ MAX_REQUEST_ID_BYTES = 128
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ABS_LOGIT_BIAS = 100.0
 # gRPC's default limit on a received message.
 MAX_MESSAGE_BYTES = 4 * 2**20
 UINT32_MAX = 2**32 - 1
@@ -126,6 +128,11 @@ VALID = {
     "presence_penalty": st.one_of(st.floats(-2.0, 2.0, width=32), edges(-2.0, 0.0, 2.0)),
     "frequency_penalty": st.one_of(st.floats(-2.0, 2.0, width=32), edges(-2.0, 0.0, 2.0)),
     "min_new_tokens": st.integers(0, 4),
+    "logit_bias": st.dictionaries(
+        st.integers(0, VOCAB_SIZE - 1),
+        st.floats(-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS, width=32),
+        max_size=4,
+    ),
 }
 WILD = {
     "prompt_kind": edges("token_ids", "text", "messages", "none"),
@@ -165,6 +172,14 @@ WILD = {
     "presence_penalty": st.one_of(st.floats(width=32), edges(-2.0000002, 2.0000002, math.inf, math.nan)),
     "frequency_penalty": st.one_of(st.floats(width=32), edges(-2.0000002, 2.0000002, -math.inf, math.nan)),
     "min_new_tokens": st.one_of(st.integers(0, 40), edges(CONTEXT, UINT32_MAX)),
+    "logit_bias": st.one_of(
+        st.dictionaries(st.integers(0, UINT32_MAX), st.floats(width=32), max_size=4),
+        st.builds(
+            lambda count, bias: dict.fromkeys(range(count), bias),
+            edges(MAX_LOGIT_BIAS_ENTRIES, MAX_LOGIT_BIAS_ENTRIES + 1),
+            edges(-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS, 100.00001, math.nan),
+        ),
+    ),
 }
 # The optional scalar fields, from the proto: one added there without a strategy above fails here.
 SAMPLING_FIELDS = tuple(
@@ -201,6 +216,7 @@ def generation_requests(draw: st.DrawFn) -> types_pb2.GenerationRequest:
             setattr(sampling, name, value)
     sampling.eos_token_ids.extend(draw(st.lists(pick("eos_token_id"), max_size=3)))
     sampling.stop.extend(draw(pick("stop")))
+    sampling.logit_bias.update(draw(pick("logit_bias")))
     sampling.ignore_eos = draw(st.booleans())
     sampling.logprobs = draw(st.booleans())
     return request
@@ -316,6 +332,11 @@ def is_invalid(request: types_pb2.GenerationRequest) -> bool:
         else min(DEFAULT_MAX_NEW_TOKENS, CONTEXT - len(ids))
     )
     if sampling.HasField("min_new_tokens") and sampling.min_new_tokens > max_new_tokens:
+        return True
+    if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES or any(
+        token >= VOCAB_SIZE or not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS
+        for token, bias in sampling.logit_bias.items()
+    ):
         return True
     if len(sampling.stop) > MAX_STOP_STRINGS or any(
         not 1 <= len(stop) <= MAX_STOP_STRING_CHARS for stop in sampling.stop

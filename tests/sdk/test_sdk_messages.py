@@ -63,6 +63,7 @@ def test_all_sampling_kwargs() -> None:
         presence_penalty=-0.5,
         frequency_penalty=0.25,
         min_new_tokens=4,
+        logit_bias={7: -100.0, 9: 2.5},
         request_id="my-req",
         record_timestamps=True,
     )
@@ -80,6 +81,7 @@ def test_all_sampling_kwargs() -> None:
     assert list(s.stop) == ["\n\n", "User:"]
     assert s.repetition_penalty == pytest.approx(1.2)
     assert (s.presence_penalty, s.frequency_penalty, s.min_new_tokens) == (-0.5, 0.25, 4)
+    assert dict(s.logit_bias) == {7: -100.0, 9: 2.5}
 
 
 def test_text_prompt() -> None:
@@ -122,6 +124,9 @@ def test_chat_prompt() -> None:
         ("text", {"stop": ["ok", 3]}),
         ("text", {"presence_penalty": "high"}),
         ("text", {"min_new_tokens": 2.0}),
+        ("text", {"logit_bias": [(7, 1.0)]}),
+        ("text", {"logit_bias": {"7": 1.0}}),
+        ("text", {"logit_bias": {7: "up"}}),
         ("text", {"request_id": 7}),
         ("text", {"add_generation_prompt": True}),
         ("text", {"top_n": 3}),

@@ -85,6 +85,11 @@ def test_penalties_and_min_new_tokens_equal_generate(client: Client) -> None:
         prompt, max_new_tokens=16, eos_token_ids=[eos], repetition_penalty=1.8, min_new_tokens=6
     )
     assert completion.token_ids == expected, (completion.token_ids, expected)
+    # A logit bias that bans the greedy first token, as generate's sequence_bias of one token.
+    plain_first = reference_generate(oracle, prompt, 1)[0]
+    expected = reference_generate(oracle, prompt, 8, sequence_bias={(plain_first,): -100.0})
+    banned = client.generate(prompt, max_new_tokens=8, ignore_eos=True, logit_bias={plain_first: -100.0})
+    assert banned.token_ids == expected and plain_first not in banned.token_ids, (banned.token_ids, expected)
     # Presence and frequency penalties reach the engine: strong ones change the greedy output.
     plain = client.generate(prompt, max_new_tokens=16, ignore_eos=True)
     discouraged = client.generate(

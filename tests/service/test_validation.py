@@ -51,6 +51,13 @@ BAD_REQUESTS = {
     "repetition_penalty inf": (_sampling(repetition_penalty=float("inf")), "sampling.repetition_penalty"),
     "presence_penalty > 2": (_sampling(presence_penalty=2.5), "sampling.presence_penalty must be in [-2, 2]"),
     "frequency_penalty NaN": (_sampling(frequency_penalty=float("nan")), "sampling.frequency_penalty"),
+    "logit_bias id >= vocab": (_sampling(logit_bias={256: 1.0}), "sampling.logit_bias: token id 256"),
+    "logit_bias > 100": (_sampling(logit_bias={5: 100.5}), "sampling.logit_bias[5] must be in [-100, 100]"),
+    "logit_bias NaN": (_sampling(logit_bias={5: float("nan")}), "sampling.logit_bias[5]"),
+    "301 logit_bias entries": (
+        _sampling(logit_bias={token: 1.0 for token in range(301)}),
+        "sampling.logit_bias: at most 300 entries",
+    ),
     "min_new_tokens > max_new_tokens": (
         _sampling(max_new_tokens=4, min_new_tokens=5),
         "sampling.min_new_tokens (5) must not exceed max_new_tokens (4)",

@@ -45,6 +45,7 @@ SAMPLING_KWARGS = frozenset(
         "presence_penalty",
         "frequency_penalty",
         "min_new_tokens",
+        "logit_bias",
         "request_id",
         "record_timestamps",
         "add_generation_prompt",
@@ -141,6 +142,7 @@ def build_sampling(
     presence_penalty: float | None = None,
     frequency_penalty: float | None = None,
     min_new_tokens: int | None = None,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> types_pb2.SamplingParams:
     """A SamplingParams message with only the given fields set (None leaves a field unset)."""
     params = types_pb2.SamplingParams()
@@ -165,6 +167,15 @@ def build_sampling(
         params.eos_token_ids.extend(_check_int_list("eos_token_ids", eos_token_ids))
     if stop is not None:
         params.stop.extend(_check_str_list("stop", stop))
+    if logit_bias is not None:
+        if not isinstance(logit_bias, Mapping):
+            raise TypeError(
+                f"logit_bias must be a mapping of token id to bias, got {type(logit_bias).__name__}"
+            )
+        for token, bias in logit_bias.items():
+            params.logit_bias[_check_int("logit_bias key", token)] = _check_float(
+                f"logit_bias[{token}]", bias
+            )
     return params
 
 

@@ -101,8 +101,8 @@ class Client(ChannelOwner):
     ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_ids``,
     ``ignore_eos``, ``logprobs``, ``top_logprobs``, ``stop`` (strings that end the output, which stops
     before the first one), ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-    ``min_new_tokens``, ``request_id``, ``record_timestamps`` and, for chat prompts,
-    ``add_generation_prompt``. Unset arguments take the server's defaults.
+    ``min_new_tokens``, ``logit_bias`` ({token id: bias}), ``request_id``, ``record_timestamps`` and,
+    for chat prompts, ``add_generation_prompt``. Unset arguments take the server's defaults.
     """
 
     def __init__(

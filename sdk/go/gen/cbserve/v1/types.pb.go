@@ -379,7 +379,11 @@ type SamplingParams struct {
 	FrequencyPenalty *float32 `protobuf:"fixed32,13,opt,name=frequency_penalty,json=frequencyPenalty,proto3,oneof" json:"frequency_penalty,omitempty"`
 	// EOS tokens cannot end the request before it has generated this many tokens (stop strings
 	// still can). At most max_new_tokens. Unset: the model's generation config, else 0.
-	MinNewTokens  *uint32 `protobuf:"varint,14,opt,name=min_new_tokens,json=minNewTokens,proto3,oneof" json:"min_new_tokens,omitempty"`
+	MinNewTokens *uint32 `protobuf:"varint,14,opt,name=min_new_tokens,json=minNewTokens,proto3,oneof" json:"min_new_tokens,omitempty"`
+	// Added to the logits of these token ids before anything else (then penalties, temperature,
+	// top-k, top-p), at every step: -100 all but bans a token, 100 all but forces it. At most 300
+	// entries; ids below the vocab size; biases finite, in [-100, 100].
+	LogitBias     map[uint32]float32 `protobuf:"bytes,15,rep,name=logit_bias,json=logitBias,proto3" json:"logit_bias,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"fixed32,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -510,6 +514,13 @@ func (x *SamplingParams) GetMinNewTokens() uint32 {
 		return *x.MinNewTokens
 	}
 	return 0
+}
+
+func (x *SamplingParams) GetLogitBias() map[uint32]float32 {
+	if x != nil {
+		return x.LogitBias
+	}
+	return nil
 }
 
 // One generation request: a prompt plus how to sample from it.
@@ -1097,7 +1108,7 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\fChatMessages\x123\n" +
 	"\bmessages\x18\x01 \x03(\v2\x17.cbserve.v1.ChatMessageR\bmessages\x127\n" +
 	"\x15add_generation_prompt\x18\x02 \x01(\bH\x00R\x13addGenerationPrompt\x88\x01\x01B\x18\n" +
-	"\x16_add_generation_prompt\"\xb1\x05\n" +
+	"\x16_add_generation_prompt\"\xb9\x06\n" +
 	"\x0eSamplingParams\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12%\n" +
 	"\vtemperature\x18\x02 \x01(\x02H\x01R\vtemperature\x88\x01\x01\x12\x18\n" +
@@ -1114,7 +1125,12 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x12repetition_penalty\x18\v \x01(\x02H\x06R\x11repetitionPenalty\x88\x01\x01\x12.\n" +
 	"\x10presence_penalty\x18\f \x01(\x02H\aR\x0fpresencePenalty\x88\x01\x01\x120\n" +
 	"\x11frequency_penalty\x18\r \x01(\x02H\bR\x10frequencyPenalty\x88\x01\x01\x12)\n" +
-	"\x0emin_new_tokens\x18\x0e \x01(\rH\tR\fminNewTokens\x88\x01\x01B\x11\n" +
+	"\x0emin_new_tokens\x18\x0e \x01(\rH\tR\fminNewTokens\x88\x01\x01\x12H\n" +
+	"\n" +
+	"logit_bias\x18\x0f \x03(\v2).cbserve.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x1a<\n" +
+	"\x0eLogitBiasEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x11\n" +
 	"\x0f_max_new_tokensB\x0e\n" +
 	"\f_temperatureB\b\n" +
 	"\x06_top_kB\b\n" +
@@ -1204,7 +1220,7 @@ func file_cbserve_v1_types_proto_rawDescGZIP() []byte {
 }
 
 var file_cbserve_v1_types_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_cbserve_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_cbserve_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_cbserve_v1_types_proto_goTypes = []any{
 	(RequestStatus)(0),            // 0: cbserve.v1.RequestStatus
 	(FinishReason)(0),             // 1: cbserve.v1.FinishReason
@@ -1218,28 +1234,30 @@ var file_cbserve_v1_types_proto_goTypes = []any{
 	(*Usage)(nil),                 // 9: cbserve.v1.Usage
 	(*Timings)(nil),               // 10: cbserve.v1.Timings
 	(*GenerationChunk)(nil),       // 11: cbserve.v1.GenerationChunk
-	(*timestamppb.Timestamp)(nil), // 12: google.protobuf.Timestamp
+	nil,                           // 12: cbserve.v1.SamplingParams.LogitBiasEntry
+	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
 }
 var file_cbserve_v1_types_proto_depIdxs = []int32{
 	3,  // 0: cbserve.v1.ChatMessages.messages:type_name -> cbserve.v1.ChatMessage
-	2,  // 1: cbserve.v1.GenerationRequest.token_ids:type_name -> cbserve.v1.TokenIds
-	4,  // 2: cbserve.v1.GenerationRequest.messages:type_name -> cbserve.v1.ChatMessages
-	5,  // 3: cbserve.v1.GenerationRequest.sampling:type_name -> cbserve.v1.SamplingParams
-	7,  // 4: cbserve.v1.TokenLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
-	12, // 5: cbserve.v1.Timings.queued_at:type_name -> google.protobuf.Timestamp
-	12, // 6: cbserve.v1.Timings.scheduled_at:type_name -> google.protobuf.Timestamp
-	12, // 7: cbserve.v1.Timings.first_token_at:type_name -> google.protobuf.Timestamp
-	12, // 8: cbserve.v1.Timings.finished_at:type_name -> google.protobuf.Timestamp
-	8,  // 9: cbserve.v1.GenerationChunk.logprobs:type_name -> cbserve.v1.TokenLogprob
-	0,  // 10: cbserve.v1.GenerationChunk.status:type_name -> cbserve.v1.RequestStatus
-	1,  // 11: cbserve.v1.GenerationChunk.finish_reason:type_name -> cbserve.v1.FinishReason
-	9,  // 12: cbserve.v1.GenerationChunk.usage:type_name -> cbserve.v1.Usage
-	10, // 13: cbserve.v1.GenerationChunk.timings:type_name -> cbserve.v1.Timings
-	14, // [14:14] is the sub-list for method output_type
-	14, // [14:14] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	12, // 1: cbserve.v1.SamplingParams.logit_bias:type_name -> cbserve.v1.SamplingParams.LogitBiasEntry
+	2,  // 2: cbserve.v1.GenerationRequest.token_ids:type_name -> cbserve.v1.TokenIds
+	4,  // 3: cbserve.v1.GenerationRequest.messages:type_name -> cbserve.v1.ChatMessages
+	5,  // 4: cbserve.v1.GenerationRequest.sampling:type_name -> cbserve.v1.SamplingParams
+	7,  // 5: cbserve.v1.TokenLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
+	13, // 6: cbserve.v1.Timings.queued_at:type_name -> google.protobuf.Timestamp
+	13, // 7: cbserve.v1.Timings.scheduled_at:type_name -> google.protobuf.Timestamp
+	13, // 8: cbserve.v1.Timings.first_token_at:type_name -> google.protobuf.Timestamp
+	13, // 9: cbserve.v1.Timings.finished_at:type_name -> google.protobuf.Timestamp
+	8,  // 10: cbserve.v1.GenerationChunk.logprobs:type_name -> cbserve.v1.TokenLogprob
+	0,  // 11: cbserve.v1.GenerationChunk.status:type_name -> cbserve.v1.RequestStatus
+	1,  // 12: cbserve.v1.GenerationChunk.finish_reason:type_name -> cbserve.v1.FinishReason
+	9,  // 13: cbserve.v1.GenerationChunk.usage:type_name -> cbserve.v1.Usage
+	10, // 14: cbserve.v1.GenerationChunk.timings:type_name -> cbserve.v1.Timings
+	15, // [15:15] is the sub-list for method output_type
+	15, // [15:15] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_cbserve_v1_types_proto_init() }
@@ -1262,7 +1280,7 @@ func file_cbserve_v1_types_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cbserve_v1_types_proto_rawDesc), len(file_cbserve_v1_types_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   10,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -25,17 +25,19 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x62serve/v1/types.proto\x12\ncbserve.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.cbserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x8b\x04\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x0e \x01(\rH\t\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_top_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x11\n\x0f_min_new_tokens\"\xe3\x01\n\x11GenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.cbserve.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.cbserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.cbserve.v1.SamplingParams\x12\x19\n\x11record_timestamps\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"M\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x16.cbserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb9\x02\n\x07Timings\x12-\n\tqueued_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0cscheduled_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x66irst_token_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x0cqueue_time_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x15time_to_first_token_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x0f\n\r_queue_time_sB\x18\n\x16_time_to_first_token_s\"\x8e\x03\n\x0fGenerationChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x11\n\x04text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.cbserve.v1.TokenLogprob\x12)\n\x06status\x18\x06 \x01(\x0e\x32\x19.cbserve.v1.RequestStatus\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.cbserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12 \n\x05usage\x18\t \x01(\x0b\x32\x11.cbserve.v1.Usage\x12$\n\x07timings\x18\n \x01(\x0b\x32\x13.cbserve.v1.Timings\x12\x16\n\x0eweight_version\x18\x0b \x01(\x04\x12\x18\n\x10token_timestamps\x18\x0c \x03(\x01\x12\x12\n\nerror_code\x18\r \x01(\rB\x07\n\x05_text*\xdc\x01\n\rRequestStatus\x12\x1e\n\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATUS_QUEUED\x10\x01\x12\x1d\n\x19REQUEST_STATUS_PREFILLING\x10\x02\x12\x1b\n\x17REQUEST_STATUS_DECODING\x10\x03\x12\x1b\n\x17REQUEST_STATUS_FINISHED\x10\x04\x12\x1c\n\x18REQUEST_STATUS_CANCELLED\x10\x05\x12\x19\n\x15REQUEST_STATUS_FAILED\x10\x06*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x62serve/v1/types.proto\x12\ncbserve.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"w\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.cbserve.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xfc\x04\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\x0e \x01(\rH\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).cbserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_top_logprobsB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x11\n\x0f_min_new_tokens\"\xe3\x01\n\x11GenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.cbserve.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.cbserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.cbserve.v1.SamplingParams\x12\x19\n\x11record_timestamps\x18\x06 \x01(\x08\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"M\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x16.cbserve.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb9\x02\n\x07Timings\x12-\n\tqueued_at\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0cscheduled_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0e\x66irst_token_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x0cqueue_time_s\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x15time_to_first_token_s\x18\x06 \x01(\x01H\x01\x88\x01\x01\x42\x0f\n\r_queue_time_sB\x18\n\x16_time_to_first_token_s\"\x8e\x03\n\x0fGenerationChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x11\n\x04text\x18\x04 \x01(\tH\x00\x88\x01\x01\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.cbserve.v1.TokenLogprob\x12)\n\x06status\x18\x06 \x01(\x0e\x32\x19.cbserve.v1.RequestStatus\x12/\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x18.cbserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12 \n\x05usage\x18\t \x01(\x0b\x32\x11.cbserve.v1.Usage\x12$\n\x07timings\x18\n \x01(\x0b\x32\x13.cbserve.v1.Timings\x12\x16\n\x0eweight_version\x18\x0b \x01(\x04\x12\x18\n\x10token_timestamps\x18\x0c \x03(\x01\x12\x12\n\nerror_code\x18\r \x01(\rB\x07\n\x05_text*\xdc\x01\n\rRequestStatus\x12\x1e\n\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n\x15REQUEST_STATUS_QUEUED\x10\x01\x12\x1d\n\x19REQUEST_STATUS_PREFILLING\x10\x02\x12\x1b\n\x17REQUEST_STATUS_DECODING\x10\x03\x12\x1b\n\x17REQUEST_STATUS_FINISHED\x10\x04\x12\x1c\n\x18REQUEST_STATUS_CANCELLED\x10\x05\x12\x19\n\x15REQUEST_STATUS_FAILED\x10\x06*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cbserve.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTSTATUS']._serialized_start=1946
-  _globals['_REQUESTSTATUS']._serialized_end=2166
-  _globals['_FINISHREASON']._serialized_start=2169
-  _globals['_FINISHREASON']._serialized_end=2341
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_REQUESTSTATUS']._serialized_start=2059
+  _globals['_REQUESTSTATUS']._serialized_end=2279
+  _globals['_FINISHREASON']._serialized_start=2282
+  _globals['_FINISHREASON']._serialized_end=2454
   _globals['_TOKENIDS']._serialized_start=71
   _globals['_TOKENIDS']._serialized_end=94
   _globals['_CHATMESSAGE']._serialized_start=96
@@ -43,17 +45,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=142
   _globals['_CHATMESSAGES']._serialized_end=261
   _globals['_SAMPLINGPARAMS']._serialized_start=264
-  _globals['_SAMPLINGPARAMS']._serialized_end=787
-  _globals['_GENERATIONREQUEST']._serialized_start=790
-  _globals['_GENERATIONREQUEST']._serialized_end=1017
-  _globals['_TOPLOGPROB']._serialized_start=1019
-  _globals['_TOPLOGPROB']._serialized_end=1066
-  _globals['_TOKENLOGPROB']._serialized_start=1068
-  _globals['_TOKENLOGPROB']._serialized_end=1145
-  _globals['_USAGE']._serialized_start=1147
-  _globals['_USAGE']._serialized_end=1226
-  _globals['_TIMINGS']._serialized_start=1229
-  _globals['_TIMINGS']._serialized_end=1542
-  _globals['_GENERATIONCHUNK']._serialized_start=1545
-  _globals['_GENERATIONCHUNK']._serialized_end=1943
+  _globals['_SAMPLINGPARAMS']._serialized_end=900
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=686
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=734
+  _globals['_GENERATIONREQUEST']._serialized_start=903
+  _globals['_GENERATIONREQUEST']._serialized_end=1130
+  _globals['_TOPLOGPROB']._serialized_start=1132
+  _globals['_TOPLOGPROB']._serialized_end=1179
+  _globals['_TOKENLOGPROB']._serialized_start=1181
+  _globals['_TOKENLOGPROB']._serialized_end=1258
+  _globals['_USAGE']._serialized_start=1260
+  _globals['_USAGE']._serialized_end=1339
+  _globals['_TIMINGS']._serialized_start=1342
+  _globals['_TIMINGS']._serialized_end=1655
+  _globals['_GENERATIONCHUNK']._serialized_start=1658
+  _globals['_GENERATIONCHUNK']._serialized_end=2056
 # @@protoc_insertion_point(module_scope)

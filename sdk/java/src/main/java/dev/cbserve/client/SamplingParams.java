@@ -3,8 +3,12 @@ package dev.cbserve.client;
 import cbserve.v1.Types;
 import java.util.ArrayList;
 import java.util.Arrays;
+import java.util.Collections;
 import java.util.List;
+import java.util.Map;
 import java.util.Objects;
+import java.util.SortedMap;
+import java.util.TreeMap;
 
 /**
  * Sampling and stopping parameters of one request. Immutable; build with {@link #builder()}.
@@ -35,6 +39,7 @@ public final class SamplingParams {
   private final Float presencePenalty;
   private final Float frequencyPenalty;
   private final Integer minNewTokens;
+  private final SortedMap<Integer, Float> logitBias;
 
   private SamplingParams(Builder b) {
     this.maxNewTokens = b.maxNewTokens;
@@ -51,6 +56,7 @@ public final class SamplingParams {
     this.presencePenalty = b.presencePenalty;
     this.frequencyPenalty = b.frequencyPenalty;
     this.minNewTokens = b.minNewTokens;
+    this.logitBias = b.logitBias;
   }
 
   /** All fields unset: the server's defaults. */
@@ -106,6 +112,7 @@ public final class SamplingParams {
     if (minNewTokens != null) {
       p.setMinNewTokens(minNewTokens);
     }
+    p.putAllLogitBias(logitBias);
     return p.build();
   }
 
@@ -167,6 +174,10 @@ public final class SamplingParams {
     }
     if (minNewTokens != null) {
       s.append(sep).append("minNewTokens=").append(minNewTokens);
+      sep = ", ";
+    }
+    if (!logitBias.isEmpty()) {
+      s.append(sep).append("logitBias=").append(logitBias);
     }
     return s.append('}').toString();
   }
@@ -187,6 +198,7 @@ public final class SamplingParams {
     private Float presencePenalty;
     private Float frequencyPenalty;
     private Integer minNewTokens;
+    private SortedMap<Integer, Float> logitBias = Collections.emptySortedMap();
 
     private Builder() {}
 
@@ -305,6 +317,23 @@ public final class SamplingParams {
      */
     public Builder minNewTokens(int minNewTokens) {
       this.minNewTokens = nonNegative("minNewTokens", minNewTokens);
+      return this;
+    }
+
+    /**
+     * Bias added to the logits of these token ids before penalties and temperature, at every step:
+     * -100 all but bans a token, 100 all but forces it. Replaces any earlier setting.
+     */
+    public Builder logitBias(Map<Integer, Double> logitBias) {
+      TreeMap<Integer, Float> copy = new TreeMap<>();
+      Objects.requireNonNull(logitBias, "logitBias");
+      for (Map.Entry<Integer, Double> e : logitBias.entrySet()) {
+        Integer id = Objects.requireNonNull(e.getKey(), "logitBias token id");
+        Prompt.checkTokenId("logitBias token id", id);
+        Double bias = Objects.requireNonNull(e.getValue(), "logitBias[" + id + "]");
+        copy.put(id, bias.floatValue());
+      }
+      this.logitBias = Collections.unmodifiableSortedMap(copy);
       return this;
     }
 

@@ -10,6 +10,7 @@ import java.net.InetAddress;
 import java.net.ServerSocket;
 import java.time.Duration;
 import java.util.Arrays;
+import java.util.Map;
 import java.util.concurrent.ExecutionException;
 import java.util.concurrent.TimeUnit;
 import org.junit.jupiter.api.Test;
@@ -67,6 +68,21 @@ class ErrorsTest extends ServerTest {
     InvalidArgumentException submitted =
         assertThrows(InvalidArgumentException.class, () -> client.submit(Prompt.text("hi"), tooHigh));
     assertTrue(submitted.details().contains("presence_penalty"), submitted.details());
+  }
+
+  @Test
+  void logitBiasOutsideTheServerBoundsIsInvalidArgument() {
+    // The client leaves the [-100, 100] bound to the server: the request must still be refused.
+    SamplingParams tooHigh =
+        SamplingParams.builder().maxNewTokens(4).logitBias(Map.of(1, 150.0)).build();
+    InvalidArgumentException e =
+        assertThrows(
+            InvalidArgumentException.class, () -> client.generate(Prompt.text("hi"), tooHigh));
+    assertEquals(Status.Code.INVALID_ARGUMENT, e.code());
+    assertTrue(e.details().contains("logit_bias"), e.details());
+    InvalidArgumentException submitted =
+        assertThrows(InvalidArgumentException.class, () -> client.submit(Prompt.text("hi"), tooHigh));
+    assertTrue(submitted.details().contains("logit_bias"), submitted.details());
   }
 
   @Test

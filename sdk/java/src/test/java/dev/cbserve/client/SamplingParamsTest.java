@@ -9,7 +9,10 @@ import static org.junit.jupiter.api.Assertions.assertTrue;
 import cbserve.v1.Types;
 import java.util.ArrayList;
 import java.util.EnumSet;
+import java.util.HashMap;
+import java.util.LinkedHashMap;
 import java.util.List;
+import java.util.Map;
 import java.util.Set;
 import org.junit.jupiter.api.Test;
 
@@ -118,6 +121,68 @@ class SamplingParamsTest {
         assertThrows(IllegalArgumentException.class, () -> builder.minNewTokens(-1));
     assertTrue(e.getMessage().contains("minNewTokens"), e.getMessage());
     assertFalse(builder.build().toProto().hasMinNewTokens());
+  }
+
+  @Test
+  void logitBiasGoesInTheMessage() {
+    Map<Integer, Double> bias = new LinkedHashMap<>();
+    bias.put(7, 100.0);
+    bias.put(3, -100.0);
+    bias.put(0, 0.5);
+    SamplingParams params = SamplingParams.builder().maxNewTokens(2).logitBias(bias).build();
+    assertEquals(Map.of(0, 0.5f, 3, -100f, 7, 100f), params.toProto().getLogitBiasMap());
+    // Ordered by token id, whatever the caller's order.
+    assertEquals(
+        "SamplingParams{maxNewTokens=2, logitBias={0=0.5, 3=-100.0, 7=100.0}}", params.toString());
+  }
+
+  @Test
+  void logitBiasIsCopiedAndTheLastSettingWins() {
+    Map<Integer, Double> bias = new HashMap<>(Map.of(5, -1.5));
+    SamplingParams.Builder builder = SamplingParams.builder().logitBias(bias);
+    bias.put(6, 2.0);
+    bias.put(5, 9.0);
+    SamplingParams params = builder.build();
+    bias.clear();
+    assertEquals(Map.of(5, -1.5f), params.toProto().getLogitBiasMap());
+    assertEquals("SamplingParams{logitBias={5=-1.5}}", params.toString());
+
+    SamplingParams replaced = builder.logitBias(Map.of(9, 1.0)).build();
+    assertEquals(Map.of(9, 1f), replaced.toProto().getLogitBiasMap());
+    assertEquals(Map.of(5, -1.5f), params.toProto().getLogitBiasMap());
+    SamplingParams cleared = builder.logitBias(Map.of()).build();
+    assertEquals(Map.of(), cleared.toProto().getLogitBiasMap());
+    assertEquals("SamplingParams{}", cleared.toString());
+  }
+
+  @Test
+  void unsetLogitBiasIsEmpty() {
+    assertEquals(Map.of(), SamplingParams.defaults().toProto().getLogitBiasMap());
+    SamplingParams unset = SamplingParams.builder().maxNewTokens(4).build();
+    assertEquals(0, unset.toProto().getLogitBiasCount());
+    assertEquals("SamplingParams{maxNewTokens=4}", unset.toString());
+  }
+
+  @Test
+  void negativeOrNullLogitBiasEntriesAreRefused() {
+    SamplingParams.Builder builder = SamplingParams.builder().logitBias(Map.of(1, 1.0));
+    IllegalArgumentException negative =
+        assertThrows(
+            IllegalArgumentException.class, () -> builder.logitBias(Map.of(2, 1.0, -1, 1.0)));
+    assertTrue(negative.getMessage().contains("logitBias"), negative.getMessage());
+    assertTrue(negative.getMessage().contains("-1"), negative.getMessage());
+
+    Map<Integer, Double> nullId = new HashMap<>();
+    nullId.put(null, 1.0);
+    assertThrows(NullPointerException.class, () -> builder.logitBias(nullId));
+    Map<Integer, Double> nullBias = new HashMap<>();
+    nullBias.put(4, null);
+    NullPointerException e =
+        assertThrows(NullPointerException.class, () -> builder.logitBias(nullBias));
+    assertEquals("logitBias[4]", e.getMessage());
+    assertThrows(NullPointerException.class, () -> builder.logitBias(null));
+    // A refused setting leaves the earlier one in place.
+    assertEquals(Map.of(1, 1f), builder.build().toProto().getLogitBiasMap());
   }
 
   @Test
