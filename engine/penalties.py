@@ -52,10 +52,6 @@ class TokenHistory:
         self._rows: dict[str, tuple[Request, int]] = {}
         self._free_rows = list(range(initial_rows - 1, -1, -1))
 
-    @property
-    def num_rows_in_use(self) -> int:
-        return len(self._rows)
-
     def rows_for(self, requests: list[Request]) -> list[int]:
         self._release_ended()
         rows = []
@@ -101,7 +97,6 @@ class LogitsPenalties:
     """Applies the penalties and `min_new_tokens` of the rows that set them, in one pass over those rows."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
         self.history = TokenHistory(device)
 
     def apply(self, logits: torch.Tensor, requests: list[Request]) -> PenalizedRows | None:

@@ -85,10 +85,10 @@ class Sampler:
         logits = logits.float()
         params = [request.sampling for request in requests]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
-        # Penalties work in place, through flat indices: on a contiguous copy when the raw logits are
-        # still needed for logprobs or are not contiguous.
+        # Penalties work in place, through flat indices: a step that has them works on a contiguous copy
+        # when the raw logits are still needed for logprobs or are not contiguous. Others copy nothing.
         processed = logits
-        if want_logprobs or not logits.is_contiguous():
+        if any(p.processes_logits for p in params) and (want_logprobs or not logits.is_contiguous()):
             processed = logits.clone(memory_format=torch.contiguous_format)
         penalized = self.penalties.apply(processed, requests)
         token_ids = processed.argmax(dim=-1)
