@@ -65,6 +65,7 @@ SAMPLING_KWARGS = (
     "min_new_tokens",
     "logit_bias",
 )
+MAX_TOP_LOGPROBS = 20
 # OpenAI's bounds on presence_penalty and frequency_penalty, and on logit_bias values.
 MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
@@ -897,8 +898,12 @@ class ContinuousBatchingManager:
         if not do_sample and "temperature" not in kwargs:
             temperature = None
         top_logprobs = kwargs.get("top_logprobs", 0) or 0
-        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not 0 <= top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be an int in [0, 20], got {top_logprobs!r}")
+        if (
+            isinstance(top_logprobs, bool)
+            or not isinstance(top_logprobs, int)
+            or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
         penalties = self._penalties(max_new_tokens, kwargs)
         return SamplingParams(
             max_new_tokens=max_new_tokens,

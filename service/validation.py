@@ -10,15 +10,13 @@ from typing import Any
 import grpc
 from cbserve_client.proto import types_pb2
 
+# The engine's own bounds: checked here too, so that the error names the wire field.
+from engine.manager import MAX_ABS_LOGIT_BIAS, MAX_ABS_PRESENCE_FREQUENCY_PENALTY, MAX_TOP_LOGPROBS
+
 MAX_REQUEST_ID_BYTES = 128
-# The engine's own cap on alternatives per token (engine.manager rejects more).
-MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-# OpenAI's bounds on presence_penalty and frequency_penalty (engine.manager applies the same).
-MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
 MAX_LOGIT_BIAS_ENTRIES = 300
-MAX_ABS_LOGIT_BIAS = 100.0
 
 
 class RequestRejected(Exception):
