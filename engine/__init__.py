@@ -1,5 +1,8 @@
 """cbserve's continuous-batching engine: a paged KV cache, a token-budget scheduler and a background loop
-that run any transformers causal LM. The public API mirrors transformers' continuous batching."""
+that run any transformers causal LM. The public API mirrors transformers' continuous batching.
+
+Everything outside `engine/` (the service, benchmarks, examples) imports the engine from here.
+"""
 
 from engine.api import (
     continuous_batching_context_manager,
@@ -7,23 +10,52 @@ from engine.api import (
     generate_batch,
     init_continuous_batching,
 )
+from engine.commands import PauseHandle, PauseMode
 from engine.config import ContinuousBatchingConfig
 from engine.errors import QueueFullError
-from engine.manager import ContinuousBatchingManager, ManagerStats, PauseHandle
-from engine.request import FinishReason, GenerationOutput, RequestStatus, SamplingParams
+from engine.manager import ContinuousBatchingManager
+from engine.parallel import (
+    check_tensor_parallel_size,
+    load_sharded_model,
+    torchrun_environment,
+    torchrun_rank,
+    torchrun_world_size,
+)
+from engine.request import FinishReason, GenerationOutput, RequestStatus
+from engine.sampling_params import (
+    InvalidParameterError,
+    SamplingParams,
+    build_sampling_params,
+    check_token_ids,
+    default_max_new_tokens,
+)
+from engine.stats import ManagerStats
+from engine.weights import dtype_from_name, safetensors_files
 
 __all__ = [
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "FinishReason",
     "GenerationOutput",
+    "InvalidParameterError",
     "ManagerStats",
     "PauseHandle",
+    "PauseMode",
     "QueueFullError",
     "RequestStatus",
     "SamplingParams",
+    "build_sampling_params",
+    "check_tensor_parallel_size",
+    "check_token_ids",
     "continuous_batching_context_manager",
+    "default_max_new_tokens",
     "destroy_cached_continuous_batching_manager",
+    "dtype_from_name",
     "generate_batch",
     "init_continuous_batching",
+    "load_sharded_model",
+    "safetensors_files",
+    "torchrun_environment",
+    "torchrun_rank",
+    "torchrun_world_size",
 ]

@@ -68,11 +68,11 @@ class ContinuousBatchingConfig:
     use_async_batching: launch each step before the previous one's tokens are back, so the host schedules
     and prepares step N+1 while the device runs step N (engine.engine_core). Input copies go through
     pinned buffers that live until their copy has run (about twice the input buffers). True turns it on;
-    None and False keep it off (not yet measured on a GPU here). It works without CUDA graphs; on the CPU
-    results are the same and nothing overlaps.
+    None and False keep it off. It works without CUDA graphs; on the CPU results are the same and nothing
+    overlaps.
 
     use_cuda_graph: capture and replay CUDA graphs. A bool applies to both execution paths, a tuple
-    `(varlen, decode)` sets each path on its own; None keeps them off (not yet verified on a GPU here).
+    `(varlen, decode)` sets each path on its own; None keeps them off.
     Graphs need CUDA and an unsharded model; varlen graphs (steps with prefill chunks) also need the
     kernel path (`max_blocks_per_request`), whose launch shape does not depend on the chunks.
 
@@ -102,9 +102,9 @@ class ContinuousBatchingConfig:
 
     seed: seed of the sampling generator; None draws a random one.
 
-    auto_switch_to_flash: when the model's attention implementation is not a paged flash-attention one,
-    switch to the paged flash-attention kernel if it is usable on the device; False keeps the paged
-    variant of the model's own attention implementation.
+    auto_switch_to_flash: accepted and validated so that configs written for transformers load, and changes
+    nothing: cbserve has no flash-attention kernel. Every model runs cbserve's paged SDPA (or paged eager)
+    attention, and its Triton kernel on the kernel path (`max_blocks_per_request`).
 
     cpu_offload_space: GiB of pinned host memory reserved for KV blocks of preempted requests, which are
     copied there instead of being recomputed later. 0 disables offloading; None sizes the pool from
@@ -115,14 +115,15 @@ class ContinuousBatchingConfig:
 
     max_queue_size: most requests waiting to be scheduled before new ones are rejected; 0 means unbounded.
 
-    per_request_processors: let each request carry its own temperature, top_k and top_p instead of sharing
-    the generation config's values.
+    per_request_processors: in cbserve every request always carries its own sampling parameters
+    (temperature, top_k, top_p, seed, penalties, logit_bias), batched on the device. True only lowers the
+    default `max_memory_percent`, as transformers does when it processes logits per request.
 
     drop_unsupported_processors: remove logits processors the engine cannot batch, with a warning, instead
     of raising.
 
-    disable_nccl_graph_mixing: turn off NCCL's guard for replaying graph-captured collectives alongside other
-    collectives. The engine never mixes them, and the guard costs tensor-parallel throughput.
+    disable_nccl_graph_mixing: accepted and validated for transformers' configs, and changes nothing: cbserve
+    captures CUDA graphs only of unsharded models, so no collective is ever graph-captured.
 
     cpu_group_timeout: seconds after which a collective on the CPU process group fails, so a lost rank is
     detected quickly instead of after the backend's default of 30 minutes; None waits forever. Under tensor
@@ -133,13 +134,6 @@ class ContinuousBatchingConfig:
     `use_default_compile_configs` (since transformers 5.11, use `default_compile_level`; True raises a level
     of 0 to 1), `max_cached_graphs` (since 5.13, ignored) and `block_size` (since 5.17, copied into
     `page_size`).
-
-    Built: CPU offloading and tensor parallelism (engine.kv.offload, engine.parallel); torch.compile per path
-    (the compile levels and configs), CUDA graphs of both paths with their padding intervals
-    (engine.runner.forward_paths), the kernel path (`max_blocks_per_request`) and async batching.
-    Not built: flash-attention kernels (`auto_switch_to_flash` is accepted and validated so that configs
-    written for transformers load; cbserve runs its own paged SDPA or eager attention and its Triton
-    attention kernel).
     """
 
     page_size: int = _DEFAULT_PAGE_SIZE

@@ -13,28 +13,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cache_plan import CachePlan, plan_cache
 from engine.config import ContinuousBatchingConfig
 from engine.kv.cache_manager import KVCacheManager
-from engine.kv.layer_groups import kv_cache_groups
 from engine.kv.offload import HostBlockPool
 from engine.parallel import TensorParallelGroup, tensor_parallel_size
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
-from engine.runner.kv_cache import (
-    DEFAULT_CPU_CACHE_BUDGET_BYTES,
-    HostKVCache,
-    KVCacheShape,
-    PagedKVCache,
-    resolve_cache_sizes,
-    resolve_offload_blocks,
-)
+from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_REQUESTS_PER_BATCH = 1024
 
 
 @dataclass
@@ -50,10 +41,6 @@ class StepResult:
 
 def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def model_dtype(model: torch.nn.Module) -> torch.dtype:
-    return next(model.parameters()).dtype
 
 
 # Implementations that compute standard attention with other kernels: the engine's paged SDPA stands in
@@ -94,10 +81,10 @@ def cb_attention_implementation(current: str | None) -> str:
 def use_async_batching(config: ContinuousBatchingConfig, device: torch.device) -> bool:
     """Whether steps are launched one ahead of their results (`use_async_batching`).
 
-    Only an explicit request turns it on (None means off): the overlap has not been measured on a GPU
-    in this project yet. On the CPU it runs the same steps with the same results and no overlap (the
-    forward pass runs on the calling thread). Under tensor parallelism every rank launches and resolves
-    the same steps at the same ticks (the manager flushes on every rank where the driver does).
+    Only an explicit request turns it on (None means off). On the CPU it runs the same steps with the
+    same results and no overlap (the forward pass runs on the calling thread). Under tensor parallelism
+    every rank launches and resolves the same steps at the same ticks (engine.lockstep flushes on every
+    rank where the driver does).
     """
     if not config.use_async_batching:
         return False
@@ -107,6 +94,32 @@ def use_async_batching(config: ContinuousBatchingConfig, device: torch.device) -
             "(the forward pass runs on the calling thread) and each token is delivered one step later"
         )
     return True
+
+
+def _allocate_caches(
+    plan: CachePlan, page_size: int, device: torch.device
+) -> tuple[list[PagedKVCache], list[HostKVCache] | None]:
+    """The paged cache of each group, and its host copy when CPU offload is on."""
+    kv_caches = [
+        PagedKVCache(plan.shape.for_layers(len(group.layer_indices)), count, page_size, device)
+        for group, count in zip(plan.kv_cache_groups, plan.num_blocks, strict=True)
+    ]
+    if not plan.num_host_blocks:
+        return kv_caches, None
+    return kv_caches, [HostKVCache(cache, plan.num_host_blocks) for cache in kv_caches]
+
+
+def _kv_cache_manager(plan: CachePlan, config: ContinuousBatchingConfig) -> KVCacheManager:
+    if plan.has_sliding_layers and config.allow_block_sharing:
+        logger.info(
+            "prefix caching is off: the model has sliding-window layers, whose blocks cannot be shared"
+        )
+    return KVCacheManager(
+        plan.num_blocks,
+        config.page_size,
+        enable_prefix_caching=config.allow_block_sharing and not plan.has_sliding_layers,
+        sliding_windows=[group.sliding_window for group in plan.kv_cache_groups],
+    )
 
 
 class EngineCore:
@@ -123,78 +136,30 @@ class EngineCore:
         self.model = model
         self.config = config
         self.device = model_device(model)
-        text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
-        self.vocab_size: int = text_config.vocab_size
-        self.max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
-        self.max_requests_per_batch = config.max_requests_per_batch or DEFAULT_MAX_REQUESTS_PER_BATCH
-        shape = KVCacheShape.from_model_config(model.config, model_dtype(model), tensor_parallel_size(model))
-        self.kv_cache_groups = kv_cache_groups(text_config)
-        activation_bytes = 16 * text_config.hidden_size * shape.dtype.itemsize
-        max_tokens_needed = self.max_requests_per_batch * (self.max_model_len or 4096)
-        num_blocks, max_batch_tokens = resolve_cache_sizes(
-            shape,
-            self.kv_cache_groups,
-            self.device,
-            config.page_size,
-            config.num_blocks,
-            config.max_batch_tokens,
-            config.resolved_max_memory_percent(has_logit_processing=config.per_request_processors),
-            max_tokens_needed,
-            self.max_requests_per_batch,
-            activation_bytes,
-            max_budget_bytes=(
-                DEFAULT_CPU_CACHE_BUDGET_BYTES
-                if self.device.type == "cpu" and config.max_memory_percent is None
-                else None
-            ),
-        )
-        # Host blocks are sized for a page of every layer: any group's blocks can use any of them.
-        num_host_blocks = resolve_offload_blocks(
-            config.cpu_offload_space,
-            config.cpu_offload_space_safety_threshold,
-            shape.bytes_per_token() * config.page_size,
-        )
-        seed = config.seed
-        if parallel is not None:
-            *num_blocks, max_batch_tokens, num_host_blocks = parallel.smallest(
-                [*num_blocks, max_batch_tokens, num_host_blocks]
-            )
-            seed = parallel.shared_seed(seed)
-        self.max_batch_tokens = max_batch_tokens
-        self.has_sliding_layers = any(group.sliding_window is not None for group in self.kv_cache_groups)
-        if self.has_sliding_layers and config.allow_block_sharing:
-            logger.info(
-                "prefix caching is off: the model has sliding-window layers, whose blocks cannot be shared"
-            )
-        self.kv_caches = [
-            PagedKVCache(shape.for_layers(len(group.layer_indices)), count, config.page_size, self.device)
-            for group, count in zip(self.kv_cache_groups, num_blocks, strict=True)
-        ]
-        self.host_kv_caches = (
-            [HostKVCache(cache, num_host_blocks) for cache in self.kv_caches] if num_host_blocks else None
-        )
-        host_block_pool = HostBlockPool(num_host_blocks) if num_host_blocks else None
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks,
-            config.page_size,
-            enable_prefix_caching=config.allow_block_sharing and not self.has_sliding_layers,
-            sliding_windows=[group.sliding_window for group in self.kv_cache_groups],
-        )
+        self.vocab_size: int = model.config.get_text_config().vocab_size  # type: ignore[operator, union-attr]
+        plan = plan_cache(model, config, tensor_parallel_size(model), parallel)
+        self.max_model_len = plan.max_model_len
+        self.max_requests_per_batch = plan.max_requests_per_batch
+        self.max_batch_tokens = plan.max_batch_tokens
+        self.kv_cache_groups = plan.kv_cache_groups
+        self.has_sliding_layers = plan.has_sliding_layers
+        self.kv_caches, self.host_kv_caches = _allocate_caches(plan, config.page_size, self.device)
+        self.kv_cache_manager = _kv_cache_manager(plan, config)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
-            max_batch_tokens=max_batch_tokens,
-            max_requests_per_batch=self.max_requests_per_batch,
+            max_batch_tokens=plan.max_batch_tokens,
+            max_requests_per_batch=plan.max_requests_per_batch,
             safety_margin=config.resolved_safety_margin(),
             policy=config.scheduler_type,
-            max_model_len=self.max_model_len,
-            host_block_pool=host_block_pool,
+            max_model_len=plan.max_model_len,
+            host_block_pool=HostBlockPool(plan.num_host_blocks) if plan.num_host_blocks else None,
         )
         self.runner = ModelRunner(
             model,
             self.kv_cache_groups,
             self.kv_caches,
             self.kv_cache_manager,
-            Sampler(self.device, seed),
+            Sampler(self.device, plan.seed),
             config,
             self.host_kv_caches,
         )

@@ -4,39 +4,14 @@ The model is split with transformers' own tensor-parallel support (`DistributedC
 `torchrun`): every rank holds a shard of every layer, and each forward all-reduces over the model's
 device mesh (NCCL on GPU, gloo on CPU). Every rank therefore runs every step, on the same batch.
 
-Only the driver (rank 0) takes requests. Its loop sends one `LoopTick` per iteration over a separate gloo
-group: the commands it applied (submissions, cancels, aborts, weight updates), what the loop does next
-(step, wait idle, stay parked by a pause, or exit), the scheduler's admission hold, and a digest of its
-state (weight version, failed steps, tokens sampled) that every rank checks against its own. The other
-ranks apply the same commands to the same state, so their schedulers make the same decisions without
-ever talking about them.
-
-Invariants the lockstep relies on, kept by `EngineCore` and the manager:
-- every rank builds its cache with the same number of blocks and the same token budget (the smallest any
-  rank can afford), and its sampler with the same seed (the driver's);
-- a rank's scheduler depends only on its inputs (commands and model outputs), never on time or memory;
-- logits are identical on every rank (the all-reduce hands each rank the same bits), so sampling agrees.
-
-A rank that dies or hangs makes the next tick fail on the others within `cpu_group_timeout`.
-
-A stop ends the loops, not the group: while the driver is stopped, a `StoppedHeartbeat` tells the other
-ranks now and then that it still is (so their wait never times out while it lives), then whether the
-engine starts again or ends for good; the other ranks wait for that in `await_restart`.
-
-A weight update from in-memory tensors travels in two parts: the tick names each tensor
-(`TensorBroadcast`: name, dtype, shape), then its bytes follow the tick one tensor at a time as plain
-gloo broadcasts, never pickled. The driver sends them right after the tick, every other rank receives
-them right after reading it, so no other collective comes between.
+The loop that keeps the ranks in step is engine.lockstep; this module is the group itself and loading.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import random
-import threading
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -47,62 +22,10 @@ logger = logging.getLogger(__name__)
 
 DRIVER_RANK = 0
 
-# What the loop does after applying an iteration's commands: run a step, wait with nothing to run, wait
-# held by a pause, or end.
-STEP = "step"
-IDLE = "idle"
-PARK = "park"
-EXIT = "exit"
 
-# What a stopped driver tells the other ranks: still stopped, starting again, or ending for good.
-STILL_STOPPED = "stopped"
-RESTART = "restart"
-END = "end"
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
-
-
-@dataclass(frozen=True)
-class TensorBroadcast:
-    """Named tensors whose bytes follow the tick that carries this (`send_tensors`, `receive_tensors`)."""
-
-    specs: tuple[TensorSpec, ...]
-
-    @classmethod
-    def describe(cls, tensors: list[tuple[str, torch.Tensor]]) -> TensorBroadcast:
-        """Raises TypeError when an entry is not a (name, tensor) pair."""
-        specs = []
-        for entry in tensors:
-            name, tensor = entry
-            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                raise TypeError(
-                    f"expected (name, tensor) pairs, got {type(name).__name__}, {type(tensor).__name__}"
-                )
-            specs.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape)))
-        return cls(tuple(specs))
-
-
-@dataclass(frozen=True)
-class LoopTick:
-    """One driver loop iteration, as every other rank replays it."""
-
-    # The commands the driver applied, pickled before it applied them (applying mutates requests).
-    commands: bytes
-    action: str
-    hold_admission: bool
-    # With action EXIT: fail the requests still live (a hard stop) rather than expect none.
-    hard_stop: bool
-    # The driver's state before these commands; each rank checks its own against it (manager._state_digest).
-    digest: tuple[int, ...]
+def global_rank() -> int:
+    """This process's rank in the default process group (0 when there is none)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def tensor_parallel_size(model: torch.nn.Module) -> int:
@@ -214,87 +137,5 @@ class TensorParallelGroup:
         """The driver's seed (drawn at random when None), so every rank samples the same tokens."""
         return int(self.broadcast(seed if seed is not None else random.getrandbits(63)))
 
-    def send_tick(
-        self, encoded_commands: bytes, action: str, hold: bool, hard: bool, digest: tuple[int, ...]
-    ) -> None:
-        """Driver: tells the other ranks what this iteration did (`encode_commands` of its commands)."""
-        self.broadcast(LoopTick(encoded_commands, action, hold, hard, digest))
-
-    def receive_tick(self) -> tuple[list[tuple[str, Any]], LoopTick]:
-        """Other ranks: the driver's next iteration."""
-        tick: LoopTick = self.broadcast(None)
-        return pickle.loads(tick.commands), tick
-
-    @staticmethod
-    def encode_commands(commands: list[tuple[str, Any]]) -> bytes:
-        """The commands as the other ranks will replay them; call before applying them."""
-        return pickle.dumps(commands)
-
-    def send_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Driver: the bytes of tensors a `TensorBroadcast` described, in its order."""
-        for _name, tensor in tensors:
-            if tensor.numel():
-                data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                dist.broadcast(data, src=DRIVER_RANK, group=self.cpu_group)
-
-    def receive_tensors(self, broadcast: TensorBroadcast) -> list[tuple[str, torch.Tensor]]:
-        """Other ranks: the tensors `broadcast` describes, as the driver sends them."""
-        tensors = []
-        for spec in broadcast.specs:
-            data = torch.empty(spec.num_bytes, dtype=torch.uint8)
-            if spec.num_bytes:
-                dist.broadcast(data, src=DRIVER_RANK, group=self.cpu_group)
-            tensors.append((spec.name, data.view(spec.dtype).reshape(spec.shape)))
-        return tensors
-
-    def await_restart(self) -> bool:
-        """Other ranks, once the driver's loop stopped: True when it starts again, False when it ends."""
-        while True:
-            news = self.broadcast(None)
-            if news != STILL_STOPPED:
-                return bool(news == RESTART)
-
     def close(self) -> None:
         dist.destroy_process_group(self.cpu_group)
-
-
-class StoppedHeartbeat:
-    """The driver's side of a stop: until `end`, it tells the other ranks every `interval_s` that the
-    engine is still stopped, from a thread of its own (the loop thread has ended)."""
-
-    def __init__(self, group: TensorParallelGroup, interval_s: float) -> None:
-        self._group = group
-        self._interval_s = interval_s
-        self._cond = threading.Condition()
-        self._decision: str | None = None
-        self.error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="cbserve-tp-stopped", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._decision is None:
-                    self._cond.wait(self._interval_s)
-                decision = self._decision
-            try:
-                self._group.broadcast(decision or STILL_STOPPED)
-            except Exception as exc:  # a rank died or hung while the engine was stopped
-                self.error = f"{type(exc).__name__}: {exc}"
-                logger.error("a tensor-parallel rank was lost while the engine was stopped: %s", self.error)
-                return
-            if decision is not None:
-                return
-
-    def end(self, decision: str) -> None:
-        """Tells the other ranks `decision` (RESTART or END) and returns once they have it; raises
-        RuntimeError if a rank was lost meanwhile."""
-        with self._cond:
-            self._decision = decision
-            self._cond.notify_all()
-        self._thread.join()
-        if self.error is not None:
-            raise RuntimeError(
-                f"a tensor-parallel rank was lost while the engine was stopped ({self.error}); "
-                "restart the processes to serve again"
-            )

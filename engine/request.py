@@ -1,11 +1,13 @@
-"""A request's state inside the engine, its sampling parameters, and the output users receive."""
+"""A request's state inside the engine, its status and finish reason, and the output users receive."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING
+
+from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.kv.offload import OffloadedKV
@@ -22,47 +24,15 @@ class RequestStatus(IntEnum):
     FAILED = 5
 
 
-class FinishReason:
+class FinishReason(StrEnum):
+    """Why a request ended. The values are the wire's and the metrics' labels: "stop" is a stop string the
+    service matched on the decoded text (the engine itself ends requests on EOS, length, cancel or error)."""
+
     EOS = "eos"
+    STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding parameters. `temperature` None or 0 means greedy decoding."""
-
-    max_new_tokens: int
-    eos_token_ids: frozenset[int] = frozenset()
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    # engine.penalties: None (or 1.0 / 0.0) leaves the logits alone.
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    min_new_tokens: int = 0
-    # (token id, bias) pairs added to the logits first, as transformers' sequence_bias of one token.
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature is None or self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def processes_logits(self) -> bool:
-        """Whether the engine processes this request's logits before sampling (engine.penalties)."""
-        return (
-            self.repetition_penalty not in (None, 1.0)
-            or bool(self.presence_penalty)
-            or bool(self.frequency_penalty)
-            or self.min_new_tokens > 0
-            or bool(self.logit_bias)
-        )
 
 
 @dataclass
@@ -79,7 +49,7 @@ class GenerationOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     created_time: float = 0.0
     # Wall-clock times (time.time()) the request was first scheduled and produced its first token.
@@ -158,7 +128,7 @@ class Request:
         # Set while the request waits with its KV parked in host memory (engine.kv.offload).
         self.offloaded: OffloadedKV | None = None
         self.status = RequestStatus.PENDING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.block_hashes: list[bytes] = []
         self.logprobs: list[float] = []

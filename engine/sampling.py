@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device_copies import HostCopies, to_device
 from engine.penalties import LogitsPenalties
 from engine.request import Request, SamplingParams
-from engine.runner.device_copies import HostCopies, to_device
 
 
 @dataclass

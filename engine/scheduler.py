@@ -368,7 +368,7 @@ class Scheduler:
         return advanced
 
     def finish_request(
-        self, request: Request, status: RequestStatus, reason: str, error: str | None = None
+        self, request: Request, status: RequestStatus, reason: FinishReason, error: str | None = None
     ) -> None:
         """Ends a request wherever it is (waiting, running) and frees its blocks. Idempotent."""
         if request.is_finished:

@@ -16,8 +16,9 @@ import grpc
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from engine.weights import dtype_from_name
+from engine import dtype_from_name
 from service.host_slot import HostSlot
+from service.metrics import NO_METRICS, MetricsObserver
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -31,9 +32,12 @@ _PAUSE_MODES = {
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, slot: HostSlot, max_pause_lease_s: float) -> None:
+    def __init__(
+        self, slot: HostSlot, max_pause_lease_s: float, metrics: MetricsObserver = NO_METRICS
+    ) -> None:
         self.slot = slot
         self.max_pause_lease_s = max_pause_lease_s
+        self.metrics = metrics
         # Open Pause calls holding the engine; the engine's own snapshot is stale while its loop is parked.
         self.pause_holders = 0
         # The weight version the last Pause message reported (read from the engine when it is sent).
@@ -54,6 +58,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             raise AssertionError("context.abort raises")
         self.weight_version = host.weight_version
         async with _held_pause(host.manager.pause(mode)) as handle:
+            held_since = time.monotonic()
             self.pause_holders += 1
             cancelled = handle.cancelled if handle is not None else 0
             try:
@@ -64,6 +69,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
                 await asyncio.sleep(lease_s)
             finally:
                 self.pause_holders -= 1
+                # In the `finally`, so a hold ended by a cancelled or broken call is observed too.
+                self.metrics.observe_pause_held(time.monotonic() - held_since)
         self.weight_version = host.weight_version
         yield self._message(False, expires_at, cancelled)
 
@@ -133,6 +140,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         request_iterator: AsyncIterator[admin_pb2.UpdateWeightsRequest],
         context: grpc.aio.ServicerContext,
     ) -> admin_pb2.UpdateWeightsResponse:
+        started = time.monotonic()
         host = await self.slot.require(context)
         try:
             source, label = await _read_update(request_iterator)
@@ -150,6 +158,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             raise AssertionError("context.abort raises") from exc
         count = len(source) if isinstance(source, dict) else _count_tensors(source)
         logger.info("UpdateWeights: weight_version %d (%s), %d tensors", version, label or "-", count)
+        # Every failure above aborts the call, so only successful updates reach the histogram.
+        self.metrics.observe_weight_update(time.monotonic() - started)
         return admin_pb2.UpdateWeightsResponse(
             weight_version=version, tensors_updated=count, version_label=label or ""
         )
@@ -250,7 +260,7 @@ async def _read_update(
 
 
 def _count_tensors(path: Any) -> int:
-    from engine.weights import safetensors_files
+    from engine import safetensors_files
 
     count = 0
     try:

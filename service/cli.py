@@ -9,8 +9,7 @@ import signal
 import sys
 from typing import Any
 
-from engine import ContinuousBatchingConfig
-from engine.parallel import check_tensor_parallel_size, torchrun_rank, torchrun_world_size
+from engine import ContinuousBatchingConfig, check_tensor_parallel_size, torchrun_rank, torchrun_world_size
 from service.auth import load_admin_token
 from service.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from service.engine_host import DTYPES, EngineHost

@@ -18,8 +18,10 @@ from engine import (
     ManagerStats,
     QueueFullError,
     RequestStatus,
+    default_max_new_tokens,
+    load_sharded_model,
+    torchrun_world_size,
 )
-from engine.parallel import load_sharded_model, torchrun_world_size
 from service.request_record import RequestRecord
 from service.validation import ModelLimits, PreparedRequest, RequestRejected
 
@@ -27,8 +29,6 @@ logger = logging.getLogger(__name__)
 
 # How long an ended request's outputs stay readable through StreamResults.
 DEFAULT_RETENTION_S = 300.0
-# transformers' GenerationConfig default (max_length=20) read as a number of new tokens, as the engine does.
-FALLBACK_MAX_NEW_TOKENS = 20
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,7 +106,7 @@ class EngineHost:
         self.counters = Counters()
         self._records: dict[str, RequestRecord] = {}
         self._draining = False
-        self._follows_loop_exit = False
+        self._watches_loop_exit = False
         self._state_listeners: list[Callable[[], None]] = []
         # Called once per request when it ends (metrics hook).
         self._end_listeners: list[Callable[[RequestRecord], None]] = []
@@ -117,9 +117,8 @@ class EngineHost:
         self.limits = ModelLimits(
             vocab_size=int(text_config.vocab_size),
             max_context_length=int(getattr(text_config, "max_position_embeddings", 0) or 2**31 - 1),
-            default_max_new_tokens=int(
-                getattr(generation_config, "max_new_tokens", None) or FALLBACK_MAX_NEW_TOKENS
-            ),
+            default_max_new_tokens=default_max_new_tokens(generation_config),
+            generation_config=generation_config,
         )
 
     @classmethod
@@ -166,10 +165,10 @@ class EngineHost:
 
     async def start_async(self) -> bool:
         loop = asyncio.get_running_loop()
-        if not self._follows_loop_exit:
+        if not self._watches_loop_exit:
             # The loop can end on its own (a tensor-parallel rank lost): health must follow at once.
             self.manager.add_loop_exit_handler(lambda: _call_soon(loop, self._state_changed))
-            self._follows_loop_exit = True
+            self._watches_loop_exit = True
         started = await loop.run_in_executor(None, self.start)
         self._state_changed()
         return started
@@ -226,11 +225,9 @@ class EngineHost:
             request_id = self.manager.add_request(
                 prepared.input_ids,
                 request_id=prepared.request_id,
-                max_new_tokens=prepared.max_new_tokens,
                 streaming=True,
                 record_timestamps=prepared.record_timestamps,
-                eos_token_id=prepared.eos_token_id,
-                **prepared.sampling,
+                sampling_params=prepared.sampling,
             )
         except QueueFullError as exc:
             raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
@@ -243,7 +240,7 @@ class EngineHost:
             len(prepared.input_ids),
             self.tokenizer,
             self.weight_version,
-            logprobs=prepared.wants_logprobs,
+            logprobs=prepared.sampling.logprobs,
             record_timestamps=prepared.record_timestamps,
             stop_strings=prepared.stop_strings,
         )
@@ -283,12 +280,6 @@ class EngineHost:
             return False
         self.manager.cancel_request(request_id)
         return True
-
-    def cancel_all(self) -> int:
-        live = [record.request_id for record in self._records.values() if not record.finished]
-        for request_id in live:
-            self.manager.cancel_request(request_id)
-        return len(live)
 
     def stats(self) -> ManagerStats:
         return self.manager.stats()

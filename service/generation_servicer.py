@@ -12,6 +12,7 @@ from opentelemetry.context import Context
 
 from service.engine_host import EngineHost
 from service.host_slot import HostSlot
+from service.metrics import NO_METRICS, MetricsObserver
 from service.request_record import RequestRecord
 from service.tracing import RequestTracer, parent_context
 from service.validation import RequestRejected, invalid, prepare
@@ -23,9 +24,10 @@ logger = logging.getLogger(__name__)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, slot: HostSlot, tracer: RequestTracer) -> None:
+    def __init__(self, slot: HostSlot, tracer: RequestTracer, metrics: MetricsObserver = NO_METRICS) -> None:
         self.slot = slot
         self.tracer = tracer
+        self.metrics = metrics
 
     async def AddRequest(
         self, request: generation_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
@@ -33,8 +35,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if not request.HasField("request"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request must be set")
         host = await self.slot.require(context)
+        trace_parent = parent_context(context.invocation_metadata())
         try:
-            record = submit(host, request.request, self.tracer, parent_context(context.invocation_metadata()))
+            record = submit(host, request.request, self.tracer, self.metrics, trace_parent)
         except RequestRejected as exc:
             await context.abort(exc.code, exc.message)
         return generation_pb2.AddRequestResponse(request_id=record.request_id)
@@ -50,7 +53,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         assert record is not None  # context.abort raised otherwise
         # Ending this call leaves the request running (the proto's contract): readers reconnect with
         # from_token_index and only Cancel stops it.
-        async for chunk in record.follow(request.from_token_index, send_current=True):
+        async for chunk in record.tail(request.from_token_index, send_current=True):
             yield generation_pb2.StreamResultsResponse(chunk=chunk)
 
     async def Cancel(
@@ -80,11 +83,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         host = await self.slot.require(context)
-        session = _GenerateSession(host, self.tracer, parent_context(context.invocation_metadata()))
-        reader = asyncio.create_task(session.read(request_iterator))
+        trace_parent = parent_context(context.invocation_metadata())
+        stream = _GenerateStream(host, self.tracer, self.metrics, trace_parent)
+        reader = asyncio.create_task(stream.read(request_iterator))
         try:
             while True:
-                item = await session.outbox.get()
+                item = await stream.outbox.get()
                 if item is _END:
                     break
                 if isinstance(item, RequestRejected):
@@ -95,20 +99,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             # Runs however the call ends (completion, client cancel, deadline, broken connection), so
             # the stream's unfinished requests never keep their KV blocks.
             reader.cancel()
-            session.close()
+            stream.close()
 
 
-class _GenerateSession:
+class _GenerateStream:
     """The requests of one Generate call, their readers, and the queue that interleaves their chunks."""
 
-    def __init__(self, host: EngineHost, tracer: RequestTracer, trace_parent: Context) -> None:
+    def __init__(
+        self, host: EngineHost, tracer: RequestTracer, metrics: MetricsObserver, trace_parent: Context
+    ) -> None:
         self.host = host
         self.tracer = tracer
+        self.metrics = metrics
         # The caller's trace context, read from the call's metadata: the parent of every request's span.
         self.trace_parent = trace_parent
         self.outbox: asyncio.Queue[object] = asyncio.Queue()
         self.records: dict[str, RequestRecord] = {}
-        self.followers: set[asyncio.Task[None]] = set()
+        self.tails: set[asyncio.Task[None]] = set()
 
     async def read(self, request_iterator: AsyncIterator[generation_pb2.GenerateRequest]) -> None:
         """Runs as its own task, so it must end the call itself when reading fails: nothing else would."""
@@ -135,28 +142,28 @@ class _GenerateSession:
             )
             return
         # Half-closed: the call completes once every request made on it has ended.
-        if self.followers:
-            await asyncio.wait(set(self.followers))
+        if self.tails:
+            await asyncio.wait(set(self.tails))
         self.outbox.put_nowait(_END)
 
     def _add(self, request: types_pb2.GenerationRequest) -> None:
         try:
-            record = submit(self.host, request, self.tracer, self.trace_parent)
+            record = submit(self.host, request, self.tracer, self.metrics, self.trace_parent)
         except RequestRejected as exc:
             self.outbox.put_nowait(_rejection(request.request_id, exc))
             return
         self.records[record.request_id] = record
         self.outbox.put_nowait(record.chunk(0, 0))
-        task = asyncio.create_task(self._follow(record))
-        self.followers.add(task)
-        task.add_done_callback(self.followers.discard)
+        task = asyncio.create_task(self._tail(record))
+        self.tails.add(task)
+        task.add_done_callback(self.tails.discard)
 
-    async def _follow(self, record: RequestRecord) -> None:
-        async for chunk in record.follow(0, send_current=False):
+    async def _tail(self, record: RequestRecord) -> None:
+        async for chunk in record.tail(0, send_current=False):
             self.outbox.put_nowait(chunk)
 
     def close(self) -> None:
-        for task in list(self.followers):
+        for task in list(self.tails):
             task.cancel()
         for request_id, record in self.records.items():
             if not record.finished:
@@ -164,21 +171,30 @@ class _GenerateSession:
 
 
 def submit(
-    host: EngineHost, request: types_pb2.GenerationRequest, tracer: RequestTracer, trace_parent: Context
+    host: EngineHost,
+    request: types_pb2.GenerationRequest,
+    tracer: RequestTracer,
+    metrics: MetricsObserver,
+    trace_parent: Context,
 ) -> RequestRecord:
     """Validates and queues one request; raises RequestRejected with the caller's status code.
 
     The request's span starts here and ends with the request (or now, with an error, if it is refused).
     """
     span = tracer.start(request, host.model_name, trace_parent)
+    # Refusals are counted here because AddRequest and each request added on a Generate stream pass through
+    # submit exactly once; a call refused before it carries a request (model loading, malformed message)
+    # has no request to count.
     try:
         if not host.serving:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the server is stopped or draining")
         record = host.submit(prepare(request, host.limits, host.tokenizer))
     except RequestRejected as exc:
+        metrics.observe_rejected(exc.code.name)
         span.reject(exc.code.name, exc.message)
         raise
     except Exception as exc:
+        metrics.observe_rejected("INTERNAL")
         span.reject("INTERNAL", str(exc) or type(exc).__name__)
         raise
     span.attach(record)

@@ -2,32 +2,26 @@
 
 Names follow vLLM's (`vllm:` -> `cbserve:`) where one exists. Engine gauges and counters are read from
 `EngineHost.stats()` at scrape time by a custom collector (no polling thread); per-request counters and
-histograms are observed once, when a request ends; rejections when a request is refused.
+histograms are observed once, when a request ends; rejections, pause holds and weight updates by the
+servicers, through the `MetricsObserver` they are given.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from contextlib import aclosing
+from collections.abc import Iterator
 from itertools import pairwise
-from typing import cast
+from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
-import grpc
-from cbserve_client.proto import admin_pb2, types_pb2
-from opentelemetry.context import Context
-from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.admin_servicer import AdminServicer
+from engine import FinishReason
 from service.host_slot import HostSlot
 from service.request_record import RequestRecord
-from service.tracing import RequestSpan, RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +29,39 @@ PREFIX = "cbserve:"
 # The queue-depth gauge the Kubernetes HPA scales on (k8s/base/hpa.yaml): exported under this exact name
 # as well as under the vLLM-style `cbserve:num_requests_waiting`.
 HPA_WAITING_GAUGE = "cbserve_requests_waiting"
-FINISHED_REASONS = ("eos", "stop", "length", "cancelled", "error")
+
 
 # vLLM's buckets.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 _ADMIN_BUCKETS = (0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class MetricsObserver(Protocol):
+    """What the servicers report, each at the point where it happens."""
+
+    def observe_rejected(self, code_name: str) -> None: ...
+
+    def observe_pause_held(self, seconds: float) -> None: ...
+
+    def observe_weight_update(self, seconds: float) -> None: ...
+
+
+class NoMetrics:
+    """The observer of servicers built without a server (tests): every observation is dropped."""
+
+    def observe_rejected(self, code_name: str) -> None:
+        pass
+
+    def observe_pause_held(self, seconds: float) -> None:
+        pass
+
+    def observe_weight_update(self, seconds: float) -> None:
+        pass
+
+
+NO_METRICS = NoMetrics()
 
 
 class ServerMetrics:
@@ -56,7 +76,7 @@ class ServerMetrics:
             ["finished_reason"],
             registry=registry,
         )
-        for reason in FINISHED_REASONS:
+        for reason in FinishReason:
             self.request_success.labels(finished_reason=reason)
         self.requests_rejected = Counter(
             f"{PREFIX}num_requests_rejected",
@@ -115,7 +135,7 @@ class ServerMetrics:
 
     def observe_request_end(self, record: RequestRecord) -> None:
         """Records one ended request (runs on the event loop, once per request)."""
-        reason = record.finish_reason if record.finish_reason in FINISHED_REASONS else "error"
+        reason = record.finish_reason or FinishReason.ERROR
         self.request_success.labels(finished_reason=reason).inc()
         self.prompt_tokens.inc(record.prompt_len)
         self.generation_tokens.inc(len(record.token_ids))
@@ -130,6 +150,12 @@ class ServerMetrics:
 
     def observe_rejected(self, code_name: str) -> None:
         self.requests_rejected.labels(code=code_name).inc()
+
+    def observe_pause_held(self, seconds: float) -> None:
+        self.pause_seconds.observe(seconds)
+
+    def observe_weight_update(self, seconds: float) -> None:
+        self.weight_update_seconds.observe(seconds)
 
     # ------------------------------------------------------------------ HTTP endpoint
 
@@ -194,65 +220,3 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(f"{PREFIX}{name}", documentation, value=value)
-
-
-# ---------------------------------------------------------------------- service-side hooks
-
-
-class MeteredTracer(RequestTracer):
-    """The request tracer, also counting the requests refused (the one place every refusal passes)."""
-
-    def __init__(self, provider: TracerProvider, metrics: ServerMetrics) -> None:
-        super().__init__(provider)
-        self.metrics = metrics
-
-    def start(self, request: types_pb2.GenerationRequest, model: str, parent: Context) -> RequestSpan:
-        span = super().start(request, model, parent)
-        return _MeteredSpan(span, self.metrics)
-
-
-class _MeteredSpan(RequestSpan):
-    def __init__(self, span: RequestSpan, metrics: ServerMetrics) -> None:
-        super().__init__(span.span, span.model)
-        self._metrics = metrics
-
-    def reject(self, code_name: str, message: str) -> None:
-        self._metrics.observe_rejected(code_name)
-        super().reject(code_name, message)
-
-
-class MeteredAdminServicer(AdminServicer):
-    """The AdminService, timing pause holds and weight updates."""
-
-    def __init__(self, slot: HostSlot, max_pause_lease_s: float, metrics: ServerMetrics) -> None:
-        super().__init__(slot, max_pause_lease_s)
-        self.metrics = metrics
-
-    async def Pause(
-        self, request: admin_pb2.PauseRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[admin_pb2.PauseResponse]:
-        held_since: float | None = None
-        try:
-            # aclosing: a call ended mid-hold closes the inner stream at once, which releases the pause.
-            inner = cast(AsyncGenerator[admin_pb2.PauseResponse, None], super().Pause(request, context))
-            async with aclosing(inner) as messages:
-                async for message in messages:
-                    if message.paused and held_since is None:
-                        held_since = time.monotonic()
-                    elif not message.paused and held_since is not None:
-                        self.metrics.pause_seconds.observe(time.monotonic() - held_since)
-                        held_since = None
-                    yield message
-        finally:
-            if held_since is not None:  # the call ended (cancel, disconnect) while holding
-                self.metrics.pause_seconds.observe(time.monotonic() - held_since)
-
-    async def UpdateWeights(
-        self,
-        request_iterator: AsyncIterator[admin_pb2.UpdateWeightsRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> admin_pb2.UpdateWeightsResponse:
-        started = time.monotonic()
-        response = await super().UpdateWeights(request_iterator, context)
-        self.metrics.weight_update_seconds.observe(time.monotonic() - started)
-        return response

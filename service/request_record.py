@@ -11,7 +11,7 @@ from typing import Any
 from cbserve_client.proto import types_pb2
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from engine import GenerationOutput, RequestStatus
+from engine import FinishReason, GenerationOutput, RequestStatus
 from service.detokenizer import IncrementalDetokenizer
 from service.stop_strings import StopStringMatcher
 
@@ -24,11 +24,11 @@ _STATUS = {
     RequestStatus.FAILED: types_pb2.REQUEST_STATUS_FAILED,
 }
 _FINISH_REASON = {
-    "eos": types_pb2.FINISH_REASON_EOS,
-    "length": types_pb2.FINISH_REASON_LENGTH,
-    "cancelled": types_pb2.FINISH_REASON_CANCELLED,
-    "error": types_pb2.FINISH_REASON_ERROR,
-    "stop": types_pb2.FINISH_REASON_STOP,
+    FinishReason.EOS: types_pb2.FINISH_REASON_EOS,
+    FinishReason.LENGTH: types_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: types_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: types_pb2.FINISH_REASON_ERROR,
+    FinishReason.STOP: types_pb2.FINISH_REASON_STOP,
 }
 _INTERNAL = 13  # google.rpc.Code INTERNAL: an engine failure while the request ran
 
@@ -60,7 +60,7 @@ class RequestRecord:
         self.token_ids: list[int] = []
         # The weight version that produced each token.
         self._token_versions: list[int] = []
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.error = ""
         self.num_cached_tokens = 0
         self.queued_at = time.time()
@@ -142,7 +142,7 @@ class RequestRecord:
             if self._stop_matcher is not None:
                 self._tail_text += self._stop_matcher.flush()
         if self.stopped_by_text and self.status == RequestStatus.FINISHED:
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
             self.error = ""
         else:
             self.finish_reason = output.finish_reason
@@ -172,7 +172,7 @@ class RequestRecord:
         while not self.finished:
             await self._changed.wait()
 
-    async def follow(self, from_index: int, send_current: bool) -> AsyncIterator[types_pb2.GenerationChunk]:
+    async def tail(self, from_index: int, send_current: bool) -> AsyncIterator[types_pb2.GenerationChunk]:
         """Chunks from token `from_index` on, until the terminal one.
 
         Tokens that arrive while a reader is busy are merged into its next chunk, so a slow reader never
@@ -207,7 +207,7 @@ class RequestRecord:
             text = "".join(self._text_by_token[start:end])
             chunk.text = text + self._tail_text if self.finished else text
         if self.finished:
-            chunk.finish_reason = _FINISH_REASON.get(self.finish_reason or "", types_pb2.FINISH_REASON_ERROR)
+            chunk.finish_reason = _FINISH_REASON[self.finish_reason or FinishReason.ERROR]
             chunk.error = self.error
             if self.status == RequestStatus.FAILED:
                 chunk.error_code = _INTERNAL

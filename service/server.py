@@ -13,14 +13,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
+from service.admin_servicer import AdminServicer
 from service.auth import BearerTokenInterceptor
 from service.engine_host import EngineHost
 from service.generation_servicer import GenerationServicer
 from service.host_slot import HostSlot
 from service.message_decoding import MalformedMessageInterceptor
-from service.metrics import MeteredAdminServicer, MeteredTracer, ServerMetrics
+from service.metrics import ServerMetrics
 from service.tls import ServerTls
-from service.tracing import build_tracer_provider
+from service.tracing import RequestTracer, build_tracer_provider
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,10 @@ class CbserveServer:
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.main_server)
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.slot, MeteredTracer(self.tracer_provider, self.metrics)), self.main_server
+            GenerationServicer(self.slot, RequestTracer(self.tracer_provider), self.metrics), self.main_server
         )
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
-            MeteredAdminServicer(self.slot, options.max_pause_lease_s, self.metrics), self.admin_server
+            AdminServicer(self.slot, options.max_pause_lease_s, self.metrics), self.admin_server
         )
         reflection.enable_server_reflection(
             (GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.main_server

@@ -22,8 +22,7 @@ import subprocess
 import sys
 import time
 
-from engine import ContinuousBatchingConfig, ContinuousBatchingManager
-from engine.parallel import torchrun_environment
+from engine import ContinuousBatchingConfig, ContinuousBatchingManager, torchrun_environment
 from service.engine_host import load_pretrained
 
 logger = logging.getLogger(__name__)

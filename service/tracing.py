@@ -22,7 +22,7 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
-from engine import RequestStatus
+from engine import FinishReason, RequestStatus
 
 if TYPE_CHECKING:
     from service.request_record import RequestRecord
@@ -60,11 +60,11 @@ EVENT_FIRST_TOKEN = "first_token"
 
 # The engine's finish reasons as the conventions spell them ("stop": the model ended the text itself).
 FINISH_REASONS = {
-    "eos": "stop",
-    "stop": "stop",
-    "length": "length",
-    "cancelled": "cancelled",
-    "error": "error",
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "cancelled",
+    FinishReason.ERROR: "error",
 }
 
 
@@ -194,12 +194,12 @@ class RequestSpan:
 
     def _finish(self, record: RequestRecord) -> None:
         self._ended = True
-        reason = record.finish_reason or "error"
+        reason = record.finish_reason or FinishReason.ERROR
         self.span.set_attributes(
             {
                 USAGE_OUTPUT_TOKENS: len(record.token_ids),
                 USAGE_CACHE_READ_INPUT_TOKENS: record.num_cached_tokens,
-                RESPONSE_FINISH_REASONS: [FINISH_REASONS.get(reason, reason)],
+                RESPONSE_FINISH_REASONS: [FINISH_REASONS[reason]],
             }
         )
         if record.status == RequestStatus.FAILED:

@@ -1,8 +1,13 @@
-"""Checks a wire GenerationRequest before the engine sees it and turns it into engine arguments."""
+"""Turns a wire GenerationRequest into the engine's typed request, refusing a bad field with
+INVALID_ARGUMENT naming it.
+
+The sampling rules and their bounds are the engine's (engine.sampling_params, with the wire's field
+names); this module adds only what the wire has and the engine does not: request ids, the prompt's three
+forms, stop strings, and a cap on logit_bias entries.
+"""
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,8 +15,7 @@ from typing import Any
 import grpc
 from cbserve_client.proto import types_pb2
 
-# The engine's own bounds: checked here too, so that the error names the wire field.
-from engine.manager import MAX_ABS_LOGIT_BIAS, MAX_ABS_PRESENCE_FREQUENCY_PENALTY, MAX_TOP_LOGPROBS
+from engine import SamplingParams, build_sampling_params, check_token_ids
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_STOP_STRINGS = 16
@@ -36,7 +40,10 @@ def invalid(message: str) -> RequestRejected:
 class ModelLimits:
     vocab_size: int
     max_context_length: int
+    # engine.sampling_params.default_max_new_tokens of the model's generation config.
     default_max_new_tokens: int
+    # Supplies the defaults of the sampling fields a request leaves unset, as in `generate`.
+    generation_config: Any = None
 
 
 @dataclass
@@ -45,16 +52,10 @@ class PreparedRequest:
 
     request_id: str
     input_ids: list[int]
-    max_new_tokens: int
+    sampling: SamplingParams
     record_timestamps: bool
-    eos_token_id: list[int] | None
-    sampling: dict[str, Any] = field(default_factory=dict)
     # Matched by the service on the decoded text (the engine sees only tokens).
     stop_strings: list[str] = field(default_factory=list)
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return bool(self.sampling.get("logprobs"))
 
 
 def prepare(
@@ -71,8 +72,6 @@ def prepare(
     params = request.sampling
     room = limits.max_context_length - len(input_ids)
     if params.HasField("max_new_tokens"):
-        if params.max_new_tokens < 1:
-            raise invalid("sampling.max_new_tokens must be >= 1")
         if params.max_new_tokens > room:
             raise invalid(
                 f"sampling.max_new_tokens: {len(input_ids)} prompt tokens + {params.max_new_tokens} exceed "
@@ -81,14 +80,22 @@ def prepare(
         max_new_tokens = params.max_new_tokens
     else:
         max_new_tokens = min(limits.default_max_new_tokens, room)
+    stop_strings = _stop_strings(params, tokenizer)
+    try:
+        sampling = build_sampling_params(
+            _sampling_settings(params, max_new_tokens, limits),
+            limits.generation_config,
+            limits.vocab_size,
+            field_prefix="sampling.",
+        )
+    except ValueError as exc:
+        raise invalid(str(exc)) from exc
     return PreparedRequest(
         request_id=request_id,
         input_ids=input_ids,
-        max_new_tokens=max_new_tokens,
+        sampling=sampling,
         record_timestamps=request.record_timestamps,
-        eos_token_id=_eos_ids(params, limits),
-        sampling=_sampling(params, max_new_tokens, limits),
-        stop_strings=_stop_strings(params, tokenizer),
+        stop_strings=stop_strings,
     )
 
 
@@ -118,10 +125,14 @@ def _prompt_ids(
         ids = list(tokenizer(request.text)["input_ids"])
     else:
         ids = _chat_ids(request.messages, tokenizer)
-    bad = next((token for token in ids if token >= limits.vocab_size), None)
-    if bad is not None:
-        raise invalid(f"{kind}: token id {bad} is not below the vocab size {limits.vocab_size}")
-    return ids
+    return _checked_token_ids(kind, ids, limits)
+
+
+def _checked_token_ids(field_name: str, ids: list[int], limits: ModelLimits) -> list[int]:
+    try:
+        return check_token_ids(field_name, ids, limits.vocab_size)
+    except ValueError as exc:
+        raise invalid(str(exc)) from exc
 
 
 def _chat_ids(chat: types_pb2.ChatMessages, tokenizer: Any | None) -> list[int]:
@@ -142,56 +153,6 @@ def _chat_ids(chat: types_pb2.ChatMessages, tokenizer: Any | None) -> list[int]:
     return ids
 
 
-def _eos_ids(params: types_pb2.SamplingParams, limits: ModelLimits) -> list[int] | None:
-    if params.ignore_eos:
-        return []  # an empty set of EOS ids: the request runs to max_new_tokens
-    bad = next((token for token in params.eos_token_ids if token >= limits.vocab_size), None)
-    if bad is not None:
-        raise invalid(f"sampling.eos_token_ids: {bad} is not below the vocab size {limits.vocab_size}")
-    return list(params.eos_token_ids) or None
-
-
-def _penalties(params: types_pb2.SamplingParams, max_new_tokens: int) -> dict[str, Any]:
-    penalties: dict[str, Any] = {}
-    if params.HasField("repetition_penalty"):
-        if not math.isfinite(params.repetition_penalty) or params.repetition_penalty <= 0:
-            raise invalid(
-                f"sampling.repetition_penalty must be a finite number > 0, got {params.repetition_penalty}"
-            )
-        penalties["repetition_penalty"] = params.repetition_penalty
-    bound = MAX_ABS_PRESENCE_FREQUENCY_PENALTY
-    for name in ("presence_penalty", "frequency_penalty"):
-        if params.HasField(name):
-            value = getattr(params, name)
-            if not -bound <= value <= bound:  # NaN fails too
-                raise invalid(f"sampling.{name} must be in [-{bound:g}, {bound:g}], got {value}")
-            penalties[name] = value
-    if params.HasField("min_new_tokens"):
-        if params.min_new_tokens > max_new_tokens:
-            raise invalid(
-                f"sampling.min_new_tokens ({params.min_new_tokens}) must not exceed max_new_tokens "
-                f"({max_new_tokens})"
-            )
-        penalties["min_new_tokens"] = params.min_new_tokens
-    return penalties
-
-
-def _logit_bias(params: types_pb2.SamplingParams, limits: ModelLimits) -> dict[int, float]:
-    if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise invalid(
-            f"sampling.logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}"
-        )
-    bound = MAX_ABS_LOGIT_BIAS
-    for token, bias in sorted(params.logit_bias.items()):
-        if token >= limits.vocab_size:
-            raise invalid(
-                f"sampling.logit_bias: token id {token} is not below the vocab size {limits.vocab_size}"
-            )
-        if not -bound <= bias <= bound:  # NaN fails too
-            raise invalid(f"sampling.logit_bias[{token}] must be in [-{bound:g}, {bound:g}], got {bias}")
-    return dict(params.logit_bias)
-
-
 def _stop_strings(params: types_pb2.SamplingParams, tokenizer: Any | None) -> list[str]:
     stop_strings = list(params.stop)
     if not stop_strings:
@@ -210,28 +171,41 @@ def _stop_strings(params: types_pb2.SamplingParams, tokenizer: Any | None) -> li
     return stop_strings
 
 
-def _sampling(params: types_pb2.SamplingParams, max_new_tokens: int, limits: ModelLimits) -> dict[str, Any]:
-    """Only the fields the caller set, so the engine applies the model's defaults to the rest."""
-    sampling: dict[str, Any] = _penalties(params, max_new_tokens)
+def _sampling_settings(
+    params: types_pb2.SamplingParams, max_new_tokens: int, limits: ModelLimits
+) -> dict[str, Any]:
+    """The sampling fields the caller set, named as generate's keyword arguments, so that the engine's
+    rules check them and the model's generation config supplies the rest."""
+    settings: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    if params.ignore_eos:
+        settings["eos_token_id"] = []  # no EOS id: the request runs to max_new_tokens
+    elif params.eos_token_ids:
+        settings["eos_token_id"] = _checked_token_ids(
+            "sampling.eos_token_ids", list(params.eos_token_ids), limits
+        )
+    for name in _OPTIONAL_SAMPLING_FIELDS:
+        if params.HasField(name):
+            settings[name] = getattr(params, name)
+    if params.logprobs:
+        settings["logprobs"] = True
     if params.logit_bias:
-        sampling["logit_bias"] = _logit_bias(params, limits)
-    if params.HasField("temperature"):
-        if not math.isfinite(params.temperature) or params.temperature < 0:
-            raise invalid(f"sampling.temperature must be a finite number >= 0, got {params.temperature}")
-        sampling["temperature"] = params.temperature
-    if params.HasField("top_p"):
-        if not math.isfinite(params.top_p) or not 0 < params.top_p <= 1:
-            raise invalid(f"sampling.top_p must be in (0, 1], got {params.top_p}")
-        sampling["top_p"] = params.top_p
-    if params.HasField("top_k"):
-        sampling["top_k"] = params.top_k
-    if params.HasField("seed"):
-        sampling["seed"] = params.seed
-    top_logprobs = params.top_logprobs if params.HasField("top_logprobs") else 0
-    if top_logprobs > MAX_TOP_LOGPROBS:
-        raise invalid(f"sampling.top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {top_logprobs}")
-    if top_logprobs:
-        sampling["top_logprobs"] = top_logprobs
-    if params.logprobs or top_logprobs:
-        sampling["logprobs"] = True
-    return sampling
+        if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise invalid(
+                f"sampling.logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}"
+            )
+        settings["logit_bias"] = dict(params.logit_bias)
+    return settings
+
+
+# Wire fields with presence whose name and meaning are generate's keyword argument of the same name.
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "top_logprobs",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_new_tokens",
+)

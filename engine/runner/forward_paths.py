@@ -24,7 +24,8 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.runner.attention import AttentionBatch, KernelInputs, PagedAttentionMetadata
-from engine.runner.inputs import BatchInputs, Padding, padded_sizes
+from engine.runner.inputs import BatchInputs
+from engine.runner.padding import Padding, padded_sizes
 
 if TYPE_CHECKING:
     from transformers import CompileConfig
@@ -322,9 +323,9 @@ def use_cuda_graphs(
 ) -> tuple[bool, bool]:
     """Whether (varlen, decode) steps replay CUDA graphs.
 
-    Only an explicit request turns them on (None means off): graph replay has not been verified on a GPU
-    in this project yet. They need CUDA, and the model must not be sharded: collectives inside graphs
-    are not supported here. Varlen graphs also need the attention kernel (`max_blocks_per_request`): the
+    Only an explicit request turns them on (None means off; the README's Benchmarks section says what
+    has run on a GPU). They need CUDA, and the model must not be sharded: collectives inside graphs are
+    not supported here. Varlen graphs also need the attention kernel (`max_blocks_per_request`): the
     gather path's shapes follow each step's chunks.
     """
     varlen, decode = (bool(flag) for flag in config.cuda_graph_flags())
@@ -352,9 +353,8 @@ def load_attention_kernel(
 ) -> Callable[..., torch.Tensor] | None:
     """The paged attention kernel (`paged_attention_kernel`) when the config asks for it and it can run here.
 
-    Only a positive `max_blocks_per_request` turns it on (None means off): the kernel has been checked
-    under Triton's interpreter, not yet on a GPU. It runs on CUDA, or on any device under
-    TRITON_INTERPRET=1 (how the tests run it on the CPU).
+    Only a positive `max_blocks_per_request` turns it on (None means off). It runs on CUDA, or on any
+    device under TRITON_INTERPRET=1 (how the tests run it on the CPU).
     """
     if not config.max_blocks_per_request:
         return None

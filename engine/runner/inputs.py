@@ -4,28 +4,18 @@ A step packs every scheduled token into one sequence. Decode rows (one new token
 in scheduling order only by coincidence; nothing here relies on it: each `AttentionBatch` says which
 packed rows it reads and fills.
 
-Padding (for CUDA graphs and static-shape compilation) rounds a step up to a bounded set of shapes.
-
-- A decode-only step: the number of rows to `padded_size(rows, rows_interval)` and the key width to a
-  multiple of the KV interval. Padding rows are fake requests at position 0 whose block table is the
-  null block alone, so they write their keys to the null block's first slot and attend to it.
-- A step with prefill chunks of at most `varlen_max_tokens` tokens, on the kernel path only (varlen CUDA
-  graphs): the packed tokens to `padded_size(tokens, tokens_interval)`, the requests to
-  `padded_size(requests, rows_interval)` and the block tables to `max_blocks_per_request` columns.
-  Padding tokens belong to no request (no kernel tile reads them; their attention output is zero) and
-  write their keys to the null block's first slot; padding requests own no tokens.
-
-Padded logits rows are never sampled. The null block therefore holds finite values that only masked
-columns and padding rows ever read.
+Padded steps (see engine.runner.padding) add padding rows, tokens and requests; here they get their
+block tables (the null block alone), write slots and kernel tiles.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from engine.device_copies import to_device
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
@@ -35,44 +25,8 @@ from engine.runner.attention import (
     KernelInputs,
     PagedAttentionMetadata,
 )
-from engine.runner.device_copies import to_device
+from engine.runner.padding import PackedTokens, Padding, VarlenShape, round_up
 from engine.scheduler import SchedulerOutput
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def padded_size(size: int, interval: int) -> int:
-    """`size` rounded up to a power of two below `interval`, to a multiple of `interval` from there on:
-    small decode batches waste little, large ones need few distinct shapes."""
-    if size >= interval:
-        return round_up(size, interval)
-    return 1 << max(size - 1, 0).bit_length()
-
-
-def padded_sizes(max_size: int, interval: int) -> list[int]:
-    """Every distinct `padded_size` of 1 .. max_size, ascending."""
-    sizes = []
-    size = 1
-    while size <= max_size:
-        sizes.append(padded_size(size, interval))
-        size = sizes[-1] + 1
-    return sizes
-
-
-@dataclass(frozen=True)
-class Padding:
-    """Which steps are padded, and the granularity of their shapes in tokens: rows (requests), key width,
-    and packed tokens of steps with prefill chunks."""
-
-    rows_interval: int
-    keys_interval: int
-    tokens_interval: int
-    decode: bool = True
-    varlen: bool = False
-    # Steps with prefill chunks are padded only up to this many packed tokens (larger ones run unpadded).
-    varlen_max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +64,30 @@ class _Chunk:
     row: int
     start: int
     end: int
+
+
+@dataclass
+class _PackedStep:
+    """One step's scheduled tokens packed on the host, before any copy to the device."""
+
+    tokens: PackedTokens = field(default_factory=PackedTokens)
+    # Every chunk in packed-row order, and the same chunks split by kind (for the gather path).
+    chunks: list[_Chunk] = field(default_factory=list)
+    decode: list[_Chunk] = field(default_factory=list)
+    prefill: list[_Chunk] = field(default_factory=list)
+    # Packed rows whose input id is a token of `previous`, and that token's row there.
+    placeholder_rows: list[int] = field(default_factory=list)
+    previous_rows: list[int] = field(default_factory=list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return not self.prefill
+
+    def pad_decode_rows(self, num_rows: int) -> None:
+        padding_chunks = [_Chunk(None, row, 0, 1) for row in range(len(self.decode), num_rows)]
+        self.decode.extend(padding_chunks)
+        self.chunks.extend(padding_chunks)
+        self.tokens.pad_decode_rows(num_rows)
 
 
 class InputBuilder:
@@ -150,7 +128,7 @@ class InputBuilder:
         min_rows: int = 0,
         previous: PreviousTokens | None = None,
     ) -> BatchInputs:
-        """`padding` says which steps are padded (see the module docstring); a step with prefill chunks is
+        """`padding` says which steps are padded (see engine.runner.padding); a step with prefill chunks is
         padded only on the kernel path.
 
         With padding, a decode-only step has at least `min_rows` rows: an empty `scheduler_output` and
@@ -159,117 +137,94 @@ class InputBuilder:
         A request may be scheduled for the position of a token the still-running step samples (async
         batching): its input id is copied from `previous` on the device, never read on the host.
         """
-        input_ids: list[int] = []
-        # Packed rows whose input id is a token of `previous`, and that token's row there.
-        placeholder_rows: list[int] = []
-        previous_rows: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        # Every chunk in packed-row order, and the same chunks split by kind (for the gather path).
-        chunks: list[_Chunk] = []
-        decode: list[_Chunk] = []
-        prefill: list[_Chunk] = []
         self._step_tables.clear()
+        step = self._pack(scheduler_output, previous)
+        keys_interval = None
+        if padding is not None and padding.decode and step.is_decode_only:
+            step.pad_decode_rows(padding.decode_rows(len(step.decode), min_rows))
+            keys_interval = padding.keys_interval
+        kernel_inputs = None
+        if self.attention_kernel is not None:
+            queries_per_tile = 1 if step.is_decode_only else PREFILL_QUERIES_PER_TILE
+            varlen_shape = None
+            if padding is not None and not step.is_decode_only:
+                varlen_shape = padding.varlen_shape(len(step.tokens.input_ids), len(step.chunks))
+            kernel_inputs = self._kernel_inputs(step.chunks, keys_interval, queries_per_tile, varlen_shape)
+            # A step whose tables are too wide for the kernel gathers, unpadded.
+            if kernel_inputs is not None and varlen_shape is not None:
+                step.tokens.pad_varlen(varlen_shape)
+        metadata = self._metadata(step, kernel_inputs, keys_interval)
+        tokens = step.tokens
+        device = self.device
+        sampled_logits = tokens.sampled_logits
+        return BatchInputs(
+            input_ids=self._input_ids(step, previous).unsqueeze(0),
+            position_ids=to_device(tokens.positions, torch.long, device).unsqueeze(0),
+            logits_indices=to_device(tokens.logits_rows, torch.long, device),
+            sampled_logits=None if sampled_logits is None else to_device(sampled_logits, torch.long, device),
+            metadata=metadata,
+            num_padding_rows=tokens.num_padding_rows,
+            num_placeholder_inputs=len(step.placeholder_rows),
+            is_padded=tokens.is_padded,
+        )
+
+    def _pack(self, scheduler_output: SchedulerOutput, previous: PreviousTokens | None) -> _PackedStep:
+        step = _PackedStep()
+        tokens = step.tokens
         for item in scheduler_output.scheduled:
             request = item.request
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
-            chunk = _Chunk(request.request_id, len(input_ids), start, end)
+            chunk = _Chunk(request.request_id, len(tokens.input_ids), start, end)
             known = request.all_token_ids[start:end]
-            input_ids.extend(known)
+            tokens.input_ids.extend(known)
             if len(known) < end - start:
                 # Scheduling gives a request at most its one placeholder, which is its last token.
                 assert previous is not None and len(known) == end - start - 1, (request, previous)
-                placeholder_rows.append(len(input_ids))
-                previous_rows.append(previous.rows[request.request_id])
-                input_ids.append(0)
-            positions.extend(range(start, end))
+                step.placeholder_rows.append(len(tokens.input_ids))
+                step.previous_rows.append(previous.rows[request.request_id])
+                tokens.input_ids.append(0)
+            tokens.positions.extend(range(start, end))
             if item.samples_token:
-                logits_rows.append(chunk.row + item.num_new_tokens - 1)
-            chunks.append(chunk)
-            (decode if item.num_new_tokens == 1 else prefill).append(chunk)
+                tokens.logits_rows.append(chunk.row + item.num_new_tokens - 1)
+            step.chunks.append(chunk)
+            (step.decode if item.num_new_tokens == 1 else step.prefill).append(chunk)
+        return step
 
-        is_decode_only = not prefill
-        sampled_logits = None
-        num_padding_rows = 0
-        pads_decode = is_decode_only and padding is not None and padding.decode
-        if pads_decode:
-            assert padding is not None
-            num_rows = padded_size(max(len(decode), min_rows), padding.rows_interval)
-            num_padding_rows = num_rows - len(decode)
-            padding_chunks = [_Chunk(None, row, 0, 1) for row in range(len(decode), num_rows)]
-            decode.extend(padding_chunks)
-            chunks.extend(padding_chunks)
-            input_ids.extend([0] * num_padding_rows)
-            positions.extend([0] * num_padding_rows)
-            # Logits of every row, so their count depends on the padded shape alone.
-            sampled_logits = to_device(logits_rows, torch.long, self.device)
-            logits_rows = list(range(num_rows))
-
-        keys_interval = padding.keys_interval if pads_decode and padding is not None else None
-        kernel_inputs = None
-        pads_varlen = False
-        if self.attention_kernel is not None:
-            queries_per_tile = 1 if is_decode_only else PREFILL_QUERIES_PER_TILE
-            padded_shape = None
-            if (
-                not is_decode_only
-                and padding is not None
-                and padding.varlen
-                and len(input_ids) <= padding.varlen_max_tokens
-            ):
-                padded_shape = (
-                    padded_size(len(input_ids), padding.tokens_interval),
-                    padded_size(len(chunks), padding.rows_interval),
-                )
-            kernel_inputs = self._kernel_inputs(chunks, keys_interval, queries_per_tile, padded_shape)
-            pads_varlen = kernel_inputs is not None and padded_shape is not None
-            if pads_varlen:
-                assert padded_shape is not None
-                num_tokens, num_requests = padded_shape
-                num_padding_rows = num_tokens - len(input_ids)
-                input_ids.extend([0] * num_padding_rows)
-                positions.extend([0] * num_padding_rows)
-                # Logits of one row per request, so their count depends on the padded shape alone.
-                sampled_logits = to_device(list(range(len(logits_rows))), torch.long, self.device)
-                logits_rows.extend([0] * (num_requests - len(logits_rows)))
+    def _metadata(
+        self, step: _PackedStep, kernel_inputs: KernelInputs | None, keys_interval: int | None
+    ) -> PagedAttentionMetadata:
         batches = []
         if kernel_inputs is None:
-            if decode:
-                batches.append(self._batch(decode, keys_interval, covers_all_rows=is_decode_only))
-            batches.extend(self._batch([chunk], None, covers_all_rows=False) for chunk in prefill)
-        metadata = PagedAttentionMetadata(
+            if step.decode:
+                batches.append(self._batch(step.decode, keys_interval, covers_all_rows=step.is_decode_only))
+            batches.extend(self._batch([chunk], None, covers_all_rows=False) for chunk in step.prefill)
+        num_rows = len(step.tokens.input_ids)
+        return PagedAttentionMetadata(
             key_caches=self.key_caches,
             value_caches=self.value_caches,
             layer_groups=self.layer_groups,
             sliding_windows=[group.sliding_window for group in self.groups],
             write_slots=[
-                self._write_slots(group, chunks, len(input_ids)) for group in range(len(self.groups))
+                self._write_slots(group, step.chunks, num_rows) for group in range(len(self.groups))
             ],
             batches=batches,
-            is_decode_only=is_decode_only,
+            is_decode_only=step.is_decode_only,
             page_size=self.page_size,
             attention_kernel=self.attention_kernel if kernel_inputs is not None else None,
             kernel_inputs=kernel_inputs,
         )
+
+    def _input_ids(self, step: _PackedStep, previous: PreviousTokens | None) -> torch.Tensor:
         device = self.device
-        packed_ids = to_device(input_ids, torch.long, device)
-        if placeholder_rows:
+        input_ids = to_device(step.tokens.input_ids, torch.long, device)
+        if step.placeholder_rows:
             assert previous is not None
-            packed_ids.index_copy_(
+            input_ids.index_copy_(
                 0,
-                to_device(placeholder_rows, torch.long, device),
-                previous.token_ids.index_select(0, to_device(previous_rows, torch.long, device)),
+                to_device(step.placeholder_rows, torch.long, device),
+                previous.token_ids.index_select(0, to_device(step.previous_rows, torch.long, device)),
             )
-        return BatchInputs(
-            input_ids=packed_ids.unsqueeze(0),
-            position_ids=to_device(positions, torch.long, device).unsqueeze(0),
-            logits_indices=to_device(logits_rows, torch.long, device),
-            sampled_logits=sampled_logits,
-            metadata=metadata,
-            num_padding_rows=num_padding_rows,
-            num_placeholder_inputs=len(placeholder_rows),
-            is_padded=pads_decode or pads_varlen,
-        )
+        return input_ids
 
     def _table(self, chunk: _Chunk, group: int) -> list[int]:
         """The chunk's block table in `group`, read from the cache manager once per step (the write slots
@@ -352,37 +307,17 @@ class InputBuilder:
         chunks: list[_Chunk],  # in packed-row order
         keys_interval: int | None,
         queries_per_tile: int,
-        padded_shape: tuple[int, int] | None = None,
+        varlen_shape: VarlenShape | None = None,
     ) -> KernelInputs | None:
         """The kernel path's inputs, or None when a request's table is wider than the kernel takes.
 
-        With `keys_interval` (a padded decode step), the table width is rounded up like the key width, so
-        graphs see few shapes. With `padded_shape` (a padded step with prefill chunks: packed tokens,
-        requests), tables are `max_blocks_per_request` wide, padding requests own no tokens, and the tile
-        list has the most entries that many tokens and requests can need.
+        With `varlen_shape` (a padded step with prefill chunks), padding requests own no tokens and the
+        tile list has the most entries that shape can need.
         """
-        device = self.device
-        tables = [[self._table(chunk, group) for chunk in chunks] for group in range(len(self.groups))]
-        width = max(len(table) for group_tables in tables for table in group_tables)
-        if keys_interval is not None:
-            pages_per_interval = max(1, keys_interval // self.page_size)
-            width = round_up(width, pages_per_interval)
-        if width > self.max_blocks_per_request:
+        block_tables = self._block_tables(chunks, keys_interval, varlen_shape)
+        if block_tables is None:
             return None
-        num_padding_requests = 0
-        if padded_shape is not None:
-            width = self.max_blocks_per_request
-            num_padding_requests = padded_shape[1] - len(chunks)
-            for group_tables in tables:
-                group_tables.extend([[NULL_BLOCK_ID]] * num_padding_requests)
-        block_tables = [
-            to_device(
-                [table + [NULL_BLOCK_ID] * (width - len(table)) for table in group_tables],
-                torch.int32,
-                device,
-            )
-            for group_tables in tables
-        ]
+        num_padding_requests = 0 if varlen_shape is None else varlen_shape.num_requests - len(chunks)
         # Each request's rows follow the previous request's: packing puts a request's new tokens together.
         query_starts = [chunk.row for chunk in chunks]
         num_real_rows = query_starts[-1] + chunks[-1].end - chunks[-1].start
@@ -394,11 +329,11 @@ class InputBuilder:
             offsets = range(0, chunk.end - chunk.start, queries_per_tile)
             tile_requests.extend([index] * len(offsets))
             tile_offsets.extend(offsets)
-        if padded_shape is not None:
-            # Each request's tiles cover its queries with less than one tile to spare.
-            num_tiles = padded_shape[0] // queries_per_tile + padded_shape[1]
+        if varlen_shape is not None:
+            num_tiles = varlen_shape.num_tiles(queries_per_tile)
             tile_requests.extend([-1] * (num_tiles - len(tile_requests)))
             tile_offsets.extend([0] * (num_tiles - len(tile_offsets)))
+        device = self.device
         return KernelInputs(
             block_tables=block_tables,
             query_starts=to_device(query_starts, torch.int32, device),
@@ -406,8 +341,38 @@ class InputBuilder:
             tile_requests=to_device(tile_requests, torch.int32, device),
             tile_offsets=to_device(tile_offsets, torch.int32, device),
             queries_per_tile=queries_per_tile,
-            has_unowned_rows=padded_shape is not None and padded_shape[0] > num_real_rows,
+            has_unowned_rows=varlen_shape is not None and varlen_shape.num_tokens > num_real_rows,
         )
+
+    def _block_tables(
+        self, chunks: list[_Chunk], keys_interval: int | None, varlen_shape: VarlenShape | None
+    ) -> list[torch.Tensor] | None:
+        """The kernel's [requests, width] block table of each group, or None when a request's table is
+        wider than the kernel takes.
+
+        With `keys_interval` (a padded decode step), the width is rounded up like the key width, so graphs
+        see few shapes. With `varlen_shape`, tables are `max_blocks_per_request` wide and padding requests
+        get the null block alone.
+        """
+        tables = [[self._table(chunk, group) for chunk in chunks] for group in range(len(self.groups))]
+        width = max(len(table) for group_tables in tables for table in group_tables)
+        if keys_interval is not None:
+            pages_per_interval = max(1, keys_interval // self.page_size)
+            width = round_up(width, pages_per_interval)
+        if width > self.max_blocks_per_request:
+            return None
+        if varlen_shape is not None:
+            width = self.max_blocks_per_request
+            for group_tables in tables:
+                group_tables.extend([[NULL_BLOCK_ID]] * (varlen_shape.num_requests - len(chunks)))
+        return [
+            to_device(
+                [table + [NULL_BLOCK_ID] * (width - len(table)) for table in group_tables],
+                torch.int32,
+                self.device,
+            )
+            for group_tables in tables
+        ]
 
     def _group_keys(
         self, group: int, chunks: list[_Chunk], query_positions: torch.Tensor, keys_interval: int | None

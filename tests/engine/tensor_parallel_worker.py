@@ -140,18 +140,20 @@ def main() -> None:
     )
     manager = ContinuousBatchingManager(model, continuous_batching_config=config)
     finished: dict[str, dict[str, Any]] = {}
-    record_finish = manager._finish
+    manager._ensure_engine()  # joins the engine's set-up collectives
+    loop = manager._loop
+    assert loop is not None
+    record_finish = loop._finish
 
     def recording_finish(request: Any) -> None:
         finished[request.request_id] = {"status": request.status.name, "tokens": request.generated_tokens}
         record_finish(request)
 
-    manager._finish = recording_finish  # type: ignore[method-assign]
+    loop._finish = recording_finish  # type: ignore[method-assign]
     report: dict[str, Any] = {"rank": rank, "tp_size": getattr(model, "tp_size", None)}
 
     if args.scenario == "hang" and rank != 0:
-        manager._ensure_engine()  # joins the engine's set-up collectives, then never joins the loop
-        time.sleep(3600)
+        time.sleep(3600)  # joined the engine's set-up collectives above, never joins the loop
     if args.scenario == "die" and rank != 0:
         manager.start()
         time.sleep(1.0)

@@ -10,7 +10,8 @@ import pytest
 from engine.kv.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.prefix_hash import hash_block
-from engine.request import Request, SamplingParams
+from engine.request import Request
+from engine.sampling_params import SamplingParams
 
 
 def ids(blocks: list[KVBlock]) -> list[int]:

@@ -15,7 +15,7 @@ from transformers import CompileConfig
 
 from engine import ContinuousBatchingConfig
 from engine.runner.forward_paths import MAX_VARLEN_GRAPH_TOKENS, StepGraphs
-from engine.runner.inputs import Padding, padded_size, padded_sizes
+from engine.runner.padding import Padding, padded_size, padded_sizes
 from tests.conftest import TEST_DEVICE, assert_greedy_parity, generate_greedy, random_prompt, tiny_model
 
 PROMPT_LENGTHS = (1, 3, 16, 17, 40, 90, 130)

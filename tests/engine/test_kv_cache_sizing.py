@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine import ContinuousBatchingConfig, engine_core
+from engine import ContinuousBatchingConfig, cache_plan
 from engine.engine_core import EngineCore
 from engine.kv.layer_groups import kv_cache_groups
 from engine.runner.kv_cache import DEFAULT_CPU_CACHE_BUDGET_BYTES, KVCacheShape, resolve_cache_sizes
@@ -46,13 +46,13 @@ def test_the_cpu_default_caps_the_budget_at_4_gib_and_an_explicit_fraction_lifts
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caps: list[int | None] = []
-    original = engine_core.resolve_cache_sizes
+    original = cache_plan.resolve_cache_sizes
 
     def recording(*args: Any, **kwargs: Any) -> tuple[list[int], int]:
         caps.append(kwargs.get("max_budget_bytes"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine_core, "resolve_cache_sizes", recording)
+    monkeypatch.setattr(cache_plan, "resolve_cache_sizes", recording)
     model = tiny_model("llama")
     EngineCore(model, ContinuousBatchingConfig(page_size=16, max_batch_tokens=256))
     EngineCore(model, ContinuousBatchingConfig(page_size=16, max_batch_tokens=256, max_memory_percent=0.5))

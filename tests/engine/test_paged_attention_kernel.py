@@ -169,7 +169,7 @@ def test_padded_steps_with_prefill_chunks_keep_parity(kernel_module, family: str
     padding requests that own no tokens, tables max_blocks_per_request wide, padding tiles, and logits
     rows that are never sampled must leave every real row as it was."""
     from engine import init_continuous_batching
-    from engine.runner.inputs import Padding
+    from engine.runner.padding import Padding
 
     model = tiny_model(family)
     config = ContinuousBatchingConfig(

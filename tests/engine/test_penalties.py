@@ -244,13 +244,13 @@ def test_history_rows_are_given_back_when_requests_end() -> None:
     [
         (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
         (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number > 0"),
-        (dict(presence_penalty=2.5), r"presence_penalty must be a number in \[-2, 2\]"),
-        (dict(frequency_penalty=float("nan")), r"frequency_penalty must be a number in \[-2, 2\]"),
+        (dict(presence_penalty=2.5), r"presence_penalty must be a finite number in \[-2, 2\]"),
+        (dict(frequency_penalty=float("nan")), r"frequency_penalty must be a finite number in \[-2, 2\]"),
         (dict(min_new_tokens=-1), "min_new_tokens must be an int >= 0"),
         (dict(min_new_tokens=9), r"min_new_tokens \(9\) must not exceed max_new_tokens \(8\)"),
         (dict(logit_bias={256: 1.0}), r"logit_bias: token id 256 is not in \[0, 256\)"),
-        (dict(logit_bias={5: 150.0}), r"logit_bias\[5\] must be a number in \[-100, 100\]"),
-        (dict(logit_bias={5: float("nan")}), r"logit_bias\[5\] must be a number"),
+        (dict(logit_bias={5: 150.0}), r"logit_bias\[5\] must be a finite number in \[-100, 100\]"),
+        (dict(logit_bias={5: float("nan")}), r"logit_bias\[5\] must be a finite number"),
         (dict(logit_bias=[(5, 1.0)]), "logit_bias must be a mapping of token id to bias, got list"),
     ],
 )

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from engine.kv.cache_manager import KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 99

@@ -15,8 +15,9 @@ from engine.kv.cache_manager import KVCacheManager, blocks_for_tokens
 from engine.kv.layer_groups import KVCacheGroupSpec, kv_cache_groups
 from engine.kv.offload import HostBlockPool
 from engine.kv.sliding_window import SlidingWindowManager
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import Request, RequestStatus
 from engine.runner.kv_cache import KVCacheShape
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from tests.conftest import random_prompt, reference_greedy, tiny_config, tiny_model
 

@@ -199,46 +199,51 @@ class _RecordingGroup:
 
 
 def test_a_stopped_driver_beats_until_it_restarts_or_ends() -> None:
-    from engine.parallel import END, RESTART, STILL_STOPPED, StoppedHeartbeat
+    from engine.lockstep import StoppedDriverNews, StoppedHeartbeat
 
-    for decision in (RESTART, END):
+    for decision in (StoppedDriverNews.RESTART, StoppedDriverNews.END):
         group = _RecordingGroup()
         heartbeat = StoppedHeartbeat(group, interval_s=0.01)  # type: ignore[arg-type]
         time.sleep(0.2)
         heartbeat.end(decision)
-        assert len(group.sent) >= 3 and set(group.sent[:-1]) == {STILL_STOPPED}, group.sent
+        assert len(group.sent) >= 3 and set(group.sent[:-1]) == {StoppedDriverNews.STILL_STOPPED}, group.sent
         assert group.sent[-1] == decision
 
 
 def test_a_rank_lost_while_stopped_makes_the_restart_fail_saying_so() -> None:
-    from engine.parallel import RESTART, StoppedHeartbeat
+    from engine.lockstep import StoppedDriverNews, StoppedHeartbeat
 
     heartbeat = StoppedHeartbeat(_RecordingGroup(lost=True), interval_s=0.01)  # type: ignore[arg-type]
     with pytest.raises(
         RuntimeError, match=r"lost while the engine was stopped .*closed by peer.*restart the processes"
     ):
-        heartbeat.end(RESTART)
+        heartbeat.end(StoppedDriverNews.RESTART)
 
 
 def test_a_weight_update_tick_names_its_tensors_and_leaves_their_bytes_to_follow() -> None:
     """A state dict pushed to a sharded model is not pickled into the tick: every rank would otherwise
     hold several copies of the whole model while it travels (the lockstep test above runs it for real)."""
-    from engine.manager import WeightUpdate, _replayable
-    from engine.parallel import TensorBroadcast, TensorParallelGroup, TensorSpec
+    from concurrent.futures import Future
+
+    from engine.commands import UpdateWeights, WeightUpdate
+    from engine.lockstep import TensorBroadcast, TensorSpec, encode_commands, replayable
 
     weights = [("model.embed_tokens.weight", torch.zeros(4096, 1024)), ("model.norm.weight", torch.ones(8))]
-    command, (update, future) = _replayable(("update", (WeightUpdate(weights, "step-7"), object())))
-    assert future is None and update.label == "step-7"
+    command = replayable(UpdateWeights(WeightUpdate(weights, "step-7"), Future()))
+    assert isinstance(command, UpdateWeights)
+    update = command.update
+    assert command.result is None and update.label == "step-7"
     assert update.source == TensorBroadcast(
         (
             TensorSpec("model.embed_tokens.weight", torch.float32, (4096, 1024)),
             TensorSpec("model.norm.weight", torch.float32, (8,)),
         )
     )
-    assert len(TensorParallelGroup.encode_commands([(command, (update, None))])) < 2_000
+    assert len(encode_commands([command])) < 2_000
     # Entries that are not (name, tensor) pairs still travel, so that every rank rejects them alike.
-    _, (bad, _) = _replayable(("update", (WeightUpdate([("model.norm.weight", [1.0])], None), None)))
-    assert bad.source == [("model.norm.weight", [1.0])]
+    bad = replayable(UpdateWeights(WeightUpdate([("model.norm.weight", [1.0])], None), None))
+    assert isinstance(bad, UpdateWeights)
+    assert bad.update.source == [("model.norm.weight", [1.0])]
 
 
 @pytest.mark.parametrize("scenario", ["hang", "die"])

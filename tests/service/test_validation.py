@@ -49,10 +49,16 @@ BAD_REQUESTS = {
     "stop string too long": (_sampling(stop=["x" * 257]), "sampling.stop[0] must be 1 to 256"),
     "repetition_penalty 0": (_sampling(repetition_penalty=0.0), "sampling.repetition_penalty"),
     "repetition_penalty inf": (_sampling(repetition_penalty=float("inf")), "sampling.repetition_penalty"),
-    "presence_penalty > 2": (_sampling(presence_penalty=2.5), "sampling.presence_penalty must be in [-2, 2]"),
+    "presence_penalty > 2": (
+        _sampling(presence_penalty=2.5),
+        "sampling.presence_penalty must be a finite number in [-2, 2]",
+    ),
     "frequency_penalty NaN": (_sampling(frequency_penalty=float("nan")), "sampling.frequency_penalty"),
     "logit_bias id >= vocab": (_sampling(logit_bias={256: 1.0}), "sampling.logit_bias: token id 256"),
-    "logit_bias > 100": (_sampling(logit_bias={5: 100.5}), "sampling.logit_bias[5] must be in [-100, 100]"),
+    "logit_bias > 100": (
+        _sampling(logit_bias={5: 100.5}),
+        "sampling.logit_bias[5] must be a finite number in [-100, 100]",
+    ),
     "logit_bias NaN": (_sampling(logit_bias={5: float("nan")}), "sampling.logit_bias[5]"),
     "301 logit_bias entries": (
         _sampling(logit_bias={token: 1.0 for token in range(301)}),

@@ -1,0 +1,103 @@
+"""`plan_cache`: how large an engine's KV cache and batches are, decided before anything is allocated.
+
+The sizes follow from the model's shape, the memory its device has free (capped on the CPU) and the
+configuration. Under tensor parallelism every rank takes the smallest sizes any rank affords and the
+driver's seed, so all ranks build the same cache and sample the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.config import ContinuousBatchingConfig
+from engine.kv.layer_groups import KVCacheGroupSpec, kv_cache_groups
+from engine.runner.kv_cache import (
+    DEFAULT_CPU_CACHE_BUDGET_BYTES,
+    KVCacheShape,
+    resolve_cache_sizes,
+    resolve_offload_blocks,
+)
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallelGroup
+
+DEFAULT_MAX_REQUESTS_PER_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The KV cache one rank builds, and the batch bounds it is sized for."""
+
+    # Of every layer on this rank; each group's cache holds its own layers.
+    shape: KVCacheShape
+    kv_cache_groups: list[KVCacheGroupSpec]
+    num_blocks: list[int]  # of each group
+    num_host_blocks: int  # 0: no CPU offload
+    max_batch_tokens: int
+    max_requests_per_batch: int
+    max_model_len: int | None
+    seed: int | None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(group.sliding_window is not None for group in self.kv_cache_groups)
+
+
+def plan_cache(
+    model: torch.nn.Module,
+    config: ContinuousBatchingConfig,
+    tp_size: int,
+    parallel: TensorParallelGroup | None = None,
+) -> CachePlan:
+    """The cache `model` gets on this rank: its share of the KV heads (`tp_size` ranks), agreed with the
+    other ranks through `parallel`."""
+    # The cache lives beside the weights, in their dtype.
+    weights = next(model.parameters())
+    device = weights.device
+    text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
+    max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
+    max_requests_per_batch = config.max_requests_per_batch or DEFAULT_MAX_REQUESTS_PER_BATCH
+    shape = KVCacheShape.from_model_config(model.config, weights.dtype, tp_size)
+    groups = kv_cache_groups(text_config)
+    num_blocks, max_batch_tokens = resolve_cache_sizes(
+        shape,
+        groups,
+        device,
+        config.page_size,
+        config.num_blocks,
+        config.max_batch_tokens,
+        config.resolved_max_memory_percent(has_logit_processing=config.per_request_processors),
+        max_tokens_needed=max_requests_per_batch * (max_model_len or 4096),
+        max_requests=max_requests_per_batch,
+        activation_bytes_per_token=16 * text_config.hidden_size * shape.dtype.itemsize,
+        max_budget_bytes=(
+            DEFAULT_CPU_CACHE_BUDGET_BYTES
+            if device.type == "cpu" and config.max_memory_percent is None
+            else None
+        ),
+    )
+    # Host blocks are sized for a page of every layer: any group's blocks can use any of them.
+    num_host_blocks = resolve_offload_blocks(
+        config.cpu_offload_space,
+        config.cpu_offload_space_safety_threshold,
+        shape.bytes_per_token() * config.page_size,
+    )
+    seed = config.seed
+    if parallel is not None:
+        *num_blocks, max_batch_tokens, num_host_blocks = parallel.smallest(
+            [*num_blocks, max_batch_tokens, num_host_blocks]
+        )
+        seed = parallel.shared_seed(seed)
+    return CachePlan(
+        shape=shape,
+        kv_cache_groups=groups,
+        num_blocks=num_blocks,
+        num_host_blocks=num_host_blocks,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests_per_batch,
+        max_model_len=max_model_len,
+        seed=seed,
+    )

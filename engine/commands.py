@@ -1,0 +1,78 @@
+"""What callers post to the generation loop, and what the loop decides to do each iteration.
+
+Callers never touch the engine: they post a command, and the loop thread applies it between two steps.
+Under tensor parallelism the same commands are replayed on every rank (engine.lockstep), so a command
+carries plain data only, plus the caller's `Future` where it waits for an answer.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+from typing import Any
+
+from engine.request import Request
+
+
+class LoopAction(Enum):
+    """What the loop does after applying an iteration's commands."""
+
+    STEP = "step"  # run one engine step
+    IDLE = "idle"  # nothing to run: wait for a command
+    PARK = "park"  # held by a pause: wait for the last holder to leave
+    EXIT = "exit"  # stopped: end the loop thread
+
+
+class PauseMode(StrEnum):
+    """How `pause()` treats in-flight requests: keep them, let them finish first, or cancel them."""
+
+    KEEP = "keep"
+    WAIT = "wait"
+    ABORT = "abort"
+
+
+@dataclass
+class PauseHandle:
+    """What `pause()` yields: its mode and, for "abort", how many requests it cancelled."""
+
+    mode: PauseMode = PauseMode.KEEP
+    cancelled: int = 0
+    # Set by the loop: for "wait", once no in-flight request is left; for "abort", once they are cancelled.
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """New weights as the loop applies them: a safetensors path, or a list of (name, tensor) pairs (on
+    the other tensor-parallel ranks, an `engine.lockstep.TensorBroadcast` whose bytes follow the tick)."""
+
+    source: Any
+    label: str | None
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: Request
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class AbortAll:
+    """Cancel every in-flight and queued request (a pause in mode "abort")."""
+
+    handle: PauseHandle
+
+
+@dataclass(frozen=True)
+class UpdateWeights:
+    update: WeightUpdate
+    # The caller waiting for the new weight version; None where nobody waits (a replaying rank).
+    result: Future[int] | None
+
+
+LoopCommand = AddRequest | CancelRequest | AbortAll | UpdateWeights

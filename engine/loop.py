@@ -1,0 +1,429 @@
+"""`GenerationLoop`: the thread that owns the engine, applies posted commands between steps, and decides
+each iteration whether to step, idle, park for a pause, or exit.
+
+    callers ──post──> inbox ──> loop thread: apply commands ──> decide ──> engine.step() ──> OutputRouter
+
+Threads: every field below `_cond` is shared with callers and read or written only with `_cond` held;
+the engine itself is touched by the loop thread alone while the thread runs (so it needs no locks), and
+by callers only while it does not.
+
+Tensor parallelism (engine.lockstep) subclasses this loop: the `_share_*` and `_on_*` hooks are where
+the other ranks are kept in step; in a single process they do nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+from engine.commands import (
+    AbortAll,
+    AddRequest,
+    CancelRequest,
+    LoopAction,
+    LoopCommand,
+    PauseHandle,
+    PauseMode,
+    UpdateWeights,
+    WeightUpdate,
+)
+from engine.engine_core import EngineCore, StepResult
+from engine.errors import QueueFullError
+from engine.output_router import OutputRouter
+from engine.request import FinishReason, Request, RequestStatus
+from engine.stats import ManagerStats
+from engine.weights import apply_weights, stage_weights
+
+logger = logging.getLogger(__name__)
+
+# How long an idle loop, or a caller waiting on it, sleeps between looks at the shared state.
+IDLE_WAIT_S = 0.05
+
+
+class GenerationLoop:
+    """The engine's loop thread and the state callers share with it (the inbox, pauses, admissions)."""
+
+    def __init__(self, engine: EngineCore, router: OutputRouter, max_queue_size: int) -> None:
+        self.engine = engine
+        self.router = router
+        self.max_queue_size = max_queue_size
+        self._thread: threading.Thread | None = None
+        # Why the loop ended on its own (a tensor-parallel rank died, hung or diverged); None otherwise.
+        self.loop_error: str | None = None
+        self._exit_handlers: list[Callable[[], None]] = []
+        self._last_action: LoopAction | None = None
+        self._update_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._inbox: deque[LoopCommand] = deque()
+        self._accepting = True
+        self._stop_requested = False
+        self._hard_stop_requested = False
+        self._pause_holders = 0
+        # WAIT pauses whose in-flight requests have not all ended yet (the loop keeps stepping for them).
+        self._pending_waits: list[PauseHandle] = []
+        self._paused = False
+        self._live_ids: set[str] = set()
+        # Requests submitted and not yet scheduled (or ended): what `max_queue_size` bounds.
+        self._num_queued = 0
+        self.weight_version = 1
+        self.weight_version_label: str | None = None
+        self._stats = self._collect_stats()
+
+    # ------------------------------------------------------------------ callers' side
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._before_start()
+        with self._cond:
+            self._accepting = True
+            self._stop_requested = False
+            self._hard_stop_requested = False
+        self._thread = threading.Thread(target=self._run, name="cbserve-engine", daemon=True)
+        self._thread.start()
+
+    def request_stop(self, hard: bool) -> None:
+        """Refuses new requests; the loop exits once nothing is left, or at once, failing the rest, if
+        `hard`."""
+        with self._cond:
+            self._accepting = False
+            self._stop_requested = True
+            self._hard_stop_requested = self._hard_stop_requested or hard
+            self._cond.notify_all()
+
+    def join(self, timeout: float | None) -> bool:
+        """Waits for the loop thread to end; False if it still runs after `timeout` seconds."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def close(self) -> None:
+        """Releases what the loop holds beyond its thread (nothing in a single process)."""
+
+    def add_exit_handler(self, callback: Callable[[], None]) -> None:
+        self._exit_handlers.append(callback)
+
+    def submit(self, request: Request) -> bool:
+        """Queues a validated request; False once stopped. Raises ValueError for a live duplicate id and
+        QueueFullError when `max_queue_size` requests wait."""
+        with self._cond:
+            if not self._accepting:
+                return False
+            if request.request_id in self._live_ids:
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            if self.max_queue_size and self._num_queued >= self.max_queue_size:
+                raise QueueFullError(
+                    f"the request queue is full ({self._num_queued} waiting, max_queue_size="
+                    f"{self.max_queue_size}); retry later"
+                )
+            self._live_ids.add(request.request_id)
+            self._num_queued += 1
+            self.router.open(request.request_id)
+            self._post(AddRequest(request))
+        return True
+
+    def cancel(self, request_id: str) -> None:
+        with self._cond:
+            self._post(CancelRequest(request_id))
+
+    @contextmanager
+    def pause(self, mode: PauseMode) -> Iterator[PauseHandle]:
+        """Holds the loop between two steps while the block runs (see ContinuousBatchingManager.pause)."""
+        handle = PauseHandle(mode)
+        with self._cond:
+            self._pause_holders += 1
+            if mode == PauseMode.WAIT:
+                self._pending_waits.append(handle)
+            elif mode == PauseMode.ABORT:
+                if self.is_running():
+                    self._post(AbortAll(handle))
+                else:
+                    self._abort_all(handle)
+            self._cond.notify_all()
+        try:
+            with self._cond:
+                while self.is_running() and not (self._paused and (handle.done or mode == PauseMode.KEEP)):
+                    self._cond.wait(IDLE_WAIT_S)
+                handle.done = True
+            yield handle
+        finally:
+            with self._cond:
+                self._pause_holders -= 1
+                if handle in self._pending_waits:
+                    self._pending_waits.remove(handle)
+                self._cond.notify_all()
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Applies `update` between two steps under a KEEP pause; returns the new weight version.
+        Concurrent updates are serialised."""
+        with self._update_lock, self.pause(PauseMode.KEEP):
+            if not self.is_running():
+                self._check_can_update_stopped()
+                return self._apply_update(update)
+            # The loop thread owns the model while it runs: it applies the update between two steps.
+            result: Future[int] = Future()
+            with self._cond:
+                self._post(UpdateWeights(update, result))
+            return result.result()
+
+    def stats(self) -> ManagerStats:
+        return self._stats
+
+    def _post(self, command: LoopCommand) -> None:
+        """With `_cond` held."""
+        self._inbox.append(command)
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _run(self) -> None:
+        try:
+            self._run_until_stopped()
+        except Exception as exc:  # only the tensor-parallel exchange raises: a rank died, hung or diverged
+            self.loop_error = f"the generation loop failed: {type(exc).__name__}: {exc}"
+            logger.exception("generation loop failed; failing every live request")
+            self._fail_everything(self.loop_error)
+        else:
+            self._on_stopped()
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+        self._refresh_stats()
+        self.router.wake_all()
+        for handler in list(self._exit_handlers):
+            handler()
+
+    def _run_until_stopped(self) -> None:
+        """Iterates until stopped, then fails what a hard stop left live."""
+        while self._iterate():
+            pass
+        if self._hard_stop_requested:
+            self._fail_everything("the manager was hard-stopped before this request finished")
+
+    def _iterate(self) -> bool:
+        """One iteration: apply the inbox, then step, wait or exit (False)."""
+        with self._cond:
+            commands = list(self._inbox)
+            self._inbox.clear()
+        shared = self._share_commands(commands)
+        for command in commands:
+            self._apply(command)
+        engine = self.engine
+        if engine.has_step_in_flight:
+            with self._cond:
+                stepping = self._next_action() == LoopAction.STEP
+            if not stepping:  # a step launched ahead (async batching) delivers before the loop parks
+                self._flush()
+        with self._cond:
+            action = self._next_action()
+            self._enter(action)
+            hold, hard = engine.hold_admission, self._hard_stop_requested
+        self._share_decision(shared, commands, action, hold, hard)
+        if commands or action != self._last_action:  # an idle loop polls 20 times a second: no refresh
+            self._refresh_stats()
+        self._last_action = action
+        if action == LoopAction.EXIT:
+            return False
+        if action == LoopAction.STEP:
+            self._step()
+        else:
+            self._wait(action)
+        return True
+
+    def _next_action(self) -> LoopAction:
+        """With `_cond` held: what the loop does now. Reads state only, so `_wait` can ask it again."""
+        if self._hard_stop_requested:
+            return LoopAction.EXIT
+        if self._pause_holders > 0 and self._should_park():
+            return LoopAction.PARK
+        if not self.engine.has_unfinished_requests():
+            return LoopAction.EXIT if self._stop_requested and not self._inbox else LoopAction.IDLE
+        return LoopAction.STEP
+
+    def _should_park(self) -> bool:
+        """With `_cond` held and a pause held: park unless only WAIT pauses hold, with requests in flight."""
+        holding = self._pause_holders - len(self._pending_waits)
+        return holding > 0 or not self.engine.has_in_flight_requests()
+
+    def _enter(self, action: LoopAction) -> None:
+        """With `_cond` held: WAIT pauses are satisfied once parked with nothing in flight; pause() waiters
+        learn that the loop is parked."""
+        parked = action == LoopAction.PARK
+        if parked and not self.engine.has_in_flight_requests():
+            for handle in self._pending_waits:
+                handle.done = True
+            self._pending_waits.clear()
+        self.engine.hold_admission = bool(self._pending_waits)
+        self._paused = parked
+        if parked:
+            self._cond.notify_all()
+
+    def _wait(self, action: LoopAction) -> None:
+        """Idle or parked: sleep until a command or a state change."""
+        with self._cond:
+            if self._inbox or self._next_action() != action:
+                return
+            self._cond.wait(self._wait_timeout(action))
+
+    def _step(self) -> None:
+        self._run_step(self.engine.step)
+
+    def _flush(self) -> None:
+        """Waits for the step launched ahead (async batching) and publishes its tokens."""
+        self._run_step(self.engine.flush)
+
+    def _run_step(self, run: Callable[[], StepResult]) -> None:
+        try:
+            result = run()
+        except Exception as exc:  # a scheduler bug must not leave requests hanging forever
+            logger.exception("generation loop error; failing every live request")
+            result = StepResult(finished=self.engine.fail_all(f"engine error: {type(exc).__name__}: {exc}"))
+        self._on_step_result(result)
+        self._publish(result)
+        self._refresh_stats()
+
+    # ------------------------------------------------------------------ commands
+
+    def _apply(self, command: LoopCommand) -> None:
+        engine = self.engine
+        if isinstance(command, AddRequest):
+            if not engine.add_request(command.request):
+                self._finish(command.request)
+        elif isinstance(command, CancelRequest):
+            cancelled = engine.cancel_request(command.request_id)
+            if cancelled is not None:
+                self._finish(cancelled)
+        elif isinstance(command, AbortAll):
+            self._abort_all(command.handle)
+        else:
+            self._apply_update_command(command)
+
+    def _apply_update_command(self, command: UpdateWeights) -> None:
+        try:
+            version = self._apply_update(command.update)
+        except Exception as exc:  # a bad update is the caller's error; the loop goes on
+            if command.result is None:
+                logger.warning("weight update not applied on this rank: %s", exc)
+            else:
+                command.result.set_exception(exc)
+        else:
+            if command.result is not None:
+                command.result.set_result(version)
+
+    def _abort_all(self, handle: PauseHandle) -> None:
+        for request_id in list(self.engine.requests):
+            cancelled = self.engine.cancel_request(request_id)
+            if cancelled is not None:
+                handle.cancelled += 1
+                self._finish(cancelled)
+        handle.done = True
+
+    def _apply_update(self, update: WeightUpdate) -> int:
+        engine = self.engine
+        # Tokens of a step launched ahead are the old weights' and are stamped with their version.
+        if engine.has_step_in_flight:
+            self._flush()
+        staged = stage_weights(engine.model, update.source)
+        apply_weights(staged)
+        engine.kv_cache_manager.reset_prefix_cache()
+        with self._cond:
+            self.weight_version += 1
+            self.weight_version_label = update.label
+            engine.weight_version = self.weight_version
+        self._refresh_stats()
+        logger.info(
+            "weights updated: %d tensors, weight_version %d%s",
+            len(staged),
+            self.weight_version,
+            f" ({update.label})" if update.label else "",
+        )
+        return self.weight_version
+
+    # ------------------------------------------------------------------ outputs
+
+    def _publish(self, result: StepResult) -> None:
+        for request in result.advanced:
+            if request.streaming and not request.is_finished and self._publishes_outputs:
+                self.router.publish(request.to_output())
+        for request in result.finished:
+            self._finish(request)
+        if result.num_newly_scheduled:
+            with self._cond:
+                self._num_queued -= result.num_newly_scheduled
+
+    def _finish(self, request: Request) -> None:
+        with self._cond:
+            self._live_ids.discard(request.request_id)
+            if request.scheduled_time is None:
+                self._num_queued -= 1
+        if self._publishes_outputs:
+            self.router.publish(request.to_output())
+
+    def _fail_everything(self, error: str) -> None:
+        for request in self.engine.fail_all(error):
+            self._finish(request)
+        with self._cond:
+            leftovers = [command.request for command in self._inbox if isinstance(command, AddRequest)]
+            updates = [command.result for command in self._inbox if isinstance(command, UpdateWeights)]
+            self._inbox.clear()
+        for result in updates:
+            if result is not None:
+                result.set_exception(RuntimeError(f"weights not updated: {error}"))
+        for request in leftovers:
+            request.status = RequestStatus.FAILED
+            request.finish_reason = FinishReason.ERROR
+            request.error = error
+            self._finish(request)
+
+    def _refresh_stats(self) -> None:
+        self._stats = self._collect_stats()
+
+    def _collect_stats(self) -> ManagerStats:
+        return ManagerStats.of(
+            self.engine,
+            running=self.is_running(),
+            paused=self._paused,
+            num_pause_holders=self._pause_holders,
+            num_waiting=self._num_queued,
+            weight_version=self.weight_version,
+            weight_version_label=self.weight_version_label,
+        )
+
+    # ------------------------------------------------------------------ hooks (engine.lockstep)
+
+    # Whether this loop's outputs reach callers (replaying tensor-parallel ranks have no readers).
+    _publishes_outputs = True
+
+    def _before_start(self) -> None:
+        """Before the thread starts; raises when the loop cannot run again."""
+
+    def _on_stopped(self) -> None:
+        """On the loop thread, once the loop ended without error."""
+
+    def _share_commands(self, commands: list[LoopCommand]) -> Any:
+        """Before `commands` are applied (applying mutates requests); returns what `_share_decision`
+        needs."""
+        return None
+
+    def _share_decision(
+        self, shared: Any, commands: list[LoopCommand], action: LoopAction, hold: bool, hard: bool
+    ) -> None:
+        """Once the iteration's action is decided, before it is carried out."""
+
+    def _on_step_result(self, result: StepResult) -> None:
+        """After each step or flush, before its outputs are published."""
+
+    def _wait_timeout(self, action: LoopAction) -> float | None:
+        """How long an idle or parked loop sleeps before looking again (None: until notified)."""
+        return IDLE_WAIT_S if action == LoopAction.IDLE else None
+
+    def _check_can_update_stopped(self) -> None:
+        """Raises when weights cannot be applied with the loop stopped."""

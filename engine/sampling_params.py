@@ -1,0 +1,277 @@
+"""`SamplingParams` and the one function that builds and validates it, for the in-process API and the service.
+
+Every bound and default of a per-request generation parameter is defined here once. A bad value raises
+`InvalidParameterError` (a ValueError) whose message starts with the parameter's name, prefixed by the
+caller's `field_prefix` (the service passes "sampling." so the error names the wire field).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# transformers' GenerationConfig default (max_length=20) read as a number of new tokens.
+DEFAULT_MAX_NEW_TOKENS = 20
+MAX_TOP_LOGPROBS = 20
+# OpenAI's bounds on presence_penalty and frequency_penalty, and on logit_bias values.
+MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0
+# The generate() keyword arguments a request may carry besides max_new_tokens and eos_token_id.
+SAMPLING_KWARGS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "do_sample",
+    "logprobs",
+    "top_logprobs",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_new_tokens",
+    "logit_bias",
+)
+
+
+class InvalidParameterError(ValueError):
+    """A request parameter out of its bounds; `field` names it as the caller spelled it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}{message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding parameters. `temperature` None or 0 means greedy decoding."""
+
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # engine.penalties: None (or 1.0 / 0.0) leaves the logits alone.
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_new_tokens: int = 0
+    # (token id, bias) pairs added to the logits first, as transformers' sequence_bias of one token.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature is None or self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the engine processes this request's logits before sampling (engine.penalties)."""
+        return (
+            self.repetition_penalty not in (None, 1.0)
+            or bool(self.presence_penalty)
+            or bool(self.frequency_penalty)
+            or self.min_new_tokens > 0
+            or bool(self.logit_bias)
+        )
+
+
+def default_max_new_tokens(generation_config: Any) -> int:
+    """The model's `max_new_tokens`, or transformers' default of 20."""
+    return int(getattr(generation_config, "max_new_tokens", None) or DEFAULT_MAX_NEW_TOKENS)
+
+
+def check_token_ids(field: str, token_ids: Iterable[Any], vocab_size: int) -> list[int]:
+    """`token_ids` as a list; raises InvalidParameterError naming `field` at the first id outside the
+    vocabulary (or not an int)."""
+    ids = list(token_ids)
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidParameterError(
+                field, f": token id {token!r} is not in [0, {vocab_size}) (the model's vocabulary)"
+            )
+    return ids
+
+
+def build_sampling_params(
+    settings: Mapping[str, Any],
+    generation_config: Any,
+    vocab_size: int,
+    *,
+    return_logprobs: bool = False,
+    drop_unsupported: bool = False,
+    field_prefix: str = "",
+) -> SamplingParams:
+    """The `SamplingParams` of one request from the parameters its caller set (generate's keyword
+    arguments: `max_new_tokens`, `eos_token_id` and `SAMPLING_KWARGS`), with the model's generation
+    config supplying the rest as `generate` does.
+
+    Unknown parameters raise, or are dropped with a warning when `drop_unsupported`.
+    """
+    fields = _Fields(field_prefix)
+    unknown = sorted(set(settings) - {"max_new_tokens", "eos_token_id", *SAMPLING_KWARGS})
+    if unknown:
+        message = f"unsupported generation parameters {unknown}; supported: {list(SAMPLING_KWARGS)}"
+        if not drop_unsupported:
+            raise ValueError(message)
+        warnings.warn(f"{message}; dropped (drop_unsupported_processors=True)", stacklevel=4)
+    max_new_tokens = settings.get("max_new_tokens")
+    if max_new_tokens is None:
+        max_new_tokens = default_max_new_tokens(generation_config)
+    fields.check_int("max_new_tokens", max_new_tokens, minimum=1)
+    eos_token_id = settings.get("eos_token_id")
+    if eos_token_id is None:
+        eos_token_id = getattr(generation_config, "eos_token_id", None)
+    eos_ids = frozenset(check_token_ids(fields.name("eos_token_id"), _as_ids(eos_token_id), vocab_size))
+    top_logprobs = settings.get("top_logprobs") or 0
+    fields.check_int("top_logprobs", top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_ids,
+        **_sampler_settings(settings, generation_config, fields),
+        logprobs=bool(settings.get("logprobs") or top_logprobs or return_logprobs),
+        top_logprobs=top_logprobs,
+        **_penalties(settings, generation_config, max_new_tokens, fields),
+        logit_bias=_logit_bias(settings.get("logit_bias"), vocab_size, fields),
+    )
+
+
+def _sampler_settings(settings: Mapping[str, Any], generation_config: Any, fields: _Fields) -> dict[str, Any]:
+    """temperature, top_k, top_p and seed. The model's sampling defaults apply only when sampling: a
+    greedy model config stays greedy unless the request sets a temperature."""
+    do_sample = settings.get("do_sample", getattr(generation_config, "do_sample", False))
+    defaults = {
+        name: getattr(generation_config, name, None) if do_sample else None
+        for name in ("temperature", "top_k", "top_p")
+    }
+    temperature = settings.get("temperature", defaults["temperature"])
+    top_k = settings.get("top_k", defaults["top_k"])
+    top_p = settings.get("top_p", defaults["top_p"])
+    seed = settings.get("seed")
+    if temperature is not None:
+        fields.check_number("temperature", temperature, ">= 0", lambda value: value >= 0)
+    if top_k is not None:
+        fields.check_int("top_k", top_k, minimum=0, note=" (0 disables it)")
+    if top_p is not None:
+        fields.check_number("top_p", top_p, "in (0, 1]", lambda value: 0 < value <= 1)
+    if seed is not None:
+        fields.check_int("seed", seed)
+    if do_sample and temperature is None:
+        temperature = 1.0
+    if not do_sample and "temperature" not in settings:
+        temperature = None
+    return {
+        "temperature": float(temperature) if temperature is not None else None,
+        "top_k": top_k or None,
+        "top_p": float(top_p) if top_p is not None else None,
+        "seed": seed,
+    }
+
+
+def _penalties(
+    settings: Mapping[str, Any], generation_config: Any, max_new_tokens: int, fields: _Fields
+) -> dict[str, Any]:
+    """engine.penalties' parameters; as in `generate`, the model's generation config supplies
+    `repetition_penalty` and `min_new_tokens` when the call does not."""
+    repetition_penalty = settings.get(
+        "repetition_penalty", getattr(generation_config, "repetition_penalty", None)
+    )
+    if repetition_penalty is not None:
+        fields.check_number(
+            "repetition_penalty", repetition_penalty, "> 0 (1 disables it)", lambda value: value > 0
+        )
+    penalties: dict[str, Any] = {
+        "repetition_penalty": float(repetition_penalty) if repetition_penalty is not None else None
+    }
+    bound = MAX_ABS_PRESENCE_FREQUENCY_PENALTY
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = settings.get(name)
+        if value is not None:
+            fields.check_number(name, value, f"in [-{bound:g}, {bound:g}]", lambda value: abs(value) <= bound)
+        penalties[name] = float(value) if value is not None else None
+    min_new_tokens = settings.get("min_new_tokens", getattr(generation_config, "min_new_tokens", None)) or 0
+    fields.check_int("min_new_tokens", min_new_tokens, minimum=0)
+    if min_new_tokens > max_new_tokens and "min_new_tokens" not in settings:
+        min_new_tokens = max_new_tokens  # the model's default yields to this request's own limit
+    elif min_new_tokens > max_new_tokens:
+        raise InvalidParameterError(
+            fields.name("min_new_tokens"),
+            f" ({min_new_tokens}) must not exceed max_new_tokens ({max_new_tokens})",
+        )
+    penalties["min_new_tokens"] = min_new_tokens
+    return penalties
+
+
+def _logit_bias(logit_bias: Any, vocab_size: int, fields: _Fields) -> tuple[tuple[int, float], ...]:
+    if logit_bias is None:
+        return ()
+    field = fields.name("logit_bias")
+    if not isinstance(logit_bias, Mapping):
+        raise InvalidParameterError(
+            field, f" must be a mapping of token id to bias, got {type(logit_bias).__name__}"
+        )
+    check_token_ids(field, logit_bias, vocab_size)
+    bound = MAX_ABS_LOGIT_BIAS
+    for token, bias in sorted(logit_bias.items()):
+        fields.check_number(
+            f"logit_bias[{token}]", bias, f"in [-{bound:g}, {bound:g}]", lambda value: abs(value) <= bound
+        )
+    return tuple(sorted((token, float(bias)) for token, bias in logit_bias.items()))
+
+
+class _Fields:
+    """Names parameters as the caller spells them and checks their kind and bounds."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def name(self, parameter: str) -> str:
+        return f"{self.prefix}{parameter}"
+
+    def check_int(
+        self,
+        parameter: str,
+        value: Any,
+        minimum: int | None = None,
+        maximum: int | None = None,
+        note: str = "",
+    ) -> None:
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if (
+            not is_int
+            or not (minimum is None or value >= minimum)
+            or not (maximum is None or value <= maximum)
+        ):
+            if minimum is not None and maximum is not None:
+                bounds = f" in [{minimum}, {maximum}]"
+            elif minimum is not None:
+                bounds = f" >= {minimum}"
+            else:
+                bounds = ""
+            raise InvalidParameterError(self.name(parameter), f" must be an int{bounds}{note}, got {value!r}")
+
+    def check_number(
+        self, parameter: str, value: Any, bounds: str, in_bounds: Callable[[float], bool]
+    ) -> None:
+        """NaN and infinities are refused for every parameter: none has a meaning for them."""
+        is_number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        if not is_number or not in_bounds(value):
+            raise InvalidParameterError(
+                self.name(parameter), f" must be a finite number {bounds}, got {value!r}"
+            )
+
+
+def _as_ids(eos_token_id: Any) -> list[Any]:
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, torch.Tensor):
+        return list(eos_token_id.flatten().tolist())
+    if isinstance(eos_token_id, int):
+        return [eos_token_id]
+    return list(eos_token_id)

@@ -1,0 +1,123 @@
+"""Imports run one way: each engine module imports only from its own layer or the layers below it, and
+the service reaches the engine only through `engine/__init__`.
+
+A new module has to be placed in `ENGINE_LAYERS`, which is the map of the engine from the bottom up.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Bottom first. A module may import from its own layer and the layers below, never from a layer above.
+ENGINE_LAYERS: list[set[str]] = [
+    {
+        "engine.errors",
+        "engine.config",
+        "engine.sampling_params",
+        "engine.device_copies",
+        "engine.weights",
+        "engine.parallel",
+        # Plain records of host-resident blocks, which a request carries while preempted.
+        "engine.kv.offload",
+    },
+    {"engine.request"},
+    {
+        "engine.kv",
+        "engine.kv.prefix_hash",
+        "engine.kv.block_pool",
+        "engine.kv.full_attention",
+        "engine.kv.sliding_window",
+        "engine.kv.cache_manager",
+        "engine.kv.layer_groups",
+    },
+    {"engine.scheduler"},
+    {"engine.penalties", "engine.sampling"},
+    {
+        "engine.runner",
+        "engine.runner.attention",
+        "engine.runner.paged_attention_kernel",
+        "engine.runner.padding",
+        "engine.runner.inputs",
+        "engine.runner.kv_cache",
+        "engine.runner.forward_paths",
+        "engine.runner.model_runner",
+    },
+    {"engine.cache_plan"},
+    {"engine.engine_core"},
+    {"engine.commands", "engine.output_router", "engine.stats"},
+    {"engine.loop"},
+    {"engine.lockstep"},
+    {"engine.manager"},
+    {"engine.api"},
+    {"engine"},
+    {"engine.demo"},
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth (function-local and TYPE_CHECKING imports too)."""
+    imported: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            imported.add(node.module)
+    return imported
+
+
+def _layer_of(module: str) -> int:
+    for index, layer in enumerate(ENGINE_LAYERS):
+        if module in layer:
+            return index
+    raise AssertionError(f"{module} is in no layer of ENGINE_LAYERS: place it there")
+
+
+ENGINE_FILES = sorted((ROOT / "engine").rglob("*.py"))
+SERVICE_FILES = sorted((ROOT / "service").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=lambda path: _module_name(path))
+def test_an_engine_module_imports_only_from_its_layer_or_below(path: Path) -> None:
+    module = _module_name(path)
+    layer = _layer_of(module)
+    upward = sorted(
+        imported
+        for imported in _imports(path)
+        if (imported == "engine" or imported.startswith("engine.")) and _layer_of(imported) > layer
+    )
+    assert not upward, f"{module} (layer {layer}) imports from layers above it: {upward}"
+
+
+@pytest.mark.parametrize("path", ENGINE_FILES, ids=lambda path: _module_name(path))
+def test_the_engine_never_imports_the_service_or_grpc(path: Path) -> None:
+    outward = sorted(
+        imported
+        for imported in _imports(path)
+        if imported.split(".")[0] in {"service", "grpc", "cbserve_client"}
+    )
+    assert not outward, f"{_module_name(path)} imports {outward}"
+
+
+@pytest.mark.parametrize("path", SERVICE_FILES, ids=lambda path: _module_name(path))
+def test_the_service_imports_the_engine_only_through_its_package(path: Path) -> None:
+    deep = sorted(imported for imported in _imports(path) if imported.startswith("engine."))
+    assert not deep, f"{_module_name(path)} reaches past engine/__init__: {deep}"
+
+
+def test_every_layered_module_exists() -> None:
+    """The map stays true: a module removed or renamed leaves no stale entry behind."""
+    existing = {_module_name(path) for path in ENGINE_FILES}
+    stale = sorted(set().union(*ENGINE_LAYERS) - existing)
+    assert not stale, f"ENGINE_LAYERS names modules that do not exist: {stale}"
