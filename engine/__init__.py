@@ -13,6 +13,7 @@ from engine.api import (
 from engine.commands import PauseHandle, PauseMode
 from engine.config import ContinuousBatchingConfig
 from engine.errors import QueueFullError
+from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from engine.manager import ContinuousBatchingManager
 from engine.parallel import (
     check_tensor_parallel_size,
@@ -33,11 +34,15 @@ from engine.stats import ManagerStats
 from engine.weights import dtype_from_name, safetensors_files
 
 __all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "FinishReason",
     "GenerationOutput",
     "InvalidParameterError",
+    "KVCacheEvent",
     "ManagerStats",
     "PauseHandle",
     "PauseMode",

@@ -75,4 +75,12 @@ class UpdateWeights:
     result: Future[int] | None
 
 
-LoopCommand = AddRequest | CancelRequest | AbortAll | UpdateWeights
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Forget every reusable prefix block (requests in flight keep theirs and run on)."""
+
+    # The caller waiting for how many blocks were dropped; None where nobody waits.
+    result: Future[int] | None
+
+
+LoopCommand = AddRequest | CancelRequest | AbortAll | UpdateWeights | ResetPrefixCache

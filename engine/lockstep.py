@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.commands import LoopAction, LoopCommand, UpdateWeights, WeightUpdate
+from engine.commands import LoopAction, LoopCommand, ResetPrefixCache, UpdateWeights, WeightUpdate
 from engine.engine_core import EngineCore, StepResult
 from engine.loop import GenerationLoop
 from engine.output_router import OutputRouter
@@ -108,6 +108,8 @@ class LoopTick:
 def replayable(command: LoopCommand) -> LoopCommand:
     """A command as the other ranks replay it: without the caller's future, and with in-memory tensors
     described rather than pickled (their bytes follow the tick)."""
+    if isinstance(command, ResetPrefixCache):
+        return ResetPrefixCache(None)
     if not isinstance(command, UpdateWeights):
         return command
     update = command.update

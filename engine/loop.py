@@ -29,11 +29,13 @@ from engine.commands import (
     LoopCommand,
     PauseHandle,
     PauseMode,
+    ResetPrefixCache,
     UpdateWeights,
     WeightUpdate,
 )
 from engine.engine_core import EngineCore, StepResult
 from engine.errors import QueueFullError
+from engine.kv.events import KVCacheEvent
 from engine.output_router import OutputRouter
 from engine.request import FinishReason, Request, RequestStatus
 from engine.stats import ManagerStats
@@ -56,6 +58,9 @@ class GenerationLoop:
         # Why the loop ended on its own (a tensor-parallel rank died, hung or diverged); None otherwise.
         self.loop_error: str | None = None
         self._exit_handlers: list[Callable[[], None]] = []
+        self._kv_event_listeners: list[Callable[[list[KVCacheEvent]], None]] = []
+        # Tokens sampled since the engine was built (a rate for routers: tokens per second).
+        self._num_generated_tokens = 0
         self._last_action: LoopAction | None = None
         self._update_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -110,6 +115,23 @@ class GenerationLoop:
 
     def add_exit_handler(self, callback: Callable[[], None]) -> None:
         self._exit_handlers.append(callback)
+
+    def add_kv_event_listener(self, listener: Callable[[list[KVCacheEvent]], None]) -> None:
+        """`listener(events)` runs on the loop thread after each iteration that changed the prefix
+        cache, with the changes in order; it must be quick and must not raise."""
+        self._kv_event_listeners.append(listener)
+        self.engine.kv_cache_manager.record_kv_events()
+
+    def reset_prefix_cache(self) -> int:
+        """Drops every reusable prefix block between two steps; returns how many there were."""
+        if not self.is_running():
+            dropped = self.engine.kv_cache_manager.reset_prefix_cache()
+            self._publish_kv_events()
+            return dropped
+        result: Future[int] = Future()
+        with self._cond:
+            self._post(ResetPrefixCache(result))
+        return result.result()
 
     def submit(self, request: Request) -> bool:
         """Queues a validated request; False once stopped. Raises ValueError for a live duplicate id and
@@ -167,7 +189,9 @@ class GenerationLoop:
         with self._update_lock, self.pause(PauseMode.KEEP):
             if not self.is_running():
                 self._check_can_update_stopped()
-                return self._apply_update(update)
+                version = self._apply_update(update)
+                self._publish_kv_events()
+                return version
             # The loop thread owns the model while it runs: it applies the update between two steps.
             result: Future[int] = Future()
             with self._cond:
@@ -231,10 +255,13 @@ class GenerationLoop:
             self._refresh_stats()
         self._last_action = action
         if action == LoopAction.EXIT:
+            self._publish_kv_events()
             return False
         if action == LoopAction.STEP:
             self._step()
+            self._publish_kv_events()
         else:
+            self._publish_kv_events()
             self._wait(action)
         return True
 
@@ -303,6 +330,10 @@ class GenerationLoop:
                 self._finish(cancelled)
         elif isinstance(command, AbortAll):
             self._abort_all(command.handle)
+        elif isinstance(command, ResetPrefixCache):
+            dropped = engine.kv_cache_manager.reset_prefix_cache()
+            if command.result is not None:
+                command.result.set_result(dropped)
         else:
             self._apply_update_command(command)
 
@@ -349,7 +380,18 @@ class GenerationLoop:
 
     # ------------------------------------------------------------------ outputs
 
+    def _publish_kv_events(self) -> None:
+        events = self.engine.kv_cache_manager.take_kv_events()
+        if not events:
+            return
+        for listener in self._kv_event_listeners:
+            try:
+                listener(events)
+            except Exception:  # a listener's bug must not stop generation
+                logger.exception("a KV event listener failed")
+
     def _publish(self, result: StepResult) -> None:
+        self._num_generated_tokens += len(result.advanced)
         for request in result.advanced:
             if request.streaming and not request.is_finished and self._publishes_outputs:
                 self.router.publish(request.to_output())
@@ -395,6 +437,7 @@ class GenerationLoop:
             num_waiting=self._num_queued,
             weight_version=self.weight_version,
             weight_version_label=self.weight_version_label,
+            num_generated_tokens=self._num_generated_tokens,
         )
 
     # ------------------------------------------------------------------ hooks (engine.lockstep)

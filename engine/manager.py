@@ -26,6 +26,7 @@ import torch
 from engine.commands import PauseHandle, PauseMode, WeightUpdate
 from engine.config import ContinuousBatchingConfig
 from engine.engine_core import EngineCore, cb_attention_implementation
+from engine.kv.events import KVCacheEvent
 from engine.lockstep import LockstepDriverLoop, LockstepFollowerLoop
 from engine.loop import IDLE_WAIT_S, GenerationLoop
 from engine.output_router import OutputRouter
@@ -61,6 +62,7 @@ class ContinuousBatchingManager:
         self._id_counter = itertools.count()
         self._original_attn_implementation: str | None = None
         self._loop_exit_handlers: list[Callable[[], None]] = []
+        self._kv_event_listeners: list[Callable[[list[KVCacheEvent]], None]] = []
         self.warmed_up = False
         # Tensor parallelism: only the driver (rank 0) takes requests; the group is made with the engine.
         self.is_driver = tensor_parallel_size(model) == 1 or global_rank() == DRIVER_RANK
@@ -105,6 +107,8 @@ class ContinuousBatchingManager:
             loop = LockstepFollowerLoop(engine, self._router, max_queue_size, group)
         for handler in self._loop_exit_handlers:
             loop.add_exit_handler(handler)
+        for listener in self._kv_event_listeners:
+            loop.add_kv_event_listener(listener)
         return loop
 
     @property
@@ -398,6 +402,30 @@ class ContinuousBatchingManager:
         self._loop_exit_handlers.append(callback)
         if self._loop is not None:
             self._loop.add_exit_handler(callback)
+
+    def add_kv_event_listener(self, listener: Callable[[list[KVCacheEvent]], None]) -> None:
+        """Calls `listener(events)` from the loop thread after each iteration that changed the prefix
+        cache: the blocks stored, removed or all cleared, in order (engine.kv.events), for a router
+        that routes by prefix. Events are recorded only once a listener exists."""
+        self._kv_event_listeners.append(listener)
+        if self._loop is not None:
+            self._loop.add_kv_event_listener(listener)
+
+    def reset_prefix_cache(self) -> int:
+        """Drops every reusable prefix block and returns how many there were. Requests in flight keep
+        the blocks they hold and run on; only later requests stop finding the dropped prefixes."""
+        return self._running_loop.reset_prefix_cache()
+
+    @property
+    def max_requests_per_batch(self) -> int:
+        return self._ensure_engine().max_requests_per_batch
+
+    def max_tokens_per_request(self) -> int | None:
+        """The most tokens (prompt + generated) one request can ever hold: the smaller of the whole KV
+        cache and the model's positions; None when neither bounds it."""
+        engine = self._ensure_engine()
+        bounds = [bound for bound in (engine.kv_cache_manager.capacity_tokens, engine.max_model_len) if bound]
+        return min(bounds) if bounds else None
 
     def register_result_handler(
         self, request_id: str, callback: Callable[[GenerationOutput], object]

@@ -33,6 +33,8 @@ class ManagerStats:
     # Version of the weights served: 1 at start, +1 per `update_weights`.
     weight_version: int = 1
     weight_version_label: str | None = None
+    # Tokens sampled since the engine was built.
+    num_generated_tokens: int = 0
 
     @classmethod
     def of(
@@ -45,6 +47,7 @@ class ManagerStats:
         num_waiting: int,
         weight_version: int,
         weight_version_label: str | None,
+        num_generated_tokens: int,
     ) -> ManagerStats:
         """The engine's counters now, with the loop's own state (passed in by the loop)."""
         # Every cache group counts: a hybrid model's sliding-window blocks are memory too.
@@ -72,4 +75,5 @@ class ManagerStats:
             step_timings=engine.runner.timings.as_dict(),
             weight_version=weight_version,
             weight_version_label=weight_version_label,
+            num_generated_tokens=num_generated_tokens,
         )

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import torch
+from smg_grpc_proto.generated import common_pb2
 
 from engine import (
     ContinuousBatchingConfig,
@@ -22,6 +23,8 @@ from engine import (
     load_sharded_model,
     torchrun_world_size,
 )
+from service.engine_load import GenerationRate, engine_load
+from service.kv_event_stream import KvEventStream
 from service.request_record import RequestRecord
 from service.validation import ModelLimits, PreparedRequest, RequestRejected
 
@@ -97,10 +100,13 @@ class EngineHost:
         config: ContinuousBatchingConfig | None = None,
         model_name: str = "",
         retention_s: float = DEFAULT_RETENTION_S,
+        model_path: str = "",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name or str(getattr(model.config, "name_or_path", "") or type(model).__name__)
+        # Where the model was loaded from, as gateways ask for it (GetModelInfo); the name otherwise.
+        self.model_path = model_path or self.model_name
         self.manager = ContinuousBatchingManager(model, continuous_batching_config=config)
         self.retention_s = retention_s
         self.counters = Counters()
@@ -120,6 +126,11 @@ class EngineHost:
             default_max_new_tokens=default_max_new_tokens(generation_config),
             generation_config=generation_config,
         )
+        self._generation_rate = GenerationRate()
+        # The prefix cache's events for gateways (SubscribeKvEvents), recorded from the start so that a
+        # subscriber's snapshot holds every block the engine can reuse.
+        self.kv_events = KvEventStream(self.page_size, self.engine_load)
+        self.manager.add_kv_event_listener(self.kv_events.publish)
 
     @classmethod
     def from_path(
@@ -130,7 +141,8 @@ class EngineHost:
         dtype: str = "auto",
     ) -> EngineHost:
         model, tokenizer = load_pretrained(path, device, dtype)
-        return cls(model, tokenizer, config, model_name=os.path.basename(os.path.normpath(path)))
+        name = os.path.basename(os.path.normpath(path))
+        return cls(model, tokenizer, config, model_name=name, model_path=os.path.abspath(path))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -212,8 +224,11 @@ class EngineHost:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, prepared: PreparedRequest) -> RequestRecord:
-        """Queues a validated request; raises RequestRejected with the code the caller gets."""
+    def submit(self, prepared: PreparedRequest, detokenize: bool = True) -> RequestRecord:
+        """Queues a validated request; raises RequestRejected with the code the caller gets.
+
+        Without `detokenize` (and without stop strings, which match on text) the record decodes no text:
+        a gateway detokenizes itself, and decoding every token twice would cost the engine's cores."""
         if not self.serving:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the server is stopped or draining")
         existing = self._records.get(prepared.request_id)
@@ -238,7 +253,7 @@ class EngineHost:
         record = RequestRecord(
             request_id,
             len(prepared.input_ids),
-            self.tokenizer,
+            self.tokenizer if detokenize or prepared.stop_strings else None,
             self.weight_version,
             logprobs=prepared.sampling.logprobs,
             record_timestamps=prepared.record_timestamps,
@@ -283,6 +298,35 @@ class EngineHost:
 
     def stats(self) -> ManagerStats:
         return self.manager.stats()
+
+    @property
+    def page_size(self) -> int:
+        return self.manager.config.page_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def max_requests_per_batch(self) -> int:
+        return self.manager.max_requests_per_batch
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens, prompt and output together, that one request can hold."""
+        capacity = self.manager.max_tokens_per_request()
+        context = self.limits.max_context_length
+        return min(context, capacity) if capacity is not None else context
+
+    @property
+    def num_live_requests(self) -> int:
+        return sum(1 for record in self._records.values() if not record.finished)
+
+    def engine_load(self) -> common_pb2.EngineLoad:
+        """The load gateways route on (runs on the event loop)."""
+        stats = self.stats()
+        rate = self._generation_rate.update(stats.num_generated_tokens)
+        return engine_load(stats, self.page_size, self.max_requests_per_batch, rate)
 
     @property
     def weight_version(self) -> int:

@@ -176,10 +176,13 @@ def submit(
     tracer: RequestTracer,
     metrics: MetricsObserver,
     trace_parent: Context,
+    detokenize: bool = True,
 ) -> RequestRecord:
     """Validates and queues one request; raises RequestRejected with the caller's status code.
 
     The request's span starts here and ends with the request (or now, with an error, if it is refused).
+    `detokenize=False` leaves the output without text (stop strings still match on it), for callers
+    that decode tokens themselves.
     """
     span = tracer.start(request, host.model_name, trace_parent)
     # Refusals are counted here because AddRequest and each request added on a Generate stream pass through
@@ -188,7 +191,7 @@ def submit(
     try:
         if not host.serving:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the server is stopped or draining")
-        record = host.submit(prepare(request, host.limits, host.tokenizer))
+        record = host.submit(prepare(request, host.limits, host.tokenizer), detokenize=detokenize)
     except RequestRejected as exc:
         metrics.observe_rejected(exc.code.name)
         span.reject(exc.code.name, exc.message)

@@ -94,6 +94,11 @@ class RequestRecord:
         return self.status >= RequestStatus.FINISHED
 
     @property
+    def matched_stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._stop_matcher.matched if self._stop_matcher is not None else None
+
+    @property
     def stopped_by_text(self) -> bool:
         """A stop string ended the request here, whatever the engine still thinks of it."""
         return self._stop_matcher is not None and self._stop_matcher.stopped

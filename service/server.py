@@ -1,4 +1,5 @@
-"""The two grpc.aio servers (generation + health + reflection; admin + reflection) around one engine."""
+"""The two grpc.aio servers around one engine: generation (cbserve's GenerationService, the gateways'
+vllm.grpc.engine.VllmEngine, health, reflection) and admin (AdminService, reflection)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from cbserve_client.proto import admin_pb2, admin_pb2_grpc, generation_pb2, gene
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from service.admin_servicer import AdminServicer
 from service.auth import BearerTokenInterceptor
@@ -22,11 +24,13 @@ from service.message_decoding import MalformedMessageInterceptor
 from service.metrics import ServerMetrics
 from service.tls import ServerTls
 from service.tracing import RequestTracer, build_tracer_provider
+from service.vllm_engine_servicer import VllmEngineServicer
 
 logger = logging.getLogger(__name__)
 
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # How long the servers wait for open calls once the engine has drained (streams then end promptly).
 SERVER_STOP_GRACE_S = 5.0
@@ -76,15 +80,19 @@ class CbserveServer:
             interceptors=[BearerTokenInterceptor(options.admin_token), MalformedMessageInterceptor()]
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.main_server)
+        tracer = RequestTracer(self.tracer_provider)
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(self.slot, RequestTracer(self.tracer_provider), self.metrics), self.main_server
+            GenerationServicer(self.slot, tracer, self.metrics), self.main_server
+        )
+        # The gateways' protocol on the same port: one health, one TLS setup, one engine behind both.
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+            VllmEngineServicer(self.slot, tracer, self.metrics), self.main_server
         )
         admin_pb2_grpc.add_AdminServiceServicer_to_server(
             AdminServicer(self.slot, options.max_pause_lease_s, self.metrics), self.admin_server
         )
-        reflection.enable_server_reflection(
-            (GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), self.main_server
-        )
+        served = (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(served, self.main_server)
         reflection.enable_server_reflection((ADMIN_SERVICE, reflection.SERVICE_NAME), self.admin_server)
         address = options.host
         if options.tls is not None:
@@ -115,13 +123,13 @@ class CbserveServer:
         """Builds the engine host off the event loop, starts it, hands it to the servicers, turns SERVING."""
         loop = asyncio.get_running_loop()
         host = await loop.run_in_executor(None, make_host)
-        host.add_state_listener(lambda: self._follow_host(host))
+        host.add_state_listener(lambda: self._watch_host(host))
         host.add_request_end_listener(self.metrics.observe_request_end)
         await host.start_async()
         self.slot.host = host
         return host
 
-    def _follow_host(self, host: EngineHost) -> None:
+    def _watch_host(self, host: EngineHost) -> None:
         update = asyncio.ensure_future(self._set_health(host.serving))
         self._health_updates.add(update)
         update.add_done_callback(self._health_updates.discard)
@@ -130,7 +138,7 @@ class CbserveServer:
         status = (
             health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for service in ("", GENERATION_SERVICE):
+        for service in ("", GENERATION_SERVICE, VLLM_ENGINE_SERVICE):
             await self.health.set(service, status)
 
     async def shutdown(self) -> None:

@@ -32,6 +32,8 @@ class StopStringMatcher:
         self._stop_strings = stop_strings
         self._held = ""
         self.stopped = False
+        # The stop string that ended the output, once one has.
+        self.matched: str | None = None
 
     def feed(self, text: str) -> StopCheck:
         """Checks the next delta; after a match, every later delta is dropped."""
@@ -40,11 +42,13 @@ class StopStringMatcher:
         window = self._held + text
         # Any match ends inside `text`, since `_held` holds none: searching the window finds them all,
         # and a string's first occurrence is also the first to end.
-        matches = [(at + len(stop), at) for stop in self._stop_strings if (at := window.find(stop)) >= 0]
+        matches = [
+            (at + len(stop), at, stop) for stop in self._stop_strings if (at := window.find(stop)) >= 0
+        ]
         if matches:
             self._held = ""
             self.stopped = True
-            _, start = min(matches)
+            _, start, self.matched = min(matches)
             return StopCheck(window[:start], True)
         held_len = self._longest_tail_that_begins_a_stop_string(window)
         self._held = window[len(window) - held_len :]

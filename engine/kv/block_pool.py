@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 from engine.kv.prefix_hash import BlockHash
 
 NULL_BLOCK_ID = 0
@@ -97,7 +98,8 @@ class BlockPool:
 
     Invariants:
     - a block is in the free queue exactly when its ref_count is 0 (the null block is in neither);
-    - a block is in `_cached_blocks` exactly when its `block_hash` is set; cached blocks may be free.
+    - a block is in `_cached_blocks` exactly when its `block_hash` is set; cached blocks may be free;
+    - `events` hears of every change to `_cached_blocks`, in order (engine.kv.events).
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -109,6 +111,7 @@ class BlockPool:
         self.blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks[NULL_BLOCK_ID + 1 :])
         self._cached_blocks: dict[BlockHash, KVBlock] = {}
+        self.events = KVEventLog()
 
     @property
     def num_usable_blocks(self) -> int:
@@ -175,15 +178,21 @@ class BlockPool:
             return
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self._cached_blocks[block_hash] = block
+        self.events.record(BlockStored(block_hash, parent_hash, token_ids))
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix (after a weight update, or a failed step that may not have
-        written blocks it had already registered)."""
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (after a weight update, a flush, or a failed step that may not
+        have written blocks it had already registered); returns how many there were. Blocks that
+        requests hold stay theirs."""
+        num_cached = len(self._cached_blocks)
         for block in self._cached_blocks.values():
             block.block_hash = block.parent_hash = block.token_ids = None
         self._cached_blocks.clear()
+        self.events.record(AllBlocksCleared())
+        return num_cached
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             del self._cached_blocks[block.block_hash]
+            self.events.record(BlockRemoved(block.block_hash))
             block.block_hash = block.parent_hash = block.token_ids = None

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.kv.block_pool import BlockPool, KVBlock
+from engine.kv.events import KVCacheEvent
 from engine.kv.full_attention import FullAttentionManager, blocks_for_tokens
 from engine.kv.sliding_window import SlidingWindowManager
 from engine.request import Request
@@ -146,7 +147,15 @@ class KVCacheManager:
         for group in self.groups:
             group.free(request.request_id)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> int:
+        """Drops the prefix cache; returns how many blocks it held."""
         full = self.full_attention_group
-        if full is not None:
-            full.reset_prefix_cache()
+        return full.reset_prefix_cache() if full is not None else 0
+
+    def record_kv_events(self) -> None:
+        """From now on, changes to the prefix cache are kept for `take_kv_events` (engine.kv.events)."""
+        self.block_pool.events.enabled = True
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call, in order."""
+        return self.block_pool.events.take()

@@ -94,12 +94,14 @@ class FullAttentionManager:
         if table:
             self.block_pool.free(reversed(table))
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached prefix. Blocks that live requests hold now are never registered
-        again: their KV may predate the event that made the cache stale (a weight update)."""
-        self.block_pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix and returns how many blocks were cached. Blocks that live
+        requests hold now are never registered again: their KV may predate the event that made the
+        cache stale (a weight update)."""
+        num_cached = self.block_pool.reset_prefix_cache()
         for request_id, table in self.block_tables.items():
             self._num_registered_blocks[request_id] = len(table)
+        return num_cached
 
     def _num_new_blocks(
         self, request_id: str, num_computed: int, num_new_tokens: int, computed_blocks: Sequence[KVBlock]

@@ -29,6 +29,7 @@ ENGINE_LAYERS: list[set[str]] = [
     {
         "engine.kv",
         "engine.kv.prefix_hash",
+        "engine.kv.events",
         "engine.kv.block_pool",
         "engine.kv.full_attention",
         "engine.kv.sliding_window",

@@ -1,0 +1,340 @@
+"""`vllm.grpc.engine.VllmEngine`, the gRPC protocol gateways route on (SMG, the Kubernetes inference
+gateway's endpoint picker, Dynamo), served beside cbserve's own GenerationService on the same port.
+
+Token ids in, token ids out: the gateway tokenizes, applies chat templates and detokenizes. Requests from
+both protocols share the engine, its queue and prefix cache, the metrics and the traces
+(service.generation_servicer.submit). Stubs come from the PyPI package `smg-grpc-proto`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from importlib.metadata import version
+
+import grpc
+from cbserve_client.proto import types_pb2
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from engine import FinishReason, RequestStatus
+from service.generation_servicer import submit
+from service.host_slot import HostSlot
+from service.kv_event_stream import StreamAborted
+from service.metrics import NO_METRICS, MetricsObserver
+from service.request_record import RequestRecord
+from service.tokenizer_archive import archive_chunks, build_tokenizer_archive
+from service.tracing import RequestTracer, parent_context
+from service.validation import RequestRejected
+from service.vllm_requests import reject_with_vllm_names, to_generation_request
+
+logger = logging.getLogger(__name__)
+
+# vLLM's finish reasons: a stop string and an EOS or stop token id are both "stop".
+_FINISH_REASONS = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "abort",
+    FinishReason.ERROR: "error",
+}
+SERVER_TYPE = "cbserve-grpc"
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    def __init__(self, slot: HostSlot, tracer: RequestTracer, metrics: MetricsObserver = NO_METRICS) -> None:
+        self.slot = slot
+        self.tracer = tracer
+        self.metrics = metrics
+        self.started_at = time.monotonic()
+        self.last_receive_timestamp = 0.0
+        self._tokenizer_archive: tuple[bytes, str] | None = None
+        self._tokenizer_archive_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ generation
+
+    async def Generate(
+        self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
+        host = await self.slot.require(context)
+        self.last_receive_timestamp = time.time()
+        wants_logprobs = request.sampling_params.HasField("logprobs")
+        try:
+            translated = to_generation_request(request, host)
+        except RequestRejected as exc:
+            # A field only this protocol has: refused before `submit`, so counted here.
+            self.metrics.observe_rejected(exc.code.name)
+            await context.abort(exc.code, exc.message)
+        try:
+            # The gateway detokenizes: text is decoded here only to match stop strings.
+            trace_parent = parent_context(context.invocation_metadata())
+            record = submit(host, translated, self.tracer, self.metrics, trace_parent, detokenize=False)
+        except RequestRejected as exc:
+            renamed = reject_with_vllm_names(exc)
+            await context.abort(renamed.code, renamed.message)
+        stop_token_ids = set(request.sampling_params.stop_token_ids) - set(host.eos_token_ids)
+        try:
+            async for chunk in record.tail(0, send_current=False):
+                finished = chunk.status >= types_pb2.REQUEST_STATUS_FINISHED
+                if request.stream and chunk.token_ids:
+                    yield vllm_engine_pb2.GenerateResponse(chunk=_stream_chunk(record, chunk, wants_logprobs))
+                if not finished:
+                    continue
+                if record.status == RequestStatus.FAILED:
+                    await context.abort(grpc.StatusCode.INTERNAL, record.error or "the engine failed")
+                complete = _complete(record, chunk if request.stream else None, wants_logprobs)
+                _set_matched_stop(complete, record, stop_token_ids)
+                yield vllm_engine_pb2.GenerateResponse(complete=complete)
+                return
+        finally:
+            # However the call ends (client gone, deadline, abort): an unfinished request frees its blocks.
+            if not record.finished:
+                host.cancel(record.request_id)
+
+    async def Abort(
+        self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.AbortResponse:
+        host = await self.slot.require(context)
+        for request_id in request.request_ids:
+            host.cancel(request_id)
+        return vllm_engine_pb2.AbortResponse()
+
+    async def Embed(
+        self, request: vllm_engine_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.EmbedResponse:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "Embed: cbserve serves generation models; embeddings are not supported",
+        )
+        raise AssertionError("context.abort raises")
+
+    # ------------------------------------------------------------------ state of the engine
+
+    async def HealthCheck(
+        self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.HealthCheckResponse:
+        host = self.slot.host
+        if host is None:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="the model is still loading")
+        if host.serving:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+        reason = host.manager.loop_error or "the engine is stopped or draining"
+        return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=reason)
+
+    async def GetModelInfo(
+        self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetModelInfoResponse:
+        host = await self.slot.require(context)
+        config = host.model.config
+        generation_config = getattr(host.model, "generation_config", None)
+        info = vllm_engine_pb2.GetModelInfoResponse(
+            model_path=host.model_path,
+            is_generation=True,
+            max_context_length=host.limits.max_context_length,
+            vocab_size=host.limits.vocab_size,
+            served_model_name=host.model_name,
+            tokenizer_path=host.model_path,
+            model_type=str(getattr(config, "model_type", "") or ""),
+            architectures=list(getattr(config, "architectures", None) or [type(host.model).__name__]),
+            eos_token_ids=host.eos_token_ids,
+            max_req_input_len=host.limits.max_context_length - 1,
+            default_sampling_params_json=json.dumps(_default_sampling(generation_config)),
+        )
+        for field, name in (("pad_token_id", "pad_token_id"), ("bos_token_id", "bos_token_id")):
+            value = getattr(generation_config, name, None)
+            if value is None:
+                value = getattr(config, name, None)
+            if isinstance(value, int):
+                setattr(info, field, value)
+        return info
+
+    async def GetServerInfo(
+        self, request: vllm_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetServerInfoResponse:
+        host = await self.slot.require(context)
+        stats = host.stats()
+        return vllm_engine_pb2.GetServerInfoResponse(
+            active_requests=host.num_live_requests,
+            is_paused=stats.paused,
+            last_receive_timestamp=self.last_receive_timestamp,
+            uptime_seconds=time.monotonic() - self.started_at,
+            server_type=SERVER_TYPE,
+            data_parallel_size=1,
+            kv_cache_dtype="auto",
+            block_size=host.page_size,
+            attention_backend="cbserve_paged_sdpa",
+            model_dtype=str(host.dtype),
+            max_num_seqs=host.max_requests_per_batch,
+        )
+
+    async def GetLoads(
+        self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetLoadsResponse:
+        host = await self.slot.require(context)
+        response = vllm_engine_pb2.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(), version=version("cbserve"), dp_rank_count=1
+        )
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            return response
+        load = host.engine_load()
+        response.loads.append(
+            vllm_engine_pb2.SchedulerLoad(
+                dp_rank=0,
+                num_running_reqs=load.running_requests,
+                num_waiting_reqs=load.waiting_requests,
+                num_total_reqs=load.running_requests + load.waiting_requests,
+                num_used_tokens=load.num_used_tokens,
+                max_total_num_tokens=load.max_total_num_tokens,
+                token_usage=load.token_usage,
+                gen_throughput=load.gen_throughput,
+                cache_hit_rate=load.cache_hit_rate,
+                utilization=load.token_usage,
+                max_running_requests=load.max_running_requests,
+            )
+        )
+        return response
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        host = await self.slot.require(context)
+        if host.tokenizer is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the served model has no tokenizer")
+        if not hasattr(host.tokenizer, "save_pretrained"):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the served model's tokenizer is not a transformers tokenizer and cannot be exported",
+            )
+        async with self._tokenizer_archive_lock:
+            if self._tokenizer_archive is None:
+                generation_config = getattr(host.model, "generation_config", None)
+                self._tokenizer_archive = await asyncio.get_running_loop().run_in_executor(
+                    None, build_tokenizer_archive, host.tokenizer, host.model.config, generation_config
+                )
+        data, digest = self._tokenizer_archive
+        chunks = archive_chunks(data)
+        for index, piece in enumerate(chunks):
+            yield common_pb2.GetTokenizerChunk(data=piece, sha256=digest if index == len(chunks) - 1 else "")
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        host = await self.slot.require(context)
+        # Requests in flight keep their blocks and run on: the flush only forgets what may be reused, so
+        # it never has to wait for the engine to go idle, whatever `timeout_s` allows.
+        dropped = await asyncio.get_running_loop().run_in_executor(None, host.manager.reset_prefix_cache)
+        return common_pb2.FlushCacheResponse(success=True, message=f"dropped {dropped} cached blocks")
+
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        return _no_profiler()
+
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        return _no_profiler()
+
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        host = await self.slot.require(context)
+        # A gateway gives a subscription two seconds to answer (SMG marks the replica unreachable
+        # otherwise), and the first batch may be a while: answer the call at once.
+        await context.send_initial_metadata(())
+        batches = host.kv_events.subscribe(
+            request.start_sequence_number, request.load_records_before_first_batch
+        )
+        try:
+            async for batch in batches:
+                yield batch
+        except StreamAborted as exc:
+            await context.abort(exc.code, exc.message)
+
+
+def _stream_chunk(
+    record: RequestRecord, chunk: types_pb2.GenerationChunk, wants_logprobs: bool
+) -> vllm_engine_pb2.GenerateStreamChunk:
+    """A delta of tokens; counts are of the delta, as vLLM's streaming chunks carry them."""
+    stream_chunk = vllm_engine_pb2.GenerateStreamChunk(
+        token_ids=chunk.token_ids,
+        prompt_tokens=record.prompt_len,
+        completion_tokens=len(chunk.token_ids),
+        cached_tokens=record.num_cached_tokens,
+    )
+    if wants_logprobs:
+        stream_chunk.output_logprobs.CopyFrom(_output_logprobs(chunk.token_ids, chunk.logprobs))
+    return stream_chunk
+
+
+def _complete(
+    record: RequestRecord, last_chunk: types_pb2.GenerationChunk | None, wants_logprobs: bool
+) -> vllm_engine_pb2.GenerateComplete:
+    """The end of a request. Streaming (`last_chunk` given), it repeats the last delta, as vLLM's does
+    (the gateway has added up the chunks); otherwise it carries the whole output."""
+    if last_chunk is not None:
+        token_ids = list(last_chunk.token_ids)
+        logprobs = list(last_chunk.logprobs)
+    else:
+        full = record.chunk(0, len(record.token_ids))
+        token_ids, logprobs = list(full.token_ids), list(full.logprobs)
+    complete = vllm_engine_pb2.GenerateComplete(
+        output_ids=token_ids,
+        finish_reason=_FINISH_REASONS[record.finish_reason or FinishReason.ERROR],
+        prompt_tokens=record.prompt_len,
+        completion_tokens=len(token_ids),
+        cached_tokens=record.num_cached_tokens,
+    )
+    if wants_logprobs:
+        complete.output_logprobs.CopyFrom(_output_logprobs(token_ids, logprobs))
+    return complete
+
+
+def _set_matched_stop(
+    complete: vllm_engine_pb2.GenerateComplete, record: RequestRecord, stop_token_ids: set[int]
+) -> None:
+    """Which stop ended the output: a stop string, or a stop token id that is not the model's EOS (vLLM
+    names no match for an EOS)."""
+    if record.finish_reason == FinishReason.STOP and record.matched_stop_string is not None:
+        complete.matched_stop_str = record.matched_stop_string
+    elif (
+        record.finish_reason == FinishReason.EOS
+        and record.token_ids
+        and record.token_ids[-1] in stop_token_ids
+    ):
+        complete.matched_token_id = record.token_ids[-1]
+
+
+def _output_logprobs(
+    token_ids: list[int], logprobs: list[types_pb2.TokenLogprob]
+) -> vllm_engine_pb2.OutputLogProbs:
+    output = vllm_engine_pb2.OutputLogProbs(token_ids=token_ids)
+    for logprob in logprobs:
+        output.token_logprobs.append(logprob.logprob)
+        output.top_logprobs.append(
+            vllm_engine_pb2.TopLogProbs(
+                values=[top.logprob for top in logprob.top_logprobs],
+                token_ids=[top.token_id for top in logprob.top_logprobs],
+            )
+        )
+    return output
+
+
+def _default_sampling(generation_config: object) -> dict[str, object]:
+    """The model's own sampling defaults, as vLLM reports its generation config's."""
+    defaults = {}
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens"):
+        value = getattr(generation_config, name, None)
+        if value is not None:
+            defaults[name] = value
+    return defaults
+
+
+def _no_profiler() -> common_pb2.ProfileResponse:
+    return common_pb2.ProfileResponse(
+        success=False,
+        message="cbserve runs no profiler behind this RPC; profile the engine in-process (torch.profiler)",
+    )

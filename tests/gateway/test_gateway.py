@@ -1,0 +1,204 @@
+"""cbserve behind the real SMG gateway, called with the official `openai` client: the OpenAI API, cache-aware
+routing from cbserve's KV events, disconnects, a lost replica, and fields cbserve does not serve.
+
+The replicas serve a tiny random Llama with the embedded SmolLM2's tokenizer and chat template (the
+gateway tokenizes and detokenizes with it); greedy outputs are compared with the same request sent to a
+replica directly through the Python SDK.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+
+import openai
+import pytest
+from cbserve_client import AdminClient, Client
+from transformers import AutoTokenizer
+
+from tests.gateway.gateway_harness import Gateway
+from tests.service.service_harness import ADMIN_TOKEN, ServerProcess, wait_until
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT = "The capital of France is"
+MAX_TOKENS = 12
+REQUEST_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def client(gateway: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: openai.OpenAI) -> str:
+    (model,) = client.models.list().data
+    return model.id
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: str):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _direct_text(replica: ServerProcess, tokenizer, prompt_ids: list[int]) -> str:
+    """The same greedy request sent straight to a replica, decoded as the gateway decodes."""
+    with Client(replica.target) as direct:
+        completion = direct.generate(prompt_ids, max_new_tokens=MAX_TOKENS, temperature=0.0)
+    return tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def _wait_idle(replicas: list[ServerProcess]) -> None:
+    for replica in replicas:
+        with AdminClient(replica.admin_target, ADMIN_TOKEN) as admin:
+            wait_until(
+                lambda admin=admin: (
+                    (status := admin.status()).active_requests == 0 and status.kv_blocks_used == 0
+                ),
+                timeout=REQUEST_TIMEOUT_S,
+                what=f"no request and no KV block held on {replica.target}",
+            )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_completion_equals_the_same_greedy_request_sent_directly(
+    client: openai.OpenAI, model_name: str, replicas: list[ServerProcess], tokenizer, stream: bool
+) -> None:
+    prompt_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    if not isinstance(prompt_ids, list):
+        prompt_ids = list(prompt_ids["input_ids"])
+    expected = _direct_text(replicas[0], tokenizer, prompt_ids)
+    if stream:
+        chunks = client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    else:
+        response = client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0
+        )
+        text = response.choices[0].message.content or ""
+        assert response.usage is not None and response.usage.prompt_tokens == len(prompt_ids)
+    assert text == expected, f"through the gateway: {text!r}\ndirect: {expected!r}"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_equals_the_same_greedy_request_sent_directly(
+    client: openai.OpenAI, model_name: str, replicas: list[ServerProcess], tokenizer, stream: bool
+) -> None:
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    expected = _direct_text(replicas[1], tokenizer, prompt_ids)
+    if stream:
+        chunks = client.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        text = "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    else:
+        response = client.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0
+        )
+        text = response.choices[0].text
+    assert text == expected, f"through the gateway: {text!r}\ndirect: {expected!r}"
+
+
+def test_a_client_that_disconnects_mid_stream_leaves_no_kv_block_held(
+    client: openai.OpenAI, model_name: str, replicas: list[ServerProcess]
+) -> None:
+    stream = client.completions.create(
+        model=model_name,
+        prompt=PROMPT,
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    received = 0
+    for chunk in stream:
+        received += len(chunk.choices[0].text) if chunk.choices else 0
+        if received >= 5:
+            break
+    stream.close()
+    _wait_idle(replicas)
+
+
+def test_an_unsupported_field_comes_back_as_a_400_naming_it(client: openai.OpenAI, model_name: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=4, n=2)
+    assert "sampling_params.n" in str(caught.value), caught.value
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=model_name, messages=MESSAGES, max_tokens=4, extra_body={"min_p": 0.1}
+        )
+    assert "sampling_params.min_p" in str(caught.value), caught.value
+
+
+def test_requests_sharing_a_prefix_land_mostly_on_one_replica(
+    client: openai.OpenAI, model_name: str, gateway: Gateway, replicas: list[ServerProcess]
+) -> None:
+    """The gateway learns each replica's cached blocks from cbserve's KV events and routes by them."""
+    shared = "You are a careful assistant who answers in one short sentence. " * 15  # about 200 tokens
+    requests_before = _requests_per_worker(gateway)
+    hits_before = gateway.metric("smg_cache_aware_policy_branch_total", branch="event_hit")
+    cached_before = {replica.target: _prefix_cache_hit_tokens(replica) for replica in replicas}
+
+    def ask(index: int) -> None:
+        client.chat.completions.create(
+            model=model_name,
+            messages=[
+                {"role": "system", "content": shared},
+                {"role": "user", "content": f"Question {index}?"},
+            ],
+            max_tokens=2,
+            temperature=0,
+        )
+
+    ask(0)
+    # The first request's blocks reach the gateway's index as stored events before the others arrive.
+    wait_until(
+        lambda: gateway.metric("smg_kv_event_blocks_total", op="stored") >= 12,
+        timeout=REQUEST_TIMEOUT_S,
+        what="the first request's blocks in the gateway's index",
+    )
+    for index in range(1, 16):
+        ask(index)
+    routed = _requests_per_worker(gateway) - requests_before
+    hits = gateway.metric("smg_cache_aware_policy_branch_total", branch="event_hit") - hits_before
+    (busiest, count), *_ = routed.most_common()
+    assert count >= 12, f"16 requests with one prefix were spread over replicas: {dict(routed)}"
+    assert hits >= 12, f"only {hits} routing decisions matched cbserve's KV events"
+    assert gateway.metric("smg_kv_event_batches_total", disposition="applied") > 0
+    busiest_replica = next(replica for replica in replicas if busiest.endswith(replica.target))
+    reused = _prefix_cache_hit_tokens(busiest_replica) - cached_before[busiest_replica.target]
+    # Every request after the first on that replica reuses the shared prefix's full blocks (>= 160 tokens).
+    assert reused >= (count - 1) * 160, f"{busiest} reused {reused} prompt tokens for {count} requests"
+
+
+def _prefix_cache_hit_tokens(replica: ServerProcess) -> int:
+    with AdminClient(replica.admin_target, ADMIN_TOKEN) as admin:
+        return admin.status().prefix_cache_hits
+
+
+def _requests_per_worker(gateway: Gateway) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for (name, labels), value in gateway.metrics().items():
+        if name == "smg_worker_requests_total":
+            counts[dict(labels)["worker"]] += int(value)
+    return counts
+
+
+def test_after_one_replica_is_killed_requests_succeed_on_the_other(
+    client: openai.OpenAI, model_name: str, replicas: list[ServerProcess]
+) -> None:
+    """Runs last in this module: it kills a replica (the module's fixture stops the other)."""
+    victim = replicas[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.process.wait(timeout=30)
+    started = time.monotonic()
+    for index in range(6):
+        response = client.completions.create(
+            model=model_name, prompt=f"{PROMPT} {index}", max_tokens=4, temperature=0
+        )
+        assert response.choices[0].finish_reason in ("stop", "length")
+    assert time.monotonic() - started < 6 * REQUEST_TIMEOUT_S
