@@ -183,19 +183,29 @@ class RequestRecord:
         Tokens that arrive while a reader is busy are merged into its next chunk, so a slow reader never
         makes the engine wait. `send_current` sends the present status first even when nothing is new.
         """
+        async for start, end, _finished in self.token_ranges(from_index, send_current):
+            yield self.chunk(start, end)
+
+    async def token_ranges(self, from_index: int, send_current: bool) -> AsyncIterator[tuple[int, int, bool]]:
+        """(start, end, finished) for each update from token `from_index` on: the new tokens are
+        `token_ids[start:end]` (possibly none, when only the status changed), and the last update has
+        `finished` set. Updates that arrive while the reader is busy are merged into its next one."""
         cursor = from_index
         sent_status = None if send_current else self.status
         while True:
             changed = self._changed
             end = len(self.token_ids)
             if cursor < end or self.status != sent_status or self.finished:
-                chunk = self.chunk(cursor, end)
-                cursor = max(cursor, end)
+                start, cursor, finished = cursor, max(cursor, end), self.finished
                 sent_status = self.status
-                yield chunk
-                if chunk.status >= types_pb2.REQUEST_STATUS_FINISHED:
+                yield start, end, finished
+                if finished:
                     return
             await changed.wait()
+
+    def token_logprobs(self, start: int, end: int) -> list[types_pb2.TokenLogprob]:
+        """The logprobs of tokens [start, end), when the request asked for them (else empty)."""
+        return self._logprobs[start:end]
 
     def chunk(self, start: int, end: int) -> types_pb2.GenerationChunk:
         """The delta of tokens [start, end) with the request's present status."""

@@ -77,15 +77,18 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await context.abort(renamed.code, renamed.message)
         stop_token_ids = set(request.sampling_params.stop_token_ids) - set(host.eos_token_ids)
         try:
-            async for chunk in record.tail(0, send_current=False):
-                finished = chunk.status >= types_pb2.REQUEST_STATUS_FINISHED
-                if request.stream and chunk.token_ids:
-                    yield vllm_engine_pb2.GenerateResponse(chunk=_stream_chunk(record, chunk, wants_logprobs))
+            async for start, end, finished in record.token_ranges(0, send_current=False):
+                if request.stream and end > start:
+                    yield vllm_engine_pb2.GenerateResponse(
+                        chunk=_stream_chunk(record, start, end, wants_logprobs)
+                    )
                 if not finished:
                     continue
                 if record.status == RequestStatus.FAILED:
                     await context.abort(grpc.StatusCode.INTERNAL, record.error or "the engine failed")
-                complete = _complete(record, chunk if request.stream else None, wants_logprobs)
+                # Streaming, the completion repeats the last delta, as vLLM's servicer does (the gateway
+                # has added up the chunks); otherwise it carries the whole output.
+                complete = _complete(record, start if request.stream else 0, end, wants_logprobs)
                 _set_matched_stop(complete, record, stop_token_ids)
                 yield vllm_engine_pb2.GenerateResponse(complete=complete)
                 return
@@ -256,31 +259,26 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
 
 def _stream_chunk(
-    record: RequestRecord, chunk: types_pb2.GenerationChunk, wants_logprobs: bool
+    record: RequestRecord, start: int, end: int, wants_logprobs: bool
 ) -> vllm_engine_pb2.GenerateStreamChunk:
-    """A delta of tokens; counts are of the delta, as vLLM's streaming chunks carry them."""
+    """Tokens [start, end); counts are of the delta, as vLLM's streaming chunks carry them."""
+    token_ids = record.token_ids[start:end]
     stream_chunk = vllm_engine_pb2.GenerateStreamChunk(
-        token_ids=chunk.token_ids,
+        token_ids=token_ids,
         prompt_tokens=record.prompt_len,
-        completion_tokens=len(chunk.token_ids),
+        completion_tokens=len(token_ids),
         cached_tokens=record.num_cached_tokens,
     )
     if wants_logprobs:
-        stream_chunk.output_logprobs.CopyFrom(_output_logprobs(chunk.token_ids, chunk.logprobs))
+        stream_chunk.output_logprobs.CopyFrom(_output_logprobs(token_ids, record.token_logprobs(start, end)))
     return stream_chunk
 
 
 def _complete(
-    record: RequestRecord, last_chunk: types_pb2.GenerationChunk | None, wants_logprobs: bool
+    record: RequestRecord, start: int, end: int, wants_logprobs: bool
 ) -> vllm_engine_pb2.GenerateComplete:
-    """The end of a request. Streaming (`last_chunk` given), it repeats the last delta, as vLLM's does
-    (the gateway has added up the chunks); otherwise it carries the whole output."""
-    if last_chunk is not None:
-        token_ids = list(last_chunk.token_ids)
-        logprobs = list(last_chunk.logprobs)
-    else:
-        full = record.chunk(0, len(record.token_ids))
-        token_ids, logprobs = list(full.token_ids), list(full.logprobs)
+    """The end of a request, carrying tokens [start, end)."""
+    token_ids = record.token_ids[start:end]
     complete = vllm_engine_pb2.GenerateComplete(
         output_ids=token_ids,
         finish_reason=_FINISH_REASONS[record.finish_reason or FinishReason.ERROR],
@@ -289,7 +287,7 @@ def _complete(
         cached_tokens=record.num_cached_tokens,
     )
     if wants_logprobs:
-        complete.output_logprobs.CopyFrom(_output_logprobs(token_ids, logprobs))
+        complete.output_logprobs.CopyFrom(_output_logprobs(token_ids, record.token_logprobs(start, end)))
     return complete
 
 
