@@ -8,14 +8,20 @@ replica directly through the Python SDK.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import signal
 import time
+import zipfile
 from collections import Counter
+from pathlib import Path
 
+import grpc
 import openai
 import pytest
 from cbserve_client import AdminClient, Client
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from transformers import AutoTokenizer
 
 from tests.gateway.gateway_harness import Gateway
@@ -186,6 +192,25 @@ def _requests_per_worker(gateway: Gateway) -> Counter[str]:
         if name == "smg_worker_requests_total":
             counts[dict(labels)["worker"]] += int(value)
     return counts
+
+
+def test_the_tokenizer_a_replica_streams_is_the_one_it_serves(
+    replicas: list[ServerProcess], tokenizer, tmp_path: Path
+) -> None:
+    """What a gateway without a copy of the model loads (GetTokenizer): same ids, same chat template."""
+    with grpc.insecure_channel(replicas[0].target) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        chunks = list(stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=REQUEST_TIMEOUT_S))
+    data = b"".join(chunk.data for chunk in chunks)
+    assert [chunk.sha256 for chunk in chunks[:-1]] == [""] * (len(chunks) - 1)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        archive.extractall(tmp_path)
+    unpacked = AutoTokenizer.from_pretrained(tmp_path)
+    assert unpacked(PROMPT)["input_ids"] == tokenizer(PROMPT)["input_ids"]
+    rendered = unpacked.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert rendered == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert (tmp_path / "generation_config.json").is_file() and (tmp_path / "config.json").is_file()
 
 
 def test_after_one_replica_is_killed_requests_succeed_on_the_other(
