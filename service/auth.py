@@ -35,14 +35,23 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str | None) -> None:
         self._expected = f"Bearer {token}".encode() if token else None
 
-    def _authorized(self, metadata: Any) -> bool:
+    def _refusal_reason(self, metadata: Any) -> str | None:
+        """Why the call is refused (what to fix, for the caller), or None when its token is right."""
         if self._expected is None:
-            return False
+            return (
+                "no admin token is configured on the server, so every admin call is refused: start it with "
+                f"{TOKEN_ENV}=<token> in its environment or --admin-token-file FILE"
+            )
         for key, value in metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(given, self._expected)
-        return False
+                if hmac.compare_digest(given, self._expected):
+                    return None
+                return f"wrong admin token: it differs from the server's (${TOKEN_ENV} or --admin-token-file)"
+        return (
+            "admin token missing: pass the server's token (the SDKs' token argument; on the wire, "
+            "`authorization: Bearer <token>` metadata)"
+        )
 
     async def intercept_service(
         self,
@@ -53,9 +62,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method: str = handler_call_details.method
         if handler is None or not method.startswith(ADMIN_METHOD_PREFIX):
             return handler
-        if self._authorized(handler_call_details.invocation_metadata):
+        reason = self._refusal_reason(handler_call_details.invocation_metadata)
+        if reason is None:
             return handler
-        reason = "admin token required" if self._expected else "no admin token is configured on the server"
         return _refusal(handler, reason)
 
 

@@ -1,56 +1,147 @@
-"""`cbserve serve` (run the server) and `cbserve generate` (stream a completion through the SDK)."""
+"""`cbserve serve` (run the server) and `cbserve generate` (stream a completion through the SDK).
+
+A mistake the user can fix (a missing model folder, a port in use, no server at --target, an answer cut off)
+ends in one `cbserve: error:` line saying what to do, with exit status 1 (2 for a bad flag); a traceback
+comes only with `--debug`, or from a bug. `serve` checks what it can before it opens its ports (flags, the
+model folder, the embedded model's package, the ports); the model then loads with the ports open and
+health NOT_SERVING, and a load that fails shuts the servers down before the error is reported.
+
+Only the standard library loads at import, so `--help` and `generate` start at once: the server's stack
+(torch, transformers, the engine) is imported inside the serve path, the SDK inside `generate`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from engine import ContinuousBatchingConfig, check_tensor_parallel_size, torchrun_rank, torchrun_world_size
-from service.auth import load_admin_token
-from service.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from service.engine_host import DTYPES, EngineHost
-from service.server import CbserveServer, ServerOptions
-from service.tensor_parallel import follow, launch, strip_tp_flag
-from service.tls import ServerTls, TlsConfigError, client_credentials, load_server_tls
+from service.default_model import DEFAULT_MODEL_NAME
+
+if TYPE_CHECKING:
+    from cbserve_client import CbserveError
+
+    from engine import ContinuousBatchingConfig
+    from service.tls import ServerTls
+
+# The engine's defaults that --help names (tests/service/test_cli_errors.py checks them against the engine's
+# ContinuousBatchingConfig, which this module does not import: it would import torch).
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "page_size": 256,
+    "max_queue_size": 0,
+    "scheduler_type": "fifo",
+    "default_compile_level": 0,
+}
+# The precisions of --dtype (service.engine_host.DTYPES, checked by the same test).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# The engine fields set by a flag of the same name (--page-size sets page_size).
+ENGINE_KNOBS = (
+    "page_size",
+    "num_blocks",
+    "max_batch_tokens",
+    "max_requests_per_batch",
+    "max_queue_size",
+    "max_blocks_per_request",
+)
+
+
+class CommandError(Exception):
+    """A failure the user can fix: `main` prints the message as one line and exits with status 1."""
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a flag error told in two lines (the error, then where the help is) instead of the
+    whole usage, which for `serve` runs to a dozen lines."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cbserve", description="Continuous-batching LLM inference over gRPC"
-    )
+    parser = _ArgumentParser(prog="cbserve", description="Continuous-batching LLM inference over gRPC")
     commands = parser.add_subparsers(dest="command", required=True)
+    common = _ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        help="on an error, show the Python traceback too, not only the one-line message",
+    )
 
-    serve = commands.add_parser("serve", help="serve a model")
+    serve = commands.add_parser(
+        "serve",
+        parents=[common],
+        help="serve a model",
+        description="Serve a model: generation, health and reflection on --port, the admin API on "
+        "--admin-port. Runs until SIGTERM or SIGINT, then drains.",
+    )
+    serve.set_defaults(command_parser=serve)  # run_serve reports flag errors through it
     serve.add_argument(
         "--model",
+        metavar="FOLDER",
         default=None,
-        help=f"folder of a causal LM and its tokenizer (default: the embedded {DEFAULT_MODEL_NAME})",
-    )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=50051)
-    serve.add_argument("--admin-port", type=int, default=50052)
-    serve.add_argument(
-        "--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM"
+        help="folder of a transformers causal LM and its tokenizer, as save_pretrained writes it "
+        f"(default: the embedded {DEFAULT_MODEL_NAME})",
     )
     serve.add_argument(
-        "--max-pause-lease", type=float, default=300.0, help="longest hold of one Pause call (s)"
+        "--host",
+        default="127.0.0.1",
+        help="address both ports listen on (default 127.0.0.1: this machine only; 0.0.0.0: all interfaces)",
     )
     serve.add_argument(
-        "--admin-token-file", help="file holding the admin bearer token (else $CBSERVE_ADMIN_TOKEN)"
+        "--port",
+        type=int,
+        default=50051,
+        help="port of generation, health and reflection (default 50051; 0 picks a free port)",
     )
-    tls = serve.add_argument_group("TLS (both ports; plaintext when not given)")
-    tls.add_argument("--tls-cert", help="PEM certificate chain of the server (needs --tls-key)")
-    tls.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument(
+        "--admin-port",
+        type=int,
+        default=50052,
+        help="port of the admin API: pause, stop, start, status, weight updates (default 50052)",
+    )
+    serve.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="share --port and --admin-port with other servers started with this flag (SO_REUSEPORT: the "
+        "kernel splits the connections among them); default: refuse a port already in use",
+    )
+    serve.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="time in-flight requests get to finish on SIGTERM or SIGINT before they fail (default 30)",
+    )
+    serve.add_argument(
+        "--max-pause-lease",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="longest hold of one admin Pause call (default 300)",
+    )
+    serve.add_argument(
+        "--admin-token-file",
+        metavar="FILE",
+        help="file whose first line is the admin bearer token (default: $CBSERVE_ADMIN_TOKEN; with neither, "
+        "every admin call is refused)",
+    )
+    tls = serve.add_argument_group("TLS (both ports; default: plaintext)")
+    tls.add_argument("--tls-cert", metavar="PEM", help="certificate chain of the server (needs --tls-key)")
+    tls.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     tls.add_argument(
         "--tls-client-ca",
-        help="PEM CA bundle: clients must present a certificate it signed (mutual TLS)",
+        metavar="PEM",
+        help="CA bundle: clients must present a certificate it signed (mutual TLS; default: no client "
+        "certificate asked)",
     )
     serve.add_argument(
         "--otlp-endpoint",
+        metavar="URL",
         help="OTLP/gRPC collector for request traces (default $OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)",
     )
     serve.add_argument(
@@ -59,15 +150,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--dtype",
         default="auto",
-        choices=("auto", *DTYPES),
+        choices=("auto", *DTYPE_NAMES),
         help="weights and KV cache precision (default auto: bfloat16 on a GPU, float32 on the CPU)",
     )
     serve.add_argument(
         "--tp",
         type=int,
         default=1,
+        metavar="N",
         help="tensor-parallel size: run N ranks, each holding 1/N of every layer (N must divide the "
-        "model's KV heads); rank 0 serves, the others follow it",
+        "model's KV heads); rank 0 serves, the others follow it (default 1)",
     )
     serve.add_argument(
         "--metrics-port",
@@ -75,66 +167,127 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default 0: off)",
     )
-    engine = serve.add_argument_group("engine")
-    engine.add_argument("--page-size", type=int)
-    engine.add_argument("--num-blocks", type=int)
-    engine.add_argument("--max-batch-tokens", type=int)
-    engine.add_argument("--max-requests-per-batch", type=int)
-    engine.add_argument("--max-queue-size", type=int)
-    engine.add_argument("--scheduler-type", choices=("fifo", "prefill_first"))
+    engine = serve.add_argument_group(
+        "engine", "Defaults are the engine's (engine.ContinuousBatchingConfig), sized for the device."
+    )
+    engine.add_argument(
+        "--page-size",
+        type=int,
+        metavar="TOKENS",
+        help=f"tokens per KV-cache page, at least 4 (default {ENGINE_DEFAULTS['page_size']})",
+    )
+    engine.add_argument(
+        "--num-blocks",
+        type=int,
+        metavar="N",
+        help="KV-cache blocks (default: sized from free memory: device memory on a GPU; RAM on the CPU, "
+        "at most 4 GiB)",
+    )
+    engine.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        metavar="N",
+        help="most tokens, prefill and decode together, in one forward pass (default: sized from free "
+        "memory)",
+    )
+    engine.add_argument(
+        "--max-requests-per-batch",
+        type=int,
+        metavar="N",
+        help="most requests in one batch (default: inferred, at most 1024)",
+    )
+    engine.add_argument(
+        "--max-queue-size",
+        type=int,
+        metavar="N",
+        help="most requests waiting to be scheduled; more are refused with RESOURCE_EXHAUSTED "
+        f"(default {ENGINE_DEFAULTS['max_queue_size']}: no bound)",
+    )
+    engine.add_argument(
+        "--scheduler-type",
+        choices=("fifo", "prefill_first"),
+        help="fifo: arrival order, decode steps first; prefill_first: waiting prefills first, for a lower "
+        f"time to first token (default {ENGINE_DEFAULTS['scheduler_type']})",
+    )
     engine.add_argument(
         "--compile-level",
         type=int,
         choices=range(4),
-        help="torch.compile preset of the forward, 0 (off) to 3 (see default_compile_level)",
+        help="torch.compile preset of the forward, 0 (off) to 3 (see default_compile_level; "
+        f"default {ENGINE_DEFAULTS['default_compile_level']})",
     )
     engine.add_argument(
         "--max-blocks-per-request",
         type=int,
-        help="turn on the attention kernel (Triton, CUDA only) for requests holding up to N KV blocks",
+        metavar="N",
+        help="turn on the attention kernel (Triton, CUDA only) for requests holding up to N KV blocks "
+        "(default: off)",
     )
     engine.add_argument(
         "--cuda-graphs",
         action="store_true",
         help=(
             "replay CUDA graphs (CUDA only, one model rank): of decode steps, captured before serving, and "
-            "of steps with prefill chunks when --max-blocks-per-request is set, captured on first use"
+            "of steps with prefill chunks when --max-blocks-per-request is set, captured on first use "
+            "(default: off)"
         ),
     )
     engine.add_argument(
         "--async-batching",
         action="store_true",
-        help="prepare each step while the previous one runs on the GPU (use_async_batching)",
+        help="prepare each step while the previous one runs on the GPU (use_async_batching; default: off)",
     )
 
-    generate = commands.add_parser("generate", help="stream a completion from a running server")
-    generate.add_argument("prompt")
-    generate.add_argument("--target", default="127.0.0.1:50051")
-    generate.add_argument("--max-new-tokens", type=int)
+    generate = commands.add_parser(
+        "generate",
+        parents=[common],
+        help="stream a completion from a running server",
+        description="Stream a completion from a running `cbserve serve` to stdout. Exits 1, saying why on "
+        "stderr, when the answer did not come whole.",
+    )
+    generate.add_argument("prompt", help="the question (sent as a chat message), or the text to continue")
     generate.add_argument(
-        "--stop", action="append", metavar="TEXT", help="end the output before TEXT (repeat for several)"
+        "--target",
+        default="127.0.0.1:50051",
+        metavar="HOST:PORT",
+        help="the server's generation port, its --port (default 127.0.0.1:50051)",
     )
     generate.add_argument(
-        "--raw", action="store_true", help="send the prompt as plain text, not as a chat message"
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help="most tokens to generate (default: the server's, from the model's generation config)",
     )
-    generate.add_argument("--tls-ca", help="PEM CA that signed the server's certificate (turns TLS on)")
-    generate.add_argument("--tls-cert", help="PEM client certificate, for a mutual-TLS server")
-    generate.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    generate.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end the output before TEXT (repeat for several; default: none)",
+    )
+    generate.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as plain text to continue, not as a chat message (default: a chat message "
+        "when the model has a chat template)",
+    )
+    generate.add_argument(
+        "--tls-ca",
+        metavar="PEM",
+        help="CA that signed the server's certificate (turns TLS on; default: plaintext)",
+    )
+    generate.add_argument("--tls-cert", metavar="PEM", help="client certificate, for a mutual-TLS server")
+    generate.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     return parser
 
 
 def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     """The engine config from the flags given; the others keep the engine's defaults."""
-    knobs = (
-        "page_size",
-        "num_blocks",
-        "max_batch_tokens",
-        "max_requests_per_batch",
-        "max_queue_size",
-        "max_blocks_per_request",
-    )
+    from engine import ContinuousBatchingConfig
+
     values = {
-        name: getattr(args, name) for name in (*knobs, "scheduler_type") if getattr(args, name) is not None
+        name: getattr(args, name)
+        for name in (*ENGINE_KNOBS, "scheduler_type")
+        if getattr(args, name) is not None
     }
     if args.compile_level is not None:
         values["default_compile_level"] = args.compile_level
@@ -145,66 +298,221 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(**values)
 
 
-async def serve(args: argparse.Namespace, tls: ServerTls | None = None) -> None:
+def check_model_folder(path: str) -> None:
+    """Raises CommandError unless `path` is a folder with a transformers config (nothing is loaded)."""
+    folder = Path(path)
+    if not folder.exists():
+        raise CommandError(f"--model {path}: no such folder")
+    if not folder.is_dir():
+        raise CommandError(
+            f"--model {path}: not a folder; pass the folder that holds the model's config.json"
+        )
+    if not (folder / "config.json").is_file():
+        raise CommandError(
+            f"--model {path}: the folder holds no transformers model config (config.json); pass a folder "
+            "written by save_pretrained"
+        )
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    """The first line of `error`'s message, at most `limit` characters (some of transformers' messages
+    list every model type it knows)."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
+    """`cbserve serve`: the checks that need no model, then the N ranks of `--tp N`, a follower rank under
+    torchrun, or the server (`serve`)."""
+    from service.default_model import DefaultModelUnavailable, check_default_model_available
+    from service.tls import TlsConfigError, load_server_tls
+
+    parser: argparse.ArgumentParser = args.command_parser
+    try:
+        # Read before anything starts, so a bad TLS flag fails at once, naming the flag.
+        tls = load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
+    except TlsConfigError as exc:
+        parser.error(str(exc))
+    if args.tp < 1:
+        parser.error(f"--tp must be >= 1, got {args.tp}")
+    ports = {"--port": args.port, "--admin-port": args.admin_port, "--metrics-port": args.metrics_port}
+    taken = [flag for flag, port in ports.items() if port and list(ports.values()).count(port) > 1]
+    if taken:
+        parser.error(f"{' and '.join(taken)} name the same port; give each its own")
+    if args.model is not None:
+        check_model_folder(args.model)
+    else:
+        try:
+            check_default_model_available()
+        except DefaultModelUnavailable as exc:
+            raise CommandError(str(exc)) from exc
+    admin_token = _admin_token(args.admin_token_file)
+
+    from engine import torchrun_rank, torchrun_world_size
+    from service.default_model import ensure_default_model
+    from service.tensor_parallel import follow
+
+    try:
+        config = engine_config(args)
+    except ValueError as exc:
+        field = str(exc).split(" ", 1)[0]
+        parser.error(f"--{field.replace('_', '-')}: {exc}" if field in ENGINE_KNOBS else str(exc))
+    if args.tp > 1 and torchrun_world_size() == 1:
+        return launch_tensor_parallel(parser, args, argv)
+    if torchrun_rank() > 0:
+        return follow(args.model or ensure_default_model(), config, args.dtype)
+    asyncio.run(serve(args, config, admin_token, tls))
+    return 0
+
+
+def _admin_token(token_file: str | None) -> str | None:
+    from service.auth import load_admin_token
+
+    try:
+        return load_admin_token(token_file)
+    except OSError as exc:
+        raise CommandError(f"--admin-token-file {token_file}: {exc.strerror or exc}") from exc
+
+
+async def serve(
+    args: argparse.Namespace, config: ContinuousBatchingConfig, admin_token: str | None, tls: ServerTls | None
+) -> None:
+    """Opens the ports at once (health NOT_SERVING while the model loads), serves until SIGTERM or SIGINT,
+    then drains. Whatever fails once the servers exist, they are shut down before the error goes up, so
+    the process ends without asyncio's complaints about servers never stopped."""
+    from service.default_model import ensure_default_model
+    from service.engine_host import EngineHost
+    from service.ports import PortError
+    from service.server import CbserveServer, ServerOptions
+
     options = ServerOptions(
         host=args.host,
         port=args.port,
         admin_port=args.admin_port,
         grace_period_s=args.grace_period,
         max_pause_lease_s=args.max_pause_lease,
-        admin_token=load_admin_token(args.admin_token_file),
+        admin_token=admin_token,
         tls=tls,
         otlp_endpoint=args.otlp_endpoint,
         metrics_port=args.metrics_port,
+        reuse_port=args.reuse_port,
     )
-    server = CbserveServer(options)
+    try:
+        server = CbserveServer(options)
+    except PortError as exc:
+        raise CommandError(str(exc)) from exc
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
-    await server.start()
-    config = engine_config(args)
-    # The first start on the embedded model converts it once (~80 s), in load's worker thread, while
-    # health reports NOT_SERVING.
-    loading = asyncio.ensure_future(
-        server.load(
-            lambda: EngineHost.from_path(
-                args.model or ensure_default_model(), config, device=args.device, dtype=args.dtype
+    model = args.model or DEFAULT_MODEL_NAME
+    try:
+        try:
+            await server.start()
+        except PortError as exc:
+            raise CommandError(str(exc)) from exc
+        # The first start on the embedded model converts it once (~80 s), in load's worker thread, while
+        # health reports NOT_SERVING.
+        loading = asyncio.ensure_future(
+            server.load(
+                lambda: EngineHost.from_path(
+                    args.model or ensure_default_model(), config, device=args.device, dtype=args.dtype
+                )
             )
         )
-    )
-    await asyncio.wait([loading, asyncio.ensure_future(stopping.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if loading.done():
-        loading.result()
-        logging.getLogger(__name__).info("serving %s", args.model or DEFAULT_MODEL_NAME)
-        await stopping.wait()
-    await server.shutdown()
+        stop_requested = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait([loading, stop_requested], return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():  # stopped while loading
+            loading.cancel()
+            return
+        failure = loading.exception()
+        if failure is not None:
+            raise CommandError(
+                f"could not load the model {model}: {_one_line(failure)} (--debug shows the traceback)"
+            ) from failure
+        logging.getLogger(__name__).info("serving %s", model)
+        await stop_requested
+    finally:
+        await server.shutdown()
 
 
-def generate(args: argparse.Namespace) -> None:
-    from cbserve_client import Client
+def generate(args: argparse.Namespace) -> int:
+    """`cbserve generate`: streams the answer to stdout. An answer that did not come whole (the request
+    failed or was cancelled, or the connection broke) is followed by a CommandError saying so."""
+    # gRPC's C core logs a lost connection at INFO on stderr, next to the CLI's own message about it.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from cbserve_client import CbserveError, Chunk, Client
+
+    from service.tls import TlsConfigError, client_credentials
 
     sampling: dict[str, Any] = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
     if args.stop:
         sampling["stop"] = args.stop
     use_tls = args.tls_ca is not None or args.tls_cert is not None
-    credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
-    with Client(args.target, credentials=credentials) as client:
-        # An instruction-tuned model answers a question only through its chat template.
-        chat = not args.raw and client.model_info().has_chat_template
-        prompt: str | list[dict[str, str]] = (
-            [{"role": "user", "content": args.prompt}] if chat else args.prompt
-        )
-        for chunk in client.stream(prompt, **sampling):
-            if chunk.text:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
+    try:
+        credentials = client_credentials(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
+    except TlsConfigError as exc:
+        raise CommandError(str(exc)) from exc
+    last: Chunk | None = None
+    printed = False
+    try:
+        with Client(args.target, credentials=credentials) as client:
+            # An instruction-tuned model answers a question only through its chat template.
+            chat = not args.raw and client.model_info().has_chat_template
+            prompt: str | list[dict[str, str]] = (
+                [{"role": "user", "content": args.prompt}] if chat else args.prompt
+            )
+            for chunk in client.stream(prompt, **sampling):
+                last = chunk
+                if chunk.text:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    printed = True
+    except CbserveError as exc:
+        if printed:
+            sys.stdout.write("\n")
+        raise CommandError(_call_failure(exc, args.target, started=last is not None)) from exc
     sys.stdout.write("\n")
+    if last is None or last.finish_reason is None:
+        raise CommandError("the output was cut off: the stream ended before the request finished")
+    if last.finish_reason == "error":
+        raise CommandError(
+            f"the output was cut off: the server failed the request: {last.error or 'no reason given'}"
+        )
+    if last.finish_reason == "cancelled":
+        why = last.error or "by an admin Pause in ABORT mode, or a Cancel from another client"
+        raise CommandError(f"the output was cut off: the request was cancelled on the server ({why})")
+    return 0
+
+
+def _call_failure(error: CbserveError, target: str, started: bool) -> str:
+    """What went wrong with the call to `target`, and what to try."""
+    import grpc
+
+    if started:
+        return f"the output was cut off: the call to {target} broke: {error}"
+    details = error.details
+    # gRPC's own words for a target it could not reach (the server's UNAVAILABLE says loading or draining).
+    unreached = ("connect", "resolv", "socket closed", "unreachable")
+    if error.code == grpc.StatusCode.UNAVAILABLE and any(sign in details.lower() for sign in unreached):
+        reason = details.rsplit(": ", 1)[-1].strip(" []")
+        return f"nothing answers at --target {target} ({reason}); is `cbserve serve` running there?"
+    if error.code == grpc.StatusCode.UNIMPLEMENTED:
+        return (
+            f"{target} does not serve cbserve's GenerationService: is it the admin port? --target takes the "
+            "server's --port (50051 by default)"
+        )
+    return f"the request to {target} was refused: {error}"
 
 
 def launch_tensor_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:
     """`cbserve serve --tp N`: checks N against the model, then runs the N ranks (service.tensor_parallel)."""
     from transformers import AutoConfig
+
+    from engine import check_tensor_parallel_size
+    from service.default_model import ensure_default_model
+    from service.tensor_parallel import launch, strip_tp_flag
 
     model_path = args.model or ensure_default_model()
     try:
@@ -223,17 +531,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "serve":
-            # Read before anything starts, so a bad TLS flag fails at once, naming the flag.
-            tls = load_server_tls(args.tls_cert, args.tls_key, args.tls_client_ca)
-            if args.tp < 1:
-                parser.error(f"--tp must be >= 1, got {args.tp}")
-            if args.tp > 1 and torchrun_world_size() == 1:
-                return launch_tensor_parallel(parser, args, list(sys.argv[1:] if argv is None else argv))
-            if torchrun_rank() > 0:
-                return follow(args.model or ensure_default_model(), engine_config(args), args.dtype)
-            asyncio.run(serve(args, tls))
-        else:
-            generate(args)
-    except TlsConfigError as exc:
-        parser.error(str(exc))
-    return 0
+            return run_serve(args, list(sys.argv[1:] if argv is None else argv))
+        return generate(args)
+    except KeyboardInterrupt:
+        return 130
+    except CommandError as error:
+        if args.debug:
+            raise
+        print(f"cbserve: error: {error}", file=sys.stderr, flush=True)
+        return 1

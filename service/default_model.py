@@ -118,6 +118,14 @@ def _check_conversion_deps() -> None:
         )
 
 
+def check_default_model_available(cache_dir: str | None = None) -> None:
+    """Raises `DefaultModelUnavailable` (saying what to install) when `ensure_default_model` would fail for a
+    missing package: cheap, nothing is loaded, so `cbserve serve` checks it before opening its ports."""
+    if not is_converted(default_model_dir(cache_dir)):
+        find_gguf()
+        _check_conversion_deps()
+
+
 def ensure_default_model(cache_dir: str | None = None) -> str:
     """The path of a ready safetensors folder of SmolLM2-135M-Instruct, converting the GGUF on first use.
 

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from engine import FinishReason
 from service.host_slot import HostSlot
+from service.ports import port_error
 from service.request_record import RequestRecord
 
 logger = logging.getLogger(__name__)
@@ -160,8 +161,12 @@ class ServerMetrics:
     # ------------------------------------------------------------------ HTTP endpoint
 
     def serve(self, host: str, port: int) -> int:
-        """Serves the registry as Prometheus text on host:port (prometheus_client's own server)."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serves the registry as Prometheus text on host:port (prometheus_client's own server); a port
+        in use raises PortError."""
+        try:
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as error:
+            raise port_error(host, port, "--metrics-port", error) from None
         self._http, self._http_thread = server, thread
         self.port = int(server.server_address[1])
         logger.info("metrics on http://%s:%d/metrics", host, self.port)

@@ -22,6 +22,7 @@ from service.generation_servicer import GenerationServicer
 from service.host_slot import HostSlot
 from service.message_decoding import MalformedMessageInterceptor
 from service.metrics import ServerMetrics
+from service.ports import bind_grpc_port
 from service.tls import ServerTls
 from service.tracing import RequestTracer, build_tracer_provider
 from service.vllm_engine_servicer import VllmEngineServicer
@@ -51,6 +52,8 @@ class ServerOptions:
     otlp_endpoint: str | None = None
     # Prometheus text on http://host:metrics_port/metrics; 0 or None: no metrics endpoint.
     metrics_port: int | None = None
+    # Let other servers listen on the same gRPC ports (SO_REUSEPORT; they split the connections).
+    reuse_port: bool = False
 
 
 class CbserveServer:
@@ -74,10 +77,13 @@ class CbserveServer:
         # Health updates run as tasks (listeners are plain callbacks); kept here so none is collected early.
         self._health_updates: set[asyncio.Future[None]] = set()
         self.health = health.aio.HealthServicer()
-        self.main_server = grpc.aio.server(interceptors=[MalformedMessageInterceptor()])
+        # gRPC shares a port with any other server by default (SO_REUSEPORT): only when asked to here.
+        port_sharing = [("grpc.so_reuseport", int(options.reuse_port))]
+        self.main_server = grpc.aio.server(interceptors=[MalformedMessageInterceptor()], options=port_sharing)
         self.admin_server = grpc.aio.server(
             # Authentication answers first: a caller without the token learns nothing about its messages.
-            interceptors=[BearerTokenInterceptor(options.admin_token), MalformedMessageInterceptor()]
+            interceptors=[BearerTokenInterceptor(options.admin_token), MalformedMessageInterceptor()],
+            options=port_sharing,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.main_server)
         tracer = RequestTracer(self.tracer_provider)
@@ -94,17 +100,15 @@ class CbserveServer:
         served = (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(served, self.main_server)
         reflection.enable_server_reflection((ADMIN_SERVICE, reflection.SERVICE_NAME), self.admin_server)
-        address = options.host
-        if options.tls is not None:
-            credentials = options.tls.credentials()
-            self.port = self.main_server.add_secure_port(f"{address}:{options.port}", credentials)
-            admin_address = f"{address}:{options.admin_port}"
-            self.admin_port = self.admin_server.add_secure_port(admin_address, credentials)
-        else:
-            if address not in LOOPBACK_HOSTS:
-                logger.warning("serving plaintext on %s: pass --tls-cert and --tls-key for TLS", address)
-            self.port = self.main_server.add_insecure_port(f"{address}:{options.port}")
-            self.admin_port = self.admin_server.add_insecure_port(f"{address}:{options.admin_port}")
+        host, shared = options.host, options.reuse_port
+        credentials = None if options.tls is None else options.tls.credentials()
+        if credentials is None and host not in LOOPBACK_HOSTS:
+            logger.warning("serving plaintext on %s: pass --tls-cert and --tls-key for TLS", host)
+        # A port in use raises PortError, naming it, before anything listens.
+        self.port = bind_grpc_port(self.main_server, host, options.port, "--port", credentials, shared)
+        self.admin_port = bind_grpc_port(
+            self.admin_server, host, options.admin_port, "--admin-port", credentials, shared
+        )
 
     async def start(self) -> None:
         """Opens both ports with health NOT_SERVING."""

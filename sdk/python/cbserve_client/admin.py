@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
 from cbserve_client._call import (
     DEFAULT_TIMEOUT,
     Timeout,
-    call_once,
     resolve_timeout,
 )
 from cbserve_client._channel import ChannelOwner
@@ -31,6 +30,8 @@ from cbserve_client.errors import CbserveError, DeadlineExceededError, from_rpc_
 __all__ = ["AdminClient"]
 
 DEFAULT_TIMEOUT_S = 60.0
+
+T = TypeVar("T")
 
 
 class AdminClient(ChannelOwner):
@@ -71,7 +72,7 @@ class AdminClient(ChannelOwner):
         the hold (the server also has a maximum). ``timeout`` bounds the wait for the pause.
         """
         request = pause_request(mode, lease_s)
-        call = call_once(lambda: self._stub.Pause(request, metadata=self._metadata()))
+        call = self._call(lambda: self._stub.Pause(request, metadata=self._metadata()))
         timed_out = threading.Event()
         timer: threading.Timer | None = None
         if timeout is not None:
@@ -95,7 +96,7 @@ class AdminClient(ChannelOwner):
                     raise DeadlineExceededError(
                         grpc.StatusCode.DEADLINE_EXCEEDED, f"the engine did not pause within {timeout} s"
                     ) from exc
-                raise from_rpc_error(exc) from exc
+                raise self._error(exc) from exc
             finally:
                 if timer is not None:
                     timer.cancel()
@@ -114,12 +115,12 @@ class AdminClient(ChannelOwner):
         deadline = resolve_timeout(timeout, self.timeout)
         if deadline is not None and drain_timeout_s is not None and timeout is DEFAULT_TIMEOUT:
             deadline += drain_timeout_s  # the call lasts as long as the drain
-        response = call_once(lambda: self._stub.Stop(request, timeout=deadline, metadata=self._metadata()))
+        response = self._call(lambda: self._stub.Stop(request, timeout=deadline, metadata=self._metadata()))
         return stop_result_from_proto(response)
 
     def start(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
         """Starts the engine after a stop. Returns False if it was already running."""
-        response = call_once(
+        response = self._call(
             lambda: self._stub.Start(
                 admin_pb2.StartRequest(),
                 timeout=resolve_timeout(timeout, self.timeout),
@@ -130,7 +131,7 @@ class AdminClient(ChannelOwner):
 
     def status(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> Status:
         """The engine's state and counters."""
-        response = call_once(
+        response = self._call(
             lambda: self._stub.GetStatus(
                 admin_pb2.GetStatusRequest(),
                 timeout=resolve_timeout(timeout, self.timeout),
@@ -171,7 +172,28 @@ class AdminClient(ChannelOwner):
         except grpc.RpcError as exc:
             if failures:
                 raise failures[0] from None
-            raise from_rpc_error(exc) from exc
+            raise self._error(exc) from exc
         if failures:  # pragma: no cover - gRPC fails the call when the iterator raises
             raise failures[0]
         return weights_update_from_proto(response)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Calls ``fn()``, mapping a grpc.RpcError to the matching CbserveError (see ``_error``)."""
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            raise self._error(exc) from exc
+
+    def _error(self, exc: grpc.RpcError) -> CbserveError:
+        """The CbserveError for ``exc``; UNIMPLEMENTED (no AdminService at the target: the generation
+        port, most often) says which port to use instead."""
+        error = from_rpc_error(exc)
+        if error.code != grpc.StatusCode.UNIMPLEMENTED:
+            return error
+        hinted = CbserveError(
+            error.code,
+            f"{error.details} ({self.target} does not serve the AdminService: is it the generation port? "
+            "The admin API listens on the server's --admin-port, 50052 by default)",
+        )
+        hinted.__cause__ = exc
+        return hinted
