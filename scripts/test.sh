@@ -14,6 +14,7 @@ python3 -m mypy engine service
 python3 -m mypy --strict sdk/python/cbserve_client
 # Committed Python and Go stubs equal a fresh generation.
 scripts/generate_stubs.sh --check
+python3 scripts/generate_sdk_bounds.py --check
 # Go SDK: vet, gofmt, and its tests against a live server (-count=1: Go's test cache cannot see
 # changes to the Python server). gofmt's list goes to stderr through the shell's own descriptor: a
 # `tee /dev/stderr` would reopen a log file given as stderr and truncate it.

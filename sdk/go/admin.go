@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -24,7 +23,9 @@ type Admin struct {
 
 // DialAdmin returns a client of the admin service at target, authenticated with token (the
 // server's CBSERVE_ADMIN_TOKEN or --admin-token-file). Like Dial, it does not wait for the
-// connection. Close it when done.
+// connection. Admin calls act on the one replica that serves them: give it one replica's admin
+// address (a target of several would spread Pause, Stop and Status over them). Close it when
+// done.
 func DialAdmin(ctx context.Context, target, token string, opts ...Option) (*Admin, error) {
 	if token != "" {
 		opts = append(opts[:len(opts):len(opts)], WithBearerToken(token))
@@ -53,11 +54,13 @@ const (
 )
 
 // PauseOption configures Admin.Pause.
-type PauseOption func(*pb.PauseRequest)
+type PauseOption struct {
+	apply func(*pb.PauseRequest)
+}
 
 // WithPauseMode sets how the engine pauses (default PauseKeep).
 func WithPauseMode(mode PauseMode) PauseOption {
-	return func(r *pb.PauseRequest) {
+	return PauseOption{func(r *pb.PauseRequest) {
 		switch mode {
 		case PauseWait:
 			r.Mode = pb.PauseMode_PAUSE_MODE_WAIT
@@ -66,35 +69,91 @@ func WithPauseMode(mode PauseMode) PauseOption {
 		default:
 			r.Mode = pb.PauseMode_PAUSE_MODE_KEEP
 		}
-	}
+	}}
 }
 
-// WithLease caps how long the pause may be held: the server drops it after d even if release
-// was not called (it also has its own maximum, --max-pause-lease).
+// WithLease caps how long the pause may be held: the server drops it after d even if the lease
+// was not released (it also has its own maximum, --max-pause-lease).
 func WithLease(d time.Duration) PauseOption {
-	return func(r *pb.PauseRequest) {
+	return PauseOption{func(r *pb.PauseRequest) {
 		s := d.Seconds()
 		r.LeaseS = &s
+	}}
+}
+
+// PauseLease is one hold on the engine's pause, from Admin.Pause: the engine stays paused while
+// a lease is held. The hold ends when Release is called, the Pause call's context is done, the
+// server's lease expires, or the connection breaks (so a crashed client cannot freeze the
+// server); Held and Done tell when. Pauses nest: the engine resumes when its last holder lets go.
+// The fields describe the hold when the engine paused.
+type PauseLease struct {
+	// Holders is the number of holds on the pause when the engine paused, this one included.
+	Holders int
+	// ExpiresAt is when the server drops this hold unless it is released first (the zero time
+	// if the server sent none).
+	ExpiresAt time.Time
+	// WeightVersion is the version of the weights served when the engine paused.
+	WeightVersion uint64
+	// CancelledRequests is, with PauseAbort, the number of requests the pause cancelled.
+	CancelledRequests int
+
+	cancel context.CancelFunc
+	done   chan struct{} // closed once the hold has ended
+}
+
+// Held reports whether the lease still holds the engine paused: false once released, or once the
+// server ended the hold (lease expired, connection lost, context done).
+func (l *PauseLease) Held() bool {
+	select {
+	case <-l.done:
+		return false
+	default:
+		return true
 	}
 }
 
-// Pause pauses the engine and holds it paused until release is called, ctx is done, or the
-// lease expires. It opens the Pause stream and returns once the server reports the engine
-// paused (bounded by ctx and by the default timeout). Requests added while paused are queued
-// and run after the release; pauses nest (the engine resumes when its last holder lets go).
-// Always call release (it is idempotent). release returns at once: it ends the Pause call, and
-// the server resumes the engine as soon as it sees the call end.
-func (a *Admin) Pause(ctx context.Context, opts ...PauseOption) (release func(), err error) {
+// Done returns a channel closed when the hold ends, however it ends.
+func (l *PauseLease) Done() <-chan struct{} { return l.done }
+
+// Release ends the hold: it ends the Pause call, and the server resumes the engine (if this was
+// its last holder) as soon as it sees the call end. It returns once the call has ended on this
+// side; it is idempotent and safe to call from several goroutines.
+func (l *PauseLease) Release() {
+	l.cancel()
+	<-l.done
+}
+
+// watch reads the Pause stream until the hold ends: the server's last message (paused = false,
+// the lease expired), the call's end, or a broken connection.
+func (l *PauseLease) watch(stream grpc.ServerStreamingClient[pb.PauseResponse]) {
+	defer close(l.done)
+	defer l.cancel()
+	for {
+		message, err := stream.Recv()
+		if err != nil || !message.GetPaused() {
+			return
+		}
+	}
+}
+
+// Pause pauses the engine and returns a lease that holds it paused until Release is called, ctx
+// is done, or the lease expires (see PauseLease). It opens the Pause stream and returns once the
+// server reports the engine paused (bounded by ctx, and by the default timeout when ctx has no
+// deadline). Requests added while paused are queued and run after the release. Always release
+// the lease (Release is idempotent): defer lease.Release().
+func (a *Admin) Pause(ctx context.Context, opts ...PauseOption) (*PauseLease, error) {
 	request := &pb.PauseRequest{Mode: pb.PauseMode_PAUSE_MODE_KEEP}
 	for _, opt := range opts {
-		opt(request)
+		if opt.apply != nil {
+			opt.apply(request)
+		}
 	}
 	callCtx, cancel := context.WithCancel(ctx)
 	var timer *time.Timer
 	if _, ok := ctx.Deadline(); !ok && a.timeout > 0 {
 		timer = time.AfterFunc(a.timeout, cancel)
 	}
-	fail := func(err error) (func(), error) {
+	fail := func(err error) (*PauseLease, error) {
 		if timer != nil && !timer.Stop() && ctx.Err() == nil {
 			err = newError(codes.DeadlineExceeded, "the engine did not pause within %s", a.timeout)
 		}
@@ -119,20 +178,32 @@ func (a *Admin) Pause(ctx context.Context, opts ...PauseOption) (release func(),
 		cancel()
 		return nil, newError(codes.DeadlineExceeded, "the engine did not pause within %s", a.timeout)
 	}
-	var once sync.Once
-	return func() { once.Do(cancel) }, nil
+	lease := &PauseLease{
+		Holders:           int(first.GetHolders()),
+		WeightVersion:     first.GetWeightVersion(),
+		CancelledRequests: int(first.GetCancelledRequests()),
+		cancel:            cancel,
+		done:              make(chan struct{}),
+	}
+	if first.GetLeaseExpiresAt() != nil {
+		lease.ExpiresAt = first.GetLeaseExpiresAt().AsTime()
+	}
+	go lease.watch(stream)
+	return lease, nil
 }
 
 // StopOption configures Admin.Stop.
-type StopOption func(*pb.StopRequest)
+type StopOption struct {
+	apply func(*pb.StopRequest)
+}
 
 // WithDrainTimeout bounds, for a graceful stop, how long in-flight requests may run before the
 // rest are failed (default: the server's). The call's default deadline is extended by d.
 func WithDrainTimeout(d time.Duration) StopOption {
-	return func(r *pb.StopRequest) {
+	return StopOption{func(r *pb.StopRequest) {
 		s := d.Seconds()
 		r.DrainTimeoutS = &s
-	}
+	}}
 }
 
 // Stop stops the engine: gracefully (in-flight requests finish, new ones fail with
@@ -141,7 +212,9 @@ func WithDrainTimeout(d time.Duration) StopOption {
 func (a *Admin) Stop(ctx context.Context, hard bool, opts ...StopOption) (*StopResult, error) {
 	request := &pb.StopRequest{Hard: hard}
 	for _, opt := range opts {
-		opt(request)
+		if opt.apply != nil {
+			opt.apply(request)
+		}
 	}
 	timeout := a.timeout
 	if timeout > 0 && request.DrainTimeoutS != nil {
@@ -172,7 +245,8 @@ func (a *Admin) Start(ctx context.Context) (started bool, err error) {
 	return !response.GetAlreadyRunning(), nil
 }
 
-// Status reports the engine's state and counters.
+// Status reports the engine's state and counters (retried on ErrUnavailable: see
+// WithRetryAttempts).
 func (a *Admin) Status(ctx context.Context) (*Status, error) {
 	callCtx, cancel := withTimeout(ctx, a.timeout)
 	defer cancel()

@@ -17,9 +17,9 @@ func TestAdminAuth(t *testing.T) {
 			t.Errorf("%s: Status error %v; want ErrUnauthenticated", name, err)
 		}
 	}
-	release, err := newAdmin(t, "not-the-token").Pause(testContext(t))
-	if !errors.Is(err, cbserve.ErrUnauthenticated) || release != nil {
-		t.Errorf("Pause with a wrong token: %v; want ErrUnauthenticated and no release", err)
+	lease, err := newAdmin(t, "not-the-token").Pause(testContext(t))
+	if !errors.Is(err, cbserve.ErrUnauthenticated) || lease != nil {
+		t.Errorf("Pause with a wrong token: %v; want ErrUnauthenticated and no lease", err)
 	}
 	status, err := newAdmin(t, adminToken).Status(testContext(t))
 	if err != nil {
@@ -34,11 +34,11 @@ func TestAdminAuth(t *testing.T) {
 func TestPause(t *testing.T) {
 	client, ctx := newClient(t), testContext(t)
 	admin := newAdmin(t, adminToken)
-	release, err := admin.Pause(ctx)
+	lease, err := admin.Pause(ctx)
 	if err != nil {
 		t.Fatalf("Pause: %v", err)
 	}
-	defer release()
+	defer lease.Release()
 	status, err := admin.Status(ctx)
 	if err != nil {
 		t.Fatalf("Status: %v", err)
@@ -79,8 +79,8 @@ func TestPause(t *testing.T) {
 	default:
 	}
 
-	release()
-	release() // idempotent
+	lease.Release()
+	lease.Release() // idempotent
 	select {
 	case r := <-done:
 		if r.err != nil || r.tokens != 8 || r.finished == nil || r.finished.FinishReason != cbserve.FinishLength {
@@ -94,15 +94,60 @@ func TestPause(t *testing.T) {
 	}
 }
 
-func TestPauseEndsWithContext(t *testing.T) {
-	admin := newAdmin(t, adminToken)
-	ctx, cancel := context.WithCancel(testContext(t))
-	release, err := admin.Pause(ctx, cbserve.WithPauseMode(cbserve.PauseWait), cbserve.WithLease(time.Minute))
+func TestPauseLease(t *testing.T) {
+	admin, ctx := newAdmin(t, adminToken), testContext(t)
+	started := time.Now()
+	lease, err := admin.Pause(ctx, cbserve.WithLease(time.Second))
 	if err != nil {
 		t.Fatalf("Pause: %v", err)
 	}
-	defer release()
+	defer lease.Release()
+	if !lease.Held() || lease.Holders != 1 || lease.WeightVersion == 0 {
+		t.Errorf("lease = %+v, held %v; want held, 1 holder, a weight version", lease, lease.Held())
+	}
+	if until := lease.ExpiresAt.Sub(started); until <= 0 || until > 3*time.Second {
+		t.Errorf("lease expires %s after the Pause call; want about 1 s (WithLease)", until)
+	}
+	second, err := admin.Pause(ctx)
+	if err != nil {
+		t.Fatalf("second Pause: %v", err)
+	}
+	if second.Holders != 2 {
+		t.Errorf("second lease: %d holders; want 2 (pauses nest)", second.Holders)
+	}
+	second.Release()
+	if second.Held() || !lease.Held() {
+		t.Errorf("after releasing the second lease: held %v and %v; want false, true", second.Held(), lease.Held())
+	}
+
+	// The server drops the first hold when its lease expires; the lease sees it end.
+	select {
+	case <-lease.Done():
+	case <-time.After(10 * time.Second):
+		t.Fatal("the lease is still held 10 s after its 1 s lease")
+	}
+	if lease.Held() {
+		t.Error("Held() = true after Done was closed")
+	}
+	if status, err := admin.Status(ctx); err != nil || status.Paused {
+		t.Errorf("after the lease expired: Status = %+v, %v; want not paused", status, err)
+	}
+}
+
+func TestPauseEndsWithContext(t *testing.T) {
+	admin := newAdmin(t, adminToken)
+	ctx, cancel := context.WithCancel(testContext(t))
+	lease, err := admin.Pause(ctx, cbserve.WithPauseMode(cbserve.PauseWait), cbserve.WithLease(time.Minute))
+	if err != nil {
+		t.Fatalf("Pause: %v", err)
+	}
+	defer lease.Release()
 	cancel()
+	select {
+	case <-lease.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("the lease is still held 5 s after the Pause context was cancelled")
+	}
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		status, err := admin.Status(testContext(t))

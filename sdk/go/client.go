@@ -2,24 +2,18 @@ package cbserve
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"io"
 	"iter"
 	"math/rand/v2"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials"
-	"google.golang.org/grpc/credentials/insecure"
 
 	pb "github.com/cbserve/cbserve/sdk/go/gen/cbserve/v1"
 )
-
-// DefaultTimeout is the default deadline of unary calls (Submit, Cancel, ModelInfo, and the
-// admin Stop, Start, Status); see WithDefaultTimeout.
-const DefaultTimeout = 60 * time.Second
 
 // Submit's retries: attempts, and the first backoff delay (doubled each time, +-50% jitter).
 const (
@@ -27,113 +21,30 @@ const (
 	retryBaseDelay = 100 * time.Millisecond
 )
 
-// Option configures a connection made by Dial or DialAdmin.
-type Option func(*dialConfig)
-
-type dialConfig struct {
-	creds    credentials.TransportCredentials
-	token    string
-	timeout  time.Duration
-	dialOpts []grpc.DialOption
-}
-
-// WithTLS connects over TLS with the given configuration (nil: the system's root CAs and the
-// target's host name). For mutual TLS, set its Certificates.
-func WithTLS(config *tls.Config) Option {
-	if config == nil {
-		config = &tls.Config{MinVersion: tls.VersionTLS12}
-	}
-	return WithTransportCredentials(credentials.NewTLS(config))
-}
-
-// WithTransportCredentials connects with the given gRPC transport credentials (TLS from
-// credentials.NewClientTLSFromFile, ALTS, ...).
-func WithTransportCredentials(creds credentials.TransportCredentials) Option {
-	return func(c *dialConfig) { c.creds = creds }
-}
-
-// WithInsecure connects in plaintext (the default).
-func WithInsecure() Option {
-	return func(c *dialConfig) { c.creds = insecure.NewCredentials() }
-}
-
-// WithBearerToken sends "authorization: Bearer <token>" with every call (also in plaintext:
-// use TLS beyond a trusted network).
-func WithBearerToken(token string) Option {
-	return func(c *dialConfig) { c.token = token }
-}
-
-// WithDefaultTimeout sets the deadline of unary calls (Submit, Cancel, ModelInfo, admin Stop,
-// Start and Status, and the wait of admin Pause for the engine to pause) whose context has
-// none; 0 means no deadline. Default: DefaultTimeout. Streaming calls (Generate, Stream,
-// Results) get no default deadline: bound them with their context.
-func WithDefaultTimeout(d time.Duration) Option {
-	return func(c *dialConfig) { c.timeout = d }
-}
-
-// WithDialOptions adds options to the underlying grpc.NewClient call (interceptors, a stats
-// handler for tracing, keepalive, a load-balancing service config, ...).
-func WithDialOptions(opts ...grpc.DialOption) Option {
-	return func(c *dialConfig) { c.dialOpts = append(c.dialOpts, opts...) }
-}
-
-// bearerToken sends the token on every call; plaintext is allowed, as the server's admin port
-// may run without TLS on a trusted network.
-type bearerToken string
-
-func (t bearerToken) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + string(t)}, nil
-}
-
-func (bearerToken) RequireTransportSecurity() bool { return false }
-
-func dial(ctx context.Context, target string, opts []Option) (*grpc.ClientConn, dialConfig, error) {
-	cfg := dialConfig{creds: insecure.NewCredentials(), timeout: DefaultTimeout}
-	for _, opt := range opts {
-		opt(&cfg)
-	}
-	if err := ctx.Err(); err != nil {
-		return nil, cfg, convertError(ctx, err)
-	}
-	dialOpts := []grpc.DialOption{grpc.WithTransportCredentials(cfg.creds)}
-	if cfg.token != "" {
-		dialOpts = append(dialOpts, grpc.WithPerRPCCredentials(bearerToken(cfg.token)))
-	}
-	dialOpts = append(dialOpts, cfg.dialOpts...)
-	conn, err := grpc.NewClient(target, dialOpts...)
-	if err != nil {
-		return nil, cfg, newError(codes.InvalidArgument, "dial %q: %v", target, err)
-	}
-	conn.Connect()
-	return conn, cfg, nil
-}
-
-// withTimeout bounds ctx with the default timeout unless it already has a deadline.
-func withTimeout(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
-	if _, ok := ctx.Deadline(); ok || timeout <= 0 {
-		return context.WithCancel(ctx)
-	}
-	return context.WithTimeout(ctx, timeout)
-}
-
 // Client is a connection to a cbserve server's GenerationService. It is safe for concurrent
 // use; make one per server and share it.
 type Client struct {
-	conn    *grpc.ClientConn
-	gen     pb.GenerationServiceClient
-	timeout time.Duration
+	conn          *grpc.ClientConn
+	gen           pb.GenerationServiceClient
+	timeout       time.Duration
+	streamTimeout time.Duration
 }
 
-// Dial returns a client of the cbserve server at target (e.g. "127.0.0.1:50051", or any gRPC
-// target such as "dns:///cbserve.ns.svc:50051"). It does not wait for the connection: it starts
-// connecting in the background, and calls wait for it (or fail with ErrUnavailable). ctx only
-// matters if it is already done. Close the client when done with it.
+// Dial returns a client of the cbserve server at target: one address ("127.0.0.1:50051"),
+// several replicas ("10.0.0.1:50051,10.0.0.2:50051"), or any gRPC target
+// ("dns:///cbserve-headless.ns.svc.cluster.local:50051"). Calls are spread over every address
+// the target lists or resolves to with gRPC's round_robin load balancing: one connection per
+// address, each call on the next ready one, an unreachable replica skipped until it is back. It
+// does not wait for a connection: it starts connecting in the background, and calls wait for
+// one (or fail with ErrUnavailable). ctx only matters if it is already done. Close the client
+// when done with it.
 func Dial(ctx context.Context, target string, opts ...Option) (*Client, error) {
 	conn, cfg, err := dial(ctx, target, opts)
 	if err != nil {
 		return nil, err
 	}
-	return &Client{conn: conn, gen: pb.NewGenerationServiceClient(conn), timeout: cfg.timeout}, nil
+	return &Client{conn: conn, gen: pb.NewGenerationServiceClient(conn), timeout: cfg.timeout,
+		streamTimeout: cfg.streamTimeout}, nil
 }
 
 // Close closes the connection; calls in flight fail with ErrCanceled, and their Generate and
@@ -149,7 +60,8 @@ func (c *Client) Conn() *grpc.ClientConn { return c.conn }
 // prompt or an out-of-vocabulary token, ErrAlreadyExists, ErrResourceExhausted,
 // ErrUnavailable); a request that fails while it runs returns a Completion with FinishReason
 // FinishError and Error set. Cancelling ctx cancels the request on the server and returns
-// ErrCanceled (which also matches context.Canceled).
+// ErrCanceled (which also matches context.Canceled); past ctx's deadline, or the client's
+// stream timeout when ctx has none (WithStreamTimeout), it returns ErrDeadlineExceeded.
 func (c *Client) Generate(ctx context.Context, prompt Prompt, opts ...GenerateOption) (*Completion, error) {
 	var b completionBuilder
 	for chunk, err := range c.Stream(ctx, prompt, opts...) {
@@ -177,11 +89,19 @@ func (c *Client) Generate(ctx context.Context, prompt Prompt, opts ...GenerateOp
 // terminal status and a FinishReason. An error ends the sequence (it is yielded with a nil
 // chunk): a refused request yields its *Error, as Generate returns it.
 //
-// Each range over the sequence makes one request (with a fresh random id unless
-// WithRequestID). Breaking out of the loop, or cancelling ctx, cancels the call, and the server
+// The sequence is single-use: its first range sends the request (with a fresh random id unless
+// WithRequestID), and a second range yields ErrFailedPrecondition without sending anything; call
+// Stream again for another request. Breaking out of the loop, cancelling ctx, or reaching its
+// deadline (or the client's stream timeout, WithStreamTimeout) cancels the call, and the server
 // then cancels the request and frees its KV cache.
 func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOption) iter.Seq2[*Chunk, error] {
+	var ranged atomic.Bool
 	return func(yield func(*Chunk, error) bool) {
+		if ranged.Swap(true) {
+			yield(nil, newError(codes.FailedPrecondition,
+				"this Stream sequence was already ranged over, and a range sends its request: call Stream again for another request"))
+			return
+		}
 		request, err := buildRequest(prompt, opts)
 		if err != nil {
 			yield(nil, err)
@@ -190,7 +110,7 @@ func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 		if request.RequestId == "" {
 			request.RequestId = newRequestID()
 		}
-		callCtx, cancel := context.WithCancel(ctx)
+		callCtx, cancel := withTimeout(ctx, c.streamTimeout)
 		defer cancel()
 		stream, err := c.gen.Generate(callCtx)
 		if err != nil {
@@ -240,7 +160,9 @@ func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 // the outputs with Results. The request runs whether or not anyone reads it; stop it with
 // Cancel. Submit retries (3 tries, exponential backoff from 100 ms) when the server answers
 // ErrUnavailable or ErrResourceExhausted, which mean nothing was queued; the id is chosen
-// client-side (unless WithRequestID), so a retry never queues a request twice.
+// client-side (unless WithRequestID), so a retry never queues a request twice. These retries are
+// Submit's own rather than gRPC's retry policy: a try whose answer was lost after the request
+// was queued makes the next try fail with ErrAlreadyExists, which Submit reports as success.
 func (c *Client) Submit(ctx context.Context, prompt Prompt, opts ...GenerateOption) (string, error) {
 	request, err := buildRequest(prompt, opts)
 	if err != nil {
@@ -283,7 +205,9 @@ func (c *Client) Submit(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 // 0 for everything, or the number of tokens already received to resume after a broken
 // connection. The first chunk's TokenIndex is fromIndex. The sequence ends after the chunk with
 // the terminal status; an unknown or expired id yields ErrNotFound. Breaking out of the loop
-// stops reading but does not cancel the request (use Cancel).
+// stops reading but does not cancel the request (use Cancel). The call ends at ctx's deadline,
+// or after the client's stream timeout when ctx has none (WithStreamTimeout). Each range reads
+// the outputs again from fromIndex (reading changes nothing on the server).
 func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) iter.Seq2[*Chunk, error] {
 	return func(yield func(*Chunk, error) bool) {
 		from, err := nonNegativeUint32("fromIndex", fromIndex)
@@ -291,7 +215,7 @@ func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) i
 			yield(nil, err)
 			return
 		}
-		callCtx, cancel := context.WithCancel(ctx)
+		callCtx, cancel := withTimeout(ctx, c.streamTimeout)
 		defer cancel()
 		stream, err := c.gen.StreamResults(callCtx, &pb.StreamResultsRequest{RequestId: requestID, FromTokenIndex: from})
 		if err != nil {
@@ -316,7 +240,8 @@ func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) i
 
 // Cancel cancels a request: it stops at the next engine step and frees its KV cache. It
 // returns true if the request was live, false if it had already ended or is unknown (Cancel is
-// idempotent).
+// idempotent, so it is retried on ErrUnavailable: see WithRetryAttempts; a retry after a lost
+// answer returns false for the request it cancelled).
 func (c *Client) Cancel(ctx context.Context, requestID string) (bool, error) {
 	callCtx, cancel := withTimeout(ctx, c.timeout)
 	defer cancel()
@@ -327,7 +252,7 @@ func (c *Client) Cancel(ctx context.Context, requestID string) (bool, error) {
 	return response.GetCancelled(), nil
 }
 
-// ModelInfo describes the served model.
+// ModelInfo describes the served model (retried on ErrUnavailable: see WithRetryAttempts).
 func (c *Client) ModelInfo(ctx context.Context) (*ModelInfo, error) {
 	callCtx, cancel := withTimeout(ctx, c.timeout)
 	defer cancel()

@@ -127,7 +127,7 @@ func TestGenerateIsDeterministic(t *testing.T) {
 	}
 
 	// The tokenizer is byte-level without BOS: the text prompt is its bytes as token ids.
-	tokens, err := client.Generate(ctx, cbserve.Tokens(byteTokens("Hello, cbserve")), cbserve.WithMaxNewTokens(12))
+	tokens, err := client.Generate(ctx, cbserve.Tokens(byteTokens("Hello, cbserve")...), cbserve.WithMaxNewTokens(12))
 	if err != nil {
 		t.Fatalf("Generate(Tokens): %v", err)
 	}
@@ -176,7 +176,7 @@ func TestGenerateAndStreamAgree(t *testing.T) {
 
 func TestSamplingOptions(t *testing.T) {
 	client, ctx := newClient(t), testContext(t)
-	prompt := cbserve.Tokens([]uint32{1, 2, 3, 4})
+	prompt := cbserve.Tokens(1, 2, 3, 4)
 	opts := []cbserve.GenerateOption{cbserve.WithMaxNewTokens(10), cbserve.WithTemperature(1.5), cbserve.WithTopK(50),
 		cbserve.WithTopP(0.9), cbserve.WithSeed(7), cbserve.WithLogprobs(2), cbserve.WithRecordTimestamps()}
 	a, err := client.Generate(ctx, prompt, opts...)
@@ -381,20 +381,20 @@ func TestBadInput(t *testing.T) {
 	}
 	_, err := client.Generate(ctx, cbserve.Text(""))
 	check("empty text", err, cbserve.ErrInvalidArgument, "empty")
-	_, err = client.Generate(ctx, cbserve.Tokens(nil))
+	_, err = client.Generate(ctx, cbserve.Tokens())
 	check("no token", err, cbserve.ErrInvalidArgument, "empty")
 	_, err = client.Generate(ctx, cbserve.Prompt{})
 	check("zero Prompt", err, cbserve.ErrInvalidArgument, "")
-	_, err = client.Generate(ctx, cbserve.Tokens([]uint32{1, 999}))
+	_, err = client.Generate(ctx, cbserve.Tokens(1, 999))
 	check("token 999", err, cbserve.ErrInvalidArgument, "999")
-	_, err = client.Submit(ctx, cbserve.Tokens([]uint32{999}))
+	_, err = client.Submit(ctx, cbserve.Tokens(999))
 	check("Submit token 999", err, cbserve.ErrInvalidArgument, "999")
 	_, err = client.Generate(ctx, cbserve.Text("x"), cbserve.WithMaxNewTokens(0))
-	check("max new tokens 0", err, cbserve.ErrInvalidArgument, "max_new_tokens")
-	_, err = client.Generate(ctx, cbserve.Text("x"), cbserve.WithMaxNewTokens(-1))
-	check("max new tokens -1 (client-side)", err, cbserve.ErrInvalidArgument, "max new tokens")
+	check("max new tokens 0 (client-side)", err, cbserve.ErrInvalidArgument, "WithMaxNewTokens(0): must be in [1, ")
+	_, err = client.Generate(ctx, cbserve.Text("x"), cbserve.WithMaxNewTokens(100000))
+	check("max new tokens past the context (server-side)", err, cbserve.ErrInvalidArgument, "max_new_tokens")
 	_, err = client.Generate(ctx, cbserve.Text("x"), cbserve.WithTemperature(-1))
-	check("temperature -1", err, cbserve.ErrInvalidArgument, "temperature")
+	check("temperature -1 (client-side)", err, cbserve.ErrInvalidArgument, "WithTemperature(-1)")
 
 	for chunk, err := range client.Results(ctx, "no-such-request", 0) {
 		check("Results(unknown)", err, cbserve.ErrNotFound, "no-such-request")

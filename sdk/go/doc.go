@@ -14,8 +14,15 @@
 // [Client.Cancel] cancels one. Prompts are [Text], [Tokens] or [Chat]; sampling options
 // (WithMaxNewTokens, WithTemperature, ...) left out take the server's defaults.
 //
+// A target may list several replicas ("10.0.0.1:50051,10.0.0.2:50051") or name them all
+// ("dns:///cbserve-headless.ns.svc.cluster.local:50051"): calls are spread over them with gRPC's
+// round_robin load balancing, and an unreachable replica is skipped. Streaming calls get a
+// default deadline ([WithStreamTimeout]), unary calls another ([WithDefaultTimeout]); a
+// context's own deadline always wins. ModelInfo, Cancel and admin Status are retried on
+// [ErrUnavailable] by gRPC's retry policy ([WithRetryAttempts]).
+//
 // [DialAdmin] connects to the admin service (its own port, bearer token): [Admin.Pause] holds
-// the engine paused until its release function is called; [Admin.Stop], [Admin.Start] and
+// the engine paused until the returned [PauseLease] is released; [Admin.Stop], [Admin.Start] and
 // [Admin.Status] manage and inspect the engine; [Admin.UpdateWeights] streams new weights (raw
 // little-endian [Tensor]s) and [Admin.UpdateWeightsFromPath] loads them from a safetensors file
 // on the server, both in place, without a restart.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -36,11 +37,22 @@ var (
 	ErrAlreadyExists = &Error{Code: codes.AlreadyExists, Message: "already exists"}
 	// ErrResourceExhausted: the server's request queue is full; nothing was queued.
 	ErrResourceExhausted = &Error{Code: codes.ResourceExhausted, Message: "resource exhausted"}
-	// ErrUnavailable: the server is unreachable, loading, stopping, stopped, or paused past the
-	// call's deadline; nothing was queued.
+	// ErrUnavailable: the server is unreachable, loading, stopping or stopped; nothing was
+	// queued. (A call that waits on a paused engine past its deadline fails with
+	// ErrDeadlineExceeded instead.)
 	ErrUnavailable = &Error{Code: codes.Unavailable, Message: "unavailable"}
 	// ErrUnauthenticated: a missing or wrong bearer token (admin calls).
 	ErrUnauthenticated = &Error{Code: codes.Unauthenticated, Message: "unauthenticated"}
+	// ErrPermissionDenied: the credentials are valid but not allowed this call (e.g. a proxy's
+	// or a mesh's authorization policy).
+	ErrPermissionDenied = &Error{Code: codes.PermissionDenied, Message: "permission denied"}
+	// ErrFailedPrecondition: the call cannot run in the current state: admin Start or
+	// UpdateWeights on an engine that lost a tensor-parallel rank, or ranging a Stream sequence a
+	// second time. Retrying it unchanged fails again.
+	ErrFailedPrecondition = &Error{Code: codes.FailedPrecondition, Message: "failed precondition"}
+	// ErrUnimplemented: the server does not implement the call (an older server, or a proxy
+	// that does not route it).
+	ErrUnimplemented = &Error{Code: codes.Unimplemented, Message: "unimplemented"}
 	// ErrCanceled: the call was cancelled (usually: its context was). Such an error also matches
 	// [context.Canceled] when the caller's context was cancelled.
 	ErrCanceled = &Error{Code: codes.Canceled, Message: "canceled"}
@@ -65,6 +77,12 @@ func sentinelFor(code codes.Code) *Error {
 		return ErrUnavailable
 	case codes.Unauthenticated:
 		return ErrUnauthenticated
+	case codes.PermissionDenied:
+		return ErrPermissionDenied
+	case codes.FailedPrecondition:
+		return ErrFailedPrecondition
+	case codes.Unimplemented:
+		return ErrUnimplemented
 	case codes.Canceled:
 		return ErrCanceled
 	case codes.DeadlineExceeded:
@@ -97,6 +115,22 @@ func (e *Error) Unwrap() error { return e.cause }
 // status.Code understand it.
 func (e *Error) GRPCStatus() *status.Status { return status.New(e.Code, e.Message) }
 
+// contextError is the context's error when it is what ended a call with code: gRPC can report a
+// passed deadline a moment before the context's own timer marks it done, so a deadline already
+// behind the clock counts too.
+func contextError(ctx context.Context, code codes.Code) error {
+	if ctx == nil || (code != codes.Canceled && code != codes.DeadlineExceeded) {
+		return nil
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if deadline, ok := ctx.Deadline(); ok && code == codes.DeadlineExceeded && !time.Now().Before(deadline) {
+		return context.DeadlineExceeded
+	}
+	return nil
+}
+
 // newError builds an *Error of this package (client-side failures).
 func newError(code codes.Code, format string, args ...any) *Error {
 	return &Error{Code: code, Message: fmt.Sprintf(format, args...)}
@@ -122,8 +156,8 @@ func convertError(ctx context.Context, err error) error {
 		code, message = s.Code(), s.Message()
 	}
 	cause := err
-	if ctx != nil && ctx.Err() != nil && (code == codes.Canceled || code == codes.DeadlineExceeded) {
-		causes := []error{err, ctx.Err()}
+	if ctxErr := contextError(ctx, code); ctxErr != nil {
+		causes := []error{err, ctxErr}
 		if c := context.Cause(ctx); c != ctx.Err() {
 			causes = append(causes, c)
 		}

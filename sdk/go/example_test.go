@@ -88,7 +88,7 @@ func ExampleClient_Submit() {
 	defer client.Close()
 
 	// Token ids work as prompts too; the request runs whether or not anyone reads it.
-	id, err := client.Submit(ctx, cbserve.Tokens([]uint32{72, 105}), cbserve.WithMaxNewTokens(10))
+	id, err := client.Submit(ctx, cbserve.Tokens(72, 105), cbserve.WithMaxNewTokens(10))
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -147,17 +147,17 @@ func ExampleAdmin_Pause() {
 	}
 	defer admin.Close()
 
-	release, err := admin.Pause(ctx, cbserve.WithLease(time.Minute))
+	lease, err := admin.Pause(ctx, cbserve.WithLease(time.Minute))
 	if err != nil {
 		log.Fatal(err)
 	}
+	defer lease.Release() // ends the Pause call: the server resumes the engine as soon as it sees it end
 	status, err := admin.Status(ctx)
 	if err != nil {
 		log.Fatal(err)
 	}
-	fmt.Println("paused:", status.Paused, "holders:", status.PauseHolders)
-	release() // ends the Pause call: the server resumes the engine as soon as it sees it end
-	// Output: paused: true holders: 1
+	fmt.Println("paused:", status.Paused, "holders:", status.PauseHolders, "held:", lease.Held())
+	// Output: paused: true holders: 1 held: true
 }
 
 func ExampleAdmin_UpdateWeights() {

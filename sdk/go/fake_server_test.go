@@ -35,14 +35,35 @@ import (
 
 type fakeGeneration struct {
 	pb.UnimplementedGenerationServiceServer
-	mu        sync.Mutex
-	calls     int      // calls received, of any method
-	auth      []string // authorization metadata of each call
-	addIDs    []string // request ids of each AddRequest
-	addErrors []error  // what the next AddRequest calls answer (nil: OK)
-	infoDelay time.Duration
-	generated []*pb.GenerationRequest // the request added by each Generate call
-	chunks    []*pb.GenerationChunk   // what each Generate call answers, under its request's id
+	mu           sync.Mutex
+	calls        int      // calls received, of any method
+	auth         []string // authorization metadata of each call
+	addIDs       []string // request ids of each AddRequest
+	addErrors    []error  // what the next AddRequest calls answer (nil: OK)
+	infoErrors   []error  // what the next GetModelInfo calls answer (nil: OK)
+	cancelErrors []error  // what the next Cancel calls answer (nil: OK)
+	infoDelay    time.Duration
+	stall        bool                    // Generate and StreamResults send nothing until the call ends
+	generated    []*pb.GenerationRequest // the request added by each Generate call
+	chunks       []*pb.GenerationChunk   // what each Generate call answers, under its request's id
+}
+
+func (f *fakeGeneration) callCount() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.calls
+}
+
+// nextError pops the first of a scripted list of answers (nil: OK).
+func (f *fakeGeneration) nextError(answers *[]error) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(*answers) == 0 {
+		return nil
+	}
+	err := (*answers)[0]
+	*answers = (*answers)[1:]
+	return err
 }
 
 func (f *fakeGeneration) record(ctx context.Context) {
@@ -55,6 +76,9 @@ func (f *fakeGeneration) record(ctx context.Context) {
 
 func (f *fakeGeneration) GetModelInfo(ctx context.Context, _ *pb.GetModelInfoRequest) (*pb.GetModelInfoResponse, error) {
 	f.record(ctx)
+	if err := f.nextError(&f.infoErrors); err != nil {
+		return nil, err
+	}
 	select {
 	case <-time.After(f.infoDelay):
 	case <-ctx.Done():
@@ -78,6 +102,22 @@ func (f *fakeGeneration) AddRequest(ctx context.Context, r *pb.AddRequestRequest
 	return &pb.AddRequestResponse{RequestId: r.GetRequest().GetRequestId()}, nil
 }
 
+func (f *fakeGeneration) Cancel(ctx context.Context, _ *pb.CancelRequest) (*pb.CancelResponse, error) {
+	f.record(ctx)
+	if err := f.nextError(&f.cancelErrors); err != nil {
+		return nil, err
+	}
+	return &pb.CancelResponse{Cancelled: true}, nil
+}
+
+func (f *fakeGeneration) StreamResults(_ *pb.StreamResultsRequest, stream pb.GenerationService_StreamResultsServer) error {
+	f.record(stream.Context())
+	if f.stall {
+		<-stream.Context().Done()
+	}
+	return stream.Context().Err()
+}
+
 // Generate records the request of the stream's first (add) message and answers f.chunks, then
 // ends the call as the server does once the request has ended.
 func (f *fakeGeneration) Generate(stream pb.GenerationService_GenerateServer) error {
@@ -91,6 +131,10 @@ func (f *fakeGeneration) Generate(stream pb.GenerationService_GenerateServer) er
 	f.generated = append(f.generated, request)
 	chunks := f.chunks
 	f.mu.Unlock()
+	if f.stall {
+		<-stream.Context().Done()
+		return stream.Context().Err()
+	}
 	for _, chunk := range chunks {
 		chunk = proto.CloneOf(chunk) // f.chunks is shared by every call
 		chunk.RequestId = request.GetRequestId()
@@ -325,7 +369,7 @@ func TestPenaltiesAndMinNewTokens(t *testing.T) {
 	fake.mu.Unlock()
 	_, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithMinNewTokens(-1))
 	var e *cbserve.Error
-	if !errors.Is(err, cbserve.ErrInvalidArgument) || !errors.As(err, &e) || !strings.Contains(e.Message, "min new tokens") {
+	if !errors.Is(err, cbserve.ErrInvalidArgument) || !errors.As(err, &e) || !strings.Contains(e.Message, "WithMinNewTokens(-1)") {
 		t.Errorf("Generate with WithMinNewTokens(-1): error %v; want invalid argument naming min new tokens", err)
 	}
 	_, err = client.Submit(testContext(t), cbserve.Text("hi"), cbserve.WithMinNewTokens(-1))

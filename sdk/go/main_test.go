@@ -5,7 +5,8 @@ package cbserve_test
 // EOS, so greedy requests always run to their max new tokens), serves it with
 // `python3 -m service serve` from the repository root on two free loopback ports, waits for
 // grpc.health.v1 to report SERVING, runs the tests, and stops the server (SIGTERM, then SIGKILL).
-// $CBSERVE_TEST_PYTHON overrides the interpreter.
+// $CBSERVE_TEST_PYTHON overrides the interpreter. Tests that need servers of their own (the
+// load-balancing test's replicas) start them with startServer.
 
 import (
 	"bufio"
@@ -35,12 +36,14 @@ const (
 	stopTimeout    = 15 * time.Second
 )
 
-// The server's addresses and the folder of its model (config, safetensors weights, tokenizer),
-// set by TestMain.
+// The server's addresses, the folder of its model (config, safetensors weights, tokenizer), the
+// Python interpreter and the repository root, set by TestMain.
 var (
-	serverAddr string
-	adminAddr  string
-	modelDir   string
+	serverAddr     string
+	adminAddr      string
+	modelDir       string
+	python         string
+	repositoryRoot string
 )
 
 func TestMain(m *testing.M) {
@@ -53,7 +56,8 @@ func runWithServer(m *testing.M) int {
 	if err != nil {
 		return fatal("repository root: %v", err)
 	}
-	python := os.Getenv("CBSERVE_TEST_PYTHON")
+	repositoryRoot = root
+	python = os.Getenv("CBSERVE_TEST_PYTHON")
 	if python == "" {
 		python = "python3"
 	}
@@ -72,83 +76,143 @@ func runWithServer(m *testing.M) int {
 		return fatal("scripts/make_tiny_model.py: %v\n%s", err, out)
 	}
 
-	ports, err := freePorts(2)
-	if err != nil {
-		return fatal("free ports: %v", err)
-	}
-	serverAddr = net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[0]))
-	adminAddr = net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[1]))
-
-	logPath := filepath.Join(dir, "server.log")
-	logFile, err := os.Create(logPath)
-	if err != nil {
-		return fatal("server log: %v", err)
-	}
-	defer logFile.Close()
-	server := exec.Command(python, "-m", "service", "serve",
-		"--model", modelDir, "--host", "127.0.0.1",
-		"--port", strconv.Itoa(ports[0]), "--admin-port", strconv.Itoa(ports[1]),
-		"--num-blocks", "256", "--page-size", "16", "--grace-period", "5")
-	server.Dir = root
-	server.Env = append(os.Environ(), "CBSERVE_ADMIN_TOKEN="+adminToken)
-	server.Stdout, server.Stderr = logFile, logFile
-	killWithParent(server)
-	// The parent-death signal fires when the OS thread that started the child exits, not the
-	// process: start the server from a goroutine locked to its thread, which lives until the
-	// server has exited (Go ends a locked thread only with its goroutine).
-	startErr := make(chan error, 1)
-	exited := make(chan struct{})
-	var exitState string
-	go func() {
-		runtime.LockOSThread()
-		if err := server.Start(); err != nil {
-			startErr <- err
-			return
-		}
-		startErr <- nil
-		err := server.Wait()
-		exitState = fmt.Sprint(err)
-		if err == nil {
-			exitState = "exit status 0"
-		}
-		close(exited)
-	}()
-	if err := <-startErr; err != nil {
-		return fatal("start the server: %v", err)
-	}
-	var stopOnce sync.Once
-	stop := func() {
-		stopOnce.Do(func() { stopServer(server, exited) })
-	}
-	defer stop()
-	// Ctrl-C or a SIGTERM to the test binary still stops the server.
+	// Ctrl-C or a SIGTERM to the test binary still stops the servers.
 	signals := make(chan os.Signal, 1)
 	signal.Notify(signals, os.Interrupt, syscall.SIGTERM)
 	defer signal.Stop(signals)
 	go func() {
 		if _, ok := <-signals; ok {
-			stop()
+			stopAllServers()
 			os.Exit(130)
 		}
 	}()
-
-	if err := waitServing(ctx, serverAddr, exited); err != nil {
-		printLogTail(logPath)
-		select {
-		case <-exited:
-			err = fmt.Errorf("%w: %s", err, exitState)
-		default:
-		}
-		return fatal("the server did not become ready: %v", err)
+	server, err := startServer(ctx, filepath.Join(dir, "server.log"))
+	if err != nil {
+		return fatal("%v", err)
 	}
+	defer server.stop()
+	serverAddr, adminAddr = server.addr, server.adminAddr
 	fmt.Fprintf(os.Stderr, "cbserve test server ready on %s (admin %s) after %.1f s\n",
 		serverAddr, adminAddr, time.Since(started).Seconds())
 
 	code := m.Run()
 	if code != 0 {
-		printLogTail(logPath)
+		printLogTail(server.logPath)
 	}
 	return code
+}
+
+// testServer is one `cbserve serve` process on two free loopback ports.
+type testServer struct {
+	addr, adminAddr string
+	logPath         string
+	cmd             *exec.Cmd
+	exited          chan struct{} // closed once the process has exited
+	stopOnce        sync.Once
+}
+
+// The servers started and not yet stopped, for the signal handler.
+var (
+	serversMu sync.Mutex
+	servers   = map[*testServer]bool{}
+)
+
+// startServer starts `python3 -m service serve` on modelDir from the repository root, with the
+// admin token adminToken, logging to logPath, and waits until it reports SERVING (bounded by ctx).
+// Stop it with stop.
+func startServer(ctx context.Context, logPath string) (*testServer, error) {
+	ports, err := freePorts(2)
+	if err != nil {
+		return nil, fmt.Errorf("free ports: %w", err)
+	}
+	server := &testServer{
+		addr:      net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[0])),
+		adminAddr: net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[1])),
+		logPath:   logPath,
+		exited:    make(chan struct{}),
+	}
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		return nil, fmt.Errorf("server log: %w", err)
+	}
+	defer logFile.Close()
+	server.cmd = exec.Command(python, "-m", "service", "serve",
+		"--model", modelDir, "--host", "127.0.0.1",
+		"--port", strconv.Itoa(ports[0]), "--admin-port", strconv.Itoa(ports[1]),
+		"--num-blocks", "256", "--page-size", "16", "--grace-period", "5")
+	server.cmd.Dir = repositoryRoot
+	server.cmd.Env = append(os.Environ(), "CBSERVE_ADMIN_TOKEN="+adminToken)
+	server.cmd.Stdout, server.cmd.Stderr = logFile, logFile
+	killWithParent(server.cmd)
+	// The parent-death signal fires when the OS thread that started the child exits, not the
+	// process: start the server from a goroutine locked to its thread, which lives until the
+	// server has exited (Go ends a locked thread only with its goroutine).
+	startErr := make(chan error, 1)
+	var exitState string
+	go func() {
+		runtime.LockOSThread()
+		if err := server.cmd.Start(); err != nil {
+			startErr <- err
+			return
+		}
+		startErr <- nil
+		err := server.cmd.Wait()
+		exitState = fmt.Sprint(err)
+		if err == nil {
+			exitState = "exit status 0"
+		}
+		close(server.exited)
+	}()
+	if err := <-startErr; err != nil {
+		return nil, fmt.Errorf("start the server: %w", err)
+	}
+	serversMu.Lock()
+	servers[server] = true
+	serversMu.Unlock()
+	if err := waitServing(ctx, server.addr, server.exited); err != nil {
+		printLogTail(logPath)
+		select {
+		case <-server.exited:
+			err = fmt.Errorf("%w: %s", err, exitState)
+		default:
+		}
+		server.stop()
+		return nil, fmt.Errorf("the server did not become ready: %w", err)
+	}
+	return server, nil
+}
+
+// stop sends SIGTERM and waits for the server to exit, killing it after stopTimeout. Idempotent.
+func (s *testServer) stop() {
+	s.stopOnce.Do(func() {
+		stopServer(s.cmd, s.exited)
+		serversMu.Lock()
+		delete(servers, s)
+		serversMu.Unlock()
+	})
+}
+
+// kill ends the server at once (SIGKILL), as a crash would, and waits for it to exit.
+func (s *testServer) kill() {
+	s.stopOnce.Do(func() {
+		_ = s.cmd.Process.Kill()
+		<-s.exited
+		serversMu.Lock()
+		delete(servers, s)
+		serversMu.Unlock()
+	})
+}
+
+func stopAllServers() {
+	serversMu.Lock()
+	var running []*testServer
+	for server := range servers {
+		running = append(running, server)
+	}
+	serversMu.Unlock()
+	for _, server := range running {
+		server.stop()
+	}
 }
 
 func fatal(format string, args ...any) int {

@@ -41,8 +41,8 @@ type Message struct {
 func Text(s string) Prompt { return Prompt{kind: promptText, text: s} }
 
 // Tokens is a prompt of token ids, passed to the model as they are (each must be below the
-// model's vocabulary size).
-func Tokens(ids []uint32) Prompt {
+// model's vocabulary size): Tokens(1, 2, 3), or Tokens(ids...) for a slice (copied).
+func Tokens(ids ...uint32) Prompt {
 	return Prompt{kind: promptTokens, tokens: append([]uint32(nil), ids...)}
 }
 
@@ -56,7 +56,9 @@ func Chat(messages ...Message) Prompt {
 // GenerateOption sets a sampling or request parameter of Generate, Stream and Submit. Options
 // not given take the server's defaults (normally the model's generation config), which differ
 // from zero values: WithTemperature(0) is greedy, no WithTemperature is the model's default.
-type GenerateOption func(*requestConfig)
+type GenerateOption struct {
+	apply func(*requestConfig)
+}
 
 type requestConfig struct {
 	requestID           string
@@ -78,30 +80,31 @@ type requestConfig struct {
 	addGenerationPrompt *bool
 }
 
-// WithMaxNewTokens caps the number of generated tokens (EOS included); n must be >= 1.
+// WithMaxNewTokens caps the number of generated tokens (EOS included); n must be at least
+// MinMaxNewTokens (1), and the prompt plus n tokens must fit in the model's context.
 func WithMaxNewTokens(n int) GenerateOption {
-	return func(c *requestConfig) { c.maxNewTokens = &n }
+	return GenerateOption{func(c *requestConfig) { c.maxNewTokens = &n }}
 }
 
 // WithTemperature sets the softmax temperature: 0 is greedy decoding; must be >= 0.
 func WithTemperature(t float64) GenerateOption {
-	return func(c *requestConfig) { c.temperature = &t }
+	return GenerateOption{func(c *requestConfig) { c.temperature = &t }}
 }
 
 // WithTopK samples only among the k most likely tokens; 0 disables the filter.
 func WithTopK(k int) GenerateOption {
-	return func(c *requestConfig) { c.topK = &k }
+	return GenerateOption{func(c *requestConfig) { c.topK = &k }}
 }
 
 // WithTopP sets nucleus sampling's probability mass, in (0, 1]; 1 disables the filter.
 func WithTopP(p float64) GenerateOption {
-	return func(c *requestConfig) { c.topP = &p }
+	return GenerateOption{func(c *requestConfig) { c.topP = &p }}
 }
 
 // WithSeed seeds the request's own random generator: a sampled output is then reproducible,
 // whatever else shares its batches.
 func WithSeed(seed uint64) GenerateOption {
-	return func(c *requestConfig) { c.seed = &seed }
+	return GenerateOption{func(c *requestConfig) { c.seed = &seed }}
 }
 
 // WithEOS sets the token ids that end generation (the id is emitted, then the request finishes
@@ -109,93 +112,92 @@ func WithSeed(seed uint64) GenerateOption {
 func WithEOS(ids ...uint32) GenerateOption {
 	// Copied now: a caller that reuses its slice after building the option must not change it.
 	ids = append([]uint32(nil), ids...)
-	return func(c *requestConfig) { c.eos = ids }
+	return GenerateOption{func(c *requestConfig) { c.eos = ids }}
 }
 
 // WithIgnoreEOS makes EOS tokens not stop generation: the request runs to its max new tokens.
 func WithIgnoreEOS() GenerateOption {
-	return func(c *requestConfig) { c.ignoreEOS = true }
+	return GenerateOption{func(c *requestConfig) { c.ignoreEOS = true }}
 }
 
 // WithStop sets strings that end generation when the decoded output contains one (the request
 // then finishes with FinishStop): the text ends just before the first match, while TokenIDs
 // still include the token that completed it. A stream holds back text that may begin a stop
-// string. At most 16 strings of 1 to 256 characters; needs a model with a tokenizer.
+// string. At most MaxStopStrings (16) strings of 1 to MaxStopStringChars (256) characters
+// each; needs a model with a tokenizer.
 func WithStop(stop ...string) GenerateOption {
 	stop = append([]string(nil), stop...) // copied now, as in WithEOS
-	return func(c *requestConfig) { c.stop = stop }
+	return GenerateOption{func(c *requestConfig) { c.stop = stop }}
 }
 
 // WithRepetitionPenalty divides the logits of tokens already in the prompt or the output by p
 // when positive and multiplies them when negative (transformers' semantics): p > 1 discourages
 // repeats. Must be finite and > 0; 1 disables it.
 func WithRepetitionPenalty(p float64) GenerateOption {
-	return func(c *requestConfig) { c.repetitionPenalty = &p }
+	return GenerateOption{func(c *requestConfig) { c.repetitionPenalty = &p }}
 }
 
 // WithPresencePenalty lowers the logits of tokens generated at least once by p (OpenAI's
-// semantics; the prompt does not count). In [-2, 2]; 0 disables it.
+// semantics; the prompt does not count). In [-MaxAbsPresenceFrequencyPenalty,
+// MaxAbsPresenceFrequencyPenalty] ([-2, 2]); 0 disables it.
 func WithPresencePenalty(p float64) GenerateOption {
-	return func(c *requestConfig) { c.presencePenalty = &p }
+	return GenerateOption{func(c *requestConfig) { c.presencePenalty = &p }}
 }
 
 // WithFrequencyPenalty lowers the logit of each generated token by p times the number of times
-// it was generated (OpenAI's semantics). In [-2, 2]; 0 disables it.
+// it was generated (OpenAI's semantics). In [-MaxAbsPresenceFrequencyPenalty,
+// MaxAbsPresenceFrequencyPenalty] ([-2, 2]); 0 disables it.
 func WithFrequencyPenalty(p float64) GenerateOption {
-	return func(c *requestConfig) { c.frequencyPenalty = &p }
+	return GenerateOption{func(c *requestConfig) { c.frequencyPenalty = &p }}
 }
 
 // WithLogitBias adds bias[id] to token id's logit at every step, before penalties and sampling
-// (-100 all but bans it, 100 all but forces it). At most 300 ids below the vocab size; biases in [-100, 100].
+// (-100 all but bans it, 100 all but forces it). At most MaxLogitBiasEntries (300) ids, each
+// below the vocab size; biases in [-MaxAbsLogitBias, MaxAbsLogitBias] ([-100, 100]).
 func WithLogitBias(bias map[uint32]float64) GenerateOption {
 	bias = maps.Clone(bias) // copied now, as in WithEOS
-	return func(c *requestConfig) { c.logitBias = bias }
+	return GenerateOption{func(c *requestConfig) { c.logitBias = bias }}
 }
 
 // WithMinNewTokens keeps EOS tokens from ending the request before it has generated n tokens
 // (stop strings still can); n must be >= 0 and at most the max new tokens.
 func WithMinNewTokens(n int) GenerateOption {
-	return func(c *requestConfig) { c.minNewTokens = &n }
+	return GenerateOption{func(c *requestConfig) { c.minNewTokens = &n }}
 }
 
 // WithLogprobs returns each generated token's log-probability, and the n most likely
-// alternatives at each step when n > 0 (the server caps n).
+// alternatives at each step when n > 0; n is in [0, MaxTopLogprobs] ([0, 20]).
 func WithLogprobs(n int) GenerateOption {
-	return func(c *requestConfig) { c.logprobs = &n }
+	return GenerateOption{func(c *requestConfig) { c.logprobs = &n }}
 }
 
-// WithRequestID sets the request's id (at most 128 bytes of printable ASCII, unique among the
-// server's live requests). Without it the client picks a random one.
+// WithRequestID sets the request's id (at most MaxRequestIDBytes (128) bytes of printable ASCII
+// without spaces, unique among the server's live requests). Without it, or with "", the client
+// picks a random one.
 func WithRequestID(id string) GenerateOption {
-	return func(c *requestConfig) { c.requestID = id }
+	return GenerateOption{func(c *requestConfig) { c.requestID = id }}
 }
 
 // WithRecordTimestamps returns the time each token was generated at (Chunk.TokenTimestamps,
 // Completion.TokenTimestamps).
 func WithRecordTimestamps() GenerateOption {
-	return func(c *requestConfig) { c.recordTimestamps = true }
+	return GenerateOption{func(c *requestConfig) { c.recordTimestamps = true }}
 }
 
 // WithAddGenerationPrompt sets, for a Chat prompt, whether the template opens the assistant's
 // turn (true, the default: the model answers the last message) or not (false: the model
 // continues the last, assistant, message).
 func WithAddGenerationPrompt(add bool) GenerateOption {
-	return func(c *requestConfig) { c.addGenerationPrompt = &add }
+	return GenerateOption{func(c *requestConfig) { c.addGenerationPrompt = &add }}
 }
 
-func nonNegativeUint32(name string, v int) (uint32, error) {
-	if v < 0 || uint64(v) > math.MaxUint32 {
-		return 0, newError(codes.InvalidArgument, "%s must be in [0, %d], got %d", name, uint32(math.MaxUint32), v)
-	}
-	return uint32(v), nil
-}
-
-// buildRequest turns a prompt and options into a GenerationRequest. Only what the wire types
-// cannot carry is checked here; the server validates values and bounds.
+// buildRequest turns a prompt and options into a GenerationRequest, refusing values outside the
+// server's bounds (bounds.go) before anything is sent. What needs the model (token ids below the
+// vocab size, the prompt fitting its context) is the server's to check.
 func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, error) {
-	var cfg requestConfig
-	for _, opt := range opts {
-		opt(&cfg)
+	cfg := applyGenerateOptions(opts)
+	if err := cfg.check(); err != nil {
+		return nil, err
 	}
 	request := &pb.GenerationRequest{RequestId: cfg.requestID, RecordTimestamps: cfg.recordTimestamps}
 	if cfg.addGenerationPrompt != nil && prompt.kind != promptChat {
@@ -225,54 +227,45 @@ func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, 
 		FrequencyPenalty:  wireFloat(cfg.frequencyPenalty),
 		LogitBias:         wireFloats(cfg.logitBias),
 	}
-	if cfg.maxNewTokens != nil {
-		v, err := nonNegativeUint32("max new tokens", *cfg.maxNewTokens)
-		if err != nil {
-			return nil, err
-		}
-		sampling.MaxNewTokens = &v
-	}
-	if cfg.topK != nil {
-		v, err := nonNegativeUint32("top k", *cfg.topK)
-		if err != nil {
-			return nil, err
-		}
-		sampling.TopK = &v
-	}
-	if cfg.minNewTokens != nil {
-		v, err := nonNegativeUint32("min new tokens", *cfg.minNewTokens)
-		if err != nil {
-			return nil, err
-		}
-		sampling.MinNewTokens = &v
-	}
+	sampling.MaxNewTokens = wireUint32(cfg.maxNewTokens)
+	sampling.TopK = wireUint32(cfg.topK)
+	sampling.MinNewTokens = wireUint32(cfg.minNewTokens)
 	if cfg.logprobs != nil {
-		n, err := nonNegativeUint32("logprobs", *cfg.logprobs)
-		if err != nil {
-			return nil, err
-		}
 		sampling.Logprobs = true
-		if n > 0 {
-			sampling.TopLogprobs = &n
+		if *cfg.logprobs > 0 {
+			sampling.TopLogprobs = wireUint32(cfg.logprobs)
 		}
 	}
 	request.Sampling = sampling
 	return request, nil
 }
 
-// wantsLogprobs reports whether the options ask for logprobs.
-func wantsLogprobs(opts []GenerateOption) (logprobs, timestamps bool) {
+// applyGenerateOptions applies opts in order (a later option wins); the zero GenerateOption does
+// nothing.
+func applyGenerateOptions(opts []GenerateOption) requestConfig {
 	var cfg requestConfig
 	for _, opt := range opts {
-		opt(&cfg)
+		if opt.apply != nil {
+			opt.apply(&cfg)
+		}
 	}
-	return cfg.logprobs != nil, cfg.recordTimestamps
+	return cfg
 }
 
 // unixSeconds converts seconds since the Unix epoch to a time.Time.
 func unixSeconds(s float64) time.Time {
 	sec, frac := math.Modf(s)
 	return time.Unix(int64(sec), int64(frac*1e9))
+}
+
+// wireUint32 converts an optional count option, already checked to fit, to the wire's uint32;
+// unset stays unset.
+func wireUint32(v *int) *uint32 {
+	if v == nil {
+		return nil
+	}
+	u := uint32(*v)
+	return &u
 }
 
 // wireFloat narrows an optional float option to the wire's float32; unset stays unset.

@@ -71,7 +71,9 @@ func (t *Tensor) check() error {
 }
 
 // UpdateWeightsOption configures Admin.UpdateWeights and Admin.UpdateWeightsFromPath.
-type UpdateWeightsOption func(*updateWeightsConfig)
+type UpdateWeightsOption struct {
+	apply func(*updateWeightsConfig)
+}
 
 type updateWeightsConfig struct {
 	label     *string
@@ -81,19 +83,21 @@ type updateWeightsConfig struct {
 // WithVersionLabel labels the new weights (e.g. with a training step); the server logs the
 // label and returns it in WeightsUpdate.VersionLabel.
 func WithVersionLabel(label string) UpdateWeightsOption {
-	return func(c *updateWeightsConfig) { c.label = &label }
+	return UpdateWeightsOption{func(c *updateWeightsConfig) { c.label = &label }}
 }
 
 // WithChunkSize sets the most bytes of a tensor sent in one message, in [1,
 // MaxTensorChunkBytes] (default MaxTensorChunkBytes).
 func WithChunkSize(n int) UpdateWeightsOption {
-	return func(c *updateWeightsConfig) { c.chunkSize = n }
+	return UpdateWeightsOption{func(c *updateWeightsConfig) { c.chunkSize = n }}
 }
 
 func updateWeightsOptions(opts []UpdateWeightsOption) (updateWeightsConfig, error) {
 	cfg := updateWeightsConfig{chunkSize: MaxTensorChunkBytes}
 	for _, opt := range opts {
-		opt(&cfg)
+		if opt.apply != nil {
+			opt.apply(&cfg)
+		}
 	}
 	if cfg.chunkSize < 1 || cfg.chunkSize > MaxTensorChunkBytes {
 		return cfg, newError(codes.InvalidArgument, "WithChunkSize: %d is not in [1, %d]", cfg.chunkSize, MaxTensorChunkBytes)

@@ -149,11 +149,13 @@ def test_submit_does_not_retry_invalid_argument(monkeypatch: pytest.MonkeyPatch)
     add_request = FlakyCallable([grpc.StatusCode.INVALID_ARGUMENT])
     client = _client_with(FakeStub(AddRequest=add_request), monkeypatch)
     with client, pytest.raises(errors.InvalidArgumentError):
-        client.submit([1, 2], max_new_tokens=0)
+        client.submit([1, 2], max_new_tokens=100_000)  # past the model's context: the server refuses
     assert add_request.calls == 1
 
 
-def test_unary_calls_other_than_submit_are_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_unary_call_but_submit_loops_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cancel and model_info are retried by the channel's service config (test_sdk_replicas.py), never
+    by a Python loop on top of it, which would multiply the tries."""
     cancel = FlakyCallable([grpc.StatusCode.UNAVAILABLE])
     info = FlakyCallable([grpc.StatusCode.UNAVAILABLE])
     with _client_with(FakeStub(Cancel=cancel, GetModelInfo=info), monkeypatch) as client:
@@ -201,7 +203,7 @@ def test_streams_are_never_retried(code: grpc.StatusCode, monkeypatch: pytest.Mo
         with pytest.raises(errors.CbserveError):
             list(client.stream("hi"))
     assert len(calls) == 3
-    assert all(c["timeout"] is None for c in calls)  # streams get no default deadline
+    assert all(c["timeout"] == 600.0 for c in calls), "streams get the client's stream_timeout"
 
 
 def test_async_submit_retries_only_safe_codes() -> None:

@@ -34,7 +34,11 @@ def test_unset_sampling_kwargs_stay_unset() -> None:
     assert params.ByteSize() == 0
 
 
-@pytest.mark.parametrize("name", OPTIONAL_SAMPLING_FIELDS)
+# Fields whose zero the server refuses (test_sdk_validation.py): the SDK refuses it too.
+ZERO_REFUSED = {"max_new_tokens", "top_p", "repetition_penalty"}
+
+
+@pytest.mark.parametrize("name", [name for name in OPTIONAL_SAMPLING_FIELDS if name not in ZERO_REFUSED])
 def test_explicit_zero_differs_from_unset(name: str) -> None:
     params = build_sampling(**{name: 0})
     assert params.HasField(name)
@@ -44,6 +48,12 @@ def test_explicit_zero_differs_from_unset(name: str) -> None:
             assert not params.HasField(other)
     # ...and the presence survives the wire.
     assert types_pb2.SamplingParams.FromString(params.SerializeToString()).HasField(name)
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_REFUSED))
+def test_explicit_zero_is_refused_where_the_server_refuses_it(name: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"sampling.{name} must be"):
+        build_sampling(**{name: 0})
 
 
 def test_all_sampling_kwargs() -> None:
@@ -137,10 +147,9 @@ def test_trivial_type_checks(prompt: object, kwargs: dict[str, object]) -> None:
         build_request(prompt, **kwargs)
 
 
-def test_bounds_are_left_to_the_server() -> None:
-    request = build_request("x", temperature=-1.0, top_p=7.0)
-    assert request.sampling.temperature == -1.0
-    assert request.sampling.top_p == 7.0
+def test_model_dependent_bounds_are_left_to_the_server() -> None:
+    request = build_request([999_999], max_new_tokens=100_000, eos_token_ids=[999_999])
+    assert request.sampling.max_new_tokens == 100_000
 
 
 def test_pause_request_modes() -> None:

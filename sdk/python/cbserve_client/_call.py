@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from cbserve_client.errors import AlreadyExistsError, from_rpc_error
+from cbserve_client.errors import AlreadyExistsError, CbserveError, DeadlineExceededError, from_rpc_error
 
 T = TypeVar("T")
 
@@ -31,9 +31,29 @@ class _Default(enum.Enum):
 DEFAULT_TIMEOUT = _Default.TIMEOUT
 Timeout = float | None | _Default
 
+#: Default deadline of unary calls, in seconds.
+DEFAULT_TIMEOUT_S = 60.0
+#: Default deadline of streaming calls (generate, stream, results), in seconds: a stalled server
+#: cannot hold a call forever, and a generation that runs longer needs a larger one.
+DEFAULT_STREAM_TIMEOUT_S = 600.0
+
 
 def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
     return default if isinstance(timeout, _Default) else timeout
+
+
+def explain_deadline(error: CbserveError, timeout: float | None) -> CbserveError:
+    """``error``, with the deadline that passed and the knobs that set it when it is DEADLINE_EXCEEDED
+    on a streaming call."""
+    if not isinstance(error, DeadlineExceededError) or timeout is None:
+        return error
+    explained = DeadlineExceededError(
+        error.code,
+        f"{error.details} (the call's deadline of {timeout:g} s passed; pass timeout= to the call, or "
+        "stream_timeout= to the client, for a longer one, None for none)",
+    )
+    explained.__cause__ = error.__cause__
+    return explained
 
 
 _NOT_LOADED: Any = object()
@@ -191,7 +211,9 @@ def make_aio_channel(
 
 
 __all__ = [
+    "DEFAULT_STREAM_TIMEOUT_S",
     "DEFAULT_TIMEOUT",
+    "DEFAULT_TIMEOUT_S",
     "RETRYABLE_CODES",
     "Timeout",
     "acall_once",
@@ -200,6 +222,7 @@ __all__ = [
     "call_metadata",
     "call_once",
     "call_with_retry",
+    "explain_deadline",
     "make_aio_channel",
     "make_channel",
     "resolve_timeout",

@@ -10,6 +10,13 @@ from typing import Any, Self
 import grpc
 
 from cbserve_client._call import call_metadata, make_channel
+from cbserve_client._connection import (
+    DEFAULT_SETTINGS,
+    ChannelSettings,
+    channel_options,
+    channel_target,
+    describe_target,
+)
 
 
 class Closeable(ABC):
@@ -36,16 +43,17 @@ class ChannelOwner(Closeable):
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         credentials: grpc.ChannelCredentials | None,
         token: str | None,
         timeout: float | None,
         options: Sequence[tuple[str, Any]],
+        settings: ChannelSettings = DEFAULT_SETTINGS,
     ) -> None:
-        self.target = target
+        self.target = describe_target(target)
         self.timeout = timeout
         self._token = token
-        self._channel = make_channel(target, credentials, options)
+        self._channel = make_channel(channel_target(target), credentials, channel_options(settings, options))
 
     def close(self) -> None:
         self._channel.close()

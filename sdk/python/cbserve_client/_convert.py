@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
@@ -10,6 +11,7 @@ from typing import Any, TypeAlias
 import grpc
 from google.protobuf import timestamp_pb2
 
+from cbserve_client import _bounds
 from cbserve_client._generated.cbserve.v1 import admin_pb2, generation_pb2, types_pb2
 from cbserve_client._types import (
     Chunk,
@@ -24,7 +26,7 @@ from cbserve_client._types import (
     Usage,
     WeightsUpdate,
 )
-from cbserve_client.errors import CbserveError, error_from_code
+from cbserve_client.errors import CbserveError, InvalidArgumentError, error_from_code
 
 #: A prompt: text, token ids, or chat messages ({"role": ..., "content": ...} mappings).
 Prompt: TypeAlias = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -87,9 +89,113 @@ REJECTION_CODES = frozenset(
 )
 
 
+# The wire's integer widths (token ids, counts: uint32; seed: uint64).
+_UINT32_MAX = 2**32 - 1
+_UINT64_MAX = 2**64 - 1
+
+
 def new_request_id() -> str:
     """A fresh client-side request id (client-chosen ids make retries of AddRequest idempotent)."""
     return uuid.uuid4().hex
+
+
+def with_request_id(sampling: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling keywords with a fresh ``request_id`` when the caller set none (or an empty one,
+    which the server would replace with an id this client could not follow)."""
+    return {**sampling, "request_id": sampling.get("request_id") or new_request_id()}
+
+
+def _refuse(field: str, message: str) -> InvalidArgumentError:
+    """What the server would answer, before any call: the same status, field name and bound."""
+    return InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}{message}")
+
+
+def _check_int_range(
+    field: str, value: int, minimum: int, maximum: int | None = None, *, wire_max: int = _UINT32_MAX
+) -> None:
+    """``minimum``/``maximum`` are the server's bounds, phrased as it phrases them; ``wire_max`` is the
+    width of the wire's unsigned field."""
+    if value < minimum or (maximum is not None and value > maximum):
+        bounds = f" in [{minimum}, {maximum}]" if maximum is not None else f" >= {minimum}"
+        raise _refuse(field, f" must be an int{bounds}, got {value!r}")
+    if value > wire_max:
+        raise _refuse(
+            field, f" must be at most {wire_max} (the wire's uint{wire_max.bit_length()}), got {value!r}"
+        )
+
+
+def _check_number_range(field: str, value: float, bounds: str, in_bounds: bool) -> None:
+    if not math.isfinite(value) or not in_bounds:
+        raise _refuse(field, f" must be a finite number {bounds}, got {value!r}")
+
+
+def _check_bounds(
+    values: Mapping[str, Any], eos_token_ids: list[int], stop: list[str], logit_bias: Mapping[int, float]
+) -> None:
+    """Refuses every value outside the server's bounds (sdk/sampling_bounds.json, and the wire's
+    integer widths), with the server's message. Bounds that depend on the model (vocabulary size,
+    context length) are left to the server."""
+    max_new_tokens = values.get("max_new_tokens")
+    if max_new_tokens is not None:
+        _check_int_range("sampling.max_new_tokens", max_new_tokens, _bounds.MIN_MAX_NEW_TOKENS)
+    for name in ("top_k", "min_new_tokens"):
+        if values.get(name) is not None:
+            _check_int_range(f"sampling.{name}", values[name], 0)
+    if values.get("seed") is not None:
+        _check_int_range("sampling.seed", values["seed"], 0, wire_max=_UINT64_MAX)
+    if values.get("top_logprobs") is not None:
+        _check_int_range("sampling.top_logprobs", values["top_logprobs"], 0, _bounds.MAX_TOP_LOGPROBS)
+    min_new_tokens = values.get("min_new_tokens")
+    if min_new_tokens is not None and max_new_tokens is not None and min_new_tokens > max_new_tokens:
+        message = f" ({min_new_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
+        raise _refuse("sampling.min_new_tokens", message)
+    for index, token in enumerate(eos_token_ids):
+        _check_int_range(f"sampling.eos_token_ids[{index}]", token, 0)
+    if values.get("temperature") is not None:
+        temperature = values["temperature"]
+        _check_number_range("sampling.temperature", temperature, ">= 0", temperature >= 0)
+    if values.get("top_p") is not None:
+        top_p = values["top_p"]
+        _check_number_range("sampling.top_p", top_p, "in (0, 1]", 0 < top_p <= 1)
+    if values.get("repetition_penalty") is not None:
+        penalty = values["repetition_penalty"]
+        _check_number_range("sampling.repetition_penalty", penalty, "> 0 (1 disables it)", penalty > 0)
+    bound = _bounds.MAX_ABS_PRESENCE_FREQUENCY_PENALTY
+    for name in ("presence_penalty", "frequency_penalty"):
+        if values.get(name) is not None:
+            value = values[name]
+            _check_number_range(f"sampling.{name}", value, f"in [-{bound:g}, {bound:g}]", abs(value) <= bound)
+    _check_stop(stop)
+    _check_logit_bias(logit_bias)
+
+
+def _check_stop(stop: list[str]) -> None:
+    if len(stop) > _bounds.MAX_STOP_STRINGS:
+        raise _refuse("sampling.stop", f": at most {_bounds.MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for index, text in enumerate(stop):
+        if not 1 <= len(text) <= _bounds.MAX_STOP_STRING_CHARS:
+            raise _refuse(
+                f"sampling.stop[{index}]",
+                f" must be 1 to {_bounds.MAX_STOP_STRING_CHARS} characters, got {len(text)}",
+            )
+
+
+def _check_logit_bias(logit_bias: Mapping[int, float]) -> None:
+    if len(logit_bias) > _bounds.MAX_LOGIT_BIAS_ENTRIES:
+        message = f": at most {_bounds.MAX_LOGIT_BIAS_ENTRIES} entries, got {len(logit_bias)}"
+        raise _refuse("sampling.logit_bias", message)
+    bound = _bounds.MAX_ABS_LOGIT_BIAS
+    for token, bias in sorted(logit_bias.items()):
+        _check_int_range("sampling.logit_bias key", token, 0)
+        _check_number_range(
+            f"sampling.logit_bias[{token}]", float(bias), f"in [-{bound:g}, {bound:g}]", abs(bias) <= bound
+        )
+
+
+def _check_request_id(request_id: str) -> None:
+    limit = _bounds.MAX_REQUEST_ID_BYTES
+    if len(request_id.encode()) > limit or not all(" " < c <= "~" for c in request_id):
+        raise _refuse("request_id", f" must be at most {limit} bytes of printable ASCII, got {request_id!r}")
 
 
 def _check_int(name: str, value: object) -> int:
@@ -144,8 +250,11 @@ def build_sampling(
     min_new_tokens: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
 ) -> types_pb2.SamplingParams:
-    """A SamplingParams message with only the given fields set (None leaves a field unset)."""
-    params = types_pb2.SamplingParams()
+    """A SamplingParams message with only the given fields set (None leaves a field unset).
+
+    Raises TypeError for a value of the wrong type, and :class:`InvalidArgumentError` (as the server
+    would) for one outside the server's bounds.
+    """
     scalars: dict[str, tuple[object, Callable[[str, object], object]]] = {
         "max_new_tokens": (max_new_tokens, _check_int),
         "temperature": (temperature, _check_float),
@@ -160,22 +269,23 @@ def build_sampling(
         "frequency_penalty": (frequency_penalty, _check_float),
         "min_new_tokens": (min_new_tokens, _check_int),
     }
-    for name, (value, check) in scalars.items():
-        if value is not None:
-            setattr(params, name, check(name, value))
-    if eos_token_ids is not None:
-        params.eos_token_ids.extend(_check_int_list("eos_token_ids", eos_token_ids))
-    if stop is not None:
-        params.stop.extend(_check_str_list("stop", stop))
+    values: dict[str, Any] = {
+        name: check(name, value) for name, (value, check) in scalars.items() if value is not None
+    }
+    eos_ids = _check_int_list("eos_token_ids", eos_token_ids) if eos_token_ids is not None else []
+    stop_strings = _check_str_list("stop", stop) if stop is not None else []
+    biases: dict[int, float] = {}
     if logit_bias is not None:
         if not isinstance(logit_bias, Mapping):
             raise TypeError(
                 f"logit_bias must be a mapping of token id to bias, got {type(logit_bias).__name__}"
             )
         for token, bias in logit_bias.items():
-            params.logit_bias[_check_int("logit_bias key", token)] = _check_float(
-                f"logit_bias[{token}]", bias
-            )
+            biases[_check_int("logit_bias key", token)] = _check_float(f"logit_bias[{token}]", bias)
+    _check_bounds(values, eos_ids, stop_strings, biases)
+    params = types_pb2.SamplingParams(**values, eos_token_ids=eos_ids, stop=stop_strings)
+    for token, bias in biases.items():
+        params.logit_bias[token] = bias
     return params
 
 
@@ -191,7 +301,8 @@ def build_request(
 
     ``prompt`` is a str (text), a sequence of ints (token ids) or a sequence of
     ``{"role", "content"}`` mappings (chat, rendered with the model's template on the server).
-    Only trivial type checks happen here; the server validates values and bounds.
+    Values outside the server's bounds raise :class:`InvalidArgumentError` here, before any call;
+    what depends on the model (vocabulary, context length, tokenizer) is the server's to check.
     """
     unknown = set(sampling) - SAMPLING_KWARGS
     if unknown:
@@ -200,12 +311,15 @@ def build_request(
     if request_id is not None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        _check_request_id(request_id)
         request.request_id = request_id
     if record_timestamps is not None:
         request.record_timestamps = _check_bool("record_timestamps", record_timestamps)
     if isinstance(prompt, str):
         if add_generation_prompt is not None:
             raise TypeError("add_generation_prompt applies to chat prompts only")
+        if not prompt:
+            raise _refuse("text", " must not be empty")
         request.text = prompt
     elif isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
         raise TypeError(
@@ -227,7 +341,12 @@ def build_request(
     else:
         if add_generation_prompt is not None:
             raise TypeError("add_generation_prompt applies to chat prompts only")
-        request.token_ids.CopyFrom(types_pb2.TokenIds(ids=_check_int_list("prompt", prompt)))
+        ids = _check_int_list("prompt", prompt)
+        if not ids:
+            raise _refuse("token_ids.ids", " must not be empty")
+        for index, token in enumerate(ids):
+            _check_int_range(f"token_ids.ids[{index}]", token, 0)
+        request.token_ids.CopyFrom(types_pb2.TokenIds(ids=ids))
     return request
 
 

@@ -19,13 +19,25 @@ import grpc
 import grpc.aio
 
 from cbserve_client._call import (
+    DEFAULT_STREAM_TIMEOUT_S,
     DEFAULT_TIMEOUT,
+    DEFAULT_TIMEOUT_S,
     Timeout,
     acall_once,
     acall_with_retry,
     call_metadata,
+    explain_deadline,
     make_aio_channel,
     resolve_timeout,
+)
+from cbserve_client._connection import (
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    DEFAULT_LOAD_BALANCING,
+    DEFAULT_RETRY_ATTEMPTS,
+    ChannelSettings,
+    channel_options,
+    channel_target,
+    describe_target,
 )
 from cbserve_client._convert import (
     CompletionBuilder,
@@ -33,16 +45,14 @@ from cbserve_client._convert import (
     build_request,
     chunk_from_proto,
     model_info_from_proto,
-    new_request_id,
     rejection_error,
+    with_request_id,
 )
 from cbserve_client._generated.cbserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from cbserve_client._types import Chunk, Completion, ModelInfo
 from cbserve_client.errors import CancelledError, from_rpc_error
 
 __all__ = ["AsyncChunkStream", "AsyncClient"]
-
-DEFAULT_TIMEOUT_S = 60.0
 
 
 class AsyncChunkStream(AsyncIterator[Chunk]):
@@ -59,10 +69,12 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
         extract: Callable[[Any], types_pb2.GenerationChunk],
         request_id: str,
         *,
+        timeout: float | None = None,
         raise_rejections: bool = False,
     ) -> None:
         self._call = call
         self._extract = extract
+        self._timeout = timeout
         self._raise_rejections = raise_rejections
         self._cancelled = False
         #: The id of the request this stream follows.
@@ -75,7 +87,7 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
         try:
             message = await self._call.read()
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            raise explain_deadline(from_rpc_error(exc), self._timeout) from exc
         except asyncio.CancelledError:
             if self._cancelled:  # our own cancel(): report it like the sync client does
                 raise CancelledError(grpc.StatusCode.CANCELLED, "the stream was cancelled") from None
@@ -115,17 +127,26 @@ class AsyncClient:
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        stream_timeout: float | None = DEFAULT_STREAM_TIMEOUT_S,
+        load_balancing: str = DEFAULT_LOAD_BALANCING,
+        retry_attempts: int = DEFAULT_RETRY_ATTEMPTS,
+        keepalive_s: float | None = None,
+        keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self.target = target
+        settings = ChannelSettings(load_balancing, retry_attempts, keepalive_s, keepalive_timeout_s)
+        self.target = describe_target(target)
         self.timeout = timeout
+        self.stream_timeout = stream_timeout
         self._token = token
-        self._channel = make_aio_channel(target, credentials, options)
+        self._channel = make_aio_channel(
+            channel_target(target), credentials, channel_options(settings, options)
+        )
         self._stub: Any = generation_pb2_grpc.GenerationServiceStub(self._channel)
 
     async def close(self) -> None:
@@ -146,7 +167,9 @@ class AsyncClient:
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return call_metadata(self._token)
 
-    async def generate(self, prompt: Prompt, *, timeout: float | None = None, **sampling: Any) -> Completion:
+    async def generate(
+        self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
+    ) -> Completion:
         """Generates a completion for ``prompt`` and returns it whole (see ``Client.generate``)."""
         async with self.stream(prompt, timeout=timeout, **sampling) as stream:
             builder = CompletionBuilder(stream.request_id)
@@ -161,29 +184,28 @@ class AsyncClient:
             timestamps_requested=bool(sampling.get("record_timestamps")),
         )
 
-    def stream(self, prompt: Prompt, *, timeout: float | None = None, **sampling: Any) -> AsyncChunkStream:
+    def stream(
+        self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
+    ) -> AsyncChunkStream:
         """Starts generating; returns an async iterator over the output chunks (see ``Client.stream``).
 
         Cancelling the iterator (``cancel()``, ``aclose()``, leaving ``async with``) cancels the RPC
         and thus the request.
         """
-        sampling.setdefault("request_id", None)
-        if sampling["request_id"] is None:
-            sampling["request_id"] = new_request_id()
-        request = build_request(prompt, **sampling)
+        request = build_request(prompt, **with_request_id(sampling))
+        deadline = resolve_timeout(timeout, self.stream_timeout)
         call = self._stub.Generate(
             iter([generation_pb2.GenerateRequest(add=request)]),
-            timeout=timeout,
+            timeout=deadline,
             metadata=self._metadata(),
         )
-        return AsyncChunkStream(call, _generate_chunk, request.request_id, raise_rejections=True)
+        return AsyncChunkStream(
+            call, _generate_chunk, request.request_id, timeout=deadline, raise_rejections=True
+        )
 
     async def submit(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> str:
         """Queues a request (``AddRequest``) and returns its id; retried like ``Client.submit``."""
-        sampling.setdefault("request_id", None)
-        if sampling["request_id"] is None:
-            sampling["request_id"] = new_request_id()
-        request = build_request(prompt, **sampling)
+        request = build_request(prompt, **with_request_id(sampling))
         message = generation_pb2.AddRequestRequest(request=request)
         metadata = self._metadata()
 
@@ -198,12 +220,13 @@ class AsyncClient:
         )
 
     def results(
-        self, request_id: str, from_index: int = 0, *, timeout: float | None = None
+        self, request_id: str, from_index: int = 0, *, timeout: Timeout = DEFAULT_TIMEOUT
     ) -> AsyncChunkStream:
         """Streams a request's outputs from token index ``from_index`` on (``StreamResults``)."""
         message = generation_pb2.StreamResultsRequest(request_id=request_id, from_token_index=from_index)
-        call = self._stub.StreamResults(message, timeout=timeout, metadata=self._metadata())
-        return AsyncChunkStream(call, _results_chunk, request_id)
+        deadline = resolve_timeout(timeout, self.stream_timeout)
+        call = self._stub.StreamResults(message, timeout=deadline, metadata=self._metadata())
+        return AsyncChunkStream(call, _results_chunk, request_id, timeout=deadline)
 
     async def cancel(self, request_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
         """Cancels a request. Returns True if it was live, False if it had already ended."""

@@ -9,29 +9,36 @@ from typing import Any
 import grpc
 
 from cbserve_client._call import (
+    DEFAULT_STREAM_TIMEOUT_S,
     DEFAULT_TIMEOUT,
+    DEFAULT_TIMEOUT_S,
     Timeout,
     call_once,
     call_with_retry,
+    explain_deadline,
     resolve_timeout,
 )
 from cbserve_client._channel import ChannelOwner, Closeable
+from cbserve_client._connection import (
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    DEFAULT_LOAD_BALANCING,
+    DEFAULT_RETRY_ATTEMPTS,
+    ChannelSettings,
+)
 from cbserve_client._convert import (
     CompletionBuilder,
     Prompt,
     build_request,
     chunk_from_proto,
     model_info_from_proto,
-    new_request_id,
     rejection_error,
+    with_request_id,
 )
 from cbserve_client._generated.cbserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from cbserve_client._types import Chunk, Completion, ModelInfo
 from cbserve_client.errors import from_rpc_error
 
 __all__ = ["ChunkStream", "Client"]
-
-DEFAULT_TIMEOUT_S = 60.0
 
 
 class ChunkStream(Closeable, Iterator[Chunk]):
@@ -48,10 +55,12 @@ class ChunkStream(Closeable, Iterator[Chunk]):
         extract: Callable[[Any], types_pb2.GenerationChunk],
         request_id: str,
         *,
+        timeout: float | None = None,
         raise_rejections: bool = False,
     ) -> None:
         self._call = call
         self._extract = extract
+        self._timeout = timeout
         self._raise_rejections = raise_rejections
         #: The id of the request this stream follows.
         self.request_id = request_id
@@ -63,7 +72,7 @@ class ChunkStream(Closeable, Iterator[Chunk]):
         try:
             message = next(self._call)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            raise explain_deadline(from_rpc_error(exc), self._timeout) from exc
         chunk = chunk_from_proto(self._extract(message))
         if self._raise_rejections:
             error = rejection_error(chunk)
@@ -89,13 +98,29 @@ class Client(ChannelOwner):
     """A connection to a cbserve server's GenerationService.
 
     Args:
-        target: the server address, e.g. ``"localhost:50051"`` (any gRPC target string, such as
-            ``"dns:///cbserve.ns.svc:50051"`` with ``options=[("grpc.lb_policy_name", "round_robin")]``).
+        target: the server address, e.g. ``"localhost:50051"``; several replicas as a list
+            (``["10.0.0.5:50051", "10.0.0.6:50051"]``, host names resolved once) or as a name that
+            resolves to all of them (``"dns:///cbserve.ns.svc.cluster.local:50051"``, re-resolved when
+            a connection breaks); or any gRPC target string.
         credentials: TLS channel credentials; None for a plaintext channel.
         token: bearer token sent as ``authorization: Bearer <token>`` on every call, if set.
-        timeout: default deadline, in seconds, of unary calls (submit, cancel, model_info).
-            Streaming calls (generate, stream, results) have no deadline unless given one.
-        options: extra gRPC channel options.
+        timeout: default deadline, in seconds, of unary calls (submit, cancel, model_info); None
+            for none.
+        stream_timeout: default deadline, in seconds, of streaming calls (generate, stream,
+            results), so that a stalled server cannot hold one forever; it caps a whole generation,
+            so raise it for long outputs. None for none.
+        load_balancing: gRPC's load-balancing policy over the addresses the target gives:
+            ``"round_robin"`` (each call on the next ready address, dead ones skipped) or
+            ``"pick_first"`` (one address at a time, the next when it fails).
+        retry_attempts: tries of the idempotent unary calls (model_info, cancel; admin status) on
+            UNAVAILABLE, with gRPC's exponential backoff from 0.1 s to 1 s; in [1, 5], 1 turns
+            retries off. The deadline bounds all tries together.
+        keepalive_s: ping a connection that has calls open after this many seconds without reads,
+            and drop it (failing its calls with UnavailableError) when no answer comes within
+            ``keepalive_timeout_s``: finds a dead server or dropped connection under a long quiet
+            stream. None (the default) sends no pings; at least 10.
+        options: extra gRPC channel options; they replace the SDK's own of the same name (a
+            ``grpc.service_config`` replaces the load balancing and retry policy).
 
     Sampling keyword arguments accepted by :meth:`generate`, :meth:`stream` and :meth:`submit`:
     ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_ids``,
@@ -107,14 +132,21 @@ class Client(ChannelOwner):
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        stream_timeout: float | None = DEFAULT_STREAM_TIMEOUT_S,
+        load_balancing: str = DEFAULT_LOAD_BALANCING,
+        retry_attempts: int = DEFAULT_RETRY_ATTEMPTS,
+        keepalive_s: float | None = None,
+        keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        super().__init__(target, credentials, token, timeout, options)
+        settings = ChannelSettings(load_balancing, retry_attempts, keepalive_s, keepalive_timeout_s)
+        super().__init__(target, credentials, token, timeout, options, settings)
+        self.stream_timeout = stream_timeout
         self._stub: Any = generation_pb2_grpc.GenerationServiceStub(self._channel)
 
     def _timeout(self, timeout: Timeout) -> float | None:
@@ -122,13 +154,14 @@ class Client(ChannelOwner):
 
     # -- generation --------------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, *, timeout: float | None = None, **sampling: Any) -> Completion:
+    def generate(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> Completion:
         """Generates a completion for ``prompt`` and returns it whole.
 
         ``prompt``: text (str), token ids (list of int), or chat messages (list of
         ``{"role": ..., "content": ...}``). A request rejected by the server raises the matching
         :class:`~cbserve_client.errors.CbserveError`; a request that fails while running returns a
-        Completion with ``finish_reason == "error"`` and ``error`` set.
+        Completion with ``finish_reason == "error"`` and ``error`` set. ``timeout`` bounds the whole
+        call (default: the client's ``stream_timeout``; None for no deadline).
         """
         with self.stream(prompt, timeout=timeout, **sampling) as stream:
             builder = CompletionBuilder(stream.request_id)
@@ -143,25 +176,24 @@ class Client(ChannelOwner):
             timestamps_requested=bool(sampling.get("record_timestamps")),
         )
 
-    def stream(self, prompt: Prompt, *, timeout: float | None = None, **sampling: Any) -> ChunkStream:
+    def stream(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> ChunkStream:
         """Starts generating and returns an iterator over the output chunks, as they come.
 
         Runs on the bidirectional ``Generate`` RPC: closing the iterator before the request
         finished (``close()``, leaving a ``with`` block, ``break`` then dropping it) cancels the
-        RPC, and the server then cancels the request and frees its KV cache.
+        RPC, and the server then cancels the request and frees its KV cache. ``timeout`` bounds the
+        whole stream (default: the client's ``stream_timeout``; None for no deadline).
         """
-        sampling.setdefault("request_id", None)
-        if sampling["request_id"] is None:
-            sampling["request_id"] = new_request_id()
-        request = build_request(prompt, **sampling)
+        request = build_request(prompt, **with_request_id(sampling))
+        deadline = resolve_timeout(timeout, self.stream_timeout)
         call = call_once(
             lambda: self._stub.Generate(
                 iter([generation_pb2.GenerateRequest(add=request)]),
-                timeout=timeout,
+                timeout=deadline,
                 metadata=self._metadata(),
             )
         )
-        return ChunkStream(call, _generate_chunk, request.request_id, raise_rejections=True)
+        return ChunkStream(call, _generate_chunk, request.request_id, timeout=deadline, raise_rejections=True)
 
     def submit(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> str:
         """Queues a request (``AddRequest``) and returns its id without waiting for any output.
@@ -170,10 +202,7 @@ class Client(ChannelOwner):
         server answers UNAVAILABLE or RESOURCE_EXHAUSTED, which mean that nothing was queued. The
         request id is chosen client-side when not given, so a retry can never queue it twice.
         """
-        sampling.setdefault("request_id", None)
-        if sampling["request_id"] is None:
-            sampling["request_id"] = new_request_id()
-        request = build_request(prompt, **sampling)
+        request = build_request(prompt, **with_request_id(sampling))
         message = generation_pb2.AddRequestRequest(request=request)
         metadata = self._metadata()
 
@@ -187,19 +216,22 @@ class Client(ChannelOwner):
             on_already_exists=lambda: request.request_id,
         )
 
-    def results(self, request_id: str, from_index: int = 0, *, timeout: float | None = None) -> ChunkStream:
+    def results(
+        self, request_id: str, from_index: int = 0, *, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> ChunkStream:
         """Streams the outputs of a request (``StreamResults``) from token index ``from_index`` on.
 
         To resume after a broken connection, pass the number of tokens already received.
-        Closing this iterator does not cancel the request.
+        Closing this iterator does not cancel the request. ``timeout``: as for :meth:`stream`.
         """
         message = generation_pb2.StreamResultsRequest(request_id=request_id, from_token_index=from_index)
-        metadata = self._metadata()
-        call = call_once(lambda: self._stub.StreamResults(message, timeout=timeout, metadata=metadata))
-        return ChunkStream(call, _results_chunk, request_id)
+        deadline, metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata()
+        call = call_once(lambda: self._stub.StreamResults(message, timeout=deadline, metadata=metadata))
+        return ChunkStream(call, _results_chunk, request_id, timeout=deadline)
 
     def cancel(self, request_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
-        """Cancels a request. Returns True if it was live, False if it had already ended."""
+        """Cancels a request. Returns True if it was live, False if it had already ended (also when a
+        retry follows a first try whose answer was lost). Retried on UNAVAILABLE (``retry_attempts``)."""
         message = generation_pb2.CancelRequest(request_id=request_id)
         response = call_once(
             lambda: self._stub.Cancel(message, timeout=self._timeout(timeout), metadata=self._metadata())
@@ -207,7 +239,7 @@ class Client(ChannelOwner):
         return bool(response.cancelled)
 
     def model_info(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> ModelInfo:
-        """Describes the served model."""
+        """Describes the served model. Retried on UNAVAILABLE (``retry_attempts``)."""
         message = generation_pb2.GetModelInfoRequest()
         deadline, metadata = self._timeout(timeout), self._metadata()
         response = call_once(lambda: self._stub.GetModelInfo(message, timeout=deadline, metadata=metadata))

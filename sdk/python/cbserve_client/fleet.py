@@ -14,7 +14,6 @@ headless Service's name resolves to one address per ready pod: :meth:`AdminFleet
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -22,38 +21,15 @@ from typing import Any, TypeVar
 import grpc
 
 from cbserve_client._channel import Closeable
+from cbserve_client._connection import replica_targets, split_host_port
 from cbserve_client._types import PauseInfo, Status, WeightsUpdate
 from cbserve_client._weights import WeightsSource
 from cbserve_client.admin import DEFAULT_TIMEOUT_S, AdminClient
-from cbserve_client.errors import CbserveError, FleetError, UnavailableError
+from cbserve_client.errors import CbserveError, FleetError
 
 __all__ = ["AdminFleet", "replica_targets"]
 
 Result = TypeVar("Result")
-
-
-def _split_host_port(target: str) -> tuple[str, int]:
-    host, separator, port = target.rpartition(":")
-    if not separator or not host or not port.isdigit():
-        raise ValueError(f"target must be host:port (IPv6 as [addr]:port), got {target!r}")
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
-def replica_targets(target: str) -> list[str]:
-    """``"host:port"`` -> one ``"address:port"`` per address ``host`` resolves to, in resolver order
-    (IPv6 addresses in brackets). Raises :class:`UnavailableError` when the name does not resolve."""
-    host, port = _split_host_port(target)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise UnavailableError(grpc.StatusCode.UNAVAILABLE, f"{host} does not resolve: {exc}") from exc
-    targets: list[str] = []
-    for family, _type, _proto, _name, address in infos:
-        ip = str(address[0])
-        formatted = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
-        if formatted not in targets:
-            targets.append(formatted)
-    return targets
 
 
 class AdminFleet(Closeable):
@@ -97,7 +73,7 @@ class AdminFleet(Closeable):
     ) -> AdminFleet:
         """A fleet of every address ``target``'s host resolves to (:func:`replica_targets`). With TLS,
         each connection still checks the server certificate against that host name, not the address."""
-        host, _port = _split_host_port(target)
+        host, _port = split_host_port(target)
         if credentials is not None:
             options = (*options, ("grpc.ssl_target_name_override", host))
         return cls(replica_targets(target), token, credentials=credentials, timeout=timeout, options=options)

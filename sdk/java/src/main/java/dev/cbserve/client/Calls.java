@@ -1,13 +1,16 @@
 package dev.cbserve.client;
 
+import io.grpc.Metadata;
 import io.grpc.Status;
 import io.grpc.StatusException;
 import io.grpc.StatusRuntimeException;
 import io.grpc.stub.AbstractStub;
+import io.grpc.stub.MetadataUtils;
 import io.grpc.stub.ClientCallStreamObserver;
 import io.grpc.stub.ClientResponseObserver;
 import io.grpc.stub.StreamObserver;
 import java.time.Duration;
+import java.util.Map;
 import java.util.Set;
 import java.util.UUID;
 import java.util.concurrent.CancellationException;
@@ -18,11 +21,19 @@ import java.util.concurrent.ThreadLocalRandom;
 import java.util.concurrent.TimeUnit;
 import java.util.function.BiConsumer;
 import java.util.function.Supplier;
+import java.util.regex.Pattern;
 
 /** Helpers shared by the clients: deadlines, error mapping, retries, async unary calls. */
 final class Calls {
   /** Default deadline of unary calls. */
   static final Duration DEFAULT_TIMEOUT = Duration.ofSeconds(60);
+
+  /**
+   * Default deadline of streaming calls (generate, stream, results): long enough for any
+   * generation a healthy server runs, short enough that a stalled server does not hang a caller
+   * for ever.
+   */
+  static final Duration DEFAULT_STREAM_TIMEOUT = Duration.ofMinutes(10);
 
   /** Tries of a submit (AddRequest), retried on UNAVAILABLE and RESOURCE_EXHAUSTED only. */
   static final int SUBMIT_ATTEMPTS = 3;
@@ -33,13 +44,13 @@ final class Calls {
    * Failures of an add on a Generate stream that AddRequest would have reported as a status code:
    * the SDK throws them, as it does for AddRequest, instead of returning a failed completion.
    */
-  private static final Set<Integer> REJECTION_CODES =
+  private static final Set<Status.Code> REJECTION_CODES =
       Set.of(
-          Status.Code.INVALID_ARGUMENT.value(),
-          Status.Code.ALREADY_EXISTS.value(),
-          Status.Code.RESOURCE_EXHAUSTED.value(),
-          Status.Code.UNAVAILABLE.value(),
-          Status.Code.NOT_FOUND.value());
+          Status.Code.INVALID_ARGUMENT,
+          Status.Code.ALREADY_EXISTS,
+          Status.Code.RESOURCE_EXHAUSTED,
+          Status.Code.UNAVAILABLE,
+          Status.Code.NOT_FOUND);
 
   private Calls() {}
 
@@ -60,6 +71,17 @@ final class Calls {
     return timeout == null ? stub : withTimeoutNanos(stub, timeout.toNanos());
   }
 
+  /** {@code stub} sending these extra headers (unchanged when there are none). */
+  static <S extends AbstractStub<S>> S withHeaders(S stub, Map<String, String> headers) {
+    if (headers.isEmpty()) {
+      return stub;
+    }
+    Metadata metadata = new Metadata();
+    headers.forEach(
+        (name, value) -> metadata.put(Metadata.Key.of(name, Metadata.ASCII_STRING_MARSHALLER), value));
+    return stub.withInterceptors(MetadataUtils.newAttachHeadersInterceptor(metadata));
+  }
+
   static <S extends AbstractStub<S>> S withTimeoutNanos(S stub, long nanos) {
     return stub.withDeadlineAfter(Math.max(0, nanos), TimeUnit.NANOSECONDS);
   }
@@ -67,13 +89,30 @@ final class Calls {
   /** The exception to throw for a failed chunk that reports a rejected request, else null. */
   static CbserveException rejection(Chunk chunk) {
     if (chunk.status() == RequestStatus.FAILED && REJECTION_CODES.contains(chunk.errorCode())) {
-      return CbserveException.ofNumber(chunk.errorCode(), chunk.error());
+      return CbserveException.of(chunk.errorCode(), chunk.error());
     }
     return null;
   }
 
+  /** grpc-java's own descriptions of a deadline that passed on the client. */
+  private static final Pattern CLIENT_DEADLINE =
+      Pattern.compile(
+          "(?i)^(deadline exceeded|callOptions deadline exceeded|clientcall started after"
+              + "|context timed out)");
+
   /** Maps any failure of a call to the matching {@link CbserveException}. */
   static CbserveException map(Throwable error) {
+    return map(error, null);
+  }
+
+  /**
+   * Maps any failure of a call to the matching {@link CbserveException}. {@code timeout} is the
+   * call's deadline (or null when unknown), named when it passed: grpc-java's own message lists
+   * its transport internals (buffered nanos, remote address), which tell a caller nothing to act
+   * on. An unreachable server names the cause (connection refused, unknown host) rather than only
+   * grpc-java's "io exception".
+   */
+  static CbserveException map(Throwable error, Duration timeout) {
     Throwable t = error;
     while ((t instanceof CompletionException || t instanceof ExecutionException)
         && t.getCause() != null) {
@@ -84,11 +123,7 @@ final class Calls {
     }
     if (t instanceof StatusRuntimeException || t instanceof StatusException) {
       Status status = Status.fromThrowable(t);
-      String details = status.getDescription();
-      if (details == null && status.getCause() != null) {
-        details = status.getCause().toString();
-      }
-      return CbserveException.of(status.getCode(), details, t);
+      return CbserveException.of(status.getCode(), details(status, timeout), t);
     }
     if (t instanceof CancellationException) {
       return new CancelledException("cancelled by the caller", t);
@@ -96,12 +131,55 @@ final class Calls {
     return new InternalException(Status.Code.UNKNOWN, String.valueOf(t), t);
   }
 
+  private static String details(Status status, Duration timeout) {
+    String description = status.getDescription();
+    if (status.getCode() == Status.Code.DEADLINE_EXCEEDED
+        && (description == null || CLIENT_DEADLINE.matcher(description).find())) {
+      return (timeout == null
+              ? "the call's deadline passed"
+              : "the call's deadline of " + describe(timeout) + " passed")
+          + " (set a longer one with RequestOptions.timeout(...) or the client's defaultTimeout /"
+          + " streamTimeout)";
+    }
+    String cause = rootCauseMessage(status.getCause());
+    if (cause == null) {
+      return description;
+    }
+    return description == null ? cause : description + ": " + cause;
+  }
+
+  /** The first message along the cause chain (e.g. "Connection refused: /host:port"). */
+  private static String rootCauseMessage(Throwable cause) {
+    for (Throwable t = cause; t != null; t = t.getCause() == t ? null : t.getCause()) {
+      if (t.getMessage() != null && !t.getMessage().isEmpty()) {
+        return t.getMessage();
+      }
+    }
+    return null;
+  }
+
+  /** A duration the way a person writes it: 200 ms, 1.5 s, 10 min. */
+  static String describe(Duration d) {
+    if (d.compareTo(Duration.ofSeconds(1)) < 0) {
+      return d.toMillis() + " ms";
+    }
+    if (d.toSecondsPart() == 0 && d.toMillisPart() == 0 && d.toMinutes() > 0) {
+      return d.toMinutes() + " min";
+    }
+    return d.toMillisPart() == 0 ? d.toSeconds() + " s" : d.toMillis() / 1000.0 + " s";
+  }
+
   /** Runs a blocking call, mapping gRPC's exceptions. */
   static <T> T blocking(Supplier<T> call) {
+    return blocking(call, null);
+  }
+
+  /** Runs a blocking call with this deadline (or null), mapping gRPC's exceptions. */
+  static <T> T blocking(Supplier<T> call, Duration timeout) {
     try {
       return call.get();
     } catch (StatusRuntimeException e) {
-      throw map(e);
+      throw map(e, timeout);
     }
   }
 
@@ -121,6 +199,12 @@ final class Calls {
    */
   static <ReqT, RespT> CompletableFuture<RespT> unary(
       BiConsumer<ReqT, StreamObserver<RespT>> method, ReqT request) {
+    return unary(method, request, null);
+  }
+
+  /** {@link #unary(BiConsumer, Object)} of a call with this deadline (or null). */
+  static <ReqT, RespT> CompletableFuture<RespT> unary(
+      BiConsumer<ReqT, StreamObserver<RespT>> method, ReqT request, Duration timeout) {
     CompletableFuture<RespT> future = new CompletableFuture<>();
     method.accept(
         request,
@@ -142,7 +226,7 @@ final class Calls {
 
           @Override
           public void onError(Throwable t) {
-            future.completeExceptionally(map(t));
+            future.completeExceptionally(map(t, timeout));
           }
 
           @Override

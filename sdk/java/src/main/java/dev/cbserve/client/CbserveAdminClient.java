@@ -203,7 +203,8 @@ public final class CbserveAdminClient implements AutoCloseable {
     }
     Duration timeout = deadline;
     return Convert.stopResult(
-        Calls.blocking(() -> Calls.withTimeout(blockingStub, timeout).stop(request.build())));
+        Calls.blocking(
+            () -> Calls.withTimeout(blockingStub, timeout).stop(request.build()), timeout));
   }
 
   /**
@@ -213,7 +214,8 @@ public final class CbserveAdminClient implements AutoCloseable {
    */
   public boolean start() {
     Admin.StartRequest request = Admin.StartRequest.getDefaultInstance();
-    return !Calls.blocking(() -> Calls.withTimeout(blockingStub, defaultTimeout).start(request))
+    return !Calls.blocking(
+            () -> Calls.withTimeout(blockingStub, defaultTimeout).start(request), defaultTimeout)
         .getAlreadyRunning();
   }
 
@@ -221,13 +223,16 @@ public final class CbserveAdminClient implements AutoCloseable {
   public EngineStatus status() {
     Admin.GetStatusRequest request = Admin.GetStatusRequest.getDefaultInstance();
     return Convert.engineStatus(
-        Calls.blocking(() -> Calls.withTimeout(blockingStub, defaultTimeout).getStatus(request)));
+        Calls.blocking(
+            () -> Calls.withTimeout(blockingStub, defaultTimeout).getStatus(request),
+            defaultTimeout));
   }
 
   /** {@link #status()} without blocking. */
   public CompletableFuture<EngineStatus> statusAsync() {
     Admin.GetStatusRequest request = Admin.GetStatusRequest.getDefaultInstance();
-    return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::getStatus, request)
+    return Calls.unary(
+            Calls.withTimeout(asyncStub, defaultTimeout)::getStatus, request, defaultTimeout)
         .thenApply(Convert::engineStatus);
   }
 
@@ -383,7 +388,16 @@ public final class CbserveAdminClient implements AutoCloseable {
 
     /** The admin address, e.g. {@code "127.0.0.1:50052"}. */
     public Builder target(String target) {
-      options.target = Objects.requireNonNull(target, "target");
+      options.target(target);
+      return this;
+    }
+
+    /**
+     * HTTP/2 keepalive for long calls (a held pause, a weight update); see {@link
+     * CbserveClient.Builder#keepAlive(Duration, Duration)}.
+     */
+    public Builder keepAlive(Duration time, Duration timeout) {
+      options.keepAlive(time, timeout);
       return this;
     }
 

@@ -10,6 +10,8 @@ import io.grpc.stub.ClientResponseObserver;
 import io.grpc.stub.StreamObserver;
 import java.nio.file.Path;
 import java.time.Duration;
+import java.util.Arrays;
+import java.util.List;
 import java.util.Objects;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.TimeUnit;
@@ -35,8 +37,11 @@ import java.util.concurrent.TimeUnit;
  *
  * <p>Deadlines: unary calls ({@code submit}, {@code cancel}, {@code modelInfo}) get the builder's
  * {@code defaultTimeout} (60 s unless set); streaming calls ({@code generate}, {@code stream},
- * {@code results}) get none unless {@link RequestOptions#timeout()} or the {@code timeout} argument
- * gives one. Failures throw {@link CbserveException} subclasses (unchecked); a request rejected on
+ * {@code results}) its {@code streamTimeout} (10 min unless set); {@link RequestOptions#timeout()}
+ * or the {@code timeout} argument overrides either for one call. {@code modelInfo} and {@code
+ * cancel} are retried on UNAVAILABLE with exponential backoff (gRPC's retry policy, within the
+ * deadline). Several servers: {@link Builder#targets(String...)} or a {@code dns:///} name that
+ * resolves to several addresses; calls are spread over them round-robin. Failures throw {@link CbserveException} subclasses (unchecked); a request rejected on
  * the Generate stream throws as if {@code AddRequest} had rejected it, while a request that fails
  * while running ends with {@link FinishReason#ERROR} and {@link Completion#error()}.
  */
@@ -44,6 +49,7 @@ public final class CbserveClient implements AutoCloseable {
   private final ManagedChannel channel;
   private final boolean ownsChannel;
   private final Duration defaultTimeout;
+  private final Duration streamTimeout;
   private final GenerationServiceGrpc.GenerationServiceStub asyncStub;
   private final GenerationServiceGrpc.GenerationServiceBlockingStub blockingStub;
   private final ChannelOptions adminOptions;
@@ -54,12 +60,13 @@ public final class CbserveClient implements AutoCloseable {
     this.channel = builder.options.build();
     this.ownsChannel = !builder.options.external();
     this.defaultTimeout = builder.options.defaultTimeout;
+    this.streamTimeout = builder.options.streamTimeout;
     this.asyncStub = GenerationServiceGrpc.newStub(channel);
     this.blockingStub = GenerationServiceGrpc.newBlockingStub(channel);
     if (builder.adminTarget != null) {
       ChannelOptions admin = builder.options.copy();
       admin.channel = null;
-      admin.target = builder.adminTarget;
+      admin.target(builder.adminTarget);
       admin.token = builder.adminToken;
       this.adminOptions = admin;
     } else {
@@ -128,10 +135,11 @@ public final class CbserveClient implements AutoCloseable {
    */
   public ChunkIterator stream(Prompt prompt, SamplingParams params, RequestOptions options) {
     Types.GenerationRequest request = request(prompt, params, options);
-    ChunkIterator chunks = new ChunkIterator(request.getRequestId(), true);
+    Duration timeout = streamTimeout(options.timeout());
+    ChunkIterator chunks = new ChunkIterator(request.getRequestId(), true, timeout);
     ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse> observer =
         chunks.observer(Generation.GenerateResponse::getChunk);
-    startGenerate(request, options.timeout(), observer);
+    startGenerate(request, timeout, options, observer);
     return chunks;
   }
 
@@ -157,9 +165,11 @@ public final class CbserveClient implements AutoCloseable {
     String requestId = request.getRequestId();
     CompletableFuture<Completion> future = new CompletableFuture<>();
     CompletionBuilder builder = new CompletionBuilder(requestId);
+    Duration timeout = streamTimeout(options.timeout());
     startGenerate(
         request,
-        options.timeout(),
+        timeout,
+        options,
         new ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse>() {
           @Override
           public void beforeStart(ClientCallStreamObserver<Generation.GenerateRequest> stream) {
@@ -199,7 +209,7 @@ public final class CbserveClient implements AutoCloseable {
 
           @Override
           public void onError(Throwable t) {
-            future.completeExceptionally(Calls.map(t));
+            future.completeExceptionally(Calls.map(t, timeout));
           }
 
           @Override
@@ -219,9 +229,11 @@ public final class CbserveClient implements AutoCloseable {
   private void startGenerate(
       Types.GenerationRequest request,
       Duration timeout,
+      RequestOptions options,
       ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse> observer) {
     StreamObserver<Generation.GenerateRequest> out =
-        Calls.withTimeout(asyncStub, timeout).generate(observer);
+        Calls.withTimeout(Calls.withHeaders(asyncStub, options.headers()), timeout)
+            .generate(observer);
     out.onNext(Generation.GenerateRequest.newBuilder().setAdd(request).build());
     // Half-close: the server keeps the call (and the request) until the request ends.
     out.onCompleted();
@@ -256,12 +268,12 @@ public final class CbserveClient implements AutoCloseable {
         Generation.AddRequestRequest.newBuilder().setRequest(request).build();
     Duration timeout = options.timeout() != null ? options.timeout() : defaultTimeout;
     long deadline = timeout == null ? Long.MAX_VALUE : System.nanoTime() + timeout.toNanos();
+    var headed = Calls.withHeaders(blockingStub, options.headers());
     for (int attempt = 0; ; attempt++) {
       long left = deadline == Long.MAX_VALUE ? Long.MAX_VALUE : deadline - System.nanoTime();
       try {
-        var stub =
-            left == Long.MAX_VALUE ? blockingStub : Calls.withTimeoutNanos(blockingStub, left);
-        return Calls.blocking(() -> stub.addRequest(message)).getRequestId();
+        var stub = left == Long.MAX_VALUE ? headed : Calls.withTimeoutNanos(headed, left);
+        return Calls.blocking(() -> stub.addRequest(message), timeout).getRequestId();
       } catch (CbserveException e) {
         if (attempt > 0 && e instanceof AlreadyExistsException) {
           return request.getRequestId(); // an earlier try queued it; its answer was lost
@@ -299,12 +311,15 @@ public final class CbserveClient implements AutoCloseable {
     Duration timeout = options.timeout() != null ? options.timeout() : defaultTimeout;
     long deadline = timeout == null ? Long.MAX_VALUE : System.nanoTime() + timeout.toNanos();
     CompletableFuture<String> result = new CompletableFuture<>();
-    submitAttempt(message, deadline, 0, result);
+    var headed = Calls.withHeaders(asyncStub, options.headers());
+    submitAttempt(headed, message, timeout, deadline, 0, result);
     return result;
   }
 
   private void submitAttempt(
+      GenerationServiceGrpc.GenerationServiceStub headed,
       Generation.AddRequestRequest message,
+      Duration timeout,
       long deadline,
       int attempt,
       CompletableFuture<String> result) {
@@ -312,9 +327,9 @@ public final class CbserveClient implements AutoCloseable {
       return;
     }
     long left = deadline == Long.MAX_VALUE ? Long.MAX_VALUE : deadline - System.nanoTime();
-    var stub = left == Long.MAX_VALUE ? asyncStub : Calls.withTimeoutNanos(asyncStub, left);
+    var stub = left == Long.MAX_VALUE ? headed : Calls.withTimeoutNanos(headed, left);
     CompletableFuture<Generation.AddRequestResponse> call =
-        Calls.unary(stub::addRequest, message);
+        Calls.unary(stub::addRequest, message, timeout);
     result.whenComplete(
         (value, error) -> {
           if (result.isCancelled()) {
@@ -327,7 +342,7 @@ public final class CbserveClient implements AutoCloseable {
             result.complete(response.getRequestId());
             return;
           }
-          CbserveException e = Calls.map(error);
+          CbserveException e = Calls.map(error, timeout);
           if (attempt > 0 && e instanceof AlreadyExistsException) {
             result.complete(message.getRequest().getRequestId());
             return;
@@ -339,23 +354,37 @@ public final class CbserveClient implements AutoCloseable {
             return;
           }
           CompletableFuture.delayedExecutor(delay, TimeUnit.NANOSECONDS)
-              .execute(() -> submitAttempt(message, deadline, attempt + 1, result));
+              .execute(
+                  () -> submitAttempt(headed, message, timeout, deadline, attempt + 1, result));
         });
   }
 
   /**
-   * Streams a request's outputs from the first token; see {@link #results(String, int, Duration)}.
+   * Streams a request's outputs from the first token; see {@link #results(String, int,
+   * RequestOptions)}.
    */
   public ChunkIterator results(String requestId) {
-    return results(requestId, 0, null);
+    return results(requestId, 0, RequestOptions.defaults());
   }
 
   /**
    * Streams a request's outputs from token {@code fromIndex}; see {@link #results(String, int,
-   * Duration)}.
+   * RequestOptions)}.
    */
   public ChunkIterator results(String requestId, int fromIndex) {
-    return results(requestId, fromIndex, null);
+    return results(requestId, fromIndex, RequestOptions.defaults());
+  }
+
+  /**
+   * Streams a request's outputs from token {@code fromIndex} with this deadline (null: the
+   * client's {@code streamTimeout}); see {@link #results(String, int, RequestOptions)}.
+   */
+  public ChunkIterator results(String requestId, int fromIndex, Duration timeout) {
+    RequestOptions.Builder options = RequestOptions.builder();
+    if (timeout != null) {
+      options.timeout(timeout);
+    }
+    return results(requestId, fromIndex, options.build());
   }
 
   /**
@@ -364,26 +393,31 @@ public final class CbserveClient implements AutoCloseable {
    * already received. Closing the iterator does not cancel the request. An unknown or expired id
    * throws {@link NotFoundException} from the iterator.
    *
-   * @param timeout the call's deadline, or null for none
+   * @param options the call's deadline (else the client's {@code streamTimeout}) and headers; its
+   *     request id and timestamps setting do not apply (the request already has them)
    */
-  public ChunkIterator results(String requestId, int fromIndex, Duration timeout) {
+  public ChunkIterator results(String requestId, int fromIndex, RequestOptions options) {
     Objects.requireNonNull(requestId, "requestId");
+    Objects.requireNonNull(options, "options");
     if (fromIndex < 0) {
       throw new IllegalArgumentException("fromIndex must be >= 0, got " + fromIndex);
-    }
-    if (timeout != null) {
-      Calls.checkTimeout(timeout);
     }
     Generation.StreamResultsRequest message =
         Generation.StreamResultsRequest.newBuilder()
             .setRequestId(requestId)
             .setFromTokenIndex(fromIndex)
             .build();
-    ChunkIterator chunks = new ChunkIterator(requestId, false);
+    Duration timeout = streamTimeout(options.timeout());
+    ChunkIterator chunks = new ChunkIterator(requestId, false, timeout);
     ClientResponseObserver<Generation.StreamResultsRequest, Generation.StreamResultsResponse>
         observer = chunks.observer(Generation.StreamResultsResponse::getChunk);
-    Calls.withTimeout(asyncStub, timeout).streamResults(message, observer);
+    Calls.withTimeout(Calls.withHeaders(asyncStub, options.headers()), timeout)
+        .streamResults(message, observer);
     return chunks;
+  }
+
+  private Duration streamTimeout(Duration perCall) {
+    return perCall != null ? perCall : streamTimeout;
   }
 
   /**
@@ -393,14 +427,14 @@ public final class CbserveClient implements AutoCloseable {
    */
   public boolean cancel(String requestId) {
     Generation.CancelRequest message = cancelMessage(requestId);
-    return Calls.blocking(() -> Calls.withTimeout(blockingStub, defaultTimeout).cancel(message))
-        .getCancelled();
+    var stub = Calls.withTimeout(blockingStub, defaultTimeout);
+    return Calls.blocking(() -> stub.cancel(message), defaultTimeout).getCancelled();
   }
 
   /** {@link #cancel(String)} without blocking. */
   public CompletableFuture<Boolean> cancelAsync(String requestId) {
     Generation.CancelRequest message = cancelMessage(requestId);
-    return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::cancel, message)
+    return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::cancel, message, defaultTimeout)
         .thenApply(Generation.CancelResponse::getCancelled);
   }
 
@@ -414,13 +448,14 @@ public final class CbserveClient implements AutoCloseable {
   public ModelInfo modelInfo() {
     Generation.GetModelInfoRequest message = Generation.GetModelInfoRequest.getDefaultInstance();
     var stub = Calls.withTimeout(blockingStub, defaultTimeout);
-    return Convert.modelInfo(Calls.blocking(() -> stub.getModelInfo(message)));
+    return Convert.modelInfo(Calls.blocking(() -> stub.getModelInfo(message), defaultTimeout));
   }
 
   /** {@link #modelInfo()} without blocking. */
   public CompletableFuture<ModelInfo> modelInfoAsync() {
     Generation.GetModelInfoRequest message = Generation.GetModelInfoRequest.getDefaultInstance();
-    return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::getModelInfo, message)
+    return Calls.unary(
+            Calls.withTimeout(asyncStub, defaultTimeout)::getModelInfo, message, defaultTimeout)
         .thenApply(Convert::modelInfo);
   }
 
@@ -492,9 +527,43 @@ public final class CbserveClient implements AutoCloseable {
 
     private Builder() {}
 
-    /** The server address, e.g. {@code "127.0.0.1:50051"} or {@code "dns:///cbserve:50051"}. */
+    /**
+     * The server address, e.g. {@code "127.0.0.1:50051"}, or a name that resolves to several
+     * servers, e.g. {@code "dns:///cbserve.default.svc.cluster.local:50051"} (a headless Kubernetes
+     * Service): calls are spread over every address round-robin. Replaces {@link
+     * #targets(String...)}.
+     */
     public Builder target(String target) {
-      options.target = Objects.requireNonNull(target, "target");
+      options.target(target);
+      return this;
+    }
+
+    /**
+     * Several servers ({@code host:port} each, e.g. {@code "10.0.0.1:50051", "10.0.0.2:50051"}):
+     * calls are spread over them round-robin, and a server that goes down is skipped until it
+     * comes back. Hosts given by name are resolved when the channel connects and after a failure.
+     * Replaces {@link #target(String)}.
+     */
+    public Builder targets(String... addresses) {
+      return targets(Arrays.asList(Objects.requireNonNull(addresses, "addresses")));
+    }
+
+    /** Several servers; see {@link #targets(String...)}. */
+    public Builder targets(List<String> addresses) {
+      options.addresses(addresses);
+      return this;
+    }
+
+    /**
+     * HTTP/2 keepalive: after {@code time} without reads, ping the server, and close the
+     * connection (failing its calls with {@link UnavailableException}) if no answer comes within
+     * {@code timeout}. Only while calls are open. It finds a dead server or a dropped connection
+     * behind a NAT or load balancer during a long stream; off unless set. The server allows a
+     * ping every 5 min while it sends nothing (gRPC's default), so keep {@code time} at 5 min or
+     * above unless the server is configured to accept more.
+     */
+    public Builder keepAlive(Duration time, Duration timeout) {
+      options.keepAlive(time, timeout);
       return this;
     }
 
@@ -547,8 +616,18 @@ public final class CbserveClient implements AutoCloseable {
     }
 
     /**
-     * Uses this channel instead of building one (target, token and TLS settings are then
-     * ignored); the client does not close it.
+     * Deadline of streaming calls ({@code generate}, {@code generateAsync}, {@code stream}, {@code
+     * results}; default 10 min); null for none. {@link RequestOptions#timeout()} overrides it for
+     * one call.
+     */
+    public Builder streamTimeout(Duration timeout) {
+      options.streamTimeout(timeout);
+      return this;
+    }
+
+    /**
+     * Uses this channel instead of building one (target, token, TLS, keepalive, load balancing
+     * and retry settings are then the channel's own); the client does not close it.
      */
     public Builder channel(ManagedChannel channel) {
       options.channel = Objects.requireNonNull(channel, "channel");

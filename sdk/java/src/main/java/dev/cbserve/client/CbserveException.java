@@ -74,8 +74,8 @@ public class CbserveException extends RuntimeException {
   }
 
   /**
-   * The exception for a {@code google.rpc.Code} number, as carried by {@link Chunk#errorCode()};
-   * unknown numbers map to {@code UNKNOWN}.
+   * The exception for a {@code google.rpc.Code} number (the wire's {@code error_code}); unknown
+   * numbers map to {@code UNKNOWN}.
    */
   public static CbserveException ofNumber(int code, String details) {
     Status.Code mapped = Status.Code.UNKNOWN;

@@ -1,48 +1,51 @@
 package dev.cbserve.client;
 
+import io.grpc.Status;
+import java.time.Instant;
 import java.util.List;
 
 /**
  * A piece of one request's output (a delta). A request's chunks, in order, make its whole output:
- * their token ids concatenate ({@code tokenIndex} is the index of {@code tokenIds.get(0)} among the
+ * their token ids concatenate ({@code tokenIndex} is the index of {@code tokenIds.getInt(0)} among the
  * request's generated tokens), and so do their texts. A chunk may carry no token at all (a status
  * change, the final usage).
  *
  * @param requestId the request this chunk belongs to
  * @param tokenIndex index, among the request's generated tokens, of the first token of this chunk
  * @param tokenIds the new token ids
- * @param text the new text (never a split UTF-8 character), or null when the server has no
- *     tokenizer
+ * @param text the new text (never a split UTF-8 character); empty when there is none, or when the
+ *     server has no tokenizer ({@link ModelInfo#hasTokenizer()}); never null
  * @param status the request's status after this chunk
  * @param finishReason why the request ended; null until a terminal chunk
  * @param error why the request failed (status FAILED); null otherwise
- * @param errorCode with status FAILED, the gRPC code number that best describes the failure; 0
+ * @param errorCode with status FAILED, the gRPC status code that best describes the failure
+ *     ({@link CbserveException#of(Status.Code, String)} builds the matching exception); {@code OK}
  *     otherwise
  * @param logprobs one entry per token when logprobs were asked for; empty otherwise
  * @param usage token counts so far (always set on the final chunk), or null
  * @param timings the request's timings so far (always set on the final chunk), or null
  * @param weightVersion version of the weights that produced these tokens
- * @param tokenTimestamps with {@code recordTimestamps}, each token's server time in seconds since
- *     the epoch; empty otherwise
+ * @param tokenTimestamps with {@code recordTimestamps}, each token's server wall-clock time (as
+ *     {@link Timings}); empty otherwise
  */
 public record Chunk(
     String requestId,
     int tokenIndex,
-    List<Integer> tokenIds,
+    TokenIds tokenIds,
     String text,
     RequestStatus status,
     FinishReason finishReason,
     String error,
-    int errorCode,
+    Status.Code errorCode,
     List<TokenLogprob> logprobs,
     Usage usage,
     Timings timings,
     long weightVersion,
-    List<Double> tokenTimestamps) {
+    List<Instant> tokenTimestamps) {
 
-  /** Copies the lists into immutable ones. */
+  /** Copies the lists into immutable ones; a null text becomes empty. */
   public Chunk {
-    tokenIds = List.copyOf(tokenIds);
+    text = text == null ? "" : text;
     logprobs = List.copyOf(logprobs);
     tokenTimestamps = List.copyOf(tokenTimestamps);
   }

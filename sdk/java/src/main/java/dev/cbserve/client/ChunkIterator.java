@@ -3,6 +3,7 @@ package dev.cbserve.client;
 import cbserve.v1.Types;
 import io.grpc.stub.ClientCallStreamObserver;
 import io.grpc.stub.ClientResponseObserver;
+import java.time.Duration;
 import java.util.Iterator;
 import java.util.NoSuchElementException;
 import java.util.concurrent.BlockingQueue;
@@ -16,12 +17,13 @@ import java.util.function.Function;
  *
  * <p>{@link #close()} cancels the call. For {@code stream} that cancels the request on the server
  * too (and frees its KV cache); for {@code results} it only stops reading (cancel the request with
- * {@link CbserveClient#cancel}). Use it in try-with-resources:
+ * {@link CbserveClient#cancel}). Use it in try-with-resources, and read it with for-each (it is
+ * its own {@link Iterable}, for one pass):
  *
  * <pre>{@code
  * try (ChunkIterator chunks = client.stream(Prompt.text("Once upon a time"), params)) {
- *   while (chunks.hasNext()) {
- *     System.out.print(chunks.next().text());
+ *   for (Chunk chunk : chunks) {
+ *     System.out.print(chunk.text());
  *   }
  * }
  * }</pre>
@@ -29,7 +31,7 @@ import java.util.function.Function;
  * <p>One thread reads an iterator; {@code close()} may be called from any thread. At most a few
  * chunks are buffered: a slow reader slows the server's sending of this call (flow control).
  */
-public final class ChunkIterator implements Iterator<Chunk>, AutoCloseable {
+public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, AutoCloseable {
   private static final int PREFETCH = 8;
   private static final Object END = new Object();
 
@@ -38,15 +40,23 @@ public final class ChunkIterator implements Iterator<Chunk>, AutoCloseable {
 
   private final String requestId;
   private final boolean raiseRejections;
+  private final Duration timeout;
   private final BlockingQueue<Object> events = new LinkedBlockingQueue<>();
   private volatile ClientCallStreamObserver<?> call;
   private volatile boolean closed;
   private Chunk next;
   private boolean ended;
+  private boolean iterated;
 
-  ChunkIterator(String requestId, boolean raiseRejections) {
+  /**
+   * An iterator fed by {@link #observer}.
+   *
+   * @param timeout the call's deadline (named in a {@link DeadlineExceededException}), or null
+   */
+  ChunkIterator(String requestId, boolean raiseRejections, Duration timeout) {
     this.requestId = requestId;
     this.raiseRejections = raiseRejections;
+    this.timeout = timeout;
   }
 
   /** The observer to start the call with; it feeds this iterator. */
@@ -66,7 +76,7 @@ public final class ChunkIterator implements Iterator<Chunk>, AutoCloseable {
 
       @Override
       public void onError(Throwable t) {
-        events.add(new Failure(Calls.map(t)));
+        events.add(new Failure(Calls.map(t, timeout)));
       }
 
       @Override
@@ -74,6 +84,23 @@ public final class ChunkIterator implements Iterator<Chunk>, AutoCloseable {
         events.add(END);
       }
     };
+  }
+
+  /**
+   * This iterator, for a for-each loop. The chunks are read once: a second call throws (a new
+   * call to the server is what reading them again takes).
+   *
+   * @throws IllegalStateException on a second call
+   */
+  @Override
+  public Iterator<Chunk> iterator() {
+    if (iterated) {
+      throw new IllegalStateException(
+          "the chunks of request " + requestId + " can be iterated once; call results(requestId,"
+              + " fromIndex) to read them again");
+    }
+    iterated = true;
+    return this;
   }
 
   /** The id of the request this iterator follows. */

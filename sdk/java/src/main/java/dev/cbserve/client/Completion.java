@@ -1,5 +1,6 @@
 package dev.cbserve.client;
 
+import java.time.Instant;
 import java.util.List;
 
 /**
@@ -7,7 +8,8 @@ import java.util.List;
  *
  * @param requestId the request's id
  * @param tokenIds every generated token id
- * @param text the decoded output, or null when the server has no tokenizer
+ * @param text the decoded output; empty when the server has no tokenizer ({@link
+ *     ModelInfo#hasTokenizer()}); never null
  * @param finishReason why it ended ({@link FinishReason#ERROR}: see {@code error})
  * @param usage token counts, or null if the server sent none
  * @param logprobs one entry per token when logprobs were asked for; empty otherwise
@@ -20,7 +22,7 @@ import java.util.List;
  */
 public record Completion(
     String requestId,
-    List<Integer> tokenIds,
+    TokenIds tokenIds,
     String text,
     FinishReason finishReason,
     Usage usage,
@@ -29,11 +31,11 @@ public record Completion(
     List<Long> weightVersions,
     String error,
     Timings timings,
-    List<Double> tokenTimestamps) {
+    List<Instant> tokenTimestamps) {
 
-  /** Copies the lists into immutable ones. */
+  /** Copies the lists into immutable ones; a null text becomes empty. */
   public Completion {
-    tokenIds = List.copyOf(tokenIds);
+    text = text == null ? "" : text;
     logprobs = List.copyOf(logprobs);
     weightVersions = List.copyOf(weightVersions);
     tokenTimestamps = List.copyOf(tokenTimestamps);

@@ -1,7 +1,9 @@
 package dev.cbserve.client;
 
 import io.grpc.Status;
+import java.time.Instant;
 import java.util.ArrayList;
+import java.util.Arrays;
 import java.util.List;
 
 /**
@@ -11,11 +13,12 @@ import java.util.List;
 final class CompletionBuilder {
   private final String requestId;
   private final int start;
-  private final List<Integer> tokenIds = new ArrayList<>();
+  private int[] tokenIds = new int[16];
+  private int tokenCount;
   private final List<TokenLogprob> logprobs = new ArrayList<>();
-  private final List<Double> timestamps = new ArrayList<>();
+  private final List<Instant> timestamps = new ArrayList<>();
   private final List<Long> weightVersions = new ArrayList<>();
-  private StringBuilder text;
+  private final StringBuilder text = new StringBuilder();
   private Usage usage;
   private Timings timings;
   private FinishReason finishReason;
@@ -31,7 +34,7 @@ final class CompletionBuilder {
   }
 
   void add(Chunk chunk) {
-    int have = start + tokenIds.size();
+    int have = start + tokenCount;
     int count = chunk.tokenIds().size();
     if (chunk.tokenIndex() > have && count > 0) {
       throw new InternalException(
@@ -41,21 +44,21 @@ final class CompletionBuilder {
           null);
     }
     int skip = Math.min(count, Math.max(0, have - chunk.tokenIndex()));
-    tokenIds.addAll(chunk.tokenIds().subList(skip, count));
+    if (tokenCount + count - skip > tokenIds.length) {
+      tokenIds = Arrays.copyOf(tokenIds, Math.max(2 * tokenIds.length, tokenCount + count - skip));
+    }
+    for (int i = skip; i < count; i++) {
+      tokenIds[tokenCount++] = chunk.tokenIds().getInt(i);
+    }
     List<TokenLogprob> lps = chunk.logprobs();
     if (lps.size() > skip) {
       logprobs.addAll(lps.subList(skip, lps.size()));
     }
-    List<Double> ts = chunk.tokenTimestamps();
+    List<Instant> ts = chunk.tokenTimestamps();
     if (ts.size() > skip) {
       timestamps.addAll(ts.subList(skip, ts.size()));
     }
-    if (chunk.text() != null) {
-      if (text == null) {
-        text = new StringBuilder();
-      }
-      text.append(chunk.text());
-    }
+    text.append(chunk.text());
     if (chunk.usage() != null) {
       usage = chunk.usage();
     }
@@ -92,8 +95,8 @@ final class CompletionBuilder {
     }
     return new Completion(
         requestId,
-        tokenIds,
-        text == null ? null : text.toString(),
+        TokenIds.wrap(Arrays.copyOf(tokenIds, tokenCount)),
+        text.toString(),
         finishReason,
         usage,
         logprobs,

@@ -4,6 +4,7 @@ import cbserve.v1.Admin;
 import cbserve.v1.Generation;
 import cbserve.v1.Types;
 import com.google.protobuf.Timestamp;
+import io.grpc.Status;
 import java.time.Duration;
 import java.time.Instant;
 import java.util.ArrayList;
@@ -82,8 +83,26 @@ final class Convert {
         t.hasTimeToFirstTokenS() ? seconds(t.getTimeToFirstTokenS()) : null);
   }
 
+  /** A server timestamp in seconds since the epoch (double) as an instant (microsecond-exact). */
+  static Instant epochSeconds(double seconds) {
+    long micros = Math.round(seconds * 1e6);
+    return Instant.ofEpochSecond(
+        Math.floorDiv(micros, 1_000_000L), Math.floorMod(micros, 1_000_000L) * 1000L);
+  }
+
+  static Status.Code code(int number) {
+    return Status.fromCodeValue(number).getCode(); // UNKNOWN for a number out of range
+  }
+
   static Chunk chunk(Types.GenerationChunk c) {
-    List<Integer> tokenIds = c.getTokenIdsList();
+    int[] tokenIds = new int[c.getTokenIdsCount()];
+    for (int i = 0; i < tokenIds.length; i++) {
+      tokenIds[i] = c.getTokenIds(i);
+    }
+    List<Instant> timestamps = new ArrayList<>(c.getTokenTimestampsCount());
+    for (int i = 0; i < c.getTokenTimestampsCount(); i++) {
+      timestamps.add(epochSeconds(c.getTokenTimestamps(i)));
+    }
     List<TokenLogprob> logprobs = new ArrayList<>(c.getLogprobsCount());
     for (int i = 0; i < c.getLogprobsCount(); i++) {
       Types.TokenLogprob lp = c.getLogprobs(i);
@@ -91,23 +110,23 @@ final class Convert {
       for (Types.TopLogprob t : lp.getTopLogprobsList()) {
         top.add(new TopLogprob(t.getTokenId(), t.getLogprob()));
       }
-      int tokenId = i < tokenIds.size() ? tokenIds.get(i) : -1;
+      int tokenId = i < tokenIds.length ? tokenIds[i] : -1;
       logprobs.add(new TokenLogprob(tokenId, lp.getLogprob(), top));
     }
     return new Chunk(
         c.getRequestId(),
         c.getTokenIndex(),
-        tokenIds,
-        c.hasText() ? c.getText() : null,
+        TokenIds.wrap(tokenIds),
+        c.getText(),
         status(c.getStatus()),
         finishReason(c.getFinishReason()),
         c.getError().isEmpty() ? null : c.getError(),
-        c.getErrorCode(),
+        code(c.getErrorCode()),
         logprobs,
         c.hasUsage() ? usage(c.getUsage()) : null,
         c.hasTimings() ? timings(c.getTimings()) : null,
         c.getWeightVersion(),
-        c.getTokenTimestampsList());
+        timestamps);
   }
 
   static ModelInfo modelInfo(Generation.GetModelInfoResponse r) {

@@ -1,11 +1,16 @@
 package dev.cbserve.client;
 
+import io.grpc.Metadata;
 import java.time.Duration;
+import java.util.Collections;
+import java.util.LinkedHashMap;
+import java.util.Map;
 import java.util.Objects;
 
 /**
- * Per-call options of {@code generate}, {@code stream} and {@code submit}: the request id, token
- * timestamps, and the call's deadline. Immutable; build with {@link #builder()}.
+ * Per-call options of {@code generate}, {@code stream}, {@code submit} and {@code results}: the
+ * request id, token timestamps, the call's deadline and extra headers (gRPC metadata).
+ * Immutable; build with {@link #builder()}.
  */
 public final class RequestOptions {
   private static final RequestOptions DEFAULTS = new Builder().build();
@@ -13,11 +18,13 @@ public final class RequestOptions {
   private final String requestId;
   private final boolean recordTimestamps;
   private final Duration timeout;
+  private final Map<String, String> headers;
 
   private RequestOptions(Builder b) {
     this.requestId = b.requestId;
     this.recordTimestamps = b.recordTimestamps;
     this.timeout = b.timeout;
+    this.headers = Collections.unmodifiableMap(new LinkedHashMap<>(b.headers));
   }
 
   /** No request id (one is generated client-side), no timestamps, the default deadline. */
@@ -41,11 +48,17 @@ public final class RequestOptions {
   }
 
   /**
-   * The call's deadline, or null for the default: none for streaming calls ({@code generate},
-   * {@code stream}), the client's default timeout for {@code submit}.
+   * The call's deadline, or null for the client's default: its {@code streamTimeout} for
+   * streaming calls ({@code generate}, {@code stream}, {@code results}), its {@code
+   * defaultTimeout} for {@code submit}.
    */
   public Duration timeout() {
     return timeout;
+  }
+
+  /** Extra headers sent with the call, in the order given (empty unless set). */
+  public Map<String, String> headers() {
+    return headers;
   }
 
   /** Builds {@link RequestOptions}. */
@@ -53,16 +66,25 @@ public final class RequestOptions {
     private String requestId;
     private boolean recordTimestamps;
     private Duration timeout;
+    private final Map<String, String> headers = new LinkedHashMap<>();
 
     private Builder() {}
 
     /**
      * The request's id: unique among the server's live requests, at most 128 bytes of printable
-     * ASCII. Unset: the client generates a random one (so that a retried submit never queues the
+     * ASCII ({@link SamplingBounds#MAX_REQUEST_ID_BYTES}). Unset: the client generates a random one (so that a retried submit never queues the
      * request twice).
      */
     public Builder requestId(String requestId) {
-      this.requestId = Objects.requireNonNull(requestId, "requestId");
+      Objects.requireNonNull(requestId, "requestId");
+      if (requestId.isEmpty()
+          || requestId.length() > SamplingBounds.MAX_REQUEST_ID_BYTES
+          || !requestId.chars().allMatch(c -> c > ' ' && c <= '~')) {
+        throw new IllegalArgumentException(
+            "requestId must be 1 to " + SamplingBounds.MAX_REQUEST_ID_BYTES
+                + " bytes of printable ASCII (no spaces), got \"" + requestId + "\"");
+      }
+      this.requestId = requestId;
       return this;
     }
 
@@ -75,6 +97,31 @@ public final class RequestOptions {
     /** The call's deadline (must be positive). */
     public Builder timeout(Duration timeout) {
       this.timeout = Calls.checkTimeout(Objects.requireNonNull(timeout, "timeout"));
+      return this;
+    }
+
+    /**
+     * Sends this header (gRPC metadata) with the call, e.g. a tenant or trace id for a proxy in
+     * front of the servers; a second value for the same name replaces the first. Names are
+     * lower-case ASCII (letters, digits, {@code - _ .}) not ending in {@code -bin}; values
+     * printable ASCII.
+     */
+    public Builder header(String name, String value) {
+      Objects.requireNonNull(name, "name");
+      Objects.requireNonNull(value, "value");
+      if (name.isEmpty()
+          || name.endsWith(Metadata.BINARY_HEADER_SUFFIX)
+          || !name.chars().allMatch(c -> (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9')
+              || c == '-' || c == '_' || c == '.')) {
+        throw new IllegalArgumentException(
+            "header name must be lower-case letters, digits, '-', '_' or '.', not ending in -bin;"
+                + " got \"" + name + "\"");
+      }
+      if (!value.chars().allMatch(c -> c >= ' ' && c <= '~')) {
+        throw new IllegalArgumentException(
+            "header " + name + ": the value must be printable ASCII");
+      }
+      headers.put(name, value);
       return this;
     }
 

@@ -15,8 +15,10 @@ import java.util.TreeMap;
  *
  * <p>Every field is optional: an unset field takes the server's default (normally the model's
  * generation config), which is not the same as zero. {@code SamplingParams.defaults()} leaves them
- * all unset. Bounds are checked by the server ({@link InvalidArgumentException}); only negative
- * values of unsigned fields are refused here ({@link IllegalArgumentException}).
+ * all unset. The setters refuse values outside the server's bounds ({@link SamplingBounds}, the
+ * table every SDK shares) with an {@link IllegalArgumentException} naming the value and the bound;
+ * bounds that depend on the model (token ids below the vocabulary size, a tokenizer for stop
+ * strings) are checked by the server ({@link InvalidArgumentException}).
  *
  * <pre>{@code
  * SamplingParams greedy = SamplingParams.builder().maxNewTokens(32).temperature(0).build();
@@ -204,7 +206,11 @@ public final class SamplingParams {
 
     /** Maximum number of tokens to generate, EOS included (>= 1). */
     public Builder maxNewTokens(int maxNewTokens) {
-      this.maxNewTokens = nonNegative("maxNewTokens", maxNewTokens);
+      if (maxNewTokens < SamplingBounds.MIN_MAX_NEW_TOKENS) {
+        throw new IllegalArgumentException(
+            "maxNewTokens must be >= " + SamplingBounds.MIN_MAX_NEW_TOKENS + ", got " + maxNewTokens);
+      }
+      this.maxNewTokens = maxNewTokens;
       return this;
     }
 
@@ -257,9 +263,16 @@ public final class SamplingParams {
       return this;
     }
 
-    /** Number of most likely alternatives returned per token (implies logprobs when > 0). */
+    /**
+     * Number of most likely alternatives returned per token (implies logprobs when > 0); 0 to
+     * {@link SamplingBounds#MAX_TOP_LOGPROBS}.
+     */
     public Builder topLogprobs(int topLogprobs) {
-      this.topLogprobs = nonNegative("topLogprobs", topLogprobs);
+      if (topLogprobs < 0 || topLogprobs > SamplingBounds.MAX_TOP_LOGPROBS) {
+        throw new IllegalArgumentException(
+            "topLogprobs must be in [0, " + SamplingBounds.MAX_TOP_LOGPROBS + "], got " + topLogprobs);
+      }
+      this.topLogprobs = topLogprobs;
       return this;
     }
 
@@ -267,8 +280,9 @@ public final class SamplingParams {
      * Strings that end generation when the decoded output contains one: the request finishes with
      * {@link FinishReason#STOP}, its text cut just before the first match (its token ids still
      * include the token that completed it). A stream holds back text that may begin a stop string
-     * until the next tokens tell. At most 16 strings of 1 to 256 characters (checked by the
-     * server); needs a model with a tokenizer. Replaces any earlier setting; none: no stop strings.
+     * until the next tokens tell. At most {@link SamplingBounds#MAX_STOP_STRINGS} strings of 1 to
+     * {@link SamplingBounds#MAX_STOP_STRING_CHARS} characters (Unicode code points); needs a model
+     * with a tokenizer (checked by the server). Replaces any earlier setting; none: no stop strings.
      */
     public Builder stop(String... stop) {
       return stop(Arrays.asList(Objects.requireNonNull(stop, "stop")));
@@ -277,8 +291,18 @@ public final class SamplingParams {
     /** Stop strings, in order; see {@link #stop(String...)}. */
     public Builder stop(List<String> stop) {
       List<String> copy = new ArrayList<>(Objects.requireNonNull(stop, "stop"));
+      if (copy.size() > SamplingBounds.MAX_STOP_STRINGS) {
+        throw new IllegalArgumentException(
+            "stop: at most " + SamplingBounds.MAX_STOP_STRINGS + " strings, got " + copy.size());
+      }
       for (int i = 0; i < copy.size(); i++) {
-        Objects.requireNonNull(copy.get(i), "stop[" + i + "]");
+        String s = Objects.requireNonNull(copy.get(i), "stop[" + i + "]");
+        int chars = s.codePointCount(0, s.length());
+        if (chars < 1 || chars > SamplingBounds.MAX_STOP_STRING_CHARS) {
+          throw new IllegalArgumentException(
+              "stop[" + i + "] must be 1 to " + SamplingBounds.MAX_STOP_STRING_CHARS
+                  + " characters, got " + chars);
+        }
       }
       this.stop = List.copyOf(copy);
       return this;
@@ -295,19 +319,21 @@ public final class SamplingParams {
 
     /**
      * Subtracted from the logit of every token generated at least once (OpenAI's semantics; the
-     * prompt does not count). In [-2, 2]; 0 disables.
+     * prompt does not count). In [-2, 2] ({@link
+     * SamplingBounds#MAX_ABS_PRESENCE_FREQUENCY_PENALTY}); 0 disables.
      */
     public Builder presencePenalty(double presencePenalty) {
-      this.presencePenalty = (float) presencePenalty;
+      this.presencePenalty = penalty("presencePenalty", presencePenalty);
       return this;
     }
 
     /**
      * Subtracted, times the number of times it was generated, from the logit of every generated
-     * token (OpenAI's semantics; the prompt does not count). In [-2, 2]; 0 disables.
+     * token (OpenAI's semantics; the prompt does not count). In [-2, 2] ({@link
+     * SamplingBounds#MAX_ABS_PRESENCE_FREQUENCY_PENALTY}); 0 disables.
      */
     public Builder frequencyPenalty(double frequencyPenalty) {
-      this.frequencyPenalty = (float) frequencyPenalty;
+      this.frequencyPenalty = penalty("frequencyPenalty", frequencyPenalty);
       return this;
     }
 
@@ -322,24 +348,53 @@ public final class SamplingParams {
 
     /**
      * Bias added to the logits of these token ids before penalties and temperature, at every step:
-     * -100 all but bans a token, 100 all but forces it. Replaces any earlier setting.
+     * -100 all but bans a token, 100 all but forces it. At most {@link
+     * SamplingBounds#MAX_LOGIT_BIAS_ENTRIES} entries, biases finite in [-100, 100] ({@link
+     * SamplingBounds#MAX_ABS_LOGIT_BIAS}); ids must be below the vocabulary size (checked by the
+     * server). Replaces any earlier setting.
      */
     public Builder logitBias(Map<Integer, Double> logitBias) {
       TreeMap<Integer, Float> copy = new TreeMap<>();
       Objects.requireNonNull(logitBias, "logitBias");
+      if (logitBias.size() > SamplingBounds.MAX_LOGIT_BIAS_ENTRIES) {
+        throw new IllegalArgumentException(
+            "logitBias: at most " + SamplingBounds.MAX_LOGIT_BIAS_ENTRIES + " entries, got "
+                + logitBias.size());
+      }
       for (Map.Entry<Integer, Double> e : logitBias.entrySet()) {
         Integer id = Objects.requireNonNull(e.getKey(), "logitBias token id");
         Prompt.checkTokenId("logitBias token id", id);
-        Double bias = Objects.requireNonNull(e.getValue(), "logitBias[" + id + "]");
-        copy.put(id, bias.floatValue());
+        double bias = Objects.requireNonNull(e.getValue(), "logitBias[" + id + "]");
+        copy.put(id, bounded("logitBias[" + id + "]", bias, SamplingBounds.MAX_ABS_LOGIT_BIAS));
       }
       this.logitBias = Collections.unmodifiableSortedMap(copy);
       return this;
     }
 
-    /** The parameters. */
+    /**
+     * The parameters.
+     *
+     * @throws IllegalArgumentException when minNewTokens is above maxNewTokens (both set)
+     */
     public SamplingParams build() {
+      if (minNewTokens != null && maxNewTokens != null && minNewTokens > maxNewTokens) {
+        throw new IllegalArgumentException(
+            "minNewTokens (" + minNewTokens + ") must be at most maxNewTokens (" + maxNewTokens
+                + ")");
+      }
       return new SamplingParams(this);
+    }
+
+    private static float penalty(String name, double value) {
+      return bounded(name, value, SamplingBounds.MAX_ABS_PRESENCE_FREQUENCY_PENALTY);
+    }
+
+    private static float bounded(String name, double value, double maxAbs) {
+      if (!(Math.abs(value) <= maxAbs)) { // NaN fails too
+        throw new IllegalArgumentException(
+            name + " must be finite, in [" + -maxAbs + ", " + maxAbs + "], got " + value);
+      }
+      return (float) value;
     }
 
     private static int nonNegative(String name, int value) {

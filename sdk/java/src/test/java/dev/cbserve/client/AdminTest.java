@@ -15,6 +15,18 @@ import org.junit.jupiter.api.Test;
 class AdminTest extends ServerTest {
 
   @Test
+  void aWrongTokenIsToldApartFromAMissingOne() {
+    try (CbserveAdminClient wrong =
+            CbserveAdminClient.builder().target(server.adminTarget).token("wrong-token").build();
+        CbserveAdminClient missing = CbserveAdminClient.builder().target(server.adminTarget).build()) {
+      UnauthenticatedException e = assertThrows(UnauthenticatedException.class, wrong::status);
+      assertTrue(e.details().startsWith("wrong admin token"), e.details());
+      e = assertThrows(UnauthenticatedException.class, missing::status);
+      assertTrue(e.details().startsWith("admin token missing"), e.details());
+    }
+  }
+
+  @Test
   void wrongOrMissingTokenIsUnauthenticated() {
     for (String token : new String[] {"wrong-token", null}) {
       try (CbserveAdminClient intruder =

@@ -23,7 +23,8 @@ import java.util.stream.Stream;
  * A real cbserve server for the tests: a tiny random Llama with a byte-level tokenizer (vocab 256)
  * made by {@code scripts/make_tiny_model.py}, served by {@code python3 -m service serve} on two
  * free loopback ports. One per test run ({@link CbserveServerExtension}); {@link #close()} stops it,
- * and a JVM shutdown hook does too if the run dies first.
+ * and a JVM shutdown hook does too if the run dies first. {@link #replica(Path, String)} starts
+ * more servers of an existing model (for the load-balancing test).
  */
 final class CbserveServer implements AutoCloseable {
   static final String ADMIN_TOKEN = "test-token";
@@ -38,6 +39,7 @@ final class CbserveServer implements AutoCloseable {
   /** The folder of the served model: config, safetensors weights, tokenizer. */
   final Path modelDir;
   private final Process process;
+  /** Removed on close: the folder of the model this server made, or null for a replica. */
   private final Path tempDir;
   private final Path log;
   private final Thread shutdownHook;
@@ -68,43 +70,59 @@ final class CbserveServer implements AutoCloseable {
           python(),
           "scripts/make_tiny_model.py",
           model.toString());
-      IOException last = null;
-      for (int attempt = 1; attempt <= START_ATTEMPTS; attempt++) {
-        int[] ports = freePorts();
-        Path log = logDir.resolve("server.log");
-        ProcessBuilder builder =
-            new ProcessBuilder(
-                    python(), "-m", "service", "serve",
-                    "--model", model.toString(),
-                    "--host", "127.0.0.1",
-                    "--port", Integer.toString(ports[0]),
-                    "--admin-port", Integer.toString(ports[1]),
-                    "--num-blocks", "256",
-                    "--page-size", "16",
-                    "--grace-period", "1")
-                .directory(repoRoot.toFile())
-                .redirectErrorStream(true)
-                .redirectOutput(log.toFile());
-        builder.environment().put("CBSERVE_ADMIN_TOKEN", ADMIN_TOKEN);
-        builder.environment().put("PYTHONUNBUFFERED", "1");
-        Process process = builder.start();
-        CbserveServer server =
-            new CbserveServer(
-                process, "127.0.0.1:" + ports[0], "127.0.0.1:" + ports[1], model, tempDir, log);
-        Runtime.getRuntime().addShutdownHook(server.shutdownHook);
-        try {
-          server.awaitServing();
-          return server;
-        } catch (IOException e) {
-          last = e;
-          server.close(false);
-        }
-      }
-      throw last;
+      return serve(model, tempDir, "server");
     } catch (IOException | InterruptedException | RuntimeException e) {
       deleteRecursively(tempDir);
       throw e;
     }
+  }
+
+  /**
+   * Another server of {@code model} (made by {@link #start()}), logging to {@code name}.log; its
+   * {@link #close()} leaves the model in place.
+   */
+  static CbserveServer replica(Path model, String name) throws IOException, InterruptedException {
+    return serve(model, null, name);
+  }
+
+  private static CbserveServer serve(Path model, Path tempDir, String name)
+      throws IOException, InterruptedException {
+    Path repoRoot = repoRoot();
+    Path logDir = Paths.get(System.getProperty("cbserve.test.dir", "target/cbserve-test"));
+    Files.createDirectories(logDir);
+    IOException last = null;
+    for (int attempt = 1; attempt <= START_ATTEMPTS; attempt++) {
+      int[] ports = freePorts();
+      Path log = logDir.resolve(name + ".log");
+      ProcessBuilder builder =
+          new ProcessBuilder(
+                  python(), "-m", "service", "serve",
+                  "--model", model.toString(),
+                  "--host", "127.0.0.1",
+                  "--port", Integer.toString(ports[0]),
+                  "--admin-port", Integer.toString(ports[1]),
+                  "--num-blocks", "256",
+                  "--page-size", "16",
+                  "--grace-period", "1")
+              .directory(repoRoot.toFile())
+              .redirectErrorStream(true)
+              .redirectOutput(log.toFile());
+      builder.environment().put("CBSERVE_ADMIN_TOKEN", ADMIN_TOKEN);
+      builder.environment().put("PYTHONUNBUFFERED", "1");
+      Process process = builder.start();
+      CbserveServer server =
+          new CbserveServer(
+              process, "127.0.0.1:" + ports[0], "127.0.0.1:" + ports[1], model, tempDir, log);
+      Runtime.getRuntime().addShutdownHook(server.shutdownHook);
+      try {
+        server.awaitServing();
+        return server;
+      } catch (IOException e) {
+        last = e;
+        server.close(false);
+      }
+    }
+    throw last;
   }
 
   private void awaitServing() throws IOException, InterruptedException {
@@ -138,7 +156,15 @@ final class CbserveServer implements AutoCloseable {
     }
   }
 
-  /** Stops the server and removes the model. */
+  /** Kills the server at once (SIGKILL, as a crash or a lost node would), keeping its files. */
+  void kill() throws InterruptedException {
+    List<ProcessHandle> children = process.descendants().toList();
+    process.destroyForcibly();
+    children.forEach(ProcessHandle::destroyForcibly);
+    process.waitFor(10, TimeUnit.SECONDS);
+  }
+
+  /** Stops the server and removes the model (unless it is a replica's). */
   @Override
   public void close() {
     close(true);
@@ -151,7 +177,7 @@ final class CbserveServer implements AutoCloseable {
     } catch (IllegalStateException e) {
       // the JVM is shutting down: the hook runs (or ran) anyway
     }
-    if (deleteTemp) {
+    if (deleteTemp && tempDir != null) {
       deleteRecursively(tempDir);
     }
   }

@@ -1,6 +1,7 @@
 package dev.cbserve.client;
 
 import static org.junit.jupiter.api.Assertions.assertEquals;
+import static org.junit.jupiter.api.Assertions.assertFalse;
 import static org.junit.jupiter.api.Assertions.assertThrows;
 import static org.junit.jupiter.api.Assertions.assertTrue;
 
@@ -10,6 +11,7 @@ import java.net.InetAddress;
 import java.net.ServerSocket;
 import java.time.Duration;
 import java.util.Arrays;
+import java.util.Locale;
 import java.util.Map;
 import java.util.concurrent.ExecutionException;
 import java.util.concurrent.TimeUnit;
@@ -44,45 +46,39 @@ class ErrorsTest extends ServerTest {
   }
 
   @Test
-  void stopStringsOutsideTheServerBoundsAreInvalidArgument() {
-    // The client leaves these bounds to the server: the request must still be refused.
-    SamplingParams empty = SamplingParams.builder().maxNewTokens(4).stop("").build();
+  void boundsThatDependOnTheModelAreLeftToTheServer() {
+    // The client checks the shared bounds table; the vocabulary size is the server's to check.
+    SamplingParams outsideVocab =
+        SamplingParams.builder().maxNewTokens(4).logitBias(Map.of(999, 1.0)).build();
     InvalidArgumentException e =
-        assertThrows(InvalidArgumentException.class, () -> client.generate(Prompt.text("hi"), empty));
-    assertTrue(e.details().contains("stop"), e.details());
-    String[] seventeen = new String[17];
-    Arrays.fill(seventeen, "x");
-    SamplingParams tooMany = SamplingParams.builder().maxNewTokens(4).stop(seventeen).build();
-    assertThrows(InvalidArgumentException.class, () -> client.submit(Prompt.text("hi"), tooMany));
+        assertThrows(
+            InvalidArgumentException.class, () -> client.generate(Prompt.text("hi"), outsideVocab));
+    assertEquals(Status.Code.INVALID_ARGUMENT, e.code());
+    assertTrue(e.details().contains("999"), e.details());
+    assertThrows(
+        InvalidArgumentException.class, () -> client.submit(Prompt.text("hi"), outsideVocab));
   }
 
   @Test
-  void presencePenaltyOutsideTheServerBoundsIsInvalidArgument() {
-    // The client leaves the [-2, 2] bound to the server: the request must still be refused.
-    SamplingParams tooHigh = SamplingParams.builder().maxNewTokens(4).presencePenalty(3).build();
-    InvalidArgumentException e =
-        assertThrows(
-            InvalidArgumentException.class, () -> client.generate(Prompt.text("hi"), tooHigh));
-    assertEquals(Status.Code.INVALID_ARGUMENT, e.code());
-    assertTrue(e.details().contains("presence_penalty"), e.details());
-    InvalidArgumentException submitted =
-        assertThrows(InvalidArgumentException.class, () -> client.submit(Prompt.text("hi"), tooHigh));
-    assertTrue(submitted.details().contains("presence_penalty"), submitted.details());
-  }
-
-  @Test
-  void logitBiasOutsideTheServerBoundsIsInvalidArgument() {
-    // The client leaves the [-100, 100] bound to the server: the request must still be refused.
-    SamplingParams tooHigh =
-        SamplingParams.builder().maxNewTokens(4).logitBias(Map.of(1, 150.0)).build();
-    InvalidArgumentException e =
-        assertThrows(
-            InvalidArgumentException.class, () -> client.generate(Prompt.text("hi"), tooHigh));
-    assertEquals(Status.Code.INVALID_ARGUMENT, e.code());
-    assertTrue(e.details().contains("logit_bias"), e.details());
-    InvalidArgumentException submitted =
-        assertThrows(InvalidArgumentException.class, () -> client.submit(Prompt.text("hi"), tooHigh));
-    assertTrue(submitted.details().contains("logit_bias"), submitted.details());
+  void theClientBoundsMatchTheServers() {
+    // Just inside each bound, the server accepts the request too.
+    String[] stops = new String[SamplingBounds.MAX_STOP_STRINGS];
+    Arrays.fill(stops, "x".repeat(SamplingBounds.MAX_STOP_STRING_CHARS));
+    SamplingParams atTheBounds =
+        SamplingParams.builder()
+            .maxNewTokens(SamplingBounds.MIN_MAX_NEW_TOKENS)
+            .temperature(0)
+            .topLogprobs(SamplingBounds.MAX_TOP_LOGPROBS)
+            .presencePenalty(-SamplingBounds.MAX_ABS_PRESENCE_FREQUENCY_PENALTY)
+            .frequencyPenalty(SamplingBounds.MAX_ABS_PRESENCE_FREQUENCY_PENALTY)
+            .logitBias(Map.of(1, SamplingBounds.MAX_ABS_LOGIT_BIAS))
+            .stop(stops)
+            .build();
+    RequestOptions longestId =
+        RequestOptions.builder().requestId("i".repeat(SamplingBounds.MAX_REQUEST_ID_BYTES)).build();
+    Completion c = client.generate(Prompt.text("hi"), atTheBounds, longestId);
+    assertEquals(SamplingBounds.MIN_MAX_NEW_TOKENS, c.tokenIds().size());
+    assertEquals(SamplingBounds.MAX_TOP_LOGPROBS, c.logprobs().get(0).top().size());
   }
 
   @Test
@@ -113,7 +109,14 @@ class ErrorsTest extends ServerTest {
   void deadlinesAreDeadlineExceeded() throws InterruptedException {
     String id = client.submit(Prompt.text("slow"), greedy(900));
     try (ChunkIterator chunks = client.results(id, 0, Duration.ofMillis(200))) {
-      assertThrows(DeadlineExceededException.class, () -> drainTokens(chunks, 0));
+      DeadlineExceededException e =
+          assertThrows(DeadlineExceededException.class, () -> drainTokens(chunks, 0));
+      // The deadline the caller set and the knob to change, not grpc-java's transport internals.
+      assertTrue(e.getMessage().contains("200 ms"), e.getMessage());
+      assertTrue(e.getMessage().contains("RequestOptions.timeout"), e.getMessage());
+      for (String internal : new String[] {"buffered_nanos", "remote_addr", "Name resolution"}) {
+        assertFalse(e.getMessage().contains(internal), e.getMessage());
+      }
     } finally {
       client.cancel(id);
     }
@@ -131,8 +134,16 @@ class ErrorsTest extends ServerTest {
             .target("127.0.0.1:" + port)
             .defaultTimeout(Duration.ofSeconds(5))
             .build()) {
-      assertThrows(UnavailableException.class, nowhere::modelInfo);
-      assertThrows(UnavailableException.class, () -> nowhere.generate(Prompt.text("hi")));
+      // modelInfo is retried (gRPC's retry policy), then fails naming the cause.
+      UnavailableException unary = assertThrows(UnavailableException.class, nowhere::modelInfo);
+      assertTrue(
+          unary.getMessage().toLowerCase(Locale.ROOT).contains("connection refused"),
+          unary.getMessage());
+      UnavailableException stream =
+          assertThrows(UnavailableException.class, () -> nowhere.generate(Prompt.text("hi")));
+      assertTrue(
+          stream.getMessage().toLowerCase(Locale.ROOT).contains("connection refused"),
+          stream.getMessage());
     }
   }
 
@@ -140,6 +151,7 @@ class ErrorsTest extends ServerTest {
   void clientSideChecks() {
     assertThrows(
         IllegalArgumentException.class, () -> SamplingParams.builder().maxNewTokens(-1));
+    assertThrows(IllegalArgumentException.class, () -> SamplingParams.builder().maxNewTokens(0));
     assertThrows(IllegalArgumentException.class, () -> Prompt.tokens(1, -2));
     assertThrows(IllegalStateException.class, () -> CbserveClient.builder().build());
     try (CbserveClient noAdmin = CbserveClient.builder().target(server.target).build()) {

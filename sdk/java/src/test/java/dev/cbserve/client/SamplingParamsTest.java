@@ -205,4 +205,92 @@ class SamplingParamsTest {
     }
     assertEquals(EnumSet.allOf(FinishReason.class), mapped);
   }
+
+  /** The message of the IllegalArgumentException that {@code setter} throws. */
+  private static String refused(org.junit.jupiter.api.function.Executable setter) {
+    return assertThrows(IllegalArgumentException.class, setter).getMessage();
+  }
+
+  @Test
+  void maxNewTokensBelowTheServerMinimumIsRefused() {
+    String message = refused(() -> SamplingParams.builder().maxNewTokens(0));
+    assertEquals("maxNewTokens must be >= " + SamplingBounds.MIN_MAX_NEW_TOKENS + ", got 0", message);
+    assertTrue(message.contains(">= 1"), message);
+    assertEquals(1, SamplingParams.builder().maxNewTokens(1).build().toProto().getMaxNewTokens());
+  }
+
+  @Test
+  void topLogprobsAboveTheBoundIsRefused() {
+    int max = SamplingBounds.MAX_TOP_LOGPROBS;
+    String message = refused(() -> SamplingParams.builder().topLogprobs(max + 1));
+    assertEquals("topLogprobs must be in [0, " + max + "], got " + (max + 1), message);
+    refused(() -> SamplingParams.builder().topLogprobs(-1));
+    assertEquals(max, SamplingParams.builder().topLogprobs(max).build().toProto().getTopLogprobs());
+  }
+
+  @Test
+  void presenceAndFrequencyPenaltiesOutsideTheBoundAreRefused() {
+    double max = SamplingBounds.MAX_ABS_PRESENCE_FREQUENCY_PENALTY;
+    String message = refused(() -> SamplingParams.builder().presencePenalty(max + 0.5));
+    assertEquals("presencePenalty must be finite, in [-2.0, 2.0], got 2.5", message);
+    refused(() -> SamplingParams.builder().frequencyPenalty(-max - 0.5));
+    refused(() -> SamplingParams.builder().frequencyPenalty(Double.NaN));
+    refused(() -> SamplingParams.builder().presencePenalty(Double.POSITIVE_INFINITY));
+    SamplingParams edges =
+        SamplingParams.builder().presencePenalty(-max).frequencyPenalty(max).build();
+    assertEquals((float) -max, edges.toProto().getPresencePenalty());
+  }
+
+  @Test
+  void logitBiasOutsideTheBoundsIsRefused() {
+    double max = SamplingBounds.MAX_ABS_LOGIT_BIAS;
+    String message = refused(() -> SamplingParams.builder().logitBias(Map.of(3, max + 50)));
+    assertEquals("logitBias[3] must be finite, in [-100.0, 100.0], got 150.0", message);
+    refused(() -> SamplingParams.builder().logitBias(Map.of(3, Double.NaN)));
+    Map<Integer, Double> tooMany = new HashMap<>();
+    for (int id = 0; id <= SamplingBounds.MAX_LOGIT_BIAS_ENTRIES; id++) {
+      tooMany.put(id, 1.0);
+    }
+    assertEquals(
+        "logitBias: at most 300 entries, got 301",
+        refused(() -> SamplingParams.builder().logitBias(tooMany)));
+    tooMany.remove(0);
+    assertEquals(
+        SamplingBounds.MAX_LOGIT_BIAS_ENTRIES,
+        SamplingParams.builder().logitBias(tooMany).build().toProto().getLogitBiasCount());
+  }
+
+  @Test
+  void stopStringsOutsideTheBoundsAreRefused() {
+    String[] tooMany = new String[SamplingBounds.MAX_STOP_STRINGS + 1];
+    java.util.Arrays.fill(tooMany, "x");
+    assertEquals(
+        "stop: at most 16 strings, got 17", refused(() -> SamplingParams.builder().stop(tooMany)));
+    assertEquals(
+        "stop[1] must be 1 to 256 characters, got 0",
+        refused(() -> SamplingParams.builder().stop("ok", "")));
+    String longest = "x".repeat(SamplingBounds.MAX_STOP_STRING_CHARS);
+    refused(() -> SamplingParams.builder().stop(longest + "x"));
+    // Characters are code points, as the server counts them: 256 emoji pass.
+    String emoji = "\uD83D\uDE00".repeat(SamplingBounds.MAX_STOP_STRING_CHARS);
+    assertEquals(List.of(emoji), SamplingParams.builder().stop(emoji).build().toProto().getStopList());
+  }
+
+  @Test
+  void minNewTokensAboveMaxNewTokensIsRefused() {
+    SamplingParams.Builder builder = SamplingParams.builder().maxNewTokens(4).minNewTokens(5);
+    assertEquals("minNewTokens (5) must be at most maxNewTokens (4)", refused(builder::build));
+    assertEquals(4, builder.minNewTokens(4).build().toProto().getMinNewTokens());
+  }
+
+  @Test
+  void requestIdsOutsideTheBoundsAreRefused() {
+    String longest = "i".repeat(SamplingBounds.MAX_REQUEST_ID_BYTES);
+    assertEquals(longest, RequestOptions.builder().requestId(longest).build().requestId());
+    String message = refused(() -> RequestOptions.builder().requestId(longest + "i"));
+    assertTrue(message.startsWith("requestId must be 1 to 128 bytes of printable ASCII"), message);
+    refused(() -> RequestOptions.builder().requestId("with space"));
+    refused(() -> RequestOptions.builder().requestId("caf\u00e9"));
+    refused(() -> RequestOptions.builder().requestId(""));
+  }
 }
