@@ -9,6 +9,7 @@ import io.grpc.stub.MetadataUtils;
 import io.grpc.stub.ClientCallStreamObserver;
 import io.grpc.stub.ClientResponseObserver;
 import io.grpc.stub.StreamObserver;
+import java.nio.channels.ClosedChannelException;
 import java.time.Duration;
 import java.util.Map;
 import java.util.Set;
@@ -123,12 +124,26 @@ final class Calls {
     }
     if (t instanceof StatusRuntimeException || t instanceof StatusException) {
       Status status = Status.fromThrowable(t);
+      if (status.getCode() == Status.Code.UNKNOWN && closedConnection(status.getCause())) {
+        // grpc-java reports a connection that closed under a call (the server died or restarted)
+        // as UNKNOWN; for the caller it is the server becoming unavailable, and as safe to retry.
+        return new UnavailableException("the connection to the server closed during the call", t);
+      }
       return CbserveException.of(status.getCode(), details(status, timeout), t);
     }
     if (t instanceof CancellationException) {
       return new CancelledException("cancelled by the caller", t);
     }
     return new InternalException(Status.Code.UNKNOWN, String.valueOf(t), t);
+  }
+
+  private static boolean closedConnection(Throwable cause) {
+    for (Throwable t = cause; t != null; t = t.getCause()) {
+      if (t instanceof ClosedChannelException) {
+        return true;
+      }
+    }
+    return false;
   }
 
   private static String details(Status status, Duration timeout) {
