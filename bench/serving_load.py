@@ -33,15 +33,12 @@ import math
 import os
 import random
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +47,7 @@ from typing import Any
 import torch
 
 from bench.offline_throughput import MODEL_PRESETS, build_model, make_prompts
+from bench.smg_gateway import SmgGateway
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -381,100 +379,8 @@ class ServerProcess:
             self.process.wait()
 
 
-def _http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
-    try:
-        with opener.open(url, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
-
-
-class GatewayProcess:
-    """`smg launch` in front of the server's `VllmEngine` port, in a session of its own, so that one
-    `os.killpg` stops the launcher and the router it runs; its output goes to `log_path`."""
-
-    def __init__(self, worker_target: str, log_path: Path, args: argparse.Namespace) -> None:
-        self.port, metrics_port = _free_ports(2)
-        self.log_path = log_path
-        self.model = ""
-        launcher = shutil.which("smg")
-        self.command = [
-            *([launcher] if launcher else [sys.executable, "-m", "smg"]),
-            "launch",
-            "--backend",
-            "vllm",
-            "--worker-urls",
-            f"grpc://{worker_target}",
-            "--policy",
-            "cache_aware",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(metrics_port),
-            "--worker-startup-check-interval",
-            "1",
-            "--log-level",
-            "warn",
-            *shlex.split(args.gateway_args),
-        ]
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                self.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def wait_ready(self, model: str) -> None:
-        """Until `/readiness` answers 200 and `/v1/models` lists `model` (the served folder's name)."""
-        deadline = time.monotonic() + GATEWAY_STARTUP_TIMEOUT_S
-        root = f"http://127.0.0.1:{self.port}"
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"the gateway exited with {self.process.returncode}: {_log_tail(self.log_path)}"
-                )
-            try:
-                if _http_get(f"{root}/readiness")[0] == 200:
-                    status, body = _http_get(f"{root}/v1/models")
-                    if status == 200 and model in {entry["id"] for entry in json.loads(body)["data"]}:
-                        self.model = model
-                        return
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"the gateway did not list {model} in time: {_log_tail(self.log_path)}")
-
-    def stop(self) -> None:
-        """SIGTERM to the whole process group, SIGKILL to what is left of it after 30 s."""
-        group = self.process.pid
-        for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(group, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                self.process.poll()  # reap the launcher, or its zombie keeps the group alive
-                try:
-                    os.killpg(group, 0)
-                except ProcessLookupError:
-                    return
-                time.sleep(0.1)
-        self.process.poll()
-
-    def log_count(self, needle: str) -> int:
-        return sum(needle in line for line in _log_tail(self.log_path, limit=10**7).splitlines())
+def _count_lines(path: Path, needle: str) -> int:
+    return sum(needle in line for line in path.read_text(errors="replace").splitlines())
 
 
 def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -491,7 +397,8 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     warm = slice(0, args.warmup_requests)
     no_wait = [0.0] * len(prompts[warm])
-    gateway: GatewayProcess | None = None
+    gateway: SmgGateway | None = None
+    gateway_model = ""
     with (
         tempfile.TemporaryDirectory(prefix="cbserve-bench-") as model_dir,
         tempfile.TemporaryDirectory(prefix="cbserve-bench-logs-") as log_dir,
@@ -506,11 +413,12 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
             server.wait_serving()
             asyncio.run(run_grpc(server.target, prompts[warm], no_wait, args.new_tokens))
         if server is not None and "gateway" in modes:
-            gateway = GatewayProcess(server.target, Path(log_dir) / "gateway.log", args)
+            log = Path(log_dir) / "gateway.log"
+            gateway = SmgGateway([server.target], log, *shlex.split(args.gateway_args), log_level="warn")
             running.callback(gateway.stop)
-            gateway.wait_ready(Path(model_dir).name)
+            gateway_model = gateway.wait_ready(GATEWAY_STARTUP_TIMEOUT_S)
             warm_traces, _ = asyncio.run(
-                run_gateway(gateway.base_url, gateway.model, texts[warm], no_wait, args.new_tokens)
+                run_gateway(f"{gateway.base_url}/v1", gateway_model, texts[warm], no_wait, args.new_tokens)
             )
             failed = [trace.error for trace in warm_traces if trace.error is not None]
             if failed:
@@ -531,7 +439,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 elif mode == "gateway":
                     assert gateway is not None
                     traces, started = asyncio.run(
-                        run_gateway(gateway.base_url, gateway.model, texts, offsets, args.new_tokens)
+                        run_gateway(f"{gateway.base_url}/v1", gateway_model, texts, offsets, args.new_tokens)
                     )
                 else:
                     assert manager is not None
@@ -539,7 +447,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 record = summarise(mode, rate, traces, started, args)
                 records.append(record)
                 print(json.dumps(record), flush=True)
-        gateway_vetoes = gateway.log_count("vetoed") if gateway is not None else None
+        gateway_vetoes = _count_lines(gateway.log_path, "vetoed") if gateway is not None else None
     summary: dict[str, Any] = {"bench": BENCH_NAME, "summary": True, "model": args.model, "modes": modes}
     for rate in rates:
         key = "inf" if math.isinf(rate) else rate

@@ -11,7 +11,7 @@ import pytest
 from service import default_model
 from service.default_model import ensure_default_model
 from tests.gateway.gateway_harness import Gateway, save_tiny_model_with_tokenizer
-from tests.service.service_harness import ServerProcess
+from tests.service.service_harness import ServerProcess, serving_replicas
 
 # Small pages, so a 200-token prefix fills a dozen blocks that the gateway's index can match.
 PAGE_SIZE = "16"
@@ -34,18 +34,8 @@ def tiny_model_dir(embedded_model_dir: str, tmp_path_factory: pytest.TempPathFac
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
     logs = tmp_path_factory.mktemp("replica-logs")
-    started: list[ServerProcess] = []
-    try:
-        for index in range(2):
-            started.append(
-                ServerProcess(tiny_model_dir, logs / f"replica{index}.log", "--page-size", PAGE_SIZE)
-            )
-        for replica in started:
-            replica.wait_serving()
+    with serving_replicas(tiny_model_dir, logs, 2, "--page-size", PAGE_SIZE) as started:
         yield started
-    finally:
-        for replica in started:
-            replica.close()
 
 
 @pytest.fixture(scope="module")
@@ -56,4 +46,4 @@ def gateway(replicas: list[ServerProcess], tmp_path_factory: pytest.TempPathFact
         running.wait_ready()
         yield running
     finally:
-        running.close()
+        running.stop()

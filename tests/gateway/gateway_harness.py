@@ -1,28 +1,15 @@
-"""The real SMG gateway (PyPI `smg`) in front of `cbserve serve` replicas, for the gateway tests.
-
-Each gateway runs in its own process group (the `smg` launcher starts the Rust router as a child), so
-`close()` stops both, even when a test fails.
-"""
+"""The real SMG gateway (PyPI `smg`, started by bench/smg_gateway.py) in front of `cbserve serve` replicas,
+and the model the replicas serve, for the gateway tests."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import time
-import urllib.request
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from tests.service.service_harness import REPO_ROOT, free_port, wait_until
-
-GATEWAY_READY_TIMEOUT_S = 60.0
+from bench.smg_gateway import SmgGateway, http_get
 
 
 def save_tiny_model_with_tokenizer(folder: Path, tokenizer_source: str) -> str:
@@ -51,54 +38,15 @@ def save_tiny_model_with_tokenizer(folder: Path, tokenizer_source: str) -> str:
     return str(folder)
 
 
-def get_json(url: str) -> Any:
-    """The JSON body of GET `url`; raises OSError (urllib's HTTPError among them) on failure."""
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.loads(response.read())
-
-
-class Gateway:
-    """`smg launch --backend vllm` routing over `worker_targets` with `policy`, on free loopback ports."""
-
-    def __init__(
-        self, worker_targets: Sequence[str], log_path: Path, policy: str = "cache_aware", *extra: str
-    ) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
-        command = ["smg", "launch", "--backend", "vllm", "--policy", policy]
-        command += ["--worker-urls", *(f"grpc://{target}" for target in worker_targets)]
-        command += ["--host", "127.0.0.1", "--port", str(self.port)]
-        command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port)]
-        # Workers started just before are registered within a second rather than on the 30 s default.
-        command += ["--worker-startup-check-interval", "1", "--log-level", "info", *extra]
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        self.num_workers = len(worker_targets)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self) -> None:
-        def ready() -> bool:
-            if self.process.poll() is not None:
-                raise AssertionError(f"the gateway exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                readiness = get_json(f"{self.base_url}/readiness")
-            except (OSError, ValueError):  # not listening yet, or not ready (an HTTP error status)
-                return False
-            return readiness.get("healthy_workers") == self.num_workers
-
-        wait_until(ready, timeout=GATEWAY_READY_TIMEOUT_S, what="the gateway ready with every worker")
+class Gateway(SmgGateway):
+    """The gateway of bench/smg_gateway.py, with what the tests read off it: its Prometheus samples."""
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """Every sample of the gateway's Prometheus endpoint: (name, sorted labels) -> value."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
-            text = response.read().decode()
+        status, body = http_get(self.metrics_url, timeout=5)
+        assert status == 200, f"the gateway's metrics answered {status}"
         samples = {}
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(body.decode()):
             for sample in family.samples:
                 samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
         return samples
@@ -110,24 +58,3 @@ class Gateway:
             for (sample_name, sample_labels), value in self.metrics().items()
             if sample_name == name and set(labels.items()) <= set(sample_labels)
         )
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-        # The router child may outlive the launcher for a moment.
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(self.process.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
-        os.killpg(self.process.pid, signal.SIGKILL)

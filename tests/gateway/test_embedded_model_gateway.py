@@ -32,5 +32,5 @@ def test_the_embedded_model_answers_a_chat_through_the_gateway(
         assert response.choices[0].finish_reason == "stop"
     finally:
         if gateway is not None:
-            gateway.close()
+            gateway.stop()
         replica.close()

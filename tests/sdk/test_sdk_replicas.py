@@ -20,7 +20,7 @@ from cbserve_client._connection import ChannelSettings, channel_options, channel
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from tests.conftest import tiny_model
-from tests.service.service_harness import ADMIN_TOKEN, ServerProcess
+from tests.service.service_harness import ADMIN_TOKEN, ServerProcess, serving_replicas
 
 # -- the target and the channel options --------------------------------------------------------------
 
@@ -204,18 +204,8 @@ CALL_TIMEOUT_S = 30.0
 @pytest.fixture
 def two_replicas(tmp_path: Path) -> Iterator[list[ServerProcess]]:
     tiny_model("llama").save_pretrained(tmp_path / "model")
-    replicas: list[ServerProcess] = []
-    try:
-        for index in range(2):
-            replicas.append(
-                ServerProcess(tmp_path / "model", tmp_path / f"replica{index}.log", *ENGINE_FLAGS)
-            )
-        for replica in replicas:
-            replica.wait_serving(timeout=180)
+    with serving_replicas(tmp_path / "model", tmp_path, 2, *ENGINE_FLAGS, timeout=180) as replicas:
         yield replicas
-    finally:
-        for replica in replicas:
-            replica.close()
 
 
 def _finished_requests(replica: ServerProcess) -> int:

@@ -4,6 +4,7 @@ pause holders and certificates the tests aim at them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -235,6 +236,23 @@ class ServerProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=CALL_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def serving_replicas(
+    model_dir: str | Path, log_dir: Path, count: int, *extra_args: str, timeout: float = 120.0
+) -> Iterator[list[ServerProcess]]:
+    """`count` `cbserve serve` replicas of `model_dir`, all SERVING; every one is stopped on the way out."""
+    replicas: list[ServerProcess] = []
+    try:
+        for index in range(count):
+            replicas.append(ServerProcess(model_dir, log_dir / f"replica{index}.log", *extra_args))
+        for replica in replicas:
+            replica.wait_serving(timeout=timeout)
+        yield replicas
+    finally:
+        for replica in replicas:
+            replica.close()
 
 
 def spawn_pause_holder(admin_target: str, token: str = ADMIN_TOKEN) -> subprocess.Popen[str]:
