@@ -381,6 +381,8 @@ class GenerationLoop:
     # ------------------------------------------------------------------ outputs
 
     def _publish_kv_events(self) -> None:
+        if not self._kv_event_listeners:  # nothing is recorded then: skip the per-iteration call
+            return
         events = self.engine.kv_cache_manager.take_kv_events()
         if not events:
             return

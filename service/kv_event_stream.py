@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import grpc
 from smg_grpc_proto.generated import common_pb2
 
-from engine import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine import BlockRemoved, BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
 
@@ -112,33 +112,35 @@ class KvEventStream:
         with self._lock:
             self._sequence += 1
             batch = common_pb2.KvEventBatch(sequence_number=self._sequence, timestamp=time.time())
-            for event in events:
-                batch.events.append(self._wire_event(event))
-                self._apply(event)
+            batch.events.extend(self._record(event) for event in events)
             self._history.append(batch)
             wakeups = list(self._wakeups)
         for loop, wakeup in wakeups:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(wakeup.set)
 
-    def _wire_event(self, event: KVCacheEvent) -> common_pb2.KvCacheEvent:
-        wire = common_pb2.KvCacheEvent(event_id=self._next_event_id)
-        self._next_event_id += 1
+    def _record(self, event: KVCacheEvent) -> common_pb2.KvCacheEvent:
+        """With `_lock` held: `event` applied to the live blocks, as the wire carries it."""
+        event_id, self._next_event_id = self._next_event_id, self._next_event_id + 1
         if isinstance(event, BlockStored):
+            block_hash = block_hash_int64(event.block_hash)
             parent = block_hash_int64(event.parent_hash) if event.parent_hash is not None else None
-            wire.stored.CopyFrom(self._stored(block_hash_int64(event.block_hash), parent, event.token_ids))
-        elif isinstance(event, BlockRemoved):
-            wire.removed.CopyFrom(
-                common_pb2.KvBlocksRemoved(
-                    block_hashes=[block_hash_int64(event.block_hash)],
-                    tier=common_pb2.KV_CACHE_TIER_DEVICE,
-                    group_idx=0,
-                    locality=common_pb2.KV_CACHE_LOCALITY_LOCAL,
-                )
+            self._live[block_hash] = _LiveBlock(parent, event.token_ids)
+            return common_pb2.KvCacheEvent(
+                event_id=event_id, stored=self._stored(block_hash, parent, event.token_ids)
             )
-        else:
-            wire.cleared.CopyFrom(common_pb2.KvCacheCleared())
-        return wire
+        if isinstance(event, BlockRemoved):
+            block_hash = block_hash_int64(event.block_hash)
+            self._live.pop(block_hash, None)
+            removed = common_pb2.KvBlocksRemoved(
+                block_hashes=[block_hash],
+                tier=common_pb2.KV_CACHE_TIER_DEVICE,
+                group_idx=0,
+                locality=common_pb2.KV_CACHE_LOCALITY_LOCAL,
+            )
+            return common_pb2.KvCacheEvent(event_id=event_id, removed=removed)
+        self._live.clear()
+        return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
 
     def _stored(
         self, block_hash: int, parent: int | None, token_ids: tuple[int, ...]
@@ -155,16 +157,6 @@ class KvEventStream:
         if parent is not None:
             stored.parent_block_hash = parent
         return stored
-
-    def _apply(self, event: KVCacheEvent) -> None:
-        """With `_lock` held: the live blocks after `event`."""
-        if isinstance(event, BlockStored):
-            parent = block_hash_int64(event.parent_hash) if event.parent_hash is not None else None
-            self._live[block_hash_int64(event.block_hash)] = _LiveBlock(parent, event.token_ids)
-        elif isinstance(event, BlockRemoved):
-            self._live.pop(block_hash_int64(event.block_hash), None)
-        elif isinstance(event, AllBlocksCleared):
-            self._live.clear()
 
     # ------------------------------------------------------------------ a subscriber's side
 
@@ -223,7 +215,11 @@ class KvEventStream:
                 "a KV event subscriber fell %d batches behind: sending a snapshot", first_kept - cursor
             )
             return self._snapshot(), self._sequence + 1
-        return list(self._history)[cursor - first_kept :], self._sequence + 1
+        # Sequences are consecutive, so the batches wanted are the last ones: index from the end rather
+        # than copy the whole history (this runs for every subscriber after every batch).
+        kept = len(self._history)
+        wanted = self._sequence - cursor + 1
+        return [self._history[index] for index in range(kept - wanted, kept)], self._sequence + 1
 
     def _snapshot(self) -> list[common_pb2.KvEventBatch]:
         """With `_lock` held: the live blocks as chunks numbered up to the current sequence."""

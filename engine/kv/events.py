@@ -33,7 +33,7 @@ class BlockRemoved:
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
-    pass
+    """Every cached block dropped at once: the index of this replica starts empty again."""
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
