@@ -8,11 +8,13 @@ carries plain data only, plus the caller's `Future` where it waits for an answer
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from enum import Enum, StrEnum
 from typing import Any
 
 from engine.request import Request
+from engine.sleep import SleepLevel, SleepTag
+from engine.weight_transfer import BucketPlan, GroupSpec
 
 
 class LoopAction(Enum):
@@ -83,4 +85,82 @@ class ResetPrefixCache:
     result: Future[int] | None
 
 
-LoopCommand = AddRequest | CancelRequest | AbortAll | UpdateWeights | ResetPrefixCache
+@dataclass(frozen=True)
+class JoinWeightsUpdateGroup:
+    """Join a trainer's weight-update group (every tensor-parallel rank at once: collective)."""
+
+    spec: GroupSpec
+    # The caller waiting for the group ranks every tensor-parallel rank took.
+    result: Future[tuple[int, ...]] | None
+
+
+@dataclass(frozen=True)
+class LeaveWeightsUpdateGroup:
+    # The caller waiting to learn whether there was a group to leave.
+    result: Future[bool] | None
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromGroup:
+    """Receive `plan`'s buckets from the trainer (every tensor-parallel rank at once: collective)."""
+
+    plan: BucketPlan
+    label: str | None
+    # Set once the loop waits for the first bucket (the trainer may broadcast then).
+    ready: Future[None] | None
+    result: Future[int] | None
+
+
+@dataclass(frozen=True)
+class SleepOutcome:
+    released_bytes: int
+    # Requests put back in the queue to be recomputed after the wake-up (mode "keep").
+    requeued_requests: int
+    # Requests the sleep's pause cancelled (mode "abort").
+    cancelled_requests: int = 0
+
+
+@dataclass(frozen=True)
+class Sleep:
+    level: SleepLevel
+    result: Future[SleepOutcome] | None
+
+
+@dataclass(frozen=True)
+class WakeUp:
+    tags: frozenset[SleepTag]
+    # The caller waiting for the sleep level left.
+    result: Future[int] | None
+
+
+LoopCommand = (
+    AddRequest
+    | CancelRequest
+    | AbortAll
+    | UpdateWeights
+    | ResetPrefixCache
+    | JoinWeightsUpdateGroup
+    | LeaveWeightsUpdateGroup
+    | UpdateWeightsFromGroup
+    | Sleep
+    | WakeUp
+)
+
+# Commands every tensor-parallel rank carries out at the same time, talking to the trainer: each rank
+# applies them only once the iteration's tick is shared (engine.lockstep), never before.
+COLLECTIVE_COMMANDS = (JoinWeightsUpdateGroup, UpdateWeightsFromGroup)
+
+_CALLER_FIELDS = ("result", "ready")
+
+
+def without_callers(command: LoopCommand) -> LoopCommand:
+    """`command` without the futures its caller waits on (as another rank replays it)."""
+    names = {field.name for field in fields(command)} & set(_CALLER_FIELDS)
+    cleared: dict[str, Any] = dict.fromkeys(names)
+    return replace(command, **cleared) if names else command
+
+
+def caller_futures(command: LoopCommand) -> list[Future[Any]]:
+    """The futures a caller waits on in `command` (to fail them when the loop dies)."""
+    futures = (getattr(command, name, None) for name in _CALLER_FIELDS)
+    return [future for future in futures if isinstance(future, Future)]

@@ -3,3 +3,11 @@
 
 class QueueFullError(RuntimeError):
     """`add_request` found `max_queue_size` requests already waiting; nothing was queued."""
+
+
+class WeightTransferError(RuntimeError):
+    """A weight-update group could not be joined, or a transfer over it failed (engine.weight_transfer)."""
+
+
+class WeightTransferTimeout(WeightTransferError, TimeoutError):
+    """The trainer, or another member of its group, did not answer within the group's timeout."""

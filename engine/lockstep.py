@@ -39,9 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.commands import LoopAction, LoopCommand, ResetPrefixCache, UpdateWeights, WeightUpdate
+from engine.commands import LoopAction, LoopCommand, UpdateWeights, WeightUpdate, without_callers
 from engine.engine_core import EngineCore, StepResult
-from engine.loop import GenerationLoop
+from engine.loop import GenerationLoop, split_collective
 from engine.output_router import OutputRouter
 from engine.parallel import DRIVER_RANK, TensorParallelGroup
 
@@ -106,12 +106,10 @@ class LoopTick:
 
 
 def replayable(command: LoopCommand) -> LoopCommand:
-    """A command as the other ranks replay it: without the caller's future, and with in-memory tensors
+    """A command as the other ranks replay it: without the caller's futures, and with in-memory tensors
     described rather than pickled (their bytes follow the tick)."""
-    if isinstance(command, ResetPrefixCache):
-        return ResetPrefixCache(None)
     if not isinstance(command, UpdateWeights):
-        return command
+        return without_callers(command)
     update = command.update
     if not isinstance(update.source, str):
         # Entries that are not (name, tensor) pairs go pickled, and every rank rejects them alike.
@@ -156,6 +154,7 @@ class _LockstepLoop(GenerationLoop):
         self._token_sum = 0
 
     def close(self) -> None:
+        super().close()
         if not self.is_running():
             self.group.close()
 
@@ -168,8 +167,20 @@ class _LockstepLoop(GenerationLoop):
         """What every rank must agree on after each iteration; a mismatch means the lockstep broke."""
         return (self.weight_version, self.engine.num_failed_steps, self._tokens_emitted, self._token_sum)
 
-    def _check_can_update_stopped(self) -> None:
-        raise RuntimeError("under tensor parallelism, update_weights needs the running loop")
+    def _check_can_apply_stopped(self) -> None:
+        raise RuntimeError(
+            "under tensor parallelism, weight updates, sleep and the weight-update group need the running "
+            "loop (every rank applies them in step): start the engine first"
+        )
+
+    def _tensor_parallel_rank(self) -> int:
+        return self.group.rank
+
+    def _tensor_parallel_size(self) -> int:
+        return self.group.tp_size
+
+    def _smallest(self, values: list[int]) -> list[int]:
+        return self.group.smallest(values)
 
 
 class LockstepDriverLoop(_LockstepLoop):
@@ -266,12 +277,15 @@ class LockstepFollowerLoop(_LockstepLoop):
                 f"rank {self.group.rank} diverged from the driver: (weight_version, failed steps, "
                 f"tokens, token sum) is {digest} here and {tick.digest} on the driver"
             )
-        for command in commands:
+        local, collective = split_collective(commands)
+        for command in local:
             self._apply(command)
         if tick.action != LoopAction.STEP and self.engine.has_step_in_flight:
             self._flush()
         self.engine.hold_admission = tick.hold_admission
         self._paused = tick.action == LoopAction.PARK
+        for command in collective:  # with the driver, which applies them right after the tick
+            self._apply(command)
         if tick.action == LoopAction.EXIT:
             if tick.hard_stop:
                 self._hard_stop_requested = True

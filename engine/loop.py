@@ -19,29 +19,55 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from engine.commands import (
+    COLLECTIVE_COMMANDS,
     AbortAll,
     AddRequest,
     CancelRequest,
+    JoinWeightsUpdateGroup,
+    LeaveWeightsUpdateGroup,
     LoopAction,
     LoopCommand,
     PauseHandle,
     PauseMode,
     ResetPrefixCache,
+    Sleep,
+    SleepOutcome,
     UpdateWeights,
+    UpdateWeightsFromGroup,
+    WakeUp,
     WeightUpdate,
+    caller_futures,
 )
 from engine.engine_core import EngineCore, StepResult
-from engine.errors import QueueFullError
+from engine.errors import QueueFullError, WeightTransferError
 from engine.kv.events import KVCacheEvent
 from engine.output_router import OutputRouter
 from engine.request import FinishReason, Request, RequestStatus
+from engine.sleep import (
+    SleepLevel,
+    SleepTag,
+    offload_weights,
+    release_kv_cache,
+    reload_weights,
+    restore_kv_cache,
+)
 from engine.stats import ManagerStats
-from engine.weights import apply_weights, stage_weights
+from engine.weight_transfer import (
+    BucketPlan,
+    GroupSpec,
+    IncompleteWeights,
+    TransferProgress,
+    WeightsUpdateGroup,
+    receive_buckets,
+)
+from engine.weights import apply_weights, model_tensors, stage_weights
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How long an idle loop, or a caller waiting on it, sleeps between looks at the shared state.
 IDLE_WAIT_S = 0.05
@@ -77,6 +103,13 @@ class GenerationLoop:
         self._num_queued = 0
         self.weight_version = 1
         self.weight_version_label: str | None = None
+        # The trainer's weight-update group this rank joined, and the ranks this engine holds in it.
+        self._weights_update_group: WeightsUpdateGroup | None = None
+        self._weights_update_group_ranks: tuple[int, ...] = ()
+        # What sleep gave back (engine.sleep); empty when awake. Steps wait while it is not empty.
+        self._asleep: set[SleepTag] = set()
+        # Set when a transfer failed after writing some weights; steps wait until an update covers it.
+        self._incomplete_weights: IncompleteWeights | None = None
         self._stats = self._collect_stats()
 
     # ------------------------------------------------------------------ callers' side
@@ -111,7 +144,8 @@ class GenerationLoop:
         return True
 
     def close(self) -> None:
-        """Releases what the loop holds beyond its thread (nothing in a single process)."""
+        """Releases what the loop holds beyond its thread: its weight-update group."""
+        self._leave_weights_update_group()
 
     def add_exit_handler(self, callback: Callable[[], None]) -> None:
         self._exit_handlers.append(callback)
@@ -124,14 +158,7 @@ class GenerationLoop:
 
     def reset_prefix_cache(self) -> int:
         """Drops every reusable prefix block between two steps; returns how many there were."""
-        if not self.is_running():
-            dropped = self.engine.kv_cache_manager.reset_prefix_cache()
-            self._publish_kv_events()
-            return dropped
-        result: Future[int] = Future()
-        with self._cond:
-            self._post(ResetPrefixCache(result))
-        return result.result()
+        return self._call(ResetPrefixCache)
 
     def submit(self, request: Request) -> bool:
         """Queues a validated request; False once stopped. Raises ValueError for a live duplicate id and
@@ -187,16 +214,69 @@ class GenerationLoop:
         """Applies `update` between two steps under a KEEP pause; returns the new weight version.
         Concurrent updates are serialised."""
         with self._update_lock, self.pause(PauseMode.KEEP):
-            if not self.is_running():
-                self._check_can_update_stopped()
-                version = self._apply_update(update)
-                self._publish_kv_events()
-                return version
-            # The loop thread owns the model while it runs: it applies the update between two steps.
-            result: Future[int] = Future()
+            return self._call(lambda result: UpdateWeights(update, result))
+
+    def join_weights_update_group(self, spec: GroupSpec) -> tuple[int, ...]:
+        """Joins a trainer's weight-update group (blocking the loop until every member joined);
+        returns the ranks this engine took."""
+        with self._update_lock:
+            if self._weights_update_group_ranks:
+                raise WeightTransferError(
+                    f"already in a weight-update group (ranks {list(self._weights_update_group_ranks)}); "
+                    "destroy it first"
+                )
+            return self._call(lambda result: JoinWeightsUpdateGroup(spec, result))
+
+    def leave_weights_update_group(self) -> bool:
+        """Leaves the weight-update group; False when there was none."""
+        with self._update_lock:
+            return self._call(LeaveWeightsUpdateGroup)
+
+    def update_weights_from_group(
+        self, plan: BucketPlan, label: str | None, on_ready: Callable[[], None] | None
+    ) -> int:
+        """Receives `plan` from the trainer under a KEEP pause; returns the new weight version.
+        `on_ready()` runs on the loop thread once it waits for the first bucket."""
+        ready: Future[None] = Future()
+        if on_ready is not None:
+            ready.add_done_callback(lambda _: on_ready())
+        with self._update_lock, self.pause(PauseMode.KEEP):
+            if not self._weights_update_group_ranks:
+                raise WeightTransferError("not in a weight-update group: join one first")
+            return self._call(lambda result: UpdateWeightsFromGroup(plan, label, ready, result))
+
+    def abort_weights_transfer(self) -> None:
+        """Ends a transfer in progress from another thread (its caller gave up): the receive fails,
+        and the update with it."""
+        group = self._weights_update_group
+        if group is not None:
+            group.abort()
+
+    def sleep(self, level: SleepLevel, mode: PauseMode) -> SleepOutcome:
+        """Gives memory back (engine.sleep) once `mode` has dealt with the requests in flight."""
+        with self._update_lock, self.pause(mode) as handle:
+            outcome: SleepOutcome = self._call(lambda result: Sleep(level, result))
+        return replace(outcome, cancelled_requests=handle.cancelled)
+
+    def wake_up(self, tags: frozenset[SleepTag]) -> int:
+        """Takes back what `tags` name; returns the sleep level left."""
+        with self._update_lock:
+            return self._call(lambda result: WakeUp(tags, result))
+
+    def _call(self, command_for: Callable[[Future[T]], LoopCommand]) -> T:
+        """Runs a command on the loop thread between two steps (on this thread when the loop is
+        stopped) and returns its result."""
+        result: Future[T] = Future()
+        command = command_for(result)
+        if self.is_running():
             with self._cond:
-                self._post(UpdateWeights(update, result))
-            return result.result()
+                self._post(command)
+        else:
+            self._check_can_apply_stopped()
+            self._apply(command)
+            self._refresh_stats()
+            self._publish_kv_events()
+        return result.result()
 
     def stats(self) -> ManagerStats:
         return self._stats
@@ -238,7 +318,8 @@ class GenerationLoop:
             commands = list(self._inbox)
             self._inbox.clear()
         shared = self._share_commands(commands)
-        for command in commands:
+        local, collective = split_collective(commands)
+        for command in local:
             self._apply(command)
         engine = self.engine
         if engine.has_step_in_flight:
@@ -251,6 +332,8 @@ class GenerationLoop:
             self._enter(action)
             hold, hard = engine.hold_admission, self._hard_stop_requested
         self._share_decision(shared, commands, action, hold, hard)
+        for command in collective:
+            self._apply(command)
         if commands or action != self._last_action:  # an idle loop polls 20 times a second: no refresh
             self._refresh_stats()
         self._last_action = action
@@ -273,7 +356,13 @@ class GenerationLoop:
             return LoopAction.PARK
         if not self.engine.has_unfinished_requests():
             return LoopAction.EXIT if self._stop_requested and not self._inbox else LoopAction.IDLE
+        if self._holds_steps():
+            return LoopAction.PARK
         return LoopAction.STEP
+
+    def _holds_steps(self) -> bool:
+        """Whether requests must wait: asleep, or the weights a mix of two versions."""
+        return bool(self._asleep) or self._incomplete_weights is not None
 
     def _should_park(self) -> bool:
         """With `_cond` held and a pause held: park unless only WAIT pauses hold, with requests in flight."""
@@ -284,7 +373,8 @@ class GenerationLoop:
         """With `_cond` held: WAIT pauses are satisfied once parked with nothing in flight; pause() waiters
         learn that the loop is parked."""
         parked = action == LoopAction.PARK
-        if parked and not self.engine.has_in_flight_requests():
+        # Requests held by sleep or incomplete weights cannot finish: a WAIT pause does not wait for them.
+        if parked and (not self.engine.has_in_flight_requests() or self._holds_steps()):
             for handle in self._pending_waits:
                 handle.done = True
             self._pending_waits.clear()
@@ -331,23 +421,19 @@ class GenerationLoop:
         elif isinstance(command, AbortAll):
             self._abort_all(command.handle)
         elif isinstance(command, ResetPrefixCache):
-            dropped = engine.kv_cache_manager.reset_prefix_cache()
-            if command.result is not None:
-                command.result.set_result(dropped)
+            _settle(command.result, engine.kv_cache_manager.reset_prefix_cache)
+        elif isinstance(command, UpdateWeights):
+            _settle(command.result, lambda: self._apply_update(command.update))
+        elif isinstance(command, JoinWeightsUpdateGroup):
+            _settle(command.result, lambda: self._join_weights_update_group(command.spec))
+        elif isinstance(command, LeaveWeightsUpdateGroup):
+            _settle(command.result, self._leave_weights_update_group)
+        elif isinstance(command, UpdateWeightsFromGroup):
+            _settle(command.result, lambda: self._update_from_group(command))
+        elif isinstance(command, Sleep):
+            _settle(command.result, lambda: self._sleep(command.level))
         else:
-            self._apply_update_command(command)
-
-    def _apply_update_command(self, command: UpdateWeights) -> None:
-        try:
-            version = self._apply_update(command.update)
-        except Exception as exc:  # a bad update is the caller's error; the loop goes on
-            if command.result is None:
-                logger.warning("weight update not applied on this rank: %s", exc)
-            else:
-                command.result.set_exception(exc)
-        else:
-            if command.result is not None:
-                command.result.set_result(version)
+            _settle(command.result, lambda: self._wake_up(command.tags))
 
     def _abort_all(self, handle: PauseHandle) -> None:
         for request_id in list(self.engine.requests):
@@ -364,19 +450,125 @@ class GenerationLoop:
             self._flush()
         staged = stage_weights(engine.model, update.source)
         apply_weights(staged)
+        return self._new_weight_version(frozenset(item.name for item in staged), update.label)
+
+    def _new_weight_version(self, names: frozenset[str], label: str | None) -> int:
+        """After new weights were written: the prefix cache (the old weights' KV) goes, the version
+        goes up, and weights left incomplete by a failed transfer are whole again if `names` covers
+        every tensor it announced."""
+        engine = self.engine
         engine.kv_cache_manager.reset_prefix_cache()
         with self._cond:
             self.weight_version += 1
-            self.weight_version_label = update.label
+            self.weight_version_label = label
             engine.weight_version = self.weight_version
+            incomplete = self._incomplete_weights
+            if incomplete is not None and incomplete.tensor_names <= names:
+                self._incomplete_weights = None
+                logger.info("the weights are whole again")
         self._refresh_stats()
         logger.info(
             "weights updated: %d tensors, weight_version %d%s",
-            len(staged),
+            len(names),
             self.weight_version,
-            f" ({update.label})" if update.label else "",
+            f" ({label})" if label else "",
         )
         return self.weight_version
+
+    # ------------------------------------------------------------------ weight-update group, sleep
+
+    def _join_weights_update_group(self, spec: GroupSpec) -> tuple[int, ...]:
+        rank = spec.rank_offset + self._tensor_parallel_rank()
+        group: WeightsUpdateGroup | None = None
+        error: Exception | None = None
+        try:
+            group = WeightsUpdateGroup(spec, rank, self.engine.device)
+        except Exception as exc:
+            error = exc
+        [everyone_joined] = self._smallest([int(group is not None)])
+        if not everyone_joined:
+            if group is not None:
+                group.close()
+            raise error or WeightTransferError("another tensor-parallel rank could not join the group")
+        ranks = tuple(spec.rank_offset + tp_rank for tp_rank in range(self._tensor_parallel_size()))
+        with self._cond:
+            self._weights_update_group = group
+            self._weights_update_group_ranks = ranks
+        return ranks
+
+    def _leave_weights_update_group(self) -> bool:
+        group = self._weights_update_group
+        with self._cond:
+            self._weights_update_group = None
+            self._weights_update_group_ranks = ()
+        if group is None:
+            return False
+        group.close()
+        logger.info("left the weight-update group")
+        return True
+
+    def _update_from_group(self, command: UpdateWeightsFromGroup) -> int:
+        """Receives the buckets; every tensor-parallel rank agrees on the outcome. A failure leaves the
+        group, and, once any rank wrote a bucket, holds every step until an update covers the lot."""
+        engine = self.engine
+        if engine.has_step_in_flight:
+            self._flush()
+        group = self._weights_update_group
+        progress = TransferProgress()
+        error: Exception | None = None
+        ready = command.ready
+        on_ready = None if ready is None else (lambda: ready.set_result(None))
+        try:
+            if group is None:
+                raise WeightTransferError("not in a weight-update group: join one first")
+            receive_buckets(group, command.plan, model_tensors(engine.model), progress, on_ready)
+        except Exception as exc:
+            error = exc
+        succeeded, fewest_applied = self._smallest([int(error is None), -progress.num_buckets_applied])
+        if succeeded:
+            return self._new_weight_version(command.plan.tensor_names, command.label)
+        self._leave_weights_update_group()
+        reason = str(error) if error is not None else "another tensor-parallel rank failed the transfer"
+        if fewest_applied == 0:  # no rank wrote anything
+            raise WeightTransferError(f"weights unchanged: {reason}")
+        engine.kv_cache_manager.reset_prefix_cache()
+        with self._cond:
+            earlier = self._incomplete_weights
+            names = command.plan.tensor_names | (earlier.tensor_names if earlier else frozenset())
+            self._incomplete_weights = IncompleteWeights(reason, names)
+        logger.error("weight transfer failed midway; requests wait for a complete update: %s", reason)
+        raise WeightTransferError(
+            f"the transfer failed after writing some weights ({reason}); requests wait until an update "
+            "of every announced tensor succeeds"
+        )
+
+    def _sleep(self, level: SleepLevel) -> SleepOutcome:
+        engine = self.engine
+        if engine.has_step_in_flight:
+            self._flush()
+        released = requeued = 0
+        if SleepTag.KV_CACHE not in self._asleep:
+            requeued = engine.scheduler.num_running
+            released += release_kv_cache(engine)
+            self._asleep.add(SleepTag.KV_CACHE)
+        if level >= SleepLevel.WEIGHTS and SleepTag.WEIGHTS not in self._asleep:
+            released += offload_weights(engine)
+            self._asleep.add(SleepTag.WEIGHTS)
+        return SleepOutcome(released, requeued)
+
+    def _wake_up(self, tags: frozenset[SleepTag]) -> int:
+        if SleepTag.WEIGHTS in tags and SleepTag.WEIGHTS in self._asleep:
+            reload_weights(self.engine)
+            self._asleep.discard(SleepTag.WEIGHTS)
+        if SleepTag.KV_CACHE in tags and SleepTag.KV_CACHE in self._asleep:
+            restore_kv_cache(self.engine)
+            self._asleep.discard(SleepTag.KV_CACHE)
+        return self._sleep_level()
+
+    def _sleep_level(self) -> SleepLevel:
+        if SleepTag.WEIGHTS in self._asleep:
+            return SleepLevel.WEIGHTS
+        return SleepLevel.KV_CACHE if self._asleep else SleepLevel.AWAKE
 
     # ------------------------------------------------------------------ outputs
 
@@ -416,11 +608,11 @@ class GenerationLoop:
             self._finish(request)
         with self._cond:
             leftovers = [command.request for command in self._inbox if isinstance(command, AddRequest)]
-            updates = [command.result for command in self._inbox if isinstance(command, UpdateWeights)]
+            waiting = [future for command in self._inbox for future in caller_futures(command)]
             self._inbox.clear()
-        for result in updates:
-            if result is not None:
-                result.set_exception(RuntimeError(f"weights not updated: {error}"))
+        for future in waiting:
+            if not future.done():
+                future.set_exception(RuntimeError(f"not done: {error}"))
         for request in leftovers:
             request.status = RequestStatus.FAILED
             request.finish_reason = FinishReason.ERROR
@@ -440,6 +632,9 @@ class GenerationLoop:
             weight_version=self.weight_version,
             weight_version_label=self.weight_version_label,
             num_generated_tokens=self._num_generated_tokens,
+            sleep_level=self._sleep_level(),
+            weights_incomplete=self._incomplete_weights.reason if self._incomplete_weights else None,
+            weights_update_group_ranks=self._weights_update_group_ranks,
         )
 
     # ------------------------------------------------------------------ hooks (engine.lockstep)
@@ -470,5 +665,40 @@ class GenerationLoop:
         """How long an idle or parked loop sleeps before looking again (None: until notified)."""
         return IDLE_WAIT_S if action == LoopAction.IDLE else None
 
-    def _check_can_update_stopped(self) -> None:
-        """Raises when weights cannot be applied with the loop stopped."""
+    def _check_can_apply_stopped(self) -> None:
+        """Raises when commands cannot be applied with the loop stopped."""
+
+    def _tensor_parallel_rank(self) -> int:
+        return 0
+
+    def _tensor_parallel_size(self) -> int:
+        return 1
+
+    def _smallest(self, values: list[int]) -> list[int]:
+        """Element-wise minimum of `values` over the tensor-parallel ranks (each passes as many)."""
+        return values
+
+
+def split_collective(commands: list[LoopCommand]) -> tuple[list[LoopCommand], list[LoopCommand]]:
+    """(the commands each rank applies before the tick is shared, those every rank applies after it,
+    together: engine.commands.COLLECTIVE_COMMANDS), each in posting order."""
+    local: list[LoopCommand] = []
+    collective: list[LoopCommand] = []
+    for command in commands:
+        (collective if isinstance(command, COLLECTIVE_COMMANDS) else local).append(command)
+    return local, collective
+
+
+def _settle(result: Future[T] | None, run: Callable[[], T]) -> None:
+    """Runs a command and hands its outcome to the caller waiting on `result`; a failure is the
+    caller's error and the loop goes on (a replaying rank, with nobody waiting, logs it)."""
+    try:
+        value = run()
+    except Exception as exc:
+        if result is None:
+            logger.warning("command not applied on this rank: %s", exc)
+        else:
+            result.set_exception(exc)
+    else:
+        if result is not None:
+            result.set_result(value)

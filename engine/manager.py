@@ -14,21 +14,21 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from engine.commands import PauseHandle, PauseMode, WeightUpdate
+from engine.commands import PauseHandle, PauseMode
 from engine.config import ContinuousBatchingConfig
 from engine.engine_core import EngineCore, cb_attention_implementation
 from engine.kv.events import KVCacheEvent
 from engine.lockstep import LockstepDriverLoop, LockstepFollowerLoop
 from engine.loop import IDLE_WAIT_S, GenerationLoop
+from engine.manager_weights import WeightsAndMemory
 from engine.output_router import OutputRouter
 from engine.parallel import DRIVER_RANK, TensorParallelGroup, global_rank, tensor_parallel_size
 from engine.request import GenerationOutput, Request
@@ -38,7 +38,7 @@ from engine.stats import ManagerStats
 logger = logging.getLogger(__name__)
 
 
-class ContinuousBatchingManager:
+class ContinuousBatchingManager(WeightsAndMemory):
     """Submits requests to a background generation loop and hands their results back.
 
     Create it with `init_continuous_batching`, `continuous_batching_context_manager` or
@@ -225,40 +225,6 @@ class ContinuousBatchingManager:
             raise ValueError(f"pause mode must be one of {tuple(str(each) for each in modes)}, got {mode!r}")
         with self._running_loop.pause(PauseMode(mode)) as handle:
             yield handle
-
-    # ------------------------------------------------------------------ weights
-
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights served: 1 at start, +1 per `update_weights`."""
-        return self._loop.weight_version if self._loop is not None else 1
-
-    @property
-    def weight_version_label(self) -> str | None:
-        return self._loop.weight_version_label if self._loop is not None else None
-
-    def update_weights(self, state_dict_or_path: Any, version: str | None = None) -> int:
-        """Replaces model weights in place and returns the new `weight_version`.
-
-        `state_dict_or_path`: a mapping (or iterable of pairs) of name -> tensor, or the path of a
-        safetensors file, of a folder of them, or of a "*.safetensors.index.json". Every tensor is
-        checked (known parameter or buffer, equal shape, castable dtype) before any is written: a bad
-        update raises ValueError naming the tensor and changes nothing. Runs under a KEEP pause (joining
-        any pause the caller holds): in-flight requests keep their cache and continue, their later tokens
-        come from the new weights. Prefix-cache entries (computed with the old weights) are dropped.
-        Concurrent updates are serialised. Under tensor parallelism, call it on the driver with full
-        tensors: every rank applies its own shard of each.
-        """
-        if not self.is_driver:
-            raise RuntimeError("update_weights is called on the driver rank (0); it reaches every rank")
-        source: Any
-        if isinstance(state_dict_or_path, (str, os.PathLike)):
-            source = os.fspath(state_dict_or_path)
-        elif isinstance(state_dict_or_path, Mapping):
-            source = list(state_dict_or_path.items())
-        else:
-            source = list(state_dict_or_path)
-        return self._running_loop.update_weights(WeightUpdate(source, version))
 
     # ------------------------------------------------------------------ submissions
 

@@ -309,14 +309,23 @@ class Scheduler:
         if recomputed > 0:
             self.counters.recomputed_tokens += recomputed
 
-    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+    def preempt_all_for_recompute(self) -> int:
+        """Puts every running request back at the head of the queue, in its order, to be recomputed
+        (the KV cache is about to be freed: sleep); returns how many there were."""
+        running = list(self.running)
+        for request in reversed(running):
+            self._preempt(request, None)
+        return len(running)
+
+    def _preempt(self, request: Request, output: SchedulerOutput | None) -> None:
         """Frees a running request's blocks and puts it back at the head of the queue.
 
         Its computed KV is offloaded to host memory when the pool has room (it resumes where it
-        stopped), else recomputed when it is scheduled again.
+        stopped), else recomputed when it is scheduled again. Outside a step (`output` None) it is
+        always recomputed.
         """
         self.running.remove(request)
-        if not self._offload(request, output):
+        if output is None or not self._offload(request, output):
             request.num_tokens_to_recompute = max(
                 request.num_tokens_to_recompute, request.num_computed_tokens
             )
@@ -326,7 +335,8 @@ class Scheduler:
         request.status = RequestStatus.PENDING
         self.waiting.appendleft(request)
         self.counters.preemptions += 1
-        output.preempted.append(request)
+        if output is not None:
+            output.preempted.append(request)
 
     def _fail_unschedulable(self, request: Request, output: SchedulerOutput) -> None:
         # Nothing else holds blocks, so the pool is as free as it will ever be: this request cannot fit.

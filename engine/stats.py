@@ -35,6 +35,18 @@ class ManagerStats:
     weight_version_label: str | None = None
     # Tokens sampled since the engine was built.
     num_generated_tokens: int = 0
+    # 0 awake; 1 KV cache freed; 2 weights in host memory too (engine.sleep). Steps run only at 0.
+    sleep_level: int = 0
+    # Why the weights are a mix of two versions (a transfer failed midway); None when whole. Steps run
+    # only when None.
+    weights_incomplete: str | None = None
+    # Ranks this engine's tensor-parallel ranks hold in a trainer's weight-update group; () when none.
+    weights_update_group_ranks: tuple[int, ...] = ()
+
+    @property
+    def serving(self) -> bool:
+        """Whether requests can make progress: running, awake and with whole weights."""
+        return self.running and self.sleep_level == 0 and self.weights_incomplete is None
 
     @classmethod
     def of(
@@ -48,6 +60,9 @@ class ManagerStats:
         weight_version: int,
         weight_version_label: str | None,
         num_generated_tokens: int,
+        sleep_level: int,
+        weights_incomplete: str | None,
+        weights_update_group_ranks: tuple[int, ...],
     ) -> ManagerStats:
         """The engine's counters now, with the loop's own state (passed in by the loop)."""
         # Every cache group counts: a hybrid model's sliding-window blocks are memory too.
@@ -76,4 +91,7 @@ class ManagerStats:
             weight_version=weight_version,
             weight_version_label=weight_version_label,
             num_generated_tokens=num_generated_tokens,
+            sleep_level=sleep_level,
+            weights_incomplete=weights_incomplete,
+            weights_update_group_ranks=weights_update_group_ranks,
         )

@@ -107,13 +107,13 @@ def stage_weights(model: torch.nn.Module, source: Any) -> list[StagedTensor]:
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"tensor {name!r}: expected a torch.Tensor, got {type(value).__name__}")
         target = check_tensor(targets, name, tuple(value.shape), value.dtype)
-        staged.append(StagedTensor(name, target, _cast(value, target)))
+        staged.append(StagedTensor(name, target, cast_for_target(value, target)))
     if not staged:
         raise ValueError("the update has no tensors")
     return staged
 
 
-def _cast(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def cast_for_target(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """`value` as `target` stores it; for a tensor-parallel parameter, this rank's shard of it."""
     value = value.detach().to(device=target.device, dtype=target.dtype, copy=True)
     if isinstance(target, DTensor):
@@ -172,7 +172,7 @@ def _stage_safetensors(targets: Mapping[str, torch.Tensor], path: str) -> list[S
                     value = handle.get_tensor(name)
                 except Exception as exc:
                     raise ValueError(f"tensor {name!r}: cannot read it from {file!r}: {exc}") from exc
-                staged.append(StagedTensor(name, target, _cast(value, target)))
+                staged.append(StagedTensor(name, target, cast_for_target(value, target)))
     return staged
 
 

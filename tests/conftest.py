@@ -72,6 +72,15 @@ def tiny_model(family: str) -> torch.nn.Module:
     return _build(family)
 
 
+def seeded_tiny_llama(seed: int) -> torch.nn.Module:
+    """A tiny llama with other weights than `tiny_model("llama")`'s: new weights for an update."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config("llama"), attn_implementation="sdpa", dtype=torch.float32
+    )
+    return model.eval()
+
+
 def fresh_tiny_model(family: str) -> torch.nn.Module:
     """A model of `family` with the same weights as `tiny_model`'s but its own: an oracle that can run
     `generate` while a server holds the shared one."""

@@ -295,6 +295,14 @@ class ForwardPaths:
             else None
         )
 
+    def drop_cuda_graphs(self) -> None:
+        """Forgets every captured graph: they hold raw addresses of the KV cache and the weights, which
+        change when sleep frees their memory. Graphs are captured again on first use."""
+        for graphs in (self.decode_graphs, self.varlen_graphs):
+            if graphs is not None:
+                graphs.graphs.clear()
+                graphs.full = False
+
     def capture_decode_graphs(self, build: Callable[[Padding, int], BatchInputs], max_rows: int) -> int:
         """Captures a decode graph for every row count up to `max_rows`, at the narrowest key width, from
         steps of padding rows alone (`build(padding, rows)`), so early real steps replay instead of

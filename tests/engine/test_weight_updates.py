@@ -8,18 +8,9 @@ import time
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
-from tests.conftest import random_prompt, reference_greedy, tiny_config, tiny_model
-
-
-def _other_model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(
-        tiny_config("llama"), attn_implementation="sdpa", dtype=torch.float32
-    )
-    return model.eval()
+from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama, tiny_model
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -53,7 +44,7 @@ def test_update_changes_outputs_to_the_new_weights(manager: ContinuousBatchingMa
     prompt = random_prompt(12, 1)
     before = _generate(manager, prompt, 6)
     assert before.weight_version == 1 and manager.weight_version == 1
-    other = _other_model(123)
+    other = seeded_tiny_llama(123)
     assert manager.update_weights(other.state_dict(), version="step-1") == 2
     after = _generate(manager, prompt, 6)
     assert after.generated_tokens == reference_greedy(other, prompt, 6)
@@ -61,12 +52,12 @@ def test_update_changes_outputs_to_the_new_weights(manager: ContinuousBatchingMa
     assert after.weight_version == 2
     stats = manager.stats()
     assert stats.weight_version == 2 and stats.weight_version_label == "step-1"
-    assert manager.update_weights(dict(_other_model(7).named_parameters())) == 3
+    assert manager.update_weights(dict(seeded_tiny_llama(7).named_parameters())) == 3
 
 
 def test_bad_updates_change_nothing(manager: ContinuousBatchingManager, tmp_path) -> None:
     before = _snapshot(manager.model)
-    good = _other_model(5).state_dict()
+    good = seeded_tiny_llama(5).state_dict()
     unknown = dict(good, **{"model.nope.weight": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"model\.nope\.weight"):
         manager.update_weights(unknown)
@@ -89,7 +80,7 @@ def test_bad_updates_change_nothing(manager: ContinuousBatchingManager, tmp_path
 
 
 def test_safetensors_file_and_folder(manager: ContinuousBatchingManager, tmp_path) -> None:
-    other = _other_model(11)
+    other = seeded_tiny_llama(11)
     tensors = {name: value.clone() for name, value in other.state_dict().items()}
     names = sorted(tensors)
     save_file({name: tensors[name].half() for name in names[::2]}, str(tmp_path / "a.safetensors"))
@@ -109,7 +100,7 @@ def test_safetensors_file_and_folder(manager: ContinuousBatchingManager, tmp_pat
 def test_in_flight_request_continues_with_new_weights(manager: ContinuousBatchingManager) -> None:
     prompt = random_prompt(10, 2)
     request_id = manager.add_request(prompt, max_new_tokens=40, streaming=True)
-    new_weights = _other_model(9).state_dict()
+    new_weights = seeded_tiny_llama(9).state_dict()
     with manager.pause():
         first = manager.get_result(request_id, timeout=60)
         assert first is not None and first.weight_version == 1
@@ -127,13 +118,13 @@ def test_prefix_cache_is_reset(manager: ContinuousBatchingManager) -> None:
     prompt = random_prompt(40, 4)
     _generate(manager, prompt, 2)
     assert _generate(manager, prompt, 2).num_cached_tokens > 0
-    manager.update_weights(_other_model(3).state_dict())
+    manager.update_weights(seeded_tiny_llama(3).state_dict())
     assert _generate(manager, prompt, 2).num_cached_tokens == 0
 
 
 def test_update_joins_a_held_pause(manager: ContinuousBatchingManager) -> None:
     with manager.pause():
-        assert manager.update_weights(_other_model(2).state_dict()) == 2
+        assert manager.update_weights(seeded_tiny_llama(2).state_dict()) == 2
     assert _generate(manager, random_prompt(5, 5), 2).weight_version == 2
 
 

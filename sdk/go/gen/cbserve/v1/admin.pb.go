@@ -511,8 +511,20 @@ type GetStatusResponse struct {
 	// Whether prefix caching is on. It is turned off for models with sliding-window layers, whose
 	// blocks cannot be shared, even when the configuration allows block sharing.
 	PrefixCachingEnabled bool `protobuf:"varint,20,opt,name=prefix_caching_enabled,json=prefixCachingEnabled,proto3" json:"prefix_caching_enabled,omitempty"`
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	// 0 when awake; otherwise the level of the last Sleep (1: KV cache freed; 2: weights on the host
+	// too). The engine serves only at 0.
+	SleepLevel uint32 `protobuf:"varint,21,opt,name=sleep_level,json=sleepLevel,proto3" json:"sleep_level,omitempty"`
+	// Why the weights are a mix of two versions (an update over the weight-update group failed
+	// after some of its buckets were applied); empty when they are whole. The engine serves only
+	// when this is empty.
+	WeightsIncomplete string `protobuf:"bytes,22,opt,name=weights_incomplete,json=weightsIncomplete,proto3" json:"weights_incomplete,omitempty"`
+	// The ranks this server holds in the weight-update group; empty when it is in none.
+	WeightsUpdateGroupRanks []uint32 `protobuf:"varint,23,rep,packed,name=weights_update_group_ranks,json=weightsUpdateGroupRanks,proto3" json:"weights_update_group_ranks,omitempty"`
+	// Number of tensor-parallel ranks serving the model (1 without tensor parallelism): the ranks
+	// this server takes in a weight-update group.
+	TensorParallelSize uint32 `protobuf:"varint,24,opt,name=tensor_parallel_size,json=tensorParallelSize,proto3" json:"tensor_parallel_size,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *GetStatusResponse) Reset() {
@@ -683,6 +695,34 @@ func (x *GetStatusResponse) GetPrefixCachingEnabled() bool {
 		return x.PrefixCachingEnabled
 	}
 	return false
+}
+
+func (x *GetStatusResponse) GetSleepLevel() uint32 {
+	if x != nil {
+		return x.SleepLevel
+	}
+	return 0
+}
+
+func (x *GetStatusResponse) GetWeightsIncomplete() string {
+	if x != nil {
+		return x.WeightsIncomplete
+	}
+	return ""
+}
+
+func (x *GetStatusResponse) GetWeightsUpdateGroupRanks() []uint32 {
+	if x != nil {
+		return x.WeightsUpdateGroupRanks
+	}
+	return nil
+}
+
+func (x *GetStatusResponse) GetTensorParallelSize() uint32 {
+	if x != nil {
+		return x.TensorParallelSize
+	}
+	return 0
 }
 
 // A piece of one tensor's bytes.
@@ -951,6 +991,985 @@ func (x *UpdateWeightsResponse) GetVersionLabel() string {
 	return ""
 }
 
+// Request of AdminService.InitWeightsUpdateGroup (the names follow SGLang's).
+type InitWeightsUpdateGroupRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Host of the trainer's rendezvous store (rank 0 of the group).
+	MasterAddress string `protobuf:"bytes,1,opt,name=master_address,json=masterAddress,proto3" json:"master_address,omitempty"`
+	// Port of that store, in [1, 65535].
+	MasterPort uint32 `protobuf:"varint,2,opt,name=master_port,json=masterPort,proto3" json:"master_port,omitempty"`
+	// The group rank of this server's first tensor-parallel rank, in [1, world_size - tp_size]
+	// (rank 0 is the trainer); replicas of one fleet take disjoint ranges.
+	RankOffset uint32 `protobuf:"varint,3,opt,name=rank_offset,json=rankOffset,proto3" json:"rank_offset,omitempty"`
+	// Members of the group: the trainer and every rank of every server that joins, at least 2.
+	WorldSize uint32 `protobuf:"varint,4,opt,name=world_size,json=worldSize,proto3" json:"world_size,omitempty"`
+	// "nccl" (the model on CUDA), "gloo" (CPU buffers), or "" / "auto": nccl on CUDA, else gloo.
+	Backend string `protobuf:"bytes,5,opt,name=backend,proto3" json:"backend,omitempty"`
+	// Names the group in the store, so several groups can share one; "" is "weights".
+	GroupName string `protobuf:"bytes,6,opt,name=group_name,json=groupName,proto3" json:"group_name,omitempty"`
+	// Seconds to wait for every member to join, and for each later collective of the group (a
+	// trainer that stalls mid-transfer fails the update after this long). Unset: 120.
+	TimeoutS      *float64 `protobuf:"fixed64,7,opt,name=timeout_s,json=timeoutS,proto3,oneof" json:"timeout_s,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InitWeightsUpdateGroupRequest) Reset() {
+	*x = InitWeightsUpdateGroupRequest{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InitWeightsUpdateGroupRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InitWeightsUpdateGroupRequest) ProtoMessage() {}
+
+func (x *InitWeightsUpdateGroupRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InitWeightsUpdateGroupRequest.ProtoReflect.Descriptor instead.
+func (*InitWeightsUpdateGroupRequest) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *InitWeightsUpdateGroupRequest) GetMasterAddress() string {
+	if x != nil {
+		return x.MasterAddress
+	}
+	return ""
+}
+
+func (x *InitWeightsUpdateGroupRequest) GetMasterPort() uint32 {
+	if x != nil {
+		return x.MasterPort
+	}
+	return 0
+}
+
+func (x *InitWeightsUpdateGroupRequest) GetRankOffset() uint32 {
+	if x != nil {
+		return x.RankOffset
+	}
+	return 0
+}
+
+func (x *InitWeightsUpdateGroupRequest) GetWorldSize() uint32 {
+	if x != nil {
+		return x.WorldSize
+	}
+	return 0
+}
+
+func (x *InitWeightsUpdateGroupRequest) GetBackend() string {
+	if x != nil {
+		return x.Backend
+	}
+	return ""
+}
+
+func (x *InitWeightsUpdateGroupRequest) GetGroupName() string {
+	if x != nil {
+		return x.GroupName
+	}
+	return ""
+}
+
+func (x *InitWeightsUpdateGroupRequest) GetTimeoutS() float64 {
+	if x != nil && x.TimeoutS != nil {
+		return *x.TimeoutS
+	}
+	return 0
+}
+
+// Response of AdminService.InitWeightsUpdateGroup.
+type InitWeightsUpdateGroupResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The group ranks this server's tensor-parallel ranks took, in tensor-parallel order.
+	Ranks []uint32 `protobuf:"varint,1,rep,packed,name=ranks,proto3" json:"ranks,omitempty"`
+	// The backend in use ("gloo" or "nccl").
+	Backend       string `protobuf:"bytes,2,opt,name=backend,proto3" json:"backend,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InitWeightsUpdateGroupResponse) Reset() {
+	*x = InitWeightsUpdateGroupResponse{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InitWeightsUpdateGroupResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InitWeightsUpdateGroupResponse) ProtoMessage() {}
+
+func (x *InitWeightsUpdateGroupResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InitWeightsUpdateGroupResponse.ProtoReflect.Descriptor instead.
+func (*InitWeightsUpdateGroupResponse) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *InitWeightsUpdateGroupResponse) GetRanks() []uint32 {
+	if x != nil {
+		return x.Ranks
+	}
+	return nil
+}
+
+func (x *InitWeightsUpdateGroupResponse) GetBackend() string {
+	if x != nil {
+		return x.Backend
+	}
+	return ""
+}
+
+// One tensor in a bucket of an UpdateWeightsFromDistributed transfer.
+type BucketTensor struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The parameter's name in the model's state dict.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Element type of the bytes sent, as TensorChunk.dtype names it; converted to the parameter's.
+	Dtype string `protobuf:"bytes,2,opt,name=dtype,proto3" json:"dtype,omitempty"`
+	// The full (unsharded) shape; must equal the parameter's.
+	Shape []int64 `protobuf:"varint,3,rep,packed,name=shape,proto3" json:"shape,omitempty"`
+	// Where its bytes start in the bucket (C order, little-endian); a multiple of 16.
+	ByteOffset    uint64 `protobuf:"varint,4,opt,name=byte_offset,json=byteOffset,proto3" json:"byte_offset,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *BucketTensor) Reset() {
+	*x = BucketTensor{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *BucketTensor) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*BucketTensor) ProtoMessage() {}
+
+func (x *BucketTensor) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use BucketTensor.ProtoReflect.Descriptor instead.
+func (*BucketTensor) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *BucketTensor) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *BucketTensor) GetDtype() string {
+	if x != nil {
+		return x.Dtype
+	}
+	return ""
+}
+
+func (x *BucketTensor) GetShape() []int64 {
+	if x != nil {
+		return x.Shape
+	}
+	return nil
+}
+
+func (x *BucketTensor) GetByteOffset() uint64 {
+	if x != nil {
+		return x.ByteOffset
+	}
+	return 0
+}
+
+// One broadcast of an UpdateWeightsFromDistributed transfer: a flat uint8 tensor of num_bytes.
+type WeightBucket struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Size of the broadcast tensor, in bytes: at most 1 GiB, or the size of its one tensor when a
+	// single tensor is larger than that.
+	NumBytes uint64 `protobuf:"varint,1,opt,name=num_bytes,json=numBytes,proto3" json:"num_bytes,omitempty"`
+	// The tensors packed in it, without overlaps, each within [0, num_bytes).
+	Tensors       []*BucketTensor `protobuf:"bytes,2,rep,name=tensors,proto3" json:"tensors,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WeightBucket) Reset() {
+	*x = WeightBucket{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WeightBucket) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WeightBucket) ProtoMessage() {}
+
+func (x *WeightBucket) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WeightBucket.ProtoReflect.Descriptor instead.
+func (*WeightBucket) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *WeightBucket) GetNumBytes() uint64 {
+	if x != nil {
+		return x.NumBytes
+	}
+	return 0
+}
+
+func (x *WeightBucket) GetTensors() []*BucketTensor {
+	if x != nil {
+		return x.Tensors
+	}
+	return nil
+}
+
+// Request of AdminService.UpdateWeightsFromDistributed.
+type UpdateWeightsFromDistributedRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The buckets, in the order rank 0 broadcasts them. A tensor appears once in the transfer.
+	Buckets []*WeightBucket `protobuf:"bytes,1,rep,name=buckets,proto3" json:"buckets,omitempty"`
+	// A free-form label of the new weights, as in UpdateWeightsRequest.
+	VersionLabel string `protobuf:"bytes,2,opt,name=version_label,json=versionLabel,proto3" json:"version_label,omitempty"`
+	// Only check the announcement: the stream ends with OK and no message, and nothing is received.
+	// A trainer pushing to several servers checks with every one first, so that none waits for
+	// buckets that will not come.
+	ValidateOnly  bool `protobuf:"varint,3,opt,name=validate_only,json=validateOnly,proto3" json:"validate_only,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UpdateWeightsFromDistributedRequest) Reset() {
+	*x = UpdateWeightsFromDistributedRequest{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UpdateWeightsFromDistributedRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UpdateWeightsFromDistributedRequest) ProtoMessage() {}
+
+func (x *UpdateWeightsFromDistributedRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UpdateWeightsFromDistributedRequest.ProtoReflect.Descriptor instead.
+func (*UpdateWeightsFromDistributedRequest) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *UpdateWeightsFromDistributedRequest) GetBuckets() []*WeightBucket {
+	if x != nil {
+		return x.Buckets
+	}
+	return nil
+}
+
+func (x *UpdateWeightsFromDistributedRequest) GetVersionLabel() string {
+	if x != nil {
+		return x.VersionLabel
+	}
+	return ""
+}
+
+func (x *UpdateWeightsFromDistributedRequest) GetValidateOnly() bool {
+	if x != nil {
+		return x.ValidateOnly
+	}
+	return false
+}
+
+// The server is waiting for the buckets: the trainer broadcasts them now.
+type WeightTransferReady struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Number of buckets and bytes the server expects.
+	NumBuckets    uint32 `protobuf:"varint,1,opt,name=num_buckets,json=numBuckets,proto3" json:"num_buckets,omitempty"`
+	NumBytes      uint64 `protobuf:"varint,2,opt,name=num_bytes,json=numBytes,proto3" json:"num_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WeightTransferReady) Reset() {
+	*x = WeightTransferReady{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WeightTransferReady) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WeightTransferReady) ProtoMessage() {}
+
+func (x *WeightTransferReady) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WeightTransferReady.ProtoReflect.Descriptor instead.
+func (*WeightTransferReady) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *WeightTransferReady) GetNumBuckets() uint32 {
+	if x != nil {
+		return x.NumBuckets
+	}
+	return 0
+}
+
+func (x *WeightTransferReady) GetNumBytes() uint64 {
+	if x != nil {
+		return x.NumBytes
+	}
+	return 0
+}
+
+// A message of the AdminService.UpdateWeightsFromDistributed stream: `ready`, then `done`.
+type UpdateWeightsFromDistributedResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Event:
+	//
+	//	*UpdateWeightsFromDistributedResponse_Ready
+	//	*UpdateWeightsFromDistributedResponse_Done
+	Event         isUpdateWeightsFromDistributedResponse_Event `protobuf_oneof:"event"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UpdateWeightsFromDistributedResponse) Reset() {
+	*x = UpdateWeightsFromDistributedResponse{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UpdateWeightsFromDistributedResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UpdateWeightsFromDistributedResponse) ProtoMessage() {}
+
+func (x *UpdateWeightsFromDistributedResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UpdateWeightsFromDistributedResponse.ProtoReflect.Descriptor instead.
+func (*UpdateWeightsFromDistributedResponse) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *UpdateWeightsFromDistributedResponse) GetEvent() isUpdateWeightsFromDistributedResponse_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *UpdateWeightsFromDistributedResponse) GetReady() *WeightTransferReady {
+	if x != nil {
+		if x, ok := x.Event.(*UpdateWeightsFromDistributedResponse_Ready); ok {
+			return x.Ready
+		}
+	}
+	return nil
+}
+
+func (x *UpdateWeightsFromDistributedResponse) GetDone() *UpdateWeightsResponse {
+	if x != nil {
+		if x, ok := x.Event.(*UpdateWeightsFromDistributedResponse_Done); ok {
+			return x.Done
+		}
+	}
+	return nil
+}
+
+type isUpdateWeightsFromDistributedResponse_Event interface {
+	isUpdateWeightsFromDistributedResponse_Event()
+}
+
+type UpdateWeightsFromDistributedResponse_Ready struct {
+	Ready *WeightTransferReady `protobuf:"bytes,1,opt,name=ready,proto3,oneof"`
+}
+
+type UpdateWeightsFromDistributedResponse_Done struct {
+	Done *UpdateWeightsResponse `protobuf:"bytes,2,opt,name=done,proto3,oneof"`
+}
+
+func (*UpdateWeightsFromDistributedResponse_Ready) isUpdateWeightsFromDistributedResponse_Event() {}
+
+func (*UpdateWeightsFromDistributedResponse_Done) isUpdateWeightsFromDistributedResponse_Event() {}
+
+// Request of AdminService.DestroyWeightsUpdateGroup.
+type DestroyWeightsUpdateGroupRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DestroyWeightsUpdateGroupRequest) Reset() {
+	*x = DestroyWeightsUpdateGroupRequest{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DestroyWeightsUpdateGroupRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DestroyWeightsUpdateGroupRequest) ProtoMessage() {}
+
+func (x *DestroyWeightsUpdateGroupRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DestroyWeightsUpdateGroupRequest.ProtoReflect.Descriptor instead.
+func (*DestroyWeightsUpdateGroupRequest) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{18}
+}
+
+// Response of AdminService.DestroyWeightsUpdateGroup.
+type DestroyWeightsUpdateGroupResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// False when the server was in no group (nothing was done).
+	Destroyed     bool `protobuf:"varint,1,opt,name=destroyed,proto3" json:"destroyed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DestroyWeightsUpdateGroupResponse) Reset() {
+	*x = DestroyWeightsUpdateGroupResponse{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DestroyWeightsUpdateGroupResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DestroyWeightsUpdateGroupResponse) ProtoMessage() {}
+
+func (x *DestroyWeightsUpdateGroupResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DestroyWeightsUpdateGroupResponse.ProtoReflect.Descriptor instead.
+func (*DestroyWeightsUpdateGroupResponse) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *DestroyWeightsUpdateGroupResponse) GetDestroyed() bool {
+	if x != nil {
+		return x.Destroyed
+	}
+	return false
+}
+
+// A trainer's CUDA tensor, as torch.multiprocessing shares it between processes. The fields are
+// those torch's reduce_tensor gives for a CUDA tensor; both processes must number the devices
+// alike (same CUDA_VISIBLE_DEVICES).
+type CudaIpcTensor struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The parameter's name in the model's state dict.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Element type, as TensorChunk.dtype names it; converted to the parameter's.
+	Dtype string `protobuf:"bytes,2,opt,name=dtype,proto3" json:"dtype,omitempty"`
+	// The tensor's shape (must equal the parameter's), stride and offset, in elements.
+	Shape         []int64 `protobuf:"varint,3,rep,packed,name=shape,proto3" json:"shape,omitempty"`
+	Stride        []int64 `protobuf:"varint,4,rep,packed,name=stride,proto3" json:"stride,omitempty"`
+	StorageOffset uint64  `protobuf:"varint,5,opt,name=storage_offset,json=storageOffset,proto3" json:"storage_offset,omitempty"`
+	// The CUDA device the storage lives on.
+	DeviceIndex uint32 `protobuf:"varint,6,opt,name=device_index,json=deviceIndex,proto3" json:"device_index,omitempty"`
+	// The storage's cudaIpcMemHandle, its size and its offset in the shared allocation, in bytes.
+	StorageHandle      []byte `protobuf:"bytes,7,opt,name=storage_handle,json=storageHandle,proto3" json:"storage_handle,omitempty"`
+	StorageSizeBytes   uint64 `protobuf:"varint,8,opt,name=storage_size_bytes,json=storageSizeBytes,proto3" json:"storage_size_bytes,omitempty"`
+	StorageOffsetBytes uint64 `protobuf:"varint,9,opt,name=storage_offset_bytes,json=storageOffsetBytes,proto3" json:"storage_offset_bytes,omitempty"`
+	// torch's reference counter of the shared storage (a file handle and an offset in it).
+	RefCounterHandle []byte `protobuf:"bytes,10,opt,name=ref_counter_handle,json=refCounterHandle,proto3" json:"ref_counter_handle,omitempty"`
+	RefCounterOffset uint64 `protobuf:"varint,11,opt,name=ref_counter_offset,json=refCounterOffset,proto3" json:"ref_counter_offset,omitempty"`
+	// The cudaIpcEventHandle to wait on before reading, when event_sync_required.
+	EventHandle       []byte `protobuf:"bytes,12,opt,name=event_handle,json=eventHandle,proto3" json:"event_handle,omitempty"`
+	EventSyncRequired bool   `protobuf:"varint,13,opt,name=event_sync_required,json=eventSyncRequired,proto3" json:"event_sync_required,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *CudaIpcTensor) Reset() {
+	*x = CudaIpcTensor{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CudaIpcTensor) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CudaIpcTensor) ProtoMessage() {}
+
+func (x *CudaIpcTensor) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CudaIpcTensor.ProtoReflect.Descriptor instead.
+func (*CudaIpcTensor) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *CudaIpcTensor) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *CudaIpcTensor) GetDtype() string {
+	if x != nil {
+		return x.Dtype
+	}
+	return ""
+}
+
+func (x *CudaIpcTensor) GetShape() []int64 {
+	if x != nil {
+		return x.Shape
+	}
+	return nil
+}
+
+func (x *CudaIpcTensor) GetStride() []int64 {
+	if x != nil {
+		return x.Stride
+	}
+	return nil
+}
+
+func (x *CudaIpcTensor) GetStorageOffset() uint64 {
+	if x != nil {
+		return x.StorageOffset
+	}
+	return 0
+}
+
+func (x *CudaIpcTensor) GetDeviceIndex() uint32 {
+	if x != nil {
+		return x.DeviceIndex
+	}
+	return 0
+}
+
+func (x *CudaIpcTensor) GetStorageHandle() []byte {
+	if x != nil {
+		return x.StorageHandle
+	}
+	return nil
+}
+
+func (x *CudaIpcTensor) GetStorageSizeBytes() uint64 {
+	if x != nil {
+		return x.StorageSizeBytes
+	}
+	return 0
+}
+
+func (x *CudaIpcTensor) GetStorageOffsetBytes() uint64 {
+	if x != nil {
+		return x.StorageOffsetBytes
+	}
+	return 0
+}
+
+func (x *CudaIpcTensor) GetRefCounterHandle() []byte {
+	if x != nil {
+		return x.RefCounterHandle
+	}
+	return nil
+}
+
+func (x *CudaIpcTensor) GetRefCounterOffset() uint64 {
+	if x != nil {
+		return x.RefCounterOffset
+	}
+	return 0
+}
+
+func (x *CudaIpcTensor) GetEventHandle() []byte {
+	if x != nil {
+		return x.EventHandle
+	}
+	return nil
+}
+
+func (x *CudaIpcTensor) GetEventSyncRequired() bool {
+	if x != nil {
+		return x.EventSyncRequired
+	}
+	return false
+}
+
+// Request of AdminService.UpdateWeightsFromIpc.
+type UpdateWeightsFromIpcRequest struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Tensors []*CudaIpcTensor       `protobuf:"bytes,1,rep,name=tensors,proto3" json:"tensors,omitempty"`
+	// A free-form label of the new weights, as in UpdateWeightsRequest.
+	VersionLabel  string `protobuf:"bytes,2,opt,name=version_label,json=versionLabel,proto3" json:"version_label,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UpdateWeightsFromIpcRequest) Reset() {
+	*x = UpdateWeightsFromIpcRequest{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UpdateWeightsFromIpcRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UpdateWeightsFromIpcRequest) ProtoMessage() {}
+
+func (x *UpdateWeightsFromIpcRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UpdateWeightsFromIpcRequest.ProtoReflect.Descriptor instead.
+func (*UpdateWeightsFromIpcRequest) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *UpdateWeightsFromIpcRequest) GetTensors() []*CudaIpcTensor {
+	if x != nil {
+		return x.Tensors
+	}
+	return nil
+}
+
+func (x *UpdateWeightsFromIpcRequest) GetVersionLabel() string {
+	if x != nil {
+		return x.VersionLabel
+	}
+	return ""
+}
+
+// Request of AdminService.Sleep.
+type SleepRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// 1: free the KV cache; 2: also move the weights to host memory.
+	Level uint32 `protobuf:"varint,1,opt,name=level,proto3" json:"level,omitempty"`
+	// What happens to in-flight requests (see Sleep); unset means PAUSE_MODE_KEEP.
+	Mode          PauseMode `protobuf:"varint,2,opt,name=mode,proto3,enum=cbserve.v1.PauseMode" json:"mode,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SleepRequest) Reset() {
+	*x = SleepRequest{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SleepRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SleepRequest) ProtoMessage() {}
+
+func (x *SleepRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SleepRequest.ProtoReflect.Descriptor instead.
+func (*SleepRequest) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *SleepRequest) GetLevel() uint32 {
+	if x != nil {
+		return x.Level
+	}
+	return 0
+}
+
+func (x *SleepRequest) GetMode() PauseMode {
+	if x != nil {
+		return x.Mode
+	}
+	return PauseMode_PAUSE_MODE_UNSPECIFIED
+}
+
+// Response of AdminService.Sleep.
+type SleepResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Bytes of device memory released (KV cache, and weights at level 2); on the CPU, KV cache
+	// bytes only, since the weights already live in host memory.
+	ReleasedBytes uint64 `protobuf:"varint,1,opt,name=released_bytes,json=releasedBytes,proto3" json:"released_bytes,omitempty"`
+	// With PAUSE_MODE_ABORT: requests cancelled; with PAUSE_MODE_KEEP: requests put back in the queue.
+	AffectedRequests uint32 `protobuf:"varint,2,opt,name=affected_requests,json=affectedRequests,proto3" json:"affected_requests,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *SleepResponse) Reset() {
+	*x = SleepResponse{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SleepResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SleepResponse) ProtoMessage() {}
+
+func (x *SleepResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SleepResponse.ProtoReflect.Descriptor instead.
+func (*SleepResponse) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *SleepResponse) GetReleasedBytes() uint64 {
+	if x != nil {
+		return x.ReleasedBytes
+	}
+	return 0
+}
+
+func (x *SleepResponse) GetAffectedRequests() uint32 {
+	if x != nil {
+		return x.AffectedRequests
+	}
+	return 0
+}
+
+// Request of AdminService.WakeUp.
+type WakeUpRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "weights", "kv_cache", or none for both.
+	Tags          []string `protobuf:"bytes,1,rep,name=tags,proto3" json:"tags,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WakeUpRequest) Reset() {
+	*x = WakeUpRequest{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WakeUpRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WakeUpRequest) ProtoMessage() {}
+
+func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WakeUpRequest.ProtoReflect.Descriptor instead.
+func (*WakeUpRequest) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *WakeUpRequest) GetTags() []string {
+	if x != nil {
+		return x.Tags
+	}
+	return nil
+}
+
+// Response of AdminService.WakeUp.
+type WakeUpResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The sleep level left: 0 once both weights and KV cache are back.
+	SleepLevel    uint32 `protobuf:"varint,1,opt,name=sleep_level,json=sleepLevel,proto3" json:"sleep_level,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WakeUpResponse) Reset() {
+	*x = WakeUpResponse{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WakeUpResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WakeUpResponse) ProtoMessage() {}
+
+func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WakeUpResponse.ProtoReflect.Descriptor instead.
+func (*WakeUpResponse) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *WakeUpResponse) GetSleepLevel() uint32 {
+	if x != nil {
+		return x.SleepLevel
+	}
+	return 0
+}
+
 var File_cbserve_v1_admin_proto protoreflect.FileDescriptor
 
 const file_cbserve_v1_admin_proto_rawDesc = "" +
@@ -979,7 +1998,7 @@ const file_cbserve_v1_admin_proto_rawDesc = "" +
 	"\fStartRequest\"8\n" +
 	"\rStartResponse\x12'\n" +
 	"\x0falready_running\x18\x01 \x01(\bR\x0ealreadyRunning\"\x12\n" +
-	"\x10GetStatusRequest\"\x82\a\n" +
+	"\x10GetStatusRequest\"\xc1\b\n" +
 	"\x11GetStatusResponse\x12\x18\n" +
 	"\arunning\x18\x01 \x01(\bR\arunning\x12\x16\n" +
 	"\x06paused\x18\x02 \x01(\bR\x06paused\x12#\n" +
@@ -1001,7 +2020,12 @@ const file_cbserve_v1_admin_proto_rawDesc = "" +
 	"\rprompt_tokens\x18\x11 \x01(\x04R\fpromptTokens\x12)\n" +
 	"\x10generated_tokens\x18\x12 \x01(\x04R\x0fgeneratedTokens\x12G\n" +
 	"\bcounters\x18\x13 \x03(\v2+.cbserve.v1.GetStatusResponse.CountersEntryR\bcounters\x124\n" +
-	"\x16prefix_caching_enabled\x18\x14 \x01(\bR\x14prefixCachingEnabled\x1a;\n" +
+	"\x16prefix_caching_enabled\x18\x14 \x01(\bR\x14prefixCachingEnabled\x12\x1f\n" +
+	"\vsleep_level\x18\x15 \x01(\rR\n" +
+	"sleepLevel\x12-\n" +
+	"\x12weights_incomplete\x18\x16 \x01(\tR\x11weightsIncomplete\x12;\n" +
+	"\x1aweights_update_group_ranks\x18\x17 \x03(\rR\x17weightsUpdateGroupRanks\x120\n" +
+	"\x14tensor_parallel_size\x18\x18 \x01(\rR\x12tensorParallelSize\x1a;\n" +
 	"\rCountersEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x01R\x05value:\x028\x01\"\x9a\x01\n" +
@@ -1021,18 +2045,94 @@ const file_cbserve_v1_admin_proto_rawDesc = "" +
 	"\x15UpdateWeightsResponse\x12%\n" +
 	"\x0eweight_version\x18\x01 \x01(\x04R\rweightVersion\x12'\n" +
 	"\x0ftensors_updated\x18\x02 \x01(\rR\x0etensorsUpdated\x12#\n" +
-	"\rversion_label\x18\x03 \x01(\tR\fversionLabel*g\n" +
+	"\rversion_label\x18\x03 \x01(\tR\fversionLabel\"\x90\x02\n" +
+	"\x1dInitWeightsUpdateGroupRequest\x12%\n" +
+	"\x0emaster_address\x18\x01 \x01(\tR\rmasterAddress\x12\x1f\n" +
+	"\vmaster_port\x18\x02 \x01(\rR\n" +
+	"masterPort\x12\x1f\n" +
+	"\vrank_offset\x18\x03 \x01(\rR\n" +
+	"rankOffset\x12\x1d\n" +
+	"\n" +
+	"world_size\x18\x04 \x01(\rR\tworldSize\x12\x18\n" +
+	"\abackend\x18\x05 \x01(\tR\abackend\x12\x1d\n" +
+	"\n" +
+	"group_name\x18\x06 \x01(\tR\tgroupName\x12 \n" +
+	"\ttimeout_s\x18\a \x01(\x01H\x00R\btimeoutS\x88\x01\x01B\f\n" +
+	"\n" +
+	"_timeout_s\"P\n" +
+	"\x1eInitWeightsUpdateGroupResponse\x12\x14\n" +
+	"\x05ranks\x18\x01 \x03(\rR\x05ranks\x12\x18\n" +
+	"\abackend\x18\x02 \x01(\tR\abackend\"o\n" +
+	"\fBucketTensor\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
+	"\x05dtype\x18\x02 \x01(\tR\x05dtype\x12\x14\n" +
+	"\x05shape\x18\x03 \x03(\x03R\x05shape\x12\x1f\n" +
+	"\vbyte_offset\x18\x04 \x01(\x04R\n" +
+	"byteOffset\"_\n" +
+	"\fWeightBucket\x12\x1b\n" +
+	"\tnum_bytes\x18\x01 \x01(\x04R\bnumBytes\x122\n" +
+	"\atensors\x18\x02 \x03(\v2\x18.cbserve.v1.BucketTensorR\atensors\"\xa3\x01\n" +
+	"#UpdateWeightsFromDistributedRequest\x122\n" +
+	"\abuckets\x18\x01 \x03(\v2\x18.cbserve.v1.WeightBucketR\abuckets\x12#\n" +
+	"\rversion_label\x18\x02 \x01(\tR\fversionLabel\x12#\n" +
+	"\rvalidate_only\x18\x03 \x01(\bR\fvalidateOnly\"S\n" +
+	"\x13WeightTransferReady\x12\x1f\n" +
+	"\vnum_buckets\x18\x01 \x01(\rR\n" +
+	"numBuckets\x12\x1b\n" +
+	"\tnum_bytes\x18\x02 \x01(\x04R\bnumBytes\"\xa1\x01\n" +
+	"$UpdateWeightsFromDistributedResponse\x127\n" +
+	"\x05ready\x18\x01 \x01(\v2\x1f.cbserve.v1.WeightTransferReadyH\x00R\x05ready\x127\n" +
+	"\x04done\x18\x02 \x01(\v2!.cbserve.v1.UpdateWeightsResponseH\x00R\x04doneB\a\n" +
+	"\x05event\"\"\n" +
+	" DestroyWeightsUpdateGroupRequest\"A\n" +
+	"!DestroyWeightsUpdateGroupResponse\x12\x1c\n" +
+	"\tdestroyed\x18\x01 \x01(\bR\tdestroyed\"\xe7\x03\n" +
+	"\rCudaIpcTensor\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
+	"\x05dtype\x18\x02 \x01(\tR\x05dtype\x12\x14\n" +
+	"\x05shape\x18\x03 \x03(\x03R\x05shape\x12\x16\n" +
+	"\x06stride\x18\x04 \x03(\x03R\x06stride\x12%\n" +
+	"\x0estorage_offset\x18\x05 \x01(\x04R\rstorageOffset\x12!\n" +
+	"\fdevice_index\x18\x06 \x01(\rR\vdeviceIndex\x12%\n" +
+	"\x0estorage_handle\x18\a \x01(\fR\rstorageHandle\x12,\n" +
+	"\x12storage_size_bytes\x18\b \x01(\x04R\x10storageSizeBytes\x120\n" +
+	"\x14storage_offset_bytes\x18\t \x01(\x04R\x12storageOffsetBytes\x12,\n" +
+	"\x12ref_counter_handle\x18\n" +
+	" \x01(\fR\x10refCounterHandle\x12,\n" +
+	"\x12ref_counter_offset\x18\v \x01(\x04R\x10refCounterOffset\x12!\n" +
+	"\fevent_handle\x18\f \x01(\fR\veventHandle\x12.\n" +
+	"\x13event_sync_required\x18\r \x01(\bR\x11eventSyncRequired\"w\n" +
+	"\x1bUpdateWeightsFromIpcRequest\x123\n" +
+	"\atensors\x18\x01 \x03(\v2\x19.cbserve.v1.CudaIpcTensorR\atensors\x12#\n" +
+	"\rversion_label\x18\x02 \x01(\tR\fversionLabel\"O\n" +
+	"\fSleepRequest\x12\x14\n" +
+	"\x05level\x18\x01 \x01(\rR\x05level\x12)\n" +
+	"\x04mode\x18\x02 \x01(\x0e2\x15.cbserve.v1.PauseModeR\x04mode\"c\n" +
+	"\rSleepResponse\x12%\n" +
+	"\x0ereleased_bytes\x18\x01 \x01(\x04R\rreleasedBytes\x12+\n" +
+	"\x11affected_requests\x18\x02 \x01(\rR\x10affectedRequests\"#\n" +
+	"\rWakeUpRequest\x12\x12\n" +
+	"\x04tags\x18\x01 \x03(\tR\x04tags\"1\n" +
+	"\x0eWakeUpResponse\x12\x1f\n" +
+	"\vsleep_level\x18\x01 \x01(\rR\n" +
+	"sleepLevel*g\n" +
 	"\tPauseMode\x12\x1a\n" +
 	"\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n" +
 	"\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n" +
-	"\x10PAUSE_MODE_ABORT\x10\x032\xe9\x02\n" +
+	"\x10PAUSE_MODE_ABORT\x10\x032\xbd\a\n" +
 	"\fAdminService\x12>\n" +
 	"\x05Pause\x12\x18.cbserve.v1.PauseRequest\x1a\x19.cbserve.v1.PauseResponse0\x01\x129\n" +
 	"\x04Stop\x12\x17.cbserve.v1.StopRequest\x1a\x18.cbserve.v1.StopResponse\x12<\n" +
 	"\x05Start\x12\x18.cbserve.v1.StartRequest\x1a\x19.cbserve.v1.StartResponse\x12H\n" +
 	"\tGetStatus\x12\x1c.cbserve.v1.GetStatusRequest\x1a\x1d.cbserve.v1.GetStatusResponse\x12V\n" +
-	"\rUpdateWeights\x12 .cbserve.v1.UpdateWeightsRequest\x1a!.cbserve.v1.UpdateWeightsResponse(\x01b\x06proto3"
+	"\rUpdateWeights\x12 .cbserve.v1.UpdateWeightsRequest\x1a!.cbserve.v1.UpdateWeightsResponse(\x01\x12o\n" +
+	"\x16InitWeightsUpdateGroup\x12).cbserve.v1.InitWeightsUpdateGroupRequest\x1a*.cbserve.v1.InitWeightsUpdateGroupResponse\x12\x83\x01\n" +
+	"\x1cUpdateWeightsFromDistributed\x12/.cbserve.v1.UpdateWeightsFromDistributedRequest\x1a0.cbserve.v1.UpdateWeightsFromDistributedResponse0\x01\x12x\n" +
+	"\x19DestroyWeightsUpdateGroup\x12,.cbserve.v1.DestroyWeightsUpdateGroupRequest\x1a-.cbserve.v1.DestroyWeightsUpdateGroupResponse\x12b\n" +
+	"\x14UpdateWeightsFromIpc\x12'.cbserve.v1.UpdateWeightsFromIpcRequest\x1a!.cbserve.v1.UpdateWeightsResponse\x12<\n" +
+	"\x05Sleep\x12\x18.cbserve.v1.SleepRequest\x1a\x19.cbserve.v1.SleepResponse\x12?\n" +
+	"\x06WakeUp\x12\x19.cbserve.v1.WakeUpRequest\x1a\x1a.cbserve.v1.WakeUpResponseb\x06proto3"
 
 var (
 	file_cbserve_v1_admin_proto_rawDescOnce sync.Once
@@ -1047,43 +2147,76 @@ func file_cbserve_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_cbserve_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_cbserve_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_cbserve_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_cbserve_v1_admin_proto_goTypes = []any{
-	(PauseMode)(0),                // 0: cbserve.v1.PauseMode
-	(*PauseRequest)(nil),          // 1: cbserve.v1.PauseRequest
-	(*PauseResponse)(nil),         // 2: cbserve.v1.PauseResponse
-	(*StopRequest)(nil),           // 3: cbserve.v1.StopRequest
-	(*StopResponse)(nil),          // 4: cbserve.v1.StopResponse
-	(*StartRequest)(nil),          // 5: cbserve.v1.StartRequest
-	(*StartResponse)(nil),         // 6: cbserve.v1.StartResponse
-	(*GetStatusRequest)(nil),      // 7: cbserve.v1.GetStatusRequest
-	(*GetStatusResponse)(nil),     // 8: cbserve.v1.GetStatusResponse
-	(*TensorChunk)(nil),           // 9: cbserve.v1.TensorChunk
-	(*UpdateWeightsRequest)(nil),  // 10: cbserve.v1.UpdateWeightsRequest
-	(*UpdateWeightsResponse)(nil), // 11: cbserve.v1.UpdateWeightsResponse
-	nil,                           // 12: cbserve.v1.GetStatusResponse.CountersEntry
-	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
+	(PauseMode)(0),                               // 0: cbserve.v1.PauseMode
+	(*PauseRequest)(nil),                         // 1: cbserve.v1.PauseRequest
+	(*PauseResponse)(nil),                        // 2: cbserve.v1.PauseResponse
+	(*StopRequest)(nil),                          // 3: cbserve.v1.StopRequest
+	(*StopResponse)(nil),                         // 4: cbserve.v1.StopResponse
+	(*StartRequest)(nil),                         // 5: cbserve.v1.StartRequest
+	(*StartResponse)(nil),                        // 6: cbserve.v1.StartResponse
+	(*GetStatusRequest)(nil),                     // 7: cbserve.v1.GetStatusRequest
+	(*GetStatusResponse)(nil),                    // 8: cbserve.v1.GetStatusResponse
+	(*TensorChunk)(nil),                          // 9: cbserve.v1.TensorChunk
+	(*UpdateWeightsRequest)(nil),                 // 10: cbserve.v1.UpdateWeightsRequest
+	(*UpdateWeightsResponse)(nil),                // 11: cbserve.v1.UpdateWeightsResponse
+	(*InitWeightsUpdateGroupRequest)(nil),        // 12: cbserve.v1.InitWeightsUpdateGroupRequest
+	(*InitWeightsUpdateGroupResponse)(nil),       // 13: cbserve.v1.InitWeightsUpdateGroupResponse
+	(*BucketTensor)(nil),                         // 14: cbserve.v1.BucketTensor
+	(*WeightBucket)(nil),                         // 15: cbserve.v1.WeightBucket
+	(*UpdateWeightsFromDistributedRequest)(nil),  // 16: cbserve.v1.UpdateWeightsFromDistributedRequest
+	(*WeightTransferReady)(nil),                  // 17: cbserve.v1.WeightTransferReady
+	(*UpdateWeightsFromDistributedResponse)(nil), // 18: cbserve.v1.UpdateWeightsFromDistributedResponse
+	(*DestroyWeightsUpdateGroupRequest)(nil),     // 19: cbserve.v1.DestroyWeightsUpdateGroupRequest
+	(*DestroyWeightsUpdateGroupResponse)(nil),    // 20: cbserve.v1.DestroyWeightsUpdateGroupResponse
+	(*CudaIpcTensor)(nil),                        // 21: cbserve.v1.CudaIpcTensor
+	(*UpdateWeightsFromIpcRequest)(nil),          // 22: cbserve.v1.UpdateWeightsFromIpcRequest
+	(*SleepRequest)(nil),                         // 23: cbserve.v1.SleepRequest
+	(*SleepResponse)(nil),                        // 24: cbserve.v1.SleepResponse
+	(*WakeUpRequest)(nil),                        // 25: cbserve.v1.WakeUpRequest
+	(*WakeUpResponse)(nil),                       // 26: cbserve.v1.WakeUpResponse
+	nil,                                          // 27: cbserve.v1.GetStatusResponse.CountersEntry
+	(*timestamppb.Timestamp)(nil),                // 28: google.protobuf.Timestamp
 }
 var file_cbserve_v1_admin_proto_depIdxs = []int32{
 	0,  // 0: cbserve.v1.PauseRequest.mode:type_name -> cbserve.v1.PauseMode
-	13, // 1: cbserve.v1.PauseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	12, // 2: cbserve.v1.GetStatusResponse.counters:type_name -> cbserve.v1.GetStatusResponse.CountersEntry
+	28, // 1: cbserve.v1.PauseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	27, // 2: cbserve.v1.GetStatusResponse.counters:type_name -> cbserve.v1.GetStatusResponse.CountersEntry
 	9,  // 3: cbserve.v1.UpdateWeightsRequest.chunk:type_name -> cbserve.v1.TensorChunk
-	1,  // 4: cbserve.v1.AdminService.Pause:input_type -> cbserve.v1.PauseRequest
-	3,  // 5: cbserve.v1.AdminService.Stop:input_type -> cbserve.v1.StopRequest
-	5,  // 6: cbserve.v1.AdminService.Start:input_type -> cbserve.v1.StartRequest
-	7,  // 7: cbserve.v1.AdminService.GetStatus:input_type -> cbserve.v1.GetStatusRequest
-	10, // 8: cbserve.v1.AdminService.UpdateWeights:input_type -> cbserve.v1.UpdateWeightsRequest
-	2,  // 9: cbserve.v1.AdminService.Pause:output_type -> cbserve.v1.PauseResponse
-	4,  // 10: cbserve.v1.AdminService.Stop:output_type -> cbserve.v1.StopResponse
-	6,  // 11: cbserve.v1.AdminService.Start:output_type -> cbserve.v1.StartResponse
-	8,  // 12: cbserve.v1.AdminService.GetStatus:output_type -> cbserve.v1.GetStatusResponse
-	11, // 13: cbserve.v1.AdminService.UpdateWeights:output_type -> cbserve.v1.UpdateWeightsResponse
-	9,  // [9:14] is the sub-list for method output_type
-	4,  // [4:9] is the sub-list for method input_type
-	4,  // [4:4] is the sub-list for extension type_name
-	4,  // [4:4] is the sub-list for extension extendee
-	0,  // [0:4] is the sub-list for field type_name
+	14, // 4: cbserve.v1.WeightBucket.tensors:type_name -> cbserve.v1.BucketTensor
+	15, // 5: cbserve.v1.UpdateWeightsFromDistributedRequest.buckets:type_name -> cbserve.v1.WeightBucket
+	17, // 6: cbserve.v1.UpdateWeightsFromDistributedResponse.ready:type_name -> cbserve.v1.WeightTransferReady
+	11, // 7: cbserve.v1.UpdateWeightsFromDistributedResponse.done:type_name -> cbserve.v1.UpdateWeightsResponse
+	21, // 8: cbserve.v1.UpdateWeightsFromIpcRequest.tensors:type_name -> cbserve.v1.CudaIpcTensor
+	0,  // 9: cbserve.v1.SleepRequest.mode:type_name -> cbserve.v1.PauseMode
+	1,  // 10: cbserve.v1.AdminService.Pause:input_type -> cbserve.v1.PauseRequest
+	3,  // 11: cbserve.v1.AdminService.Stop:input_type -> cbserve.v1.StopRequest
+	5,  // 12: cbserve.v1.AdminService.Start:input_type -> cbserve.v1.StartRequest
+	7,  // 13: cbserve.v1.AdminService.GetStatus:input_type -> cbserve.v1.GetStatusRequest
+	10, // 14: cbserve.v1.AdminService.UpdateWeights:input_type -> cbserve.v1.UpdateWeightsRequest
+	12, // 15: cbserve.v1.AdminService.InitWeightsUpdateGroup:input_type -> cbserve.v1.InitWeightsUpdateGroupRequest
+	16, // 16: cbserve.v1.AdminService.UpdateWeightsFromDistributed:input_type -> cbserve.v1.UpdateWeightsFromDistributedRequest
+	19, // 17: cbserve.v1.AdminService.DestroyWeightsUpdateGroup:input_type -> cbserve.v1.DestroyWeightsUpdateGroupRequest
+	22, // 18: cbserve.v1.AdminService.UpdateWeightsFromIpc:input_type -> cbserve.v1.UpdateWeightsFromIpcRequest
+	23, // 19: cbserve.v1.AdminService.Sleep:input_type -> cbserve.v1.SleepRequest
+	25, // 20: cbserve.v1.AdminService.WakeUp:input_type -> cbserve.v1.WakeUpRequest
+	2,  // 21: cbserve.v1.AdminService.Pause:output_type -> cbserve.v1.PauseResponse
+	4,  // 22: cbserve.v1.AdminService.Stop:output_type -> cbserve.v1.StopResponse
+	6,  // 23: cbserve.v1.AdminService.Start:output_type -> cbserve.v1.StartResponse
+	8,  // 24: cbserve.v1.AdminService.GetStatus:output_type -> cbserve.v1.GetStatusResponse
+	11, // 25: cbserve.v1.AdminService.UpdateWeights:output_type -> cbserve.v1.UpdateWeightsResponse
+	13, // 26: cbserve.v1.AdminService.InitWeightsUpdateGroup:output_type -> cbserve.v1.InitWeightsUpdateGroupResponse
+	18, // 27: cbserve.v1.AdminService.UpdateWeightsFromDistributed:output_type -> cbserve.v1.UpdateWeightsFromDistributedResponse
+	20, // 28: cbserve.v1.AdminService.DestroyWeightsUpdateGroup:output_type -> cbserve.v1.DestroyWeightsUpdateGroupResponse
+	11, // 29: cbserve.v1.AdminService.UpdateWeightsFromIpc:output_type -> cbserve.v1.UpdateWeightsResponse
+	24, // 30: cbserve.v1.AdminService.Sleep:output_type -> cbserve.v1.SleepResponse
+	26, // 31: cbserve.v1.AdminService.WakeUp:output_type -> cbserve.v1.WakeUpResponse
+	21, // [21:32] is the sub-list for method output_type
+	10, // [10:21] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_cbserve_v1_admin_proto_init() }
@@ -1098,13 +2231,18 @@ func file_cbserve_v1_admin_proto_init() {
 		(*UpdateWeightsRequest_SafetensorsPath)(nil),
 		(*UpdateWeightsRequest_VersionLabel)(nil),
 	}
+	file_cbserve_v1_admin_proto_msgTypes[11].OneofWrappers = []any{}
+	file_cbserve_v1_admin_proto_msgTypes[17].OneofWrappers = []any{
+		(*UpdateWeightsFromDistributedResponse_Ready)(nil),
+		(*UpdateWeightsFromDistributedResponse_Done)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cbserve_v1_admin_proto_rawDesc), len(file_cbserve_v1_admin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   12,
+			NumMessages:   27,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

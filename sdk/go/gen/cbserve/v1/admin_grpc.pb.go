@@ -25,11 +25,17 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	AdminService_Pause_FullMethodName         = "/cbserve.v1.AdminService/Pause"
-	AdminService_Stop_FullMethodName          = "/cbserve.v1.AdminService/Stop"
-	AdminService_Start_FullMethodName         = "/cbserve.v1.AdminService/Start"
-	AdminService_GetStatus_FullMethodName     = "/cbserve.v1.AdminService/GetStatus"
-	AdminService_UpdateWeights_FullMethodName = "/cbserve.v1.AdminService/UpdateWeights"
+	AdminService_Pause_FullMethodName                        = "/cbserve.v1.AdminService/Pause"
+	AdminService_Stop_FullMethodName                         = "/cbserve.v1.AdminService/Stop"
+	AdminService_Start_FullMethodName                        = "/cbserve.v1.AdminService/Start"
+	AdminService_GetStatus_FullMethodName                    = "/cbserve.v1.AdminService/GetStatus"
+	AdminService_UpdateWeights_FullMethodName                = "/cbserve.v1.AdminService/UpdateWeights"
+	AdminService_InitWeightsUpdateGroup_FullMethodName       = "/cbserve.v1.AdminService/InitWeightsUpdateGroup"
+	AdminService_UpdateWeightsFromDistributed_FullMethodName = "/cbserve.v1.AdminService/UpdateWeightsFromDistributed"
+	AdminService_DestroyWeightsUpdateGroup_FullMethodName    = "/cbserve.v1.AdminService/DestroyWeightsUpdateGroup"
+	AdminService_UpdateWeightsFromIpc_FullMethodName         = "/cbserve.v1.AdminService/UpdateWeightsFromIpc"
+	AdminService_Sleep_FullMethodName                        = "/cbserve.v1.AdminService/Sleep"
+	AdminService_WakeUp_FullMethodName                       = "/cbserve.v1.AdminService/WakeUp"
 )
 
 // AdminServiceClient is the client API for AdminService service.
@@ -61,6 +67,47 @@ type AdminServiceClient interface {
 	// checks every tensor (known name, dtype, shape, complete bytes, sha256) before changing any
 	// weight: a failed check fails the call with INVALID_ARGUMENT and leaves the weights unchanged.
 	UpdateWeights(ctx context.Context, opts ...grpc.CallOption) (grpc.ClientStreamingClient[UpdateWeightsRequest, UpdateWeightsResponse], error)
+	// Joins the weight-update process group a trainer created (SGLang's init_weights_update_group):
+	// the trainer is rank 0 and hosts the rendezvous (a torch.distributed TCPStore) at
+	// master_address:master_port; each tensor-parallel rank of this server joins as rank
+	// rank_offset + its tensor-parallel rank. Returns once every member of the group has joined
+	// (the trainer forms the group at the same time) and taken part in one warm-up broadcast of a
+	// single uint8 element from rank 0 (with NCCL, the communicator forms on a first collective);
+	// DEADLINE_EXCEEDED after timeout_s otherwise. The engine does not step while it joins.
+	// FAILED_PRECONDITION when already in a group.
+	InitWeightsUpdateGroup(ctx context.Context, in *InitWeightsUpdateGroupRequest, opts ...grpc.CallOption) (*InitWeightsUpdateGroupResponse, error)
+	// Receives new weights as broadcasts from rank 0 of the weight-update group (SGLang's
+	// update_weights_from_distributed). The request announces every tensor and the bucket it
+	// travels in; the server checks all of it (known name, shape, convertible dtype, buckets within
+	// bounds) before a byte moves: a bad announcement fails the call with INVALID_ARGUMENT naming
+	// the tensor, and the trainer must not broadcast. Otherwise the server sends `ready` once the
+	// engine holds between two steps and waits for the buckets, then broadcasts are received in
+	// announcement order, each bucket copied into the weights as it lands (each rank keeps its shard
+	// of each tensor), and the server sends `done`. The update runs under a KEEP pause exactly like
+	// UpdateWeights. If the trainer dies or stalls, the update fails after timeout_s: with no bucket
+	// applied the weights are unchanged; otherwise the server holds every request (they wait,
+	// nothing is served from a mix of old and new weights), reports weights_incomplete in GetStatus
+	// and NOT_SERVING in health, and refuses new generation requests with UNAVAILABLE until an
+	// update that covers every tensor of the interrupted one succeeds. A failed transfer leaves the
+	// group: the trainer creates a new one.
+	UpdateWeightsFromDistributed(ctx context.Context, in *UpdateWeightsFromDistributedRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[UpdateWeightsFromDistributedResponse], error)
+	// Leaves the weight-update group (SGLang's destroy_weights_update_group). Idempotent.
+	DestroyWeightsUpdateGroup(ctx context.Context, in *DestroyWeightsUpdateGroupRequest, opts ...grpc.CallOption) (*DestroyWeightsUpdateGroupResponse, error)
+	// Copies new weights from a colocated trainer's CUDA tensors, named by CUDA IPC handles, device
+	// to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
+	// UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
+	// device. The trainer keeps its tensors alive until the call returns.
+	UpdateWeightsFromIpc(ctx context.Context, in *UpdateWeightsFromIpcRequest, opts ...grpc.CallOption) (*UpdateWeightsResponse, error)
+	// Frees memory for a colocated trainer (vLLM's sleep). Level 1 frees the KV cache (the prefix
+	// cache is dropped); level 2 also moves the weights to host memory. While asleep the engine
+	// does not step: new generation requests are refused with UNAVAILABLE (a router retries another
+	// replica), health reports NOT_SERVING, and weight updates still apply (to host-resident weights
+	// at level 2). `mode` says what happens to in-flight requests: KEEP (default) puts them back in
+	// the queue to be recomputed after WakeUp, WAIT lets them finish first, ABORT cancels them.
+	Sleep(ctx context.Context, in *SleepRequest, opts ...grpc.CallOption) (*SleepResponse, error)
+	// Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
+	// none is given. The engine serves again once both are back.
+	WakeUp(ctx context.Context, in *WakeUpRequest, opts ...grpc.CallOption) (*WakeUpResponse, error)
 }
 
 type adminServiceClient struct {
@@ -133,6 +180,75 @@ func (c *adminServiceClient) UpdateWeights(ctx context.Context, opts ...grpc.Cal
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type AdminService_UpdateWeightsClient = grpc.ClientStreamingClient[UpdateWeightsRequest, UpdateWeightsResponse]
 
+func (c *adminServiceClient) InitWeightsUpdateGroup(ctx context.Context, in *InitWeightsUpdateGroupRequest, opts ...grpc.CallOption) (*InitWeightsUpdateGroupResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(InitWeightsUpdateGroupResponse)
+	err := c.cc.Invoke(ctx, AdminService_InitWeightsUpdateGroup_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) UpdateWeightsFromDistributed(ctx context.Context, in *UpdateWeightsFromDistributedRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[UpdateWeightsFromDistributedResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &AdminService_ServiceDesc.Streams[2], AdminService_UpdateWeightsFromDistributed_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[UpdateWeightsFromDistributedRequest, UpdateWeightsFromDistributedResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type AdminService_UpdateWeightsFromDistributedClient = grpc.ServerStreamingClient[UpdateWeightsFromDistributedResponse]
+
+func (c *adminServiceClient) DestroyWeightsUpdateGroup(ctx context.Context, in *DestroyWeightsUpdateGroupRequest, opts ...grpc.CallOption) (*DestroyWeightsUpdateGroupResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(DestroyWeightsUpdateGroupResponse)
+	err := c.cc.Invoke(ctx, AdminService_DestroyWeightsUpdateGroup_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) UpdateWeightsFromIpc(ctx context.Context, in *UpdateWeightsFromIpcRequest, opts ...grpc.CallOption) (*UpdateWeightsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(UpdateWeightsResponse)
+	err := c.cc.Invoke(ctx, AdminService_UpdateWeightsFromIpc_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) Sleep(ctx context.Context, in *SleepRequest, opts ...grpc.CallOption) (*SleepResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(SleepResponse)
+	err := c.cc.Invoke(ctx, AdminService_Sleep_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) WakeUp(ctx context.Context, in *WakeUpRequest, opts ...grpc.CallOption) (*WakeUpResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(WakeUpResponse)
+	err := c.cc.Invoke(ctx, AdminService_WakeUp_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServiceServer is the server API for AdminService service.
 // All implementations must embed UnimplementedAdminServiceServer
 // for forward compatibility.
@@ -162,6 +278,47 @@ type AdminServiceServer interface {
 	// checks every tensor (known name, dtype, shape, complete bytes, sha256) before changing any
 	// weight: a failed check fails the call with INVALID_ARGUMENT and leaves the weights unchanged.
 	UpdateWeights(grpc.ClientStreamingServer[UpdateWeightsRequest, UpdateWeightsResponse]) error
+	// Joins the weight-update process group a trainer created (SGLang's init_weights_update_group):
+	// the trainer is rank 0 and hosts the rendezvous (a torch.distributed TCPStore) at
+	// master_address:master_port; each tensor-parallel rank of this server joins as rank
+	// rank_offset + its tensor-parallel rank. Returns once every member of the group has joined
+	// (the trainer forms the group at the same time) and taken part in one warm-up broadcast of a
+	// single uint8 element from rank 0 (with NCCL, the communicator forms on a first collective);
+	// DEADLINE_EXCEEDED after timeout_s otherwise. The engine does not step while it joins.
+	// FAILED_PRECONDITION when already in a group.
+	InitWeightsUpdateGroup(context.Context, *InitWeightsUpdateGroupRequest) (*InitWeightsUpdateGroupResponse, error)
+	// Receives new weights as broadcasts from rank 0 of the weight-update group (SGLang's
+	// update_weights_from_distributed). The request announces every tensor and the bucket it
+	// travels in; the server checks all of it (known name, shape, convertible dtype, buckets within
+	// bounds) before a byte moves: a bad announcement fails the call with INVALID_ARGUMENT naming
+	// the tensor, and the trainer must not broadcast. Otherwise the server sends `ready` once the
+	// engine holds between two steps and waits for the buckets, then broadcasts are received in
+	// announcement order, each bucket copied into the weights as it lands (each rank keeps its shard
+	// of each tensor), and the server sends `done`. The update runs under a KEEP pause exactly like
+	// UpdateWeights. If the trainer dies or stalls, the update fails after timeout_s: with no bucket
+	// applied the weights are unchanged; otherwise the server holds every request (they wait,
+	// nothing is served from a mix of old and new weights), reports weights_incomplete in GetStatus
+	// and NOT_SERVING in health, and refuses new generation requests with UNAVAILABLE until an
+	// update that covers every tensor of the interrupted one succeeds. A failed transfer leaves the
+	// group: the trainer creates a new one.
+	UpdateWeightsFromDistributed(*UpdateWeightsFromDistributedRequest, grpc.ServerStreamingServer[UpdateWeightsFromDistributedResponse]) error
+	// Leaves the weight-update group (SGLang's destroy_weights_update_group). Idempotent.
+	DestroyWeightsUpdateGroup(context.Context, *DestroyWeightsUpdateGroupRequest) (*DestroyWeightsUpdateGroupResponse, error)
+	// Copies new weights from a colocated trainer's CUDA tensors, named by CUDA IPC handles, device
+	// to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
+	// UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
+	// device. The trainer keeps its tensors alive until the call returns.
+	UpdateWeightsFromIpc(context.Context, *UpdateWeightsFromIpcRequest) (*UpdateWeightsResponse, error)
+	// Frees memory for a colocated trainer (vLLM's sleep). Level 1 frees the KV cache (the prefix
+	// cache is dropped); level 2 also moves the weights to host memory. While asleep the engine
+	// does not step: new generation requests are refused with UNAVAILABLE (a router retries another
+	// replica), health reports NOT_SERVING, and weight updates still apply (to host-resident weights
+	// at level 2). `mode` says what happens to in-flight requests: KEEP (default) puts them back in
+	// the queue to be recomputed after WakeUp, WAIT lets them finish first, ABORT cancels them.
+	Sleep(context.Context, *SleepRequest) (*SleepResponse, error)
+	// Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
+	// none is given. The engine serves again once both are back.
+	WakeUp(context.Context, *WakeUpRequest) (*WakeUpResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
 
@@ -186,6 +343,24 @@ func (UnimplementedAdminServiceServer) GetStatus(context.Context, *GetStatusRequ
 }
 func (UnimplementedAdminServiceServer) UpdateWeights(grpc.ClientStreamingServer[UpdateWeightsRequest, UpdateWeightsResponse]) error {
 	return status.Error(codes.Unimplemented, "method UpdateWeights not implemented")
+}
+func (UnimplementedAdminServiceServer) InitWeightsUpdateGroup(context.Context, *InitWeightsUpdateGroupRequest) (*InitWeightsUpdateGroupResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method InitWeightsUpdateGroup not implemented")
+}
+func (UnimplementedAdminServiceServer) UpdateWeightsFromDistributed(*UpdateWeightsFromDistributedRequest, grpc.ServerStreamingServer[UpdateWeightsFromDistributedResponse]) error {
+	return status.Error(codes.Unimplemented, "method UpdateWeightsFromDistributed not implemented")
+}
+func (UnimplementedAdminServiceServer) DestroyWeightsUpdateGroup(context.Context, *DestroyWeightsUpdateGroupRequest) (*DestroyWeightsUpdateGroupResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method DestroyWeightsUpdateGroup not implemented")
+}
+func (UnimplementedAdminServiceServer) UpdateWeightsFromIpc(context.Context, *UpdateWeightsFromIpcRequest) (*UpdateWeightsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method UpdateWeightsFromIpc not implemented")
+}
+func (UnimplementedAdminServiceServer) Sleep(context.Context, *SleepRequest) (*SleepResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method Sleep not implemented")
+}
+func (UnimplementedAdminServiceServer) WakeUp(context.Context, *WakeUpRequest) (*WakeUpResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method WakeUp not implemented")
 }
 func (UnimplementedAdminServiceServer) mustEmbedUnimplementedAdminServiceServer() {}
 func (UnimplementedAdminServiceServer) testEmbeddedByValue()                      {}
@@ -280,6 +455,107 @@ func _AdminService_UpdateWeights_Handler(srv interface{}, stream grpc.ServerStre
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type AdminService_UpdateWeightsServer = grpc.ClientStreamingServer[UpdateWeightsRequest, UpdateWeightsResponse]
 
+func _AdminService_InitWeightsUpdateGroup_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(InitWeightsUpdateGroupRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).InitWeightsUpdateGroup(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_InitWeightsUpdateGroup_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).InitWeightsUpdateGroup(ctx, req.(*InitWeightsUpdateGroupRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_UpdateWeightsFromDistributed_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(UpdateWeightsFromDistributedRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(AdminServiceServer).UpdateWeightsFromDistributed(m, &grpc.GenericServerStream[UpdateWeightsFromDistributedRequest, UpdateWeightsFromDistributedResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type AdminService_UpdateWeightsFromDistributedServer = grpc.ServerStreamingServer[UpdateWeightsFromDistributedResponse]
+
+func _AdminService_DestroyWeightsUpdateGroup_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(DestroyWeightsUpdateGroupRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).DestroyWeightsUpdateGroup(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_DestroyWeightsUpdateGroup_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).DestroyWeightsUpdateGroup(ctx, req.(*DestroyWeightsUpdateGroupRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_UpdateWeightsFromIpc_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(UpdateWeightsFromIpcRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).UpdateWeightsFromIpc(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_UpdateWeightsFromIpc_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).UpdateWeightsFromIpc(ctx, req.(*UpdateWeightsFromIpcRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_Sleep_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SleepRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).Sleep(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_Sleep_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).Sleep(ctx, req.(*SleepRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_WakeUp_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(WakeUpRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).WakeUp(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_WakeUp_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).WakeUp(ctx, req.(*WakeUpRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // AdminService_ServiceDesc is the grpc.ServiceDesc for AdminService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -299,6 +575,26 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 			MethodName: "GetStatus",
 			Handler:    _AdminService_GetStatus_Handler,
 		},
+		{
+			MethodName: "InitWeightsUpdateGroup",
+			Handler:    _AdminService_InitWeightsUpdateGroup_Handler,
+		},
+		{
+			MethodName: "DestroyWeightsUpdateGroup",
+			Handler:    _AdminService_DestroyWeightsUpdateGroup_Handler,
+		},
+		{
+			MethodName: "UpdateWeightsFromIpc",
+			Handler:    _AdminService_UpdateWeightsFromIpc_Handler,
+		},
+		{
+			MethodName: "Sleep",
+			Handler:    _AdminService_Sleep_Handler,
+		},
+		{
+			MethodName: "WakeUp",
+			Handler:    _AdminService_WakeUp_Handler,
+		},
 	},
 	Streams: []grpc.StreamDesc{
 		{
@@ -310,6 +606,11 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 			StreamName:    "UpdateWeights",
 			Handler:       _AdminService_UpdateWeights_Handler,
 			ClientStreams: true,
+		},
+		{
+			StreamName:    "UpdateWeightsFromDistributed",
+			Handler:       _AdminService_UpdateWeightsFromDistributed_Handler,
+			ServerStreams: true,
 		},
 	},
 	Metadata: "cbserve/v1/admin.proto",

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x62serve/v1/admin.proto\x12\ncbserve.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"U\n\x0cPauseRequest\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.cbserve.v1.PauseMode\x12\x14\n\x07lease_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_lease_s\"\x9a\x01\n\rPauseResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x0f\n\x07holders\x18\x02 \x01(\r\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x05 \x01(\r\"M\n\x0bStopRequest\x12\x0c\n\x04hard\x18\x01 \x01(\x08\x12\x1c\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_drain_timeout_s\"Z\n\x0cStopResponse\x12\x18\n\x10\x64rained_requests\x18\x01 \x01(\r\x12\x17\n\x0f\x66\x61iled_requests\x18\x02 \x01(\r\x12\x17\n\x0f\x61lready_stopped\x18\x03 \x01(\x08\"\x0e\n\x0cStartRequest\"(\n\rStartResponse\x12\x17\n\x0f\x61lready_running\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\xce\x04\n\x11GetStatusResponse\x12\x0f\n\x07running\x18\x01 \x01(\x08\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x15\n\rpause_holders\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x16\n\x0eweight_version\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x10\n\x08offloads\x18\x0b \x01(\x04\x12\x10\n\x08restores\x18\x0c \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\r \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x10 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x11 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x12 \x01(\x04\x12=\n\x08\x63ounters\x18\x13 \x03(\x0b\x32+.cbserve.v1.GetStatusResponse.CountersEntry\x12\x1e\n\x16prefix_caching_enabled\x18\x14 \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"l\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"\x80\x01\n\x14UpdateWeightsRequest\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.cbserve.v1.TensorChunkH\x00\x12\x1a\n\x10safetensors_path\x18\x02 \x01(\tH\x00\x12\x17\n\rversion_label\x18\x03 \x01(\tH\x00\x42\t\n\x07payload\"_\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x17\n\x0ftensors_updated\x18\x02 \x01(\r\x12\x15\n\rversion_label\x18\x03 \x01(\t*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03\x32\xe9\x02\n\x0c\x41\x64minService\x12>\n\x05Pause\x12\x18.cbserve.v1.PauseRequest\x1a\x19.cbserve.v1.PauseResponse0\x01\x12\x39\n\x04Stop\x12\x17.cbserve.v1.StopRequest\x1a\x18.cbserve.v1.StopResponse\x12<\n\x05Start\x12\x18.cbserve.v1.StartRequest\x1a\x19.cbserve.v1.StartResponse\x12H\n\tGetStatus\x12\x1c.cbserve.v1.GetStatusRequest\x1a\x1d.cbserve.v1.GetStatusResponse\x12V\n\rUpdateWeights\x12 .cbserve.v1.UpdateWeightsRequest\x1a!.cbserve.v1.UpdateWeightsResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x63\x62serve/v1/admin.proto\x12\ncbserve.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"U\n\x0cPauseRequest\x12#\n\x04mode\x18\x01 \x01(\x0e\x32\x15.cbserve.v1.PauseMode\x12\x14\n\x07lease_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\n\n\x08_lease_s\"\x9a\x01\n\rPauseResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x0f\n\x07holders\x18\x02 \x01(\r\x12\x34\n\x10lease_expires_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\x12\x1a\n\x12\x63\x61ncelled_requests\x18\x05 \x01(\r\"M\n\x0bStopRequest\x12\x0c\n\x04hard\x18\x01 \x01(\x08\x12\x1c\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_drain_timeout_s\"Z\n\x0cStopResponse\x12\x18\n\x10\x64rained_requests\x18\x01 \x01(\r\x12\x17\n\x0f\x66\x61iled_requests\x18\x02 \x01(\r\x12\x17\n\x0f\x61lready_stopped\x18\x03 \x01(\x08\"\x0e\n\x0cStartRequest\"(\n\rStartResponse\x12\x17\n\x0f\x61lready_running\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\xc1\x05\n\x11GetStatusResponse\x12\x0f\n\x07running\x18\x01 \x01(\x08\x12\x0e\n\x06paused\x18\x02 \x01(\x08\x12\x15\n\rpause_holders\x18\x03 \x01(\r\x12\x17\n\x0fqueued_requests\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63tive_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\x08 \x01(\x01\x12\x16\n\x0eweight_version\x18\t \x01(\x04\x12\x13\n\x0bpreemptions\x18\n \x01(\x04\x12\x10\n\x08offloads\x18\x0b \x01(\x04\x12\x10\n\x08restores\x18\x0c \x01(\x04\x12\x19\n\x11recomputed_tokens\x18\r \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0e \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0f \x01(\x04\x12\x19\n\x11\x66inished_requests\x18\x10 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x11 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x12 \x01(\x04\x12=\n\x08\x63ounters\x18\x13 \x03(\x0b\x32+.cbserve.v1.GetStatusResponse.CountersEntry\x12\x1e\n\x16prefix_caching_enabled\x18\x14 \x01(\x08\x12\x13\n\x0bsleep_level\x18\x15 \x01(\r\x12\x1a\n\x12weights_incomplete\x18\x16 \x01(\t\x12\"\n\x1aweights_update_group_ranks\x18\x17 \x03(\r\x12\x1c\n\x14tensor_parallel_size\x18\x18 \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"l\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0e\n\x06sha256\x18\x06 \x01(\t\"\x80\x01\n\x14UpdateWeightsRequest\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.cbserve.v1.TensorChunkH\x00\x12\x1a\n\x10safetensors_path\x18\x02 \x01(\tH\x00\x12\x17\n\rversion_label\x18\x03 \x01(\tH\x00\x42\t\n\x07payload\"_\n\x15UpdateWeightsResponse\x12\x16\n\x0eweight_version\x18\x01 \x01(\x04\x12\x17\n\x0ftensors_updated\x18\x02 \x01(\r\x12\x15\n\rversion_label\x18\x03 \x01(\t\"\xc0\x01\n\x1dInitWeightsUpdateGroupRequest\x12\x16\n\x0emaster_address\x18\x01 \x01(\t\x12\x13\n\x0bmaster_port\x18\x02 \x01(\r\x12\x13\n\x0brank_offset\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x12\n\ngroup_name\x18\x06 \x01(\t\x12\x16\n\ttimeout_s\x18\x07 \x01(\x01H\x00\x88\x01\x01\x42\x0c\n\n_timeout_s\"@\n\x1eInitWeightsUpdateGroupResponse\x12\r\n\x05ranks\x18\x01 \x03(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\"O\n\x0c\x42ucketTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x13\n\x0b\x62yte_offset\x18\x04 \x01(\x04\"L\n\x0cWeightBucket\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\x12)\n\x07tensors\x18\x02 \x03(\x0b\x32\x18.cbserve.v1.BucketTensor\"~\n#UpdateWeightsFromDistributedRequest\x12)\n\x07\x62uckets\x18\x01 \x03(\x0b\x32\x18.cbserve.v1.WeightBucket\x12\x15\n\rversion_label\x18\x02 \x01(\t\x12\x15\n\rvalidate_only\x18\x03 \x01(\x08\"=\n\x13WeightTransferReady\x12\x13\n\x0bnum_buckets\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"\x94\x01\n$UpdateWeightsFromDistributedResponse\x12\x30\n\x05ready\x18\x01 \x01(\x0b\x32\x1f.cbserve.v1.WeightTransferReadyH\x00\x12\x31\n\x04\x64one\x18\x02 \x01(\x0b\x32!.cbserve.v1.UpdateWeightsResponseH\x00\x42\x07\n\x05\x65vent\"\"\n DestroyWeightsUpdateGroupRequest\"6\n!DestroyWeightsUpdateGroupResponse\x12\x11\n\tdestroyed\x18\x01 \x01(\x08\"\xb6\x02\n\rCudaIpcTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06stride\x18\x04 \x03(\x03\x12\x16\n\x0estorage_offset\x18\x05 \x01(\x04\x12\x14\n\x0c\x64\x65vice_index\x18\x06 \x01(\r\x12\x16\n\x0estorage_handle\x18\x07 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x08 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\t \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\n \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x0b \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x0c \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\r \x01(\x08\"`\n\x1bUpdateWeightsFromIpcRequest\x12*\n\x07tensors\x18\x01 \x03(\x0b\x32\x19.cbserve.v1.CudaIpcTensor\x12\x15\n\rversion_label\x18\x02 \x01(\t\"B\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\x12#\n\x04mode\x18\x02 \x01(\x0e\x32\x15.cbserve.v1.PauseMode\"B\n\rSleepResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x04\x12\x19\n\x11\x61\x66\x66\x65\x63ted_requests\x18\x02 \x01(\r\"\x1d\n\rWakeUpRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"%\n\x0eWakeUpResponse\x12\x13\n\x0bsleep_level\x18\x01 \x01(\r*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03\x32\xbd\x07\n\x0c\x41\x64minService\x12>\n\x05Pause\x12\x18.cbserve.v1.PauseRequest\x1a\x19.cbserve.v1.PauseResponse0\x01\x12\x39\n\x04Stop\x12\x17.cbserve.v1.StopRequest\x1a\x18.cbserve.v1.StopResponse\x12<\n\x05Start\x12\x18.cbserve.v1.StartRequest\x1a\x19.cbserve.v1.StartResponse\x12H\n\tGetStatus\x12\x1c.cbserve.v1.GetStatusRequest\x1a\x1d.cbserve.v1.GetStatusResponse\x12V\n\rUpdateWeights\x12 .cbserve.v1.UpdateWeightsRequest\x1a!.cbserve.v1.UpdateWeightsResponse(\x01\x12o\n\x16InitWeightsUpdateGroup\x12).cbserve.v1.InitWeightsUpdateGroupRequest\x1a*.cbserve.v1.InitWeightsUpdateGroupResponse\x12\x83\x01\n\x1cUpdateWeightsFromDistributed\x12/.cbserve.v1.UpdateWeightsFromDistributedRequest\x1a\x30.cbserve.v1.UpdateWeightsFromDistributedResponse0\x01\x12x\n\x19\x44\x65stroyWeightsUpdateGroup\x12,.cbserve.v1.DestroyWeightsUpdateGroupRequest\x1a-.cbserve.v1.DestroyWeightsUpdateGroupResponse\x12\x62\n\x14UpdateWeightsFromIpc\x12\'.cbserve.v1.UpdateWeightsFromIpcRequest\x1a!.cbserve.v1.UpdateWeightsResponse\x12<\n\x05Sleep\x12\x18.cbserve.v1.SleepRequest\x1a\x19.cbserve.v1.SleepResponse\x12?\n\x06WakeUp\x12\x19.cbserve.v1.WakeUpRequest\x1a\x1a.cbserve.v1.WakeUpResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_PAUSEMODE']._serialized_start=1495
-  _globals['_PAUSEMODE']._serialized_end=1598
+  _globals['_PAUSEMODE']._serialized_start=3081
+  _globals['_PAUSEMODE']._serialized_end=3184
   _globals['_PAUSEREQUEST']._serialized_start=71
   _globals['_PAUSEREQUEST']._serialized_end=156
   _globals['_PAUSERESPONSE']._serialized_start=159
@@ -51,15 +51,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATUSREQUEST']._serialized_start=544
   _globals['_GETSTATUSREQUEST']._serialized_end=562
   _globals['_GETSTATUSRESPONSE']._serialized_start=565
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1155
-  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_start=1108
-  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_end=1155
-  _globals['_TENSORCHUNK']._serialized_start=1157
-  _globals['_TENSORCHUNK']._serialized_end=1265
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1268
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1396
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1398
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1493
-  _globals['_ADMINSERVICE']._serialized_start=1601
-  _globals['_ADMINSERVICE']._serialized_end=1962
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1270
+  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_start=1223
+  _globals['_GETSTATUSRESPONSE_COUNTERSENTRY']._serialized_end=1270
+  _globals['_TENSORCHUNK']._serialized_start=1272
+  _globals['_TENSORCHUNK']._serialized_end=1380
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1383
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1511
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1513
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1608
+  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_start=1611
+  _globals['_INITWEIGHTSUPDATEGROUPREQUEST']._serialized_end=1803
+  _globals['_INITWEIGHTSUPDATEGROUPRESPONSE']._serialized_start=1805
+  _globals['_INITWEIGHTSUPDATEGROUPRESPONSE']._serialized_end=1869
+  _globals['_BUCKETTENSOR']._serialized_start=1871
+  _globals['_BUCKETTENSOR']._serialized_end=1950
+  _globals['_WEIGHTBUCKET']._serialized_start=1952
+  _globals['_WEIGHTBUCKET']._serialized_end=2028
+  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_start=2030
+  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDREQUEST']._serialized_end=2156
+  _globals['_WEIGHTTRANSFERREADY']._serialized_start=2158
+  _globals['_WEIGHTTRANSFERREADY']._serialized_end=2219
+  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDRESPONSE']._serialized_start=2222
+  _globals['_UPDATEWEIGHTSFROMDISTRIBUTEDRESPONSE']._serialized_end=2370
+  _globals['_DESTROYWEIGHTSUPDATEGROUPREQUEST']._serialized_start=2372
+  _globals['_DESTROYWEIGHTSUPDATEGROUPREQUEST']._serialized_end=2406
+  _globals['_DESTROYWEIGHTSUPDATEGROUPRESPONSE']._serialized_start=2408
+  _globals['_DESTROYWEIGHTSUPDATEGROUPRESPONSE']._serialized_end=2462
+  _globals['_CUDAIPCTENSOR']._serialized_start=2465
+  _globals['_CUDAIPCTENSOR']._serialized_end=2775
+  _globals['_UPDATEWEIGHTSFROMIPCREQUEST']._serialized_start=2777
+  _globals['_UPDATEWEIGHTSFROMIPCREQUEST']._serialized_end=2873
+  _globals['_SLEEPREQUEST']._serialized_start=2875
+  _globals['_SLEEPREQUEST']._serialized_end=2941
+  _globals['_SLEEPRESPONSE']._serialized_start=2943
+  _globals['_SLEEPRESPONSE']._serialized_end=3009
+  _globals['_WAKEUPREQUEST']._serialized_start=3011
+  _globals['_WAKEUPREQUEST']._serialized_end=3040
+  _globals['_WAKEUPRESPONSE']._serialized_start=3042
+  _globals['_WAKEUPRESPONSE']._serialized_end=3079
+  _globals['_ADMINSERVICE']._serialized_start=3187
+  _globals['_ADMINSERVICE']._serialized_end=4144
 # @@protoc_insertion_point(module_scope)

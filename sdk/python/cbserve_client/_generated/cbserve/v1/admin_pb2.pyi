@@ -298,6 +298,10 @@ class GetStatusResponse(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _builtins.int
     COUNTERS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHING_ENABLED_FIELD_NUMBER: _builtins.int
+    SLEEP_LEVEL_FIELD_NUMBER: _builtins.int
+    WEIGHTS_INCOMPLETE_FIELD_NUMBER: _builtins.int
+    WEIGHTS_UPDATE_GROUP_RANKS_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     running: _builtins.bool
     """Whether the engine is running (started and not stopped)."""
     paused: _builtins.bool
@@ -338,9 +342,26 @@ class GetStatusResponse(_message.Message):
     """Whether prefix caching is on. It is turned off for models with sliding-window layers, whose
     blocks cannot be shared, even when the configuration allows block sharing.
     """
+    sleep_level: _builtins.int
+    """0 when awake; otherwise the level of the last Sleep (1: KV cache freed; 2: weights on the host
+    too). The engine serves only at 0.
+    """
+    weights_incomplete: _builtins.str
+    """Why the weights are a mix of two versions (an update over the weight-update group failed
+    after some of its buckets were applied); empty when they are whole. The engine serves only
+    when this is empty.
+    """
+    tensor_parallel_size: _builtins.int
+    """Number of tensor-parallel ranks serving the model (1 without tensor parallelism): the ranks
+    this server takes in a weight-update group.
+    """
     @_builtins.property
     def counters(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Further server-defined counters, by name (for metrics not yet promoted to fields)."""
+
+    @_builtins.property
+    def weights_update_group_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The ranks this server holds in the weight-update group; empty when it is in none."""
 
     def __init__(
         self,
@@ -365,10 +386,14 @@ class GetStatusResponse(_message.Message):
         generated_tokens: _builtins.int = ...,
         counters: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         prefix_caching_enabled: _builtins.bool = ...,
+        sleep_level: _builtins.int = ...,
+        weights_incomplete: _builtins.str = ...,
+        weights_update_group_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        tensor_parallel_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "counters", b"counters", "finished_requests", b"finished_requests", "generated_tokens", b"generated_tokens", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "offloads", b"offloads", "pause_holders", b"pause_holders", "paused", b"paused", "preemptions", b"preemptions", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prefix_caching_enabled", b"prefix_caching_enabled", "prompt_tokens", b"prompt_tokens", "queued_requests", b"queued_requests", "recomputed_tokens", b"recomputed_tokens", "restores", b"restores", "running", b"running", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_requests", b"active_requests", "counters", b"counters", "finished_requests", b"finished_requests", "generated_tokens", b"generated_tokens", "kv_blocks_total", b"kv_blocks_total", "kv_blocks_used", b"kv_blocks_used", "offloads", b"offloads", "pause_holders", b"pause_holders", "paused", b"paused", "preemptions", b"preemptions", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "prefix_caching_enabled", b"prefix_caching_enabled", "prompt_tokens", b"prompt_tokens", "queued_requests", b"queued_requests", "recomputed_tokens", b"recomputed_tokens", "restores", b"restores", "running", b"running", "sleep_level", b"sleep_level", "tensor_parallel_size", b"tensor_parallel_size", "weight_version", b"weight_version", "weights_incomplete", b"weights_incomplete", "weights_update_group_ranks", b"weights_update_group_ranks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -492,3 +517,472 @@ class UpdateWeightsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UpdateWeightsResponse: _TypeAlias = UpdateWeightsResponse  # noqa: Y015
+
+@_typing.final
+class InitWeightsUpdateGroupRequest(_message.Message):
+    """Request of AdminService.InitWeightsUpdateGroup (the names follow SGLang's)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MASTER_ADDRESS_FIELD_NUMBER: _builtins.int
+    MASTER_PORT_FIELD_NUMBER: _builtins.int
+    RANK_OFFSET_FIELD_NUMBER: _builtins.int
+    WORLD_SIZE_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    master_address: _builtins.str
+    """Host of the trainer's rendezvous store (rank 0 of the group)."""
+    master_port: _builtins.int
+    """Port of that store, in [1, 65535]."""
+    rank_offset: _builtins.int
+    """The group rank of this server's first tensor-parallel rank, in [1, world_size - tp_size]
+    (rank 0 is the trainer); replicas of one fleet take disjoint ranges.
+    """
+    world_size: _builtins.int
+    """Members of the group: the trainer and every rank of every server that joins, at least 2."""
+    backend: _builtins.str
+    """"nccl" (the model on CUDA), "gloo" (CPU buffers), or "" / "auto": nccl on CUDA, else gloo."""
+    group_name: _builtins.str
+    """Names the group in the store, so several groups can share one; "" is "weights"."""
+    timeout_s: _builtins.float
+    """Seconds to wait for every member to join, and for each later collective of the group (a
+    trainer that stalls mid-transfer fails the update after this long). Unset: 120.
+    """
+    def __init__(
+        self,
+        *,
+        master_address: _builtins.str = ...,
+        master_port: _builtins.int = ...,
+        rank_offset: _builtins.int = ...,
+        world_size: _builtins.int = ...,
+        backend: _builtins.str = ...,
+        group_name: _builtins.str = ...,
+        timeout_s: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_timeout_s", b"_timeout_s", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_timeout_s", b"_timeout_s", "backend", b"backend", "group_name", b"group_name", "master_address", b"master_address", "master_port", b"master_port", "rank_offset", b"rank_offset", "timeout_s", b"timeout_s", "world_size", b"world_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__timeout_s: _TypeAlias = _typing.Literal["timeout_s"]  # noqa: Y015
+    _WhichOneofArgType__timeout_s: _TypeAlias = _typing.Literal["_timeout_s", b"_timeout_s"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_s) -> _WhichOneofReturnType__timeout_s | None: ...
+
+Global___InitWeightsUpdateGroupRequest: _TypeAlias = InitWeightsUpdateGroupRequest  # noqa: Y015
+
+@_typing.final
+class InitWeightsUpdateGroupResponse(_message.Message):
+    """Response of AdminService.InitWeightsUpdateGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANKS_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    backend: _builtins.str
+    """The backend in use ("gloo" or "nccl")."""
+    @_builtins.property
+    def ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The group ranks this server's tensor-parallel ranks took, in tensor-parallel order."""
+
+    def __init__(
+        self,
+        *,
+        ranks: _abc.Iterable[_builtins.int] | None = ...,
+        backend: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "ranks", b"ranks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InitWeightsUpdateGroupResponse: _TypeAlias = InitWeightsUpdateGroupResponse  # noqa: Y015
+
+@_typing.final
+class BucketTensor(_message.Message):
+    """One tensor in a bucket of an UpdateWeightsFromDistributed transfer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    BYTE_OFFSET_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The parameter's name in the model's state dict."""
+    dtype: _builtins.str
+    """Element type of the bytes sent, as TensorChunk.dtype names it; converted to the parameter's."""
+    byte_offset: _builtins.int
+    """Where its bytes start in the bucket (C order, little-endian); a multiple of 16."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The full (unsharded) shape; must equal the parameter's."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        byte_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["byte_offset", b"byte_offset", "dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BucketTensor: _TypeAlias = BucketTensor  # noqa: Y015
+
+@_typing.final
+class WeightBucket(_message.Message):
+    """One broadcast of an UpdateWeightsFromDistributed transfer: a flat uint8 tensor of num_bytes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_BYTES_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    num_bytes: _builtins.int
+    """Size of the broadcast tensor, in bytes: at most 1 GiB, or the size of its one tensor when a
+    single tensor is larger than that.
+    """
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BucketTensor]:
+        """The tensors packed in it, without overlaps, each within [0, num_bytes)."""
+
+    def __init__(
+        self,
+        *,
+        num_bytes: _builtins.int = ...,
+        tensors: _abc.Iterable[Global___BucketTensor] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_bytes", b"num_bytes", "tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightBucket: _TypeAlias = WeightBucket  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsFromDistributedRequest(_message.Message):
+    """Request of AdminService.UpdateWeightsFromDistributed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUCKETS_FIELD_NUMBER: _builtins.int
+    VERSION_LABEL_FIELD_NUMBER: _builtins.int
+    VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
+    version_label: _builtins.str
+    """A free-form label of the new weights, as in UpdateWeightsRequest."""
+    validate_only: _builtins.bool
+    """Only check the announcement: the stream ends with OK and no message, and nothing is received.
+    A trainer pushing to several servers checks with every one first, so that none waits for
+    buckets that will not come.
+    """
+    @_builtins.property
+    def buckets(self) -> _containers.RepeatedCompositeFieldContainer[Global___WeightBucket]:
+        """The buckets, in the order rank 0 broadcasts them. A tensor appears once in the transfer."""
+
+    def __init__(
+        self,
+        *,
+        buckets: _abc.Iterable[Global___WeightBucket] | None = ...,
+        version_label: _builtins.str = ...,
+        validate_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["buckets", b"buckets", "validate_only", b"validate_only", "version_label", b"version_label"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsFromDistributedRequest: _TypeAlias = UpdateWeightsFromDistributedRequest  # noqa: Y015
+
+@_typing.final
+class WeightTransferReady(_message.Message):
+    """The server is waiting for the buckets: the trainer broadcasts them now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_BUCKETS_FIELD_NUMBER: _builtins.int
+    NUM_BYTES_FIELD_NUMBER: _builtins.int
+    num_buckets: _builtins.int
+    """Number of buckets and bytes the server expects."""
+    num_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        num_buckets: _builtins.int = ...,
+        num_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_buckets", b"num_buckets", "num_bytes", b"num_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WeightTransferReady: _TypeAlias = WeightTransferReady  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsFromDistributedResponse(_message.Message):
+    """A message of the AdminService.UpdateWeightsFromDistributed stream: `ready`, then `done`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READY_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ready(self) -> Global___WeightTransferReady: ...
+    @_builtins.property
+    def done(self) -> Global___UpdateWeightsResponse: ...
+    def __init__(
+        self,
+        *,
+        ready: Global___WeightTransferReady | None = ...,
+        done: Global___UpdateWeightsResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "event", b"event", "ready", b"ready"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "event", b"event", "ready", b"ready"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["ready", "done"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___UpdateWeightsFromDistributedResponse: _TypeAlias = UpdateWeightsFromDistributedResponse  # noqa: Y015
+
+@_typing.final
+class DestroyWeightsUpdateGroupRequest(_message.Message):
+    """Request of AdminService.DestroyWeightsUpdateGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DestroyWeightsUpdateGroupRequest: _TypeAlias = DestroyWeightsUpdateGroupRequest  # noqa: Y015
+
+@_typing.final
+class DestroyWeightsUpdateGroupResponse(_message.Message):
+    """Response of AdminService.DestroyWeightsUpdateGroup."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DESTROYED_FIELD_NUMBER: _builtins.int
+    destroyed: _builtins.bool
+    """False when the server was in no group (nothing was done)."""
+    def __init__(
+        self,
+        *,
+        destroyed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["destroyed", b"destroyed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DestroyWeightsUpdateGroupResponse: _TypeAlias = DestroyWeightsUpdateGroupResponse  # noqa: Y015
+
+@_typing.final
+class CudaIpcTensor(_message.Message):
+    """A trainer's CUDA tensor, as torch.multiprocessing shares it between processes. The fields are
+    those torch's reduce_tensor gives for a CUDA tensor; both processes must number the devices
+    alike (same CUDA_VISIBLE_DEVICES).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    STRIDE_FIELD_NUMBER: _builtins.int
+    STORAGE_OFFSET_FIELD_NUMBER: _builtins.int
+    DEVICE_INDEX_FIELD_NUMBER: _builtins.int
+    STORAGE_HANDLE_FIELD_NUMBER: _builtins.int
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _builtins.int
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _builtins.int
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _builtins.int
+    EVENT_HANDLE_FIELD_NUMBER: _builtins.int
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The parameter's name in the model's state dict."""
+    dtype: _builtins.str
+    """Element type, as TensorChunk.dtype names it; converted to the parameter's."""
+    storage_offset: _builtins.int
+    device_index: _builtins.int
+    """The CUDA device the storage lives on."""
+    storage_handle: _builtins.bytes
+    """The storage's cudaIpcMemHandle, its size and its offset in the shared allocation, in bytes."""
+    storage_size_bytes: _builtins.int
+    storage_offset_bytes: _builtins.int
+    ref_counter_handle: _builtins.bytes
+    """torch's reference counter of the shared storage (a file handle and an offset in it)."""
+    ref_counter_offset: _builtins.int
+    event_handle: _builtins.bytes
+    """The cudaIpcEventHandle to wait on before reading, when event_sync_required."""
+    event_sync_required: _builtins.bool
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tensor's shape (must equal the parameter's), stride and offset, in elements."""
+
+    @_builtins.property
+    def stride(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+        stride: _abc.Iterable[_builtins.int] | None = ...,
+        storage_offset: _builtins.int = ...,
+        device_index: _builtins.int = ...,
+        storage_handle: _builtins.bytes = ...,
+        storage_size_bytes: _builtins.int = ...,
+        storage_offset_bytes: _builtins.int = ...,
+        ref_counter_handle: _builtins.bytes = ...,
+        ref_counter_offset: _builtins.int = ...,
+        event_handle: _builtins.bytes = ...,
+        event_sync_required: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_index", b"device_index", "dtype", b"dtype", "event_handle", b"event_handle", "event_sync_required", b"event_sync_required", "name", b"name", "ref_counter_handle", b"ref_counter_handle", "ref_counter_offset", b"ref_counter_offset", "shape", b"shape", "storage_handle", b"storage_handle", "storage_offset", b"storage_offset", "storage_offset_bytes", b"storage_offset_bytes", "storage_size_bytes", b"storage_size_bytes", "stride", b"stride"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CudaIpcTensor: _TypeAlias = CudaIpcTensor  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsFromIpcRequest(_message.Message):
+    """Request of AdminService.UpdateWeightsFromIpc."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENSORS_FIELD_NUMBER: _builtins.int
+    VERSION_LABEL_FIELD_NUMBER: _builtins.int
+    version_label: _builtins.str
+    """A free-form label of the new weights, as in UpdateWeightsRequest."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaIpcTensor]: ...
+    def __init__(
+        self,
+        *,
+        tensors: _abc.Iterable[Global___CudaIpcTensor] | None = ...,
+        version_label: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tensors", b"tensors", "version_label", b"version_label"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsFromIpcRequest: _TypeAlias = UpdateWeightsFromIpcRequest  # noqa: Y015
+
+@_typing.final
+class SleepRequest(_message.Message):
+    """Request of AdminService.Sleep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEVEL_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    level: _builtins.int
+    """1: free the KV cache; 2: also move the weights to host memory."""
+    mode: Global___PauseMode.ValueType
+    """What happens to in-flight requests (see Sleep); unset means PAUSE_MODE_KEEP."""
+    def __init__(
+        self,
+        *,
+        level: _builtins.int = ...,
+        mode: Global___PauseMode.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["level", b"level", "mode", b"mode"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SleepRequest: _TypeAlias = SleepRequest  # noqa: Y015
+
+@_typing.final
+class SleepResponse(_message.Message):
+    """Response of AdminService.Sleep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_BYTES_FIELD_NUMBER: _builtins.int
+    AFFECTED_REQUESTS_FIELD_NUMBER: _builtins.int
+    released_bytes: _builtins.int
+    """Bytes of device memory released (KV cache, and weights at level 2); on the CPU, KV cache
+    bytes only, since the weights already live in host memory.
+    """
+    affected_requests: _builtins.int
+    """With PAUSE_MODE_ABORT: requests cancelled; with PAUSE_MODE_KEEP: requests put back in the queue."""
+    def __init__(
+        self,
+        *,
+        released_bytes: _builtins.int = ...,
+        affected_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["affected_requests", b"affected_requests", "released_bytes", b"released_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SleepResponse: _TypeAlias = SleepResponse  # noqa: Y015
+
+@_typing.final
+class WakeUpRequest(_message.Message):
+    """Request of AdminService.WakeUp."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TAGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """"weights", "kv_cache", or none for both."""
+
+    def __init__(
+        self,
+        *,
+        tags: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tags", b"tags"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WakeUpRequest: _TypeAlias = WakeUpRequest  # noqa: Y015
+
+@_typing.final
+class WakeUpResponse(_message.Message):
+    """Response of AdminService.WakeUp."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SLEEP_LEVEL_FIELD_NUMBER: _builtins.int
+    sleep_level: _builtins.int
+    """The sleep level left: 0 once both weights and KV cache are back."""
+    def __init__(
+        self,
+        *,
+        sleep_level: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sleep_level", b"sleep_level"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WakeUpResponse: _TypeAlias = WakeUpResponse  # noqa: Y015

@@ -60,6 +60,36 @@ class AdminServiceStub:
                 request_serializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.InitWeightsUpdateGroup = channel.unary_unary(
+                '/cbserve.v1.AdminService/InitWeightsUpdateGroup',
+                request_serializer=cbserve_dot_v1_dot_admin__pb2.InitWeightsUpdateGroupRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_admin__pb2.InitWeightsUpdateGroupResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromDistributed = channel.unary_stream(
+                '/cbserve.v1.AdminService/UpdateWeightsFromDistributed',
+                request_serializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromDistributedResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightsUpdateGroup = channel.unary_unary(
+                '/cbserve.v1.AdminService/DestroyWeightsUpdateGroup',
+                request_serializer=cbserve_dot_v1_dot_admin__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_admin__pb2.DestroyWeightsUpdateGroupResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromIpc = channel.unary_unary(
+                '/cbserve.v1.AdminService/UpdateWeightsFromIpc',
+                request_serializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromIpcRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/cbserve.v1.AdminService/Sleep',
+                request_serializer=cbserve_dot_v1_dot_admin__pb2.SleepRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_admin__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/cbserve.v1.AdminService/WakeUp',
+                request_serializer=cbserve_dot_v1_dot_admin__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_admin__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -114,6 +144,77 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitWeightsUpdateGroup(self, request, context):
+        """Joins the weight-update process group a trainer created (SGLang's init_weights_update_group):
+        the trainer is rank 0 and hosts the rendezvous (a torch.distributed TCPStore) at
+        master_address:master_port; each tensor-parallel rank of this server joins as rank
+        rank_offset + its tensor-parallel rank. Returns once every member of the group has joined
+        (the trainer forms the group at the same time) and taken part in one warm-up broadcast of a
+        single uint8 element from rank 0 (with NCCL, the communicator forms on a first collective);
+        DEADLINE_EXCEEDED after timeout_s otherwise. The engine does not step while it joins.
+        FAILED_PRECONDITION when already in a group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromDistributed(self, request, context):
+        """Receives new weights as broadcasts from rank 0 of the weight-update group (SGLang's
+        update_weights_from_distributed). The request announces every tensor and the bucket it
+        travels in; the server checks all of it (known name, shape, convertible dtype, buckets within
+        bounds) before a byte moves: a bad announcement fails the call with INVALID_ARGUMENT naming
+        the tensor, and the trainer must not broadcast. Otherwise the server sends `ready` once the
+        engine holds between two steps and waits for the buckets, then broadcasts are received in
+        announcement order, each bucket copied into the weights as it lands (each rank keeps its shard
+        of each tensor), and the server sends `done`. The update runs under a KEEP pause exactly like
+        UpdateWeights. If the trainer dies or stalls, the update fails after timeout_s: with no bucket
+        applied the weights are unchanged; otherwise the server holds every request (they wait,
+        nothing is served from a mix of old and new weights), reports weights_incomplete in GetStatus
+        and NOT_SERVING in health, and refuses new generation requests with UNAVAILABLE until an
+        update that covers every tensor of the interrupted one succeeds. A failed transfer leaves the
+        group: the trainer creates a new one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightsUpdateGroup(self, request, context):
+        """Leaves the weight-update group (SGLang's destroy_weights_update_group). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromIpc(self, request, context):
+        """Copies new weights from a colocated trainer's CUDA tensors, named by CUDA IPC handles, device
+        to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
+        UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
+        device. The trainer keeps its tensors alive until the call returns.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sleep(self, request, context):
+        """Frees memory for a colocated trainer (vLLM's sleep). Level 1 frees the KV cache (the prefix
+        cache is dropped); level 2 also moves the weights to host memory. While asleep the engine
+        does not step: new generation requests are refused with UNAVAILABLE (a router retries another
+        replica), health reports NOT_SERVING, and weight updates still apply (to host-resident weights
+        at level 2). `mode` says what happens to in-flight requests: KEEP (default) puts them back in
+        the queue to be recomputed after WakeUp, WAIT lets them finish first, ABORT cancels them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
+        none is given. The engine serves again once both are back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +242,36 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'InitWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightsUpdateGroup,
+                    request_deserializer=cbserve_dot_v1_dot_admin__pb2.InitWeightsUpdateGroupRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_admin__pb2.InitWeightsUpdateGroupResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromDistributed': grpc.unary_stream_rpc_method_handler(
+                    servicer.UpdateWeightsFromDistributed,
+                    request_deserializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromDistributedRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromDistributedResponse.SerializeToString,
+            ),
+            'DestroyWeightsUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightsUpdateGroup,
+                    request_deserializer=cbserve_dot_v1_dot_admin__pb2.DestroyWeightsUpdateGroupRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_admin__pb2.DestroyWeightsUpdateGroupResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromIpc': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromIpc,
+                    request_deserializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromIpcRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=cbserve_dot_v1_dot_admin__pb2.SleepRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_admin__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=cbserve_dot_v1_dot_admin__pb2.WakeUpRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_admin__pb2.WakeUpResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -279,6 +410,168 @@ class AdminService:
             '/cbserve.v1.AdminService/UpdateWeights',
             cbserve_dot_v1_dot_admin__pb2.UpdateWeightsRequest.SerializeToString,
             cbserve_dot_v1_dot_admin__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightsUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.AdminService/InitWeightsUpdateGroup',
+            cbserve_dot_v1_dot_admin__pb2.InitWeightsUpdateGroupRequest.SerializeToString,
+            cbserve_dot_v1_dot_admin__pb2.InitWeightsUpdateGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromDistributed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/cbserve.v1.AdminService/UpdateWeightsFromDistributed',
+            cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
+            cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromDistributedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightsUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.AdminService/DestroyWeightsUpdateGroup',
+            cbserve_dot_v1_dot_admin__pb2.DestroyWeightsUpdateGroupRequest.SerializeToString,
+            cbserve_dot_v1_dot_admin__pb2.DestroyWeightsUpdateGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromIpc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.AdminService/UpdateWeightsFromIpc',
+            cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromIpcRequest.SerializeToString,
+            cbserve_dot_v1_dot_admin__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.AdminService/Sleep',
+            cbserve_dot_v1_dot_admin__pb2.SleepRequest.SerializeToString,
+            cbserve_dot_v1_dot_admin__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.AdminService/WakeUp',
+            cbserve_dot_v1_dot_admin__pb2.WakeUpRequest.SerializeToString,
+            cbserve_dot_v1_dot_admin__pb2.WakeUpResponse.FromString,
             options,
             channel_credentials,
             insecure,

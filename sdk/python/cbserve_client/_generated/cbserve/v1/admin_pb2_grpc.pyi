@@ -65,6 +65,52 @@ class AdminServiceStub:
     checks every tensor (known name, dtype, shape, complete bytes, sha256) before changing any
     weight: a failed check fails the call with INVALID_ARGUMENT and leaves the weights unchanged.
     """
+    InitWeightsUpdateGroup: _grpc.UnaryUnaryMultiCallable[_admin_pb2.InitWeightsUpdateGroupRequest, _admin_pb2.InitWeightsUpdateGroupResponse]
+    """Joins the weight-update process group a trainer created (SGLang's init_weights_update_group):
+    the trainer is rank 0 and hosts the rendezvous (a torch.distributed TCPStore) at
+    master_address:master_port; each tensor-parallel rank of this server joins as rank
+    rank_offset + its tensor-parallel rank. Returns once every member of the group has joined
+    (the trainer forms the group at the same time) and taken part in one warm-up broadcast of a
+    single uint8 element from rank 0 (with NCCL, the communicator forms on a first collective);
+    DEADLINE_EXCEEDED after timeout_s otherwise. The engine does not step while it joins.
+    FAILED_PRECONDITION when already in a group.
+    """
+    UpdateWeightsFromDistributed: _grpc.UnaryStreamMultiCallable[_admin_pb2.UpdateWeightsFromDistributedRequest, _admin_pb2.UpdateWeightsFromDistributedResponse]
+    """Receives new weights as broadcasts from rank 0 of the weight-update group (SGLang's
+    update_weights_from_distributed). The request announces every tensor and the bucket it
+    travels in; the server checks all of it (known name, shape, convertible dtype, buckets within
+    bounds) before a byte moves: a bad announcement fails the call with INVALID_ARGUMENT naming
+    the tensor, and the trainer must not broadcast. Otherwise the server sends `ready` once the
+    engine holds between two steps and waits for the buckets, then broadcasts are received in
+    announcement order, each bucket copied into the weights as it lands (each rank keeps its shard
+    of each tensor), and the server sends `done`. The update runs under a KEEP pause exactly like
+    UpdateWeights. If the trainer dies or stalls, the update fails after timeout_s: with no bucket
+    applied the weights are unchanged; otherwise the server holds every request (they wait,
+    nothing is served from a mix of old and new weights), reports weights_incomplete in GetStatus
+    and NOT_SERVING in health, and refuses new generation requests with UNAVAILABLE until an
+    update that covers every tensor of the interrupted one succeeds. A failed transfer leaves the
+    group: the trainer creates a new one.
+    """
+    DestroyWeightsUpdateGroup: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DestroyWeightsUpdateGroupRequest, _admin_pb2.DestroyWeightsUpdateGroupResponse]
+    """Leaves the weight-update group (SGLang's destroy_weights_update_group). Idempotent."""
+    UpdateWeightsFromIpc: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UpdateWeightsFromIpcRequest, _admin_pb2.UpdateWeightsResponse]
+    """Copies new weights from a colocated trainer's CUDA tensors, named by CUDA IPC handles, device
+    to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
+    UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
+    device. The trainer keeps its tensors alive until the call returns.
+    """
+    Sleep: _grpc.UnaryUnaryMultiCallable[_admin_pb2.SleepRequest, _admin_pb2.SleepResponse]
+    """Frees memory for a colocated trainer (vLLM's sleep). Level 1 frees the KV cache (the prefix
+    cache is dropped); level 2 also moves the weights to host memory. While asleep the engine
+    does not step: new generation requests are refused with UNAVAILABLE (a router retries another
+    replica), health reports NOT_SERVING, and weight updates still apply (to host-resident weights
+    at level 2). `mode` says what happens to in-flight requests: KEEP (default) puts them back in
+    the queue to be recomputed after WakeUp, WAIT lets them finish first, ABORT cancels them.
+    """
+    WakeUp: _grpc.UnaryUnaryMultiCallable[_admin_pb2.WakeUpRequest, _admin_pb2.WakeUpResponse]
+    """Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
+    none is given. The engine serves again once both are back.
+    """
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -96,6 +142,52 @@ class AdminServiceAsyncStub(AdminServiceStub):
     later tokens come from the new weights, see GenerationChunk.weight_version). The server
     checks every tensor (known name, dtype, shape, complete bytes, sha256) before changing any
     weight: a failed check fails the call with INVALID_ARGUMENT and leaves the weights unchanged.
+    """
+    InitWeightsUpdateGroup: _aio.UnaryUnaryMultiCallable[_admin_pb2.InitWeightsUpdateGroupRequest, _admin_pb2.InitWeightsUpdateGroupResponse]  # type: ignore[assignment]
+    """Joins the weight-update process group a trainer created (SGLang's init_weights_update_group):
+    the trainer is rank 0 and hosts the rendezvous (a torch.distributed TCPStore) at
+    master_address:master_port; each tensor-parallel rank of this server joins as rank
+    rank_offset + its tensor-parallel rank. Returns once every member of the group has joined
+    (the trainer forms the group at the same time) and taken part in one warm-up broadcast of a
+    single uint8 element from rank 0 (with NCCL, the communicator forms on a first collective);
+    DEADLINE_EXCEEDED after timeout_s otherwise. The engine does not step while it joins.
+    FAILED_PRECONDITION when already in a group.
+    """
+    UpdateWeightsFromDistributed: _aio.UnaryStreamMultiCallable[_admin_pb2.UpdateWeightsFromDistributedRequest, _admin_pb2.UpdateWeightsFromDistributedResponse]  # type: ignore[assignment]
+    """Receives new weights as broadcasts from rank 0 of the weight-update group (SGLang's
+    update_weights_from_distributed). The request announces every tensor and the bucket it
+    travels in; the server checks all of it (known name, shape, convertible dtype, buckets within
+    bounds) before a byte moves: a bad announcement fails the call with INVALID_ARGUMENT naming
+    the tensor, and the trainer must not broadcast. Otherwise the server sends `ready` once the
+    engine holds between two steps and waits for the buckets, then broadcasts are received in
+    announcement order, each bucket copied into the weights as it lands (each rank keeps its shard
+    of each tensor), and the server sends `done`. The update runs under a KEEP pause exactly like
+    UpdateWeights. If the trainer dies or stalls, the update fails after timeout_s: with no bucket
+    applied the weights are unchanged; otherwise the server holds every request (they wait,
+    nothing is served from a mix of old and new weights), reports weights_incomplete in GetStatus
+    and NOT_SERVING in health, and refuses new generation requests with UNAVAILABLE until an
+    update that covers every tensor of the interrupted one succeeds. A failed transfer leaves the
+    group: the trainer creates a new one.
+    """
+    DestroyWeightsUpdateGroup: _aio.UnaryUnaryMultiCallable[_admin_pb2.DestroyWeightsUpdateGroupRequest, _admin_pb2.DestroyWeightsUpdateGroupResponse]  # type: ignore[assignment]
+    """Leaves the weight-update group (SGLang's destroy_weights_update_group). Idempotent."""
+    UpdateWeightsFromIpc: _aio.UnaryUnaryMultiCallable[_admin_pb2.UpdateWeightsFromIpcRequest, _admin_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
+    """Copies new weights from a colocated trainer's CUDA tensors, named by CUDA IPC handles, device
+    to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
+    UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
+    device. The trainer keeps its tensors alive until the call returns.
+    """
+    Sleep: _aio.UnaryUnaryMultiCallable[_admin_pb2.SleepRequest, _admin_pb2.SleepResponse]  # type: ignore[assignment]
+    """Frees memory for a colocated trainer (vLLM's sleep). Level 1 frees the KV cache (the prefix
+    cache is dropped); level 2 also moves the weights to host memory. While asleep the engine
+    does not step: new generation requests are refused with UNAVAILABLE (a router retries another
+    replica), health reports NOT_SERVING, and weight updates still apply (to host-resident weights
+    at level 2). `mode` says what happens to in-flight requests: KEEP (default) puts them back in
+    the queue to be recomputed after WakeUp, WAIT lets them finish first, ABORT cancels them.
+    """
+    WakeUp: _aio.UnaryUnaryMultiCallable[_admin_pb2.WakeUpRequest, _admin_pb2.WakeUpResponse]  # type: ignore[assignment]
+    """Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
+    none is given. The engine serves again once both are back.
     """
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -155,6 +247,88 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         later tokens come from the new weights, see GenerationChunk.weight_version). The server
         checks every tensor (known name, dtype, shape, complete bytes, sha256) before changing any
         weight: a failed check fails the call with INVALID_ARGUMENT and leaves the weights unchanged.
+        """
+
+    @_abc_1.abstractmethod
+    def InitWeightsUpdateGroup(
+        self,
+        request: _admin_pb2.InitWeightsUpdateGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.InitWeightsUpdateGroupResponse, _abc.Awaitable[_admin_pb2.InitWeightsUpdateGroupResponse]]:
+        """Joins the weight-update process group a trainer created (SGLang's init_weights_update_group):
+        the trainer is rank 0 and hosts the rendezvous (a torch.distributed TCPStore) at
+        master_address:master_port; each tensor-parallel rank of this server joins as rank
+        rank_offset + its tensor-parallel rank. Returns once every member of the group has joined
+        (the trainer forms the group at the same time) and taken part in one warm-up broadcast of a
+        single uint8 element from rank 0 (with NCCL, the communicator forms on a first collective);
+        DEADLINE_EXCEEDED after timeout_s otherwise. The engine does not step while it joins.
+        FAILED_PRECONDITION when already in a group.
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateWeightsFromDistributed(
+        self,
+        request: _admin_pb2.UpdateWeightsFromDistributedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_admin_pb2.UpdateWeightsFromDistributedResponse], _abc.AsyncIterator[_admin_pb2.UpdateWeightsFromDistributedResponse]]:
+        """Receives new weights as broadcasts from rank 0 of the weight-update group (SGLang's
+        update_weights_from_distributed). The request announces every tensor and the bucket it
+        travels in; the server checks all of it (known name, shape, convertible dtype, buckets within
+        bounds) before a byte moves: a bad announcement fails the call with INVALID_ARGUMENT naming
+        the tensor, and the trainer must not broadcast. Otherwise the server sends `ready` once the
+        engine holds between two steps and waits for the buckets, then broadcasts are received in
+        announcement order, each bucket copied into the weights as it lands (each rank keeps its shard
+        of each tensor), and the server sends `done`. The update runs under a KEEP pause exactly like
+        UpdateWeights. If the trainer dies or stalls, the update fails after timeout_s: with no bucket
+        applied the weights are unchanged; otherwise the server holds every request (they wait,
+        nothing is served from a mix of old and new weights), reports weights_incomplete in GetStatus
+        and NOT_SERVING in health, and refuses new generation requests with UNAVAILABLE until an
+        update that covers every tensor of the interrupted one succeeds. A failed transfer leaves the
+        group: the trainer creates a new one.
+        """
+
+    @_abc_1.abstractmethod
+    def DestroyWeightsUpdateGroup(
+        self,
+        request: _admin_pb2.DestroyWeightsUpdateGroupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.DestroyWeightsUpdateGroupResponse, _abc.Awaitable[_admin_pb2.DestroyWeightsUpdateGroupResponse]]:
+        """Leaves the weight-update group (SGLang's destroy_weights_update_group). Idempotent."""
+
+    @_abc_1.abstractmethod
+    def UpdateWeightsFromIpc(
+        self,
+        request: _admin_pb2.UpdateWeightsFromIpcRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.UpdateWeightsResponse, _abc.Awaitable[_admin_pb2.UpdateWeightsResponse]]:
+        """Copies new weights from a colocated trainer's CUDA tensors, named by CUDA IPC handles, device
+        to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
+        UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
+        device. The trainer keeps its tensors alive until the call returns.
+        """
+
+    @_abc_1.abstractmethod
+    def Sleep(
+        self,
+        request: _admin_pb2.SleepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.SleepResponse, _abc.Awaitable[_admin_pb2.SleepResponse]]:
+        """Frees memory for a colocated trainer (vLLM's sleep). Level 1 frees the KV cache (the prefix
+        cache is dropped); level 2 also moves the weights to host memory. While asleep the engine
+        does not step: new generation requests are refused with UNAVAILABLE (a router retries another
+        replica), health reports NOT_SERVING, and weight updates still apply (to host-resident weights
+        at level 2). `mode` says what happens to in-flight requests: KEEP (default) puts them back in
+        the queue to be recomputed after WakeUp, WAIT lets them finish first, ABORT cancels them.
+        """
+
+    @_abc_1.abstractmethod
+    def WakeUp(
+        self,
+        request: _admin_pb2.WakeUpRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.WakeUpResponse, _abc.Awaitable[_admin_pb2.WakeUpResponse]]:
+        """Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
+        none is given. The engine serves again once both are back.
         """
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,319 @@
+"""Weights pushed by a trainer over a process group of its own, and sleep / wake (issue 15).
+
+The trainer here is a thread of the test process holding rank 0 of a gloo group, built from torch's
+public classes exactly as a training job builds it; the engine joins as rank 1. (The SDK's trainer
+helper and `cbserve serve --tp 2` are tested through the service, tests/service/test_weight_sync.py.)
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
+from engine.errors import WeightTransferError
+from engine.weight_transfer import BUCKET_ALIGNMENT, BucketPlan, BucketTensor, WeightBucket
+from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama, tiny_model
+
+SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _plan(groups: list[list[tuple[str, torch.Tensor]]]) -> BucketPlan:
+    """One bucket per list of (name, tensor), each tensor at the next aligned offset."""
+    buckets = []
+    for tensors in groups:
+        entries, offset = [], 0
+        for name, tensor in tensors:
+            entries.append(BucketTensor(name, SAFETENSORS_NAMES[tensor.dtype], tuple(tensor.shape), offset))
+            offset += -(-tensor.numel() * tensor.element_size() // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
+        buckets.append(WeightBucket(offset, tuple(entries)))
+    return BucketPlan(tuple(buckets))
+
+
+def _pack(plan: BucketPlan, index: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    bucket = plan.buckets[index]
+    buffer = torch.zeros(bucket.num_bytes, dtype=torch.uint8)
+    for entry in bucket.tensors:
+        data = tensors[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[entry.byte_offset : entry.byte_offset + data.numel()] = data
+    return buffer
+
+
+class Trainer:
+    """Rank 0 of a weight-update group: hosts the rendezvous and broadcasts."""
+
+    def __init__(self, world_size: int = 2, timeout_s: float = 20.0) -> None:
+        self.port = _free_port()
+        self.world_size = world_size
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(
+            "127.0.0.1", self.port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
+        )
+        self.group: dist.ProcessGroupGloo | None = None
+
+    def form(self) -> None:
+        """Blocks until every member joined, then takes part in the warm-up broadcast."""
+        self.group = dist.ProcessGroupGloo(
+            dist.PrefixStore("weights", self.store), 0, self.world_size, self.timeout
+        )
+        self.broadcast(torch.zeros(1, dtype=torch.uint8))
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        assert self.group is not None
+        self.group.broadcast(buffer, 0).wait()
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+
+
+def _join(manager: ContinuousBatchingManager, trainer: Trainer) -> tuple[int, ...]:
+    """The engine joins as rank 1 while the trainer forms the group, with the trainer's timeout."""
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(
+            manager.init_weights_update_group,
+            "127.0.0.1",
+            trainer.port,
+            1,
+            trainer.world_size,
+            "gloo",
+            "weights",
+            trainer.timeout.total_seconds(),
+        )
+        trainer.form()
+        return joined.result(timeout=30)
+
+
+def _push(
+    manager: ContinuousBatchingManager, trainer: Trainer, plan: BucketPlan, tensors, buckets=None
+) -> Future:
+    """Announces `plan`, and once the engine is ready broadcasts its buckets (or only `buckets`)."""
+    ready = threading.Event()
+    pool = ThreadPoolExecutor(1)
+    result = pool.submit(manager.update_weights_from_distributed, plan, "pushed", ready.set)
+    pool.shutdown(wait=False)
+    assert ready.wait(30), "the engine never said it was ready"
+    for index in range(len(plan.buckets)) if buckets is None else buckets:
+        trainer.broadcast(_pack(plan, index, tensors))
+    return result
+
+
+@pytest.fixture
+def manager():
+    model = copy.deepcopy(tiny_model("llama"))
+    config = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=64)
+    running = ContinuousBatchingManager(model, continuous_batching_config=config)
+    running.start()
+    try:
+        yield running
+    finally:
+        running.destroy()
+
+
+def _generate(manager: ContinuousBatchingManager, prompt: list[int], n: int, timeout: float = 60):
+    request_id = manager.add_request(prompt, max_new_tokens=n)
+    return manager.get_result(request_id, timeout=timeout)
+
+
+def test_pushed_weights_serve_the_new_model(manager: ContinuousBatchingManager) -> None:
+    trainer = Trainer()
+    try:
+        assert _join(manager, trainer) == (1,)
+        assert manager.stats().weights_update_group_ranks == (1,)
+        other = seeded_tiny_llama(321)
+        state = other.state_dict()
+        names = list(state)
+        plan = _plan(
+            [[(name, state[name]) for name in names[:4]], [(name, state[name]) for name in names[4:]]]
+        )
+        assert _push(manager, trainer, plan, state).result(timeout=30) == 2
+        prompt = random_prompt(14, 3)
+        output = _generate(manager, prompt, 8)
+        expected = reference_greedy(other, prompt, 8)
+        assert output.generated_tokens == expected, f"engine {output.generated_tokens} != generate {expected}"
+        assert output.weight_version == 2
+        assert manager.destroy_weights_update_group() is True
+        assert manager.stats().weights_update_group_ranks == ()
+    finally:
+        trainer.shutdown()
+
+
+def test_bad_announcement_is_refused_before_any_byte(manager: ContinuousBatchingManager) -> None:
+    trainer = Trainer()
+    try:
+        _join(manager, trainer)
+        state = seeded_tiny_llama(5).state_dict()
+        name = "model.layers.0.mlp.up_proj.weight"
+        wrong = [
+            ("model.embed_tokens.weight", state["model.embed_tokens.weight"]),
+            (name, state[name].T.contiguous()),
+        ]
+        with pytest.raises(ValueError, match=r"up_proj\.weight.*shape"):
+            manager.update_weights_from_distributed(_plan([wrong]))
+        with pytest.raises(ValueError, match=r"'no\.such\.weight'"):
+            manager.update_weights_from_distributed(_plan([[("no.such.weight", state[name])]]))
+        # Nothing moved and nothing changed: same version, same outputs, still in the group.
+        prompt = random_prompt(10, 4)
+        assert manager.weight_version == 1
+        assert _generate(manager, prompt, 5).generated_tokens == reference_greedy(
+            tiny_model("llama"), prompt, 5
+        )
+        assert manager.stats().weights_update_group_ranks == (1,)
+    finally:
+        trainer.shutdown()
+
+
+def test_trainer_lost_midway_holds_requests_until_a_complete_update(
+    manager: ContinuousBatchingManager,
+) -> None:
+    trainer = Trainer(timeout_s=3.0)
+    other = seeded_tiny_llama(77)
+    state = other.state_dict()
+    names = list(state)
+    plan = _plan([[(names[0], state[names[0]])], [(name, state[name]) for name in names[1:]]])
+    try:
+        _join(manager, trainer)
+        pending = _push(manager, trainer, plan, state, buckets=[0])  # the trainer stalls after bucket 1
+        started = time.monotonic()
+        with pytest.raises(WeightTransferError, match="failed after writing some weights"):
+            pending.result(timeout=30)
+        assert time.monotonic() - started < 15
+    finally:
+        trainer.shutdown()
+    stats = manager.stats()
+    assert stats.weights_incomplete and "bucket 2 of 2" in stats.weights_incomplete
+    assert not stats.serving and stats.weights_update_group_ranks == ()
+    assert manager.weight_version == 1
+    # A request waits rather than run on a mix of two versions.
+    prompt = random_prompt(9, 8)
+    request_id = manager.add_request(prompt, max_new_tokens=4)
+    assert manager.get_result(request_id, timeout=1.0) is None
+    # A complete update over a new group makes the weights whole; the waiting request then runs on them.
+    trainer = Trainer()
+    try:
+        _join(manager, trainer)
+        assert _push(manager, trainer, plan, state).result(timeout=30) == 2
+    finally:
+        trainer.shutdown()
+    output = manager.get_result(request_id, timeout=60)
+    assert output is not None and output.status == RequestStatus.FINISHED
+    assert output.generated_tokens == reference_greedy(other, prompt, 4)
+    assert manager.stats().serving
+
+
+def test_failure_before_the_first_bucket_leaves_the_weights_unchanged(
+    manager: ContinuousBatchingManager,
+) -> None:
+    trainer = Trainer(timeout_s=2.0)
+    state = seeded_tiny_llama(9).state_dict()
+    plan = _plan([[(name, value) for name, value in state.items()]])
+    try:
+        _join(manager, trainer)
+        with pytest.raises(WeightTransferError, match="weights unchanged"):
+            _push(manager, trainer, plan, state, buckets=[]).result(timeout=30)
+    finally:
+        trainer.shutdown()
+    assert manager.stats().weights_incomplete is None and manager.stats().serving
+    prompt = random_prompt(11, 2)
+    assert _generate(manager, prompt, 4).generated_tokens == reference_greedy(tiny_model("llama"), prompt, 4)
+
+
+def test_join_fields_are_checked(manager: ContinuousBatchingManager) -> None:
+    with pytest.raises(ValueError, match="rank_offset must be in"):
+        manager.init_weights_update_group("127.0.0.1", 29500, 0, 2)
+    with pytest.raises(ValueError, match="world_size must be at least"):
+        manager.init_weights_update_group("127.0.0.1", 29500, 1, 1)
+    with pytest.raises(ValueError, match="master_port must be in"):
+        manager.init_weights_update_group("127.0.0.1", 70000, 1, 2)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        manager.init_weights_update_group("127.0.0.1", 29500, 1, 2, backend="mpi")
+    with pytest.raises(WeightTransferError, match="not in a weight-update group"):
+        manager.update_weights_from_distributed(_plan([[("lm_head.weight", torch.zeros(256, 64))]]))
+
+
+def _rss() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+def test_sleep_frees_the_kv_cache_and_requests_resume_after_wake_up() -> None:
+    model = copy.deepcopy(tiny_model("llama"))
+    # A cache of 4096 blocks * 16 tokens * 512 bytes = 32 MiB.
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=4096, max_batch_tokens=128)
+    manager = ContinuousBatchingManager(model, continuous_batching_config=config)
+    manager.start()
+    try:
+        prompts = [random_prompt(20 + index, index) for index in range(4)]
+        ids = [manager.add_request(prompt, max_new_tokens=24) for prompt in prompts]
+        # Cache pages cost memory once written; a long-running server's cache has been written
+        # everywhere, which writing it here stands for.
+        with manager.pause():
+            for cache in manager._engine.kv_caches:  # type: ignore[union-attr]
+                for tensor in (*cache.key_caches, *cache.value_caches):
+                    tensor[16:].fill_(1.0)
+        before = _rss()
+        outcome = manager.sleep(level=1)
+        after = _rss()
+        assert outcome.released_bytes == 4096 * 16 * 512
+        assert before - after >= 0.8 * outcome.released_bytes, f"RSS {before} -> {after}"
+        stats = manager.stats()
+        assert stats.sleep_level == 1 and not stats.serving
+        assert manager.get_result(ids[0], timeout=0.5) is None  # requests wait while asleep
+        assert manager.wake_up() == 0
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            output = manager.get_result(request_id, timeout=60)
+            while output is not None and not output.is_finished():
+                output = manager.get_result(request_id, timeout=60)
+            assert output is not None and output.status == RequestStatus.FINISHED
+            expected = reference_greedy(tiny_model("llama"), prompt, 24)
+            assert output.generated_tokens == expected, (
+                f"engine {output.generated_tokens} != generate {expected}"
+            )
+    finally:
+        manager.destroy()
+
+
+def test_weights_update_while_asleep_apply_after_wake_up(manager: ContinuousBatchingManager) -> None:
+    manager.sleep(level=2, mode="wait")
+    assert manager.stats().sleep_level == 2
+    other = seeded_tiny_llama(44)
+    assert manager.update_weights(other.state_dict()) == 2
+    assert manager.wake_up(["weights"]) == 1
+    assert manager.wake_up(["kv_cache"]) == 0
+    prompt = random_prompt(13, 6)
+    assert _generate(manager, prompt, 6).generated_tokens == reference_greedy(other, prompt, 6)
+
+
+def test_sleep_abort_cancels_in_flight_requests(manager: ContinuousBatchingManager) -> None:
+    request_id = manager.add_request(random_prompt(30, 1), max_new_tokens=200)
+    outcome = manager.sleep(level=1, mode="abort")
+    output = manager.get_result(request_id, timeout=10)
+    while output is not None and not output.is_finished():
+        output = manager.get_result(request_id, timeout=10)
+    assert output is not None and output.status == RequestStatus.CANCELLED
+    assert outcome.cancelled_requests == 1
+    manager.wake_up()
+
+
+def test_sleep_arguments_are_checked(manager: ContinuousBatchingManager) -> None:
+    with pytest.raises(ValueError, match="level must be 1"):
+        manager.sleep(level=3)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        manager.sleep(level=1, mode="later")
+    with pytest.raises(ValueError, match="tags: unknown tag 'gpu'"):
+        manager.wake_up(["gpu"])
