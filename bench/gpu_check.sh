@@ -14,6 +14,10 @@
 #             async step passed), transformers_cb and static
 #   sampling  tests/engine/test_sampling.py and test_penalties.py on the GPU, less the sampling logprobs test,
 #             whose tensors stay on the CPU
+#   cuda_ipc  tests/engine/test_cuda_ipc.py: weights copied from another process's CUDA tensors
+#   weight_sync bench/weight_sync.py --ipc: a ~125M fp32 model pushed into a server on the GPU over gRPC, over a
+#             gloo weight-update group and through CUDA IPC (NCCL needs a second GPU: one communicator refuses
+#             two ranks on one device)
 #
 # Each step runs under `timeout`, within one overall budget, and $OUT/gpu_check.json is rewritten after every
 # step: a step that fails, hangs or is killed leaves the results of the steps before it. $OUT/gpu_check.log
@@ -192,14 +196,18 @@ result = {
     "paths": pytest_counts("paths"),
     "async": pytest_counts("async"),
     "sampling": pytest_counts("sampling"),
+    "cuda_ipc": pytest_counts("cuda_ipc"),
     "bench": bench(),
+    "weight_sync": [
+        json.loads(line) for line in (read("weight_sync.jsonl") or "").splitlines() if line.startswith("{")
+    ],
 }
 summary = result["summary"]
 summary["steps"] = {step["name"]: step["status"] for step in steps}
 summary["all_passed"] = state == "finished" and all(
     step["status"] in ("passed", "skipped") for step in steps
 )
-for name in ("parity", "paths", "async", "sampling"):
+for name in ("parity", "paths", "async", "sampling", "cuda_ipc"):
     counts = result[name]
     if counts and "tests" in counts:
         finished_tests = " (stopped early: of the tests that finished)" if counts.get("incomplete") else ""
@@ -389,6 +397,19 @@ run_step bench 200 "$PYTHON" bench/offline_throughput.py --device "$DEVICE" --dt
 run_step sampling 60 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_sampling.py \
   tests/engine/test_penalties.py \
   -v -p no:cacheprovider -o timeout=60 --junitxml="$WORK/sampling.xml" "${sampling_select[@]}"
+
+# 7. Weight sync on the device: weights from another process's CUDA tensors, then the push benchmark.
+run_step cuda_ipc 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_cuda_ipc.py \
+  -v -p no:cacheprovider -o timeout=80 --junitxml="$WORK/cuda_ipc.xml"
+if [[ $SMALL == 1 ]]; then
+  sync_model=(--hidden-size 64 --intermediate-size 128 --layers 2 --vocab-size 256)
+else
+  sync_model=()
+fi
+sync_ipc=()
+[[ $DEVICE == cuda ]] && sync_ipc=(--ipc)
+run_step weight_sync 150 bash -c '"$@" > "$0"' "$WORK/weight_sync.jsonl" "$PYTHON" bench/weight_sync.py \
+  "${sync_model[@]}" "${sync_ipc[@]}"
 
 merge finished
 rm -rf "$WORK"

@@ -315,7 +315,7 @@ class ServerProcess:
     Its output goes to `log_path` (a pipe that nobody reads would block a chatty server)."""
 
     def __init__(self, model_dir: str, log_path: Path, args: argparse.Namespace) -> None:
-        self.port, admin_port = _free_ports(2)
+        self.port, self.admin_port = _free_ports(2)
         self.log_path = log_path
         command = [
             sys.executable,
@@ -327,7 +327,7 @@ class ServerProcess:
             "--port",
             str(self.port),
             "--admin-port",
-            str(admin_port),
+            str(self.admin_port),
             "--page-size",
             str(args.page_size),
             "--max-batch-tokens",

@@ -10,14 +10,16 @@ from engine.api import (
     generate_batch,
     init_continuous_batching,
 )
-from engine.commands import PauseHandle, PauseMode
+from engine.commands import PauseHandle, PauseMode, SleepOutcome
 from engine.config import ContinuousBatchingConfig
-from engine.errors import QueueFullError
+from engine.cuda_ipc import CudaIpcHandle
+from engine.errors import QueueFullError, WeightTransferError, WeightTransferTimeout
 from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from engine.manager import ContinuousBatchingManager
 from engine.parallel import (
     check_tensor_parallel_size,
     load_sharded_model,
+    tensor_parallel_size,
     torchrun_environment,
     torchrun_rank,
     torchrun_world_size,
@@ -31,14 +33,26 @@ from engine.sampling_params import (
     default_max_new_tokens,
 )
 from engine.stats import ManagerStats
+from engine.weight_transfer import (
+    DEFAULT_GROUP_NAME,
+    DEFAULT_GROUP_TIMEOUT_S,
+    BucketPlan,
+    BucketTensor,
+    WeightBucket,
+)
 from engine.weights import dtype_from_name, safetensors_files
 
 __all__ = [
+    "DEFAULT_GROUP_NAME",
+    "DEFAULT_GROUP_TIMEOUT_S",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "BucketPlan",
+    "BucketTensor",
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
+    "CudaIpcHandle",
     "FinishReason",
     "GenerationOutput",
     "InvalidParameterError",
@@ -49,6 +63,10 @@ __all__ = [
     "QueueFullError",
     "RequestStatus",
     "SamplingParams",
+    "SleepOutcome",
+    "WeightBucket",
+    "WeightTransferError",
+    "WeightTransferTimeout",
     "build_sampling_params",
     "check_tensor_parallel_size",
     "check_token_ids",
@@ -60,6 +78,7 @@ __all__ = [
     "init_continuous_batching",
     "load_sharded_model",
     "safetensors_files",
+    "tensor_parallel_size",
     "torchrun_environment",
     "torchrun_rank",
     "torchrun_world_size",

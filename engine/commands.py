@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.request import Request
 from engine.sleep import SleepLevel, SleepTag
-from engine.weight_transfer import BucketPlan, GroupSpec
+from engine.weight_transfer import BucketPlan, GroupSpec, JoinedGroup
 
 
 class LoopAction(Enum):
@@ -90,8 +90,7 @@ class JoinWeightsUpdateGroup:
     """Join a trainer's weight-update group (every tensor-parallel rank at once: collective)."""
 
     spec: GroupSpec
-    # The caller waiting for the group ranks every tensor-parallel rank took.
-    result: Future[tuple[int, ...]] | None
+    result: Future[JoinedGroup] | None
 
 
 @dataclass(frozen=True)

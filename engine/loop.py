@@ -60,6 +60,7 @@ from engine.weight_transfer import (
     BucketPlan,
     GroupSpec,
     IncompleteWeights,
+    JoinedGroup,
     TransferProgress,
     WeightsUpdateGroup,
     receive_buckets,
@@ -216,12 +217,11 @@ class GenerationLoop:
         with self._update_lock, self.pause(PauseMode.KEEP):
             return self._call(lambda result: UpdateWeights(update, result))
 
-    def join_weights_update_group(self, spec: GroupSpec) -> tuple[int, ...]:
-        """Joins a trainer's weight-update group (blocking the loop until every member joined);
-        returns the ranks this engine took."""
+    def join_weights_update_group(self, spec: GroupSpec) -> JoinedGroup:
+        """Joins a trainer's weight-update group (blocking the loop until every member joined)."""
         with self._update_lock:
             if self._weights_update_group_ranks:
-                raise WeightTransferError(
+                raise RuntimeError(
                     f"already in a weight-update group (ranks {list(self._weights_update_group_ranks)}); "
                     "destroy it first"
                 )
@@ -242,7 +242,7 @@ class GenerationLoop:
             ready.add_done_callback(lambda _: on_ready())
         with self._update_lock, self.pause(PauseMode.KEEP):
             if not self._weights_update_group_ranks:
-                raise WeightTransferError("not in a weight-update group: join one first")
+                raise RuntimeError("not in a weight-update group: join one first")
             return self._call(lambda result: UpdateWeightsFromGroup(plan, label, ready, result))
 
     def abort_weights_transfer(self) -> None:
@@ -421,19 +421,36 @@ class GenerationLoop:
         elif isinstance(command, AbortAll):
             self._abort_all(command.handle)
         elif isinstance(command, ResetPrefixCache):
-            _settle(command.result, engine.kv_cache_manager.reset_prefix_cache)
+            self._settle(command.result, engine.kv_cache_manager.reset_prefix_cache)
         elif isinstance(command, UpdateWeights):
-            _settle(command.result, lambda: self._apply_update(command.update))
+            self._settle(command.result, lambda: self._apply_update(command.update))
         elif isinstance(command, JoinWeightsUpdateGroup):
-            _settle(command.result, lambda: self._join_weights_update_group(command.spec))
+            self._settle(command.result, lambda: self._join_weights_update_group(command.spec))
         elif isinstance(command, LeaveWeightsUpdateGroup):
-            _settle(command.result, self._leave_weights_update_group)
+            self._settle(command.result, self._leave_weights_update_group)
         elif isinstance(command, UpdateWeightsFromGroup):
-            _settle(command.result, lambda: self._update_from_group(command))
+            self._settle(command.result, lambda: self._update_from_group(command))
         elif isinstance(command, Sleep):
-            _settle(command.result, lambda: self._sleep(command.level))
+            self._settle(command.result, lambda: self._sleep(command.level))
         else:
-            _settle(command.result, lambda: self._wake_up(command.tags))
+            self._settle(command.result, lambda: self._wake_up(command.tags))
+
+    def _settle(self, result: Future[T] | None, run: Callable[[], T]) -> None:
+        """Runs a command and hands its outcome to the caller waiting on `result`, with the stats
+        already showing it; a failure is the caller's error and the loop goes on (a replaying rank,
+        with nobody waiting, logs it)."""
+        try:
+            value = run()
+        except Exception as exc:
+            self._refresh_stats()
+            if result is None:
+                logger.warning("command not applied on this rank: %s", exc)
+            else:
+                result.set_exception(exc)
+        else:
+            self._refresh_stats()
+            if result is not None:
+                result.set_result(value)
 
     def _abort_all(self, handle: PauseHandle) -> None:
         for request_id in list(self.engine.requests):
@@ -477,7 +494,7 @@ class GenerationLoop:
 
     # ------------------------------------------------------------------ weight-update group, sleep
 
-    def _join_weights_update_group(self, spec: GroupSpec) -> tuple[int, ...]:
+    def _join_weights_update_group(self, spec: GroupSpec) -> JoinedGroup:
         rank = spec.rank_offset + self._tensor_parallel_rank()
         group: WeightsUpdateGroup | None = None
         error: Exception | None = None
@@ -491,10 +508,11 @@ class GenerationLoop:
                 group.close()
             raise error or WeightTransferError("another tensor-parallel rank could not join the group")
         ranks = tuple(spec.rank_offset + tp_rank for tp_rank in range(self._tensor_parallel_size()))
+        assert group is not None  # every rank joined, this one included
         with self._cond:
             self._weights_update_group = group
             self._weights_update_group_ranks = ranks
-        return ranks
+        return JoinedGroup(ranks, group.backend)
 
     def _leave_weights_update_group(self) -> bool:
         group = self._weights_update_group
@@ -687,18 +705,3 @@ def split_collective(commands: list[LoopCommand]) -> tuple[list[LoopCommand], li
     for command in commands:
         (collective if isinstance(command, COLLECTIVE_COMMANDS) else local).append(command)
     return local, collective
-
-
-def _settle(result: Future[T] | None, run: Callable[[], T]) -> None:
-    """Runs a command and hands its outcome to the caller waiting on `result`; a failure is the
-    caller's error and the loop goes on (a replaying rank, with nobody waiting, logs it)."""
-    try:
-        value = run()
-    except Exception as exc:
-        if result is None:
-            logger.warning("command not applied on this rank: %s", exc)
-        else:
-            result.set_exception(exc)
-    else:
-        if result is not None:
-            result.set_result(value)

@@ -24,6 +24,7 @@ from engine.weight_transfer import (
     DEFAULT_GROUP_TIMEOUT_S,
     BucketPlan,
     GroupSpec,
+    JoinedGroup,
     check_bucket_plan,
 )
 from engine.weights import check_tensor, model_tensors
@@ -89,11 +90,12 @@ class WeightsAndMemory:
         backend: str = "auto",
         group_name: str = DEFAULT_GROUP_NAME,
         timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-    ) -> tuple[int, ...]:
+    ) -> JoinedGroup:
         """Joins the process group a trainer created at `master_address:master_port` (it is rank 0):
-        each tensor-parallel rank joins as `rank_offset + tp_rank`. Returns those ranks once every
-        member joined (the loop does not step meanwhile). Raises ValueError for a bad field,
-        WeightTransferError (WeightTransferTimeout after `timeout_s`) when the group does not form."""
+        each tensor-parallel rank joins as `rank_offset + tp_rank`. Returns those ranks and the backend
+        once every member joined (the loop does not step meanwhile). Raises ValueError for a bad field,
+        RuntimeError when already in a group, WeightTransferError (WeightTransferTimeout after
+        `timeout_s`) when the group does not form."""
         loop = self._require_driver("init_weights_update_group")
         spec = GroupSpec(master_address, master_port, rank_offset, world_size, backend, group_name, timeout_s)
         spec.check(tensor_parallel_size(self.model))
@@ -130,11 +132,12 @@ class WeightsAndMemory:
 
     def update_weights_from_ipc(self, handles: Iterable[CudaIpcHandle], version: str | None = None) -> int:
         """Copies new weights from a colocated trainer's CUDA tensors, device to device, and returns
-        the new `weight_version`. Every handle is checked against the model before one is opened."""
+        the new `weight_version`. Every handle is checked against the model before one is opened
+        (ValueError naming the tensor); RuntimeError unless the model is on a CUDA device."""
         loop = self._require_driver("update_weights_from_ipc")
         handles = list(handles)
         if model_device(self.model).type != "cuda":
-            raise ValueError("CUDA IPC weight updates need the model on a CUDA device")
+            raise RuntimeError("CUDA IPC weight updates need the model on a CUDA device")
         targets = model_tensors(self.model)
         for handle in handles:
             check_tensor(targets, handle.name, handle.shape, handle.torch_dtype)

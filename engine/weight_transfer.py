@@ -162,6 +162,14 @@ def check_bucket_plan(targets: Mapping[str, torch.Tensor], plan: BucketPlan) -> 
 
 
 @dataclass(frozen=True)
+class JoinedGroup:
+    """What joining gave: the ranks this engine's tensor-parallel ranks took, and the backend."""
+
+    ranks: tuple[int, ...]
+    backend: str
+
+
+@dataclass(frozen=True)
 class IncompleteWeights:
     """Weights left a mix of two versions by a transfer that failed after writing some buckets."""
 

@@ -2,13 +2,19 @@
 
     python examples/rl_loop.py                 # builds a tiny random llama, starts its own server
     python examples/rl_loop.py --target H:P --admin-target H:P --model-dir DIR   # a running server
+    python examples/rl_loop.py --push grpc     # push through AdminClient.update_weights instead
 
-Each rollout prints the weight_version that produced it, so tokens can be attributed to weights.
+The weights travel as RL frameworks send them: this process forms a weight-update group with the server
+(it is rank 0; gloo here, NCCL between GPUs) and broadcasts each push in buckets (`WeightSyncGroup`).
+`--push grpc` streams them through the admin API instead, the fallback when the trainer cannot reach the
+server's ranks directly. Each rollout prints the weight_version that produced it, so tokens can be
+attributed to weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
@@ -17,7 +23,7 @@ import tempfile
 import time
 
 import torch
-from cbserve_client import AdminClient, Client
+from cbserve_client import AdminClient, Client, WeightSyncGroup
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 TOKEN = "rl-loop-token"
@@ -95,6 +101,10 @@ def main() -> None:
     parser.add_argument("--model-dir", help="the server's model folder (to train the same weights)")
     parser.add_argument("--token", default=os.environ.get("CBSERVE_ADMIN_TOKEN", TOKEN))
     parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--push", choices=("group", "grpc"), default="group", help="how weights travel")
+    parser.add_argument(
+        "--master-address", default="127.0.0.1", help="an address of this host the server can reach"
+    )
     args = parser.parse_args()
 
     server: subprocess.Popen[bytes] | None = None
@@ -119,11 +129,21 @@ def main() -> None:
         with (
             Client(target, timeout=60) as client,
             AdminClient(admin_target, token=args.token, timeout=60) as admin,
+            contextlib.ExitStack() as cleanup,
         ):
+            group = None
+            if args.push == "group":
+                group = WeightSyncGroup.create(admin, master_address=args.master_address)
+                cleanup.callback(group.close)
+                print(f"weight-update group formed: {group.backend}, server ranks {group.server_ranks}")
             for iteration in range(args.iterations):
                 completions = rollouts(client, prompts, f"iter {iteration}")
                 loss = train_step(model, prompts, completions)
-                update = admin.update_weights(dict(model.state_dict()), version=f"step-{iteration + 1}")
+                version = f"step-{iteration + 1}"
+                if group is not None:
+                    (update,) = group.push(model.state_dict(), version=version)
+                else:
+                    update = admin.update_weights(dict(model.state_dict()), version=version)
                 print(f"trained (loss {loss:.3f}); pushed weights -> weight_version {update.weight_version}")
             rollouts(client, prompts, "final")
             print("server weight_version:", admin.status().weight_version)

@@ -1,4 +1,5 @@
-"""The AdminService: pause (held while the call is open), stop, start, status and weight updates."""
+"""The AdminService: pause (held while the call is open), stop, start, status and weight updates (the
+trainer's weight-update group, CUDA IPC, sleep and wake are in service.admin_weight_sync)."""
 
 from __future__ import annotations
 
@@ -17,21 +18,15 @@ from cbserve_client.proto import admin_pb2, admin_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from engine import dtype_from_name
+from service.admin_weight_sync import PAUSE_MODES, WeightSyncRpcs, weight_sync_status
 from service.host_slot import HostSlot
 from service.metrics import NO_METRICS, MetricsObserver
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_PAUSE_MODES = {
-    admin_pb2.PAUSE_MODE_UNSPECIFIED: "keep",
-    admin_pb2.PAUSE_MODE_KEEP: "keep",
-    admin_pb2.PAUSE_MODE_WAIT: "wait",
-    admin_pb2.PAUSE_MODE_ABORT: "abort",
-}
 
-
-class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
+class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
     def __init__(
         self, slot: HostSlot, max_pause_lease_s: float, metrics: MetricsObserver = NO_METRICS
     ) -> None:
@@ -52,7 +47,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             if not request.lease_s > 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_s must be > 0")
             lease_s = min(lease_s, request.lease_s)
-        mode = _PAUSE_MODES.get(request.mode)
+        mode = PAUSE_MODES.get(request.mode)
         if mode is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pause mode {request.mode}")
             raise AssertionError("context.abort raises")
@@ -133,6 +128,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             generated_tokens=counters.generated_tokens,
             counters={"failed_steps": float(stats.failed_steps)},
             prefix_caching_enabled=stats.prefix_caching_enabled,
+            **weight_sync_status(host),
         )
 
     async def UpdateWeights(

@@ -148,9 +148,22 @@ class EngineHost:
 
     @property
     def serving(self) -> bool:
-        """Whether new requests are accepted: the engine runs (its loop has not failed: a tensor-parallel
-        rank lost) and no drain or stop is under way."""
-        return self.manager.is_running() and self.manager.loop_error is None and not self._draining
+        """Whether new requests are accepted (health follows it); see `unavailable_reason`."""
+        return self.unavailable_reason() is None
+
+    def unavailable_reason(self) -> str | None:
+        """Why new requests are refused with UNAVAILABLE, or None when they are accepted: the engine
+        stopped, its loop failed (a tensor-parallel rank lost), a drain or stop is under way, it sleeps,
+        or its weights are a mix of two versions (a transfer from the trainer failed midway). A router
+        retries the request on another replica."""
+        if not self.manager.is_running() or self.manager.loop_error is not None or self._draining:
+            return "the server is stopped or draining"
+        stats = self.manager.stats()
+        if stats.sleep_level:
+            return f"the server is asleep (sleep level {stats.sleep_level}) until Admin.WakeUp"
+        if stats.weights_incomplete is not None:
+            return f"the weights are incomplete until a complete update arrives ({stats.weights_incomplete})"
+        return None
 
     def add_state_listener(self, listener: Callable[[], None]) -> None:
         """`listener()` runs on the event loop whenever `serving` may have changed (health follows it)."""
@@ -160,7 +173,8 @@ class EngineHost:
         """`listener(record)` runs on the event loop once for each request, when it has ended."""
         self._end_listeners.append(listener)
 
-    def _state_changed(self) -> None:
+    def state_changed(self) -> None:
+        """Tells the listeners that `serving` may have changed (after sleep, wake or a weight transfer)."""
         for listener in self._state_listeners:
             listener()
 
@@ -179,10 +193,10 @@ class EngineHost:
         loop = asyncio.get_running_loop()
         if not self._watches_loop_exit:
             # The loop can end on its own (a tensor-parallel rank lost): health must follow at once.
-            self.manager.add_loop_exit_handler(lambda: _call_soon(loop, self._state_changed))
+            self.manager.add_loop_exit_handler(lambda: _call_soon(loop, self.state_changed))
             self._watches_loop_exit = True
         started = await loop.run_in_executor(None, self.start)
-        self._state_changed()
+        self.state_changed()
         return started
 
     async def stop(self, hard: bool, drain_timeout_s: float | None) -> tuple[int, int]:
@@ -192,7 +206,7 @@ class EngineHost:
         """
         live = [record for record in self._records.values() if not record.finished]
         self._draining = True
-        self._state_changed()
+        self.state_changed()
         try:
             if not hard:
                 await self.wait_idle(drain_timeout_s)
@@ -200,14 +214,14 @@ class EngineHost:
             await loop.run_in_executor(None, lambda: self.manager.stop(block=True, hard_stop=True))
             await asyncio.gather(*(record.wait_finished() for record in live))
         finally:
-            self._state_changed()
+            self.state_changed()
         drained = sum(1 for record in live if record.status == RequestStatus.FINISHED)
         return drained, len(live) - drained
 
     def begin_drain(self) -> None:
         """Refuses new requests from now on; in-flight ones keep running."""
         self._draining = True
-        self._state_changed()
+        self.state_changed()
 
     async def wait_idle(self, timeout: float | None) -> bool:
         """Waits until no request is live (at most `timeout` seconds); True when that happened."""
@@ -229,8 +243,9 @@ class EngineHost:
 
         Without `detokenize` (and without stop strings, which match on text) the record decodes no text:
         a gateway detokenizes itself, and decoding every token twice would cost the engine's cores."""
-        if not self.serving:
-            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the server is stopped or draining")
+        unavailable = self.unavailable_reason()
+        if unavailable is not None:
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, unavailable)
         existing = self._records.get(prepared.request_id)
         if existing is not None and not existing.finished:
             raise RequestRejected(

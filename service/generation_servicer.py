@@ -189,8 +189,9 @@ def submit(
     # submit exactly once; a call refused before it carries a request (model loading, malformed message)
     # has no request to count.
     try:
-        if not host.serving:
-            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the server is stopped or draining")
+        unavailable = host.unavailable_reason()
+        if unavailable is not None:
+            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, unavailable)
         record = host.submit(prepare(request, host.limits, host.tokenizer), detokenize=detokenize)
     except RequestRejected as exc:
         metrics.observe_rejected(exc.code.name)

@@ -122,9 +122,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         host = self.slot.host
         if host is None:
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="the model is still loading")
-        if host.serving:
+        unavailable = host.unavailable_reason()
+        if unavailable is None:
             return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
-        reason = host.manager.loop_error or "the engine is stopped or draining"
+        reason = host.manager.loop_error or unavailable
         return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=reason)
 
     async def GetModelInfo(

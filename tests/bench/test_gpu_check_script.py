@@ -32,9 +32,19 @@ def test_steps_past_the_budget_are_recorded_as_out_of_time_and_fail_the_check(tm
     statuses = {step["name"]: step["status"] for step in result["steps"]}
     assert done.returncode == 1, output
     assert result["state"] == "finished", result
-    assert list(statuses) == ["wheels", "env", "parity", "paths", "async", "bench", "sampling"], statuses
+    assert list(statuses) == [
+        "wheels",
+        "env",
+        "parity",
+        "paths",
+        "async",
+        "bench",
+        "sampling",
+        "cuda_ipc",
+        "weight_sync",
+    ], statuses
     assert statuses["wheels"] == "skipped", statuses
-    timed_steps = ("env", "parity", "paths", "async", "bench", "sampling")
-    assert [statuses[name] for name in timed_steps] == ["out_of_time"] * 6, statuses
+    timed_steps = ("env", "parity", "paths", "async", "bench", "sampling", "cuda_ipc", "weight_sync")
+    assert [statuses[name] for name in timed_steps] == ["out_of_time"] * 8, statuses
     assert result["summary"]["all_passed"] is False, result["summary"]
     assert (out / "gpu_check.log").exists()

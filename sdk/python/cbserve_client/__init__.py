@@ -6,25 +6,32 @@
         print(client.generate("The capital of France is", max_new_tokens=8).text)
 
 Public API: :class:`Client` (sync), :class:`AsyncClient` (asyncio), :class:`AdminClient` (pause,
-stop/start, status, weight updates), :class:`AdminFleet` (the same on every replica of a deployment at
-once), the result dataclasses, and the exceptions of
-:mod:`cbserve_client.errors`. The raw protobuf modules are in :mod:`cbserve_client.proto`.
+stop/start, status, weight updates, sleep/wake-up), :class:`AdminFleet` (the same on every replica of a
+deployment at once), :class:`WeightSyncGroup` (a trainer's weight push over NCCL or gloo), the result
+dataclasses, and the exceptions of :mod:`cbserve_client.errors`. The raw protobuf modules are in
+:mod:`cbserve_client.proto`. Importing the package never imports torch: the weight-sync and CUDA IPC
+calls import it when they run.
 """
 
+from cbserve_client._buckets import BucketTensor, WeightBucket, plan_buckets
 from cbserve_client._convert import Prompt
 from cbserve_client._types import (
     Chunk,
     Completion,
     ModelInfo,
     PauseInfo,
+    SleepResult,
     Status,
     StopResult,
     Timings,
     TokenLogprob,
     TopLogprob,
     Usage,
+    WeightsTransferReady,
     WeightsUpdate,
+    WeightsUpdateGroupInfo,
 )
+from cbserve_client._weights_transfer import WeightsTransfer
 from cbserve_client.admin import AdminClient
 from cbserve_client.aio import AsyncChunkStream, AsyncClient
 from cbserve_client.client import ChunkStream, Client
@@ -42,6 +49,7 @@ from cbserve_client.errors import (
     UnavailableError,
 )
 from cbserve_client.fleet import AdminFleet, replica_targets
+from cbserve_client.weight_sync import WeightSyncGroup
 
 __version__ = "0.1.0"
 
@@ -51,6 +59,7 @@ __all__ = [
     "AlreadyExistsError",
     "AsyncChunkStream",
     "AsyncClient",
+    "BucketTensor",
     "CancelledError",
     "CbserveError",
     "Chunk",
@@ -66,6 +75,7 @@ __all__ = [
     "PauseInfo",
     "Prompt",
     "ResourceExhaustedError",
+    "SleepResult",
     "Status",
     "StopResult",
     "Timings",
@@ -74,7 +84,13 @@ __all__ = [
     "UnauthenticatedError",
     "UnavailableError",
     "Usage",
+    "WeightBucket",
+    "WeightSyncGroup",
+    "WeightsTransfer",
+    "WeightsTransferReady",
     "WeightsUpdate",
+    "WeightsUpdateGroupInfo",
     "__version__",
+    "plan_buckets",
     "replica_targets",
 ]

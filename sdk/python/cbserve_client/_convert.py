@@ -12,19 +12,23 @@ import grpc
 from google.protobuf import timestamp_pb2
 
 from cbserve_client import _bounds
+from cbserve_client._buckets import WeightBucket
 from cbserve_client._generated.cbserve.v1 import admin_pb2, generation_pb2, types_pb2
 from cbserve_client._types import (
     Chunk,
     Completion,
     ModelInfo,
     PauseInfo,
+    SleepResult,
     Status,
     StopResult,
     Timings,
     TokenLogprob,
     TopLogprob,
     Usage,
+    WeightsTransferReady,
     WeightsUpdate,
+    WeightsUpdateGroupInfo,
 )
 from cbserve_client.errors import CbserveError, InvalidArgumentError, error_from_code
 
@@ -522,15 +526,22 @@ def status_from_proto(status: admin_pb2.GetStatusResponse) -> Status:
         generated_tokens=status.generated_tokens,
         counters=dict(status.counters),
         prefix_caching_enabled=status.prefix_caching_enabled,
+        sleep_level=status.sleep_level,
+        weights_incomplete=status.weights_incomplete,
+        weights_update_group_ranks=tuple(status.weights_update_group_ranks),
+        tensor_parallel_size=status.tensor_parallel_size,
     )
 
 
-def pause_request(mode: str, lease_s: float | None) -> admin_pb2.PauseRequest:
+def _pause_mode(mode: str) -> admin_pb2.PauseMode.ValueType:
     try:
-        pb_mode = _PAUSE_MODES[mode]
+        return _PAUSE_MODES[mode]
     except KeyError:
         raise ValueError(f"mode must be one of {sorted(_PAUSE_MODES)}, got {mode!r}") from None
-    request = admin_pb2.PauseRequest(mode=pb_mode)
+
+
+def pause_request(mode: str, lease_s: float | None) -> admin_pb2.PauseRequest:
+    request = admin_pb2.PauseRequest(mode=_pause_mode(mode))
     if lease_s is not None:
         request.lease_s = _check_float("lease_s", lease_s)
     return request
@@ -554,9 +565,81 @@ def stop_result_from_proto(message: admin_pb2.StopResponse) -> StopResult:
     )
 
 
-def weights_update_from_proto(message: admin_pb2.UpdateWeightsResponse) -> WeightsUpdate:
+def weights_update_from_proto(
+    message: admin_pb2.UpdateWeightsResponse | admin_pb2.UpdateWeightsFromIpcResponse,
+) -> WeightsUpdate:
     return WeightsUpdate(
         weight_version=message.weight_version,
         tensors_updated=message.tensors_updated,
         version_label=message.version_label,
     )
+
+
+def init_weights_update_group_request(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    backend: str,
+    group_name: str,
+    group_timeout_s: float | None,
+) -> admin_pb2.InitWeightsUpdateGroupRequest:
+    request = admin_pb2.InitWeightsUpdateGroupRequest(
+        master_address=master_address,
+        master_port=_check_int("master_port", master_port),
+        rank_offset=_check_int("rank_offset", rank_offset),
+        world_size=_check_int("world_size", world_size),
+        backend=backend,
+        group_name=group_name,
+    )
+    if group_timeout_s is not None:
+        request.timeout_s = _check_float("group_timeout_s", group_timeout_s)
+    return request
+
+
+def weights_update_group_info_from_proto(
+    message: admin_pb2.InitWeightsUpdateGroupResponse,
+) -> WeightsUpdateGroupInfo:
+    return WeightsUpdateGroupInfo(ranks=tuple(message.ranks), backend=message.backend)
+
+
+def distributed_update_request(
+    buckets: Sequence[WeightBucket], version_label: str | None, validate_only: bool
+) -> admin_pb2.UpdateWeightsFromDistributedRequest:
+    """The announcement of a transfer over the weight-update group: every bucket, in broadcast order,
+    with the name, dtype, full shape and offset of each tensor in it."""
+    return admin_pb2.UpdateWeightsFromDistributedRequest(
+        buckets=[
+            admin_pb2.WeightBucket(
+                num_bytes=bucket.num_bytes,
+                tensors=[
+                    admin_pb2.BucketTensor(
+                        name=tensor.name,
+                        dtype=tensor.dtype,
+                        shape=tensor.shape,
+                        byte_offset=tensor.byte_offset,
+                    )
+                    for tensor in bucket.tensors
+                ],
+            )
+            for bucket in buckets
+        ],
+        version_label=version_label or "",
+        validate_only=_check_bool("validate_only", validate_only),
+    )
+
+
+def weights_transfer_ready_from_proto(message: admin_pb2.WeightTransferReady) -> WeightsTransferReady:
+    return WeightsTransferReady(num_buckets=message.num_buckets, num_bytes=message.num_bytes)
+
+
+def sleep_request(level: int, mode: str) -> admin_pb2.SleepRequest:
+    return admin_pb2.SleepRequest(level=_check_int("level", level), mode=_pause_mode(mode))
+
+
+def sleep_result_from_proto(message: admin_pb2.SleepResponse) -> SleepResult:
+    return SleepResult(released_bytes=message.released_bytes, affected_requests=message.affected_requests)
+
+
+def wake_up_request(tags: Sequence[str] | None) -> admin_pb2.WakeUpRequest:
+    return admin_pb2.WakeUpRequest(tags=[] if tags is None else _check_str_list("tags", tags))

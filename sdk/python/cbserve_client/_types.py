@@ -10,13 +10,16 @@ __all__ = [
     "Completion",
     "ModelInfo",
     "PauseInfo",
+    "SleepResult",
     "Status",
     "StopResult",
     "Timings",
     "TokenLogprob",
     "TopLogprob",
     "Usage",
+    "WeightsTransferReady",
     "WeightsUpdate",
+    "WeightsUpdateGroupInfo",
 ]
 
 
@@ -150,6 +153,14 @@ class Status:
     generated_tokens: int
     counters: dict[str, float] = field(default_factory=dict)
     prefix_caching_enabled: bool = False
+    #: 0 when awake, else the level of the last sleep (1: KV cache freed; 2: weights on the host too).
+    sleep_level: int = 0
+    #: Why the weights are a mix of two versions after a failed transfer; "" when they are whole.
+    weights_incomplete: str = ""
+    #: The ranks this server holds in a weight-update group; empty when it is in none.
+    weights_update_group_ranks: tuple[int, ...] = ()
+    #: Tensor-parallel ranks serving the model: the ranks the server takes in a weight-update group.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,3 +190,30 @@ class WeightsUpdate:
     weight_version: int
     tensors_updated: int
     version_label: str
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsUpdateGroupInfo:
+    """What AdminService.InitWeightsUpdateGroup did: the group ranks the server's tensor-parallel ranks
+    took, in tensor-parallel order, and the backend in use ("gloo" or "nccl")."""
+
+    ranks: tuple[int, ...]
+    backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsTransferReady:
+    """The server waits for the buckets of an UpdateWeightsFromDistributed transfer: the trainer
+    broadcasts them now. How many buckets and bytes the server expects."""
+
+    num_buckets: int
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SleepResult:
+    """What AdminService.Sleep did: bytes of device memory released, and the in-flight requests put
+    back in the queue (mode "keep") or cancelled (mode "abort")."""
+
+    released_bytes: int
+    affected_requests: int

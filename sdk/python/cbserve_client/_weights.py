@@ -84,6 +84,9 @@ _ALIASES: dict[str, str] = {
 
 #: What update_weights accepts: a server-side safetensors path, a state dict, or (name, tensor) pairs.
 WeightsSource: TypeAlias = str | os.PathLike[str] | Mapping[str, Any] | Iterable[tuple[str, Any]]
+#: What the in-memory weight paths accept: a state dict or (name, tensor) pairs, e.g.
+#: ``model.named_parameters()``.
+NamedTensors: TypeAlias = Mapping[str, Any] | Iterable[tuple[str, Any]]
 
 
 def normalize_dtype(dtype: object) -> str:
@@ -101,6 +104,16 @@ def normalize_dtype(dtype: object) -> str:
         raise ValueError(
             f"unsupported dtype {dtype!r} (supported: {', '.join(ITEMSIZE)}; data must be little-endian)"
         ) from None
+
+
+def named_tensor_list(source: NamedTensors) -> list[tuple[str, Any]]:
+    """``source``'s (name, tensor) pairs, read once (a generator can be consumed only once, and the
+    callers need them twice: to describe them, then to send them), with their names checked."""
+    items = list(source.items() if isinstance(source, Mapping) else source)
+    for name, _tensor in items:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor names must be str, got {type(name).__name__}")
+    return items
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Synchronous client of the cbserve AdminService (pause, stop/start, status, weight updates)."""
+"""Synchronous client of the cbserve AdminService (pause, stop/start, status, weight updates, sleep)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from cbserve_client._buckets import WeightBucket
 from cbserve_client._call import (
     DEFAULT_TIMEOUT,
     Timeout,
@@ -16,20 +17,38 @@ from cbserve_client._call import (
 )
 from cbserve_client._channel import ChannelOwner
 from cbserve_client._convert import (
+    distributed_update_request,
+    init_weights_update_group_request,
     pause_info_from_proto,
     pause_request,
+    sleep_request,
+    sleep_result_from_proto,
     status_from_proto,
     stop_result_from_proto,
+    wake_up_request,
     weights_update_from_proto,
+    weights_update_group_info_from_proto,
 )
+from cbserve_client._cuda_ipc import cuda_ipc_request
 from cbserve_client._generated.cbserve.v1 import admin_pb2, admin_pb2_grpc
-from cbserve_client._types import PauseInfo, Status, StopResult, WeightsUpdate
-from cbserve_client._weights import MAX_CHUNK_BYTES, WeightsSource, update_weights_requests
+from cbserve_client._types import (
+    PauseInfo,
+    SleepResult,
+    Status,
+    StopResult,
+    WeightsUpdate,
+    WeightsUpdateGroupInfo,
+)
+from cbserve_client._weights import MAX_CHUNK_BYTES, NamedTensors, WeightsSource, update_weights_requests
+from cbserve_client._weights_transfer import WeightsTransfer
 from cbserve_client.errors import CbserveError, DeadlineExceededError, from_rpc_error
 
 __all__ = ["AdminClient"]
 
 DEFAULT_TIMEOUT_S = 60.0
+#: How long the server waits for every member of a weight-update group, and for each of the group's
+#: collectives, when the caller does not say (the server's own default).
+DEFAULT_GROUP_TIMEOUT_S = 120.0
 
 T = TypeVar("T")
 
@@ -42,8 +61,9 @@ class AdminClient(ChannelOwner):
         token: the admin bearer token, sent as ``authorization: Bearer <token>`` on every call
             (None only for a server run without admin authentication).
         credentials: TLS (or mTLS) channel credentials; None for a plaintext channel.
-        timeout: default deadline, in seconds, of unary calls (stop, start, status). Streaming
-            calls (paused, update_weights) have no deadline unless given one.
+        timeout: default deadline, in seconds, of unary calls (stop, start, status, sleep, ...).
+            Streaming calls (paused, update_weights, update_weights_from_distributed) have no
+            deadline unless given one.
         options: extra gRPC channel options.
     """
 
@@ -176,6 +196,150 @@ class AdminClient(ChannelOwner):
         if failures:  # pragma: no cover - gRPC fails the call when the iterator raises
             raise failures[0]
         return weights_update_from_proto(response)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        backend: str = "auto",
+        group_name: str = "weights",
+        group_timeout_s: float | None = None,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+    ) -> WeightsUpdateGroupInfo:
+        """Joins the weight-update group a trainer hosts (SGLang's init_weights_update_group).
+
+        The trainer is rank 0 and serves the rendezvous (a torch.distributed TCPStore) at
+        ``master_address:master_port``; the server's tensor-parallel ranks join as ranks
+        ``rank_offset``, ``rank_offset + 1``, ... of ``world_size``. The call returns only once every
+        member joined and took part in a warm-up broadcast, so the trainer forms its side of the group
+        while the call is in flight: :class:`~cbserve_client.WeightSyncGroup` does both. ``backend``:
+        "nccl", "gloo", or "auto" (nccl when the server's model is on CUDA). ``group_timeout_s`` bounds
+        the wait for the members and each later collective of the group (the server's 120 s when
+        None); the default deadline of the call is the client's timeout plus that wait.
+        """
+        request = init_weights_update_group_request(
+            master_address, master_port, rank_offset, world_size, backend, group_name, group_timeout_s
+        )
+        deadline = resolve_timeout(timeout, self.timeout)
+        if deadline is not None and timeout is DEFAULT_TIMEOUT:
+            deadline += DEFAULT_GROUP_TIMEOUT_S if group_timeout_s is None else group_timeout_s
+        response = self._call(
+            lambda: self._stub.InitWeightsUpdateGroup(request, timeout=deadline, metadata=self._metadata())
+        )
+        return weights_update_group_info_from_proto(response)
+
+    def start_update_weights_from_distributed(
+        self, buckets: Sequence[WeightBucket], *, version: str | None = None, timeout: float | None = None
+    ) -> WeightsTransfer:
+        """Announces new weights that will arrive as broadcasts over the weight-update group, and
+        returns the call in flight: :meth:`WeightsTransfer.wait_ready`, broadcast every bucket from
+        rank 0, then :meth:`WeightsTransfer.wait_done`. ``buckets`` come from
+        :func:`~cbserve_client.plan_buckets`; ``version`` is a free-form label."""
+        request = distributed_update_request(buckets, version, validate_only=False)
+        call = self._call(
+            lambda: self._stub.UpdateWeightsFromDistributed(
+                request, timeout=timeout, metadata=self._metadata()
+            )
+        )
+        return WeightsTransfer(call, self._error)
+
+    def update_weights_from_distributed(
+        self,
+        buckets: Sequence[WeightBucket],
+        *,
+        version: str | None = None,
+        validate_only: bool = False,
+        on_ready: Callable[[], None] | None = None,
+        timeout: float | None = None,
+    ) -> WeightsUpdate | None:
+        """Receives new weights as broadcasts over the weight-update group (SGLang's
+        update_weights_from_distributed), for a trainer with one server.
+
+        Announces ``buckets``, calls ``on_ready()`` once the server waits for them (the trainer
+        broadcasts them there, or another thread does), and returns what the server applied. With
+        ``validate_only`` the server only checks the announcement (a bad one raises
+        InvalidArgumentError naming the tensor) and None is returned: a trainer with several servers
+        checks with all of them before any waits for buckets. :class:`~cbserve_client.WeightSyncGroup`
+        plans, checks, broadcasts and collects for one server or many.
+        """
+        if validate_only:
+            request = distributed_update_request(buckets, version, validate_only=True)
+            self._call(
+                lambda: list(
+                    self._stub.UpdateWeightsFromDistributed(
+                        request, timeout=timeout, metadata=self._metadata()
+                    )
+                )
+            )
+            return None
+        with self.start_update_weights_from_distributed(
+            buckets, version=version, timeout=timeout
+        ) as transfer:
+            transfer.wait_ready()
+            if on_ready is not None:
+                on_ready()
+            return transfer.wait_done()
+
+    def destroy_weights_update_group(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
+        """Leaves the weight-update group (SGLang's destroy_weights_update_group). Returns False when
+        the server was in none."""
+        response = self._call(
+            lambda: self._stub.DestroyWeightsUpdateGroup(
+                admin_pb2.DestroyWeightsUpdateGroupRequest(),
+                timeout=resolve_timeout(timeout, self.timeout),
+                metadata=self._metadata(),
+            )
+        )
+        return bool(response.destroyed)
+
+    def update_weights_from_ipc(
+        self, named_tensors: NamedTensors, *, version: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> WeightsUpdate:
+        """Replaces weights with a colocated trainer's CUDA tensors, copied device to device through
+        CUDA IPC handles (SGLang's update_weights_from_tensor): no bytes cross the network.
+
+        ``named_tensors``: a mapping or (name, tensor) pairs of CUDA torch tensors; both processes must
+        number the GPUs alike (same CUDA_VISIBLE_DEVICES). The tensors stay referenced until the call
+        returns, since the server reads their memory while it runs. A tensor not on a CUDA device
+        raises ValueError naming it, before any call.
+        """
+        request, shared_tensors = cuda_ipc_request(named_tensors, version)
+        response = self._call(
+            lambda: self._stub.UpdateWeightsFromIpc(
+                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+            )
+        )
+        del shared_tensors  # the server has copied out of them
+        return weights_update_from_proto(response)
+
+    def sleep(self, level: int = 1, *, mode: str = "keep", timeout: Timeout = DEFAULT_TIMEOUT) -> SleepResult:
+        """Frees device memory for a colocated trainer (vLLM's sleep): level 1 frees the KV cache,
+        level 2 also moves the weights to host memory. Until :meth:`wake_up` the server refuses
+        generation requests (UNAVAILABLE) and health reports NOT_SERVING; weight updates still apply.
+        ``mode``: "keep" (in-flight requests are recomputed after waking), "wait" (they finish first:
+        raise ``timeout`` to match) or "abort" (they are cancelled)."""
+        request = sleep_request(level, mode)
+        response = self._call(
+            lambda: self._stub.Sleep(
+                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+            )
+        )
+        return sleep_result_from_proto(response)
+
+    def wake_up(self, tags: Sequence[str] | None = None, *, timeout: Timeout = DEFAULT_TIMEOUT) -> int:
+        """Restores what :meth:`sleep` freed (vLLM's wake_up): ``tags`` "weights" and/or "kv_cache",
+        both when None (a trainer restores the weights first, updates them, then the KV cache). Returns
+        the sleep level left: 0 once the server serves again."""
+        request = wake_up_request(tags)
+        response = self._call(
+            lambda: self._stub.WakeUp(
+                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+            )
+        )
+        return int(response.sleep_level)
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Calls ``fn()``, mapping a grpc.RpcError to the matching CbserveError (see ``_error``)."""

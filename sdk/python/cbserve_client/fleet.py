@@ -15,21 +15,39 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
 
 from cbserve_client._channel import Closeable
 from cbserve_client._connection import replica_targets, split_host_port
-from cbserve_client._types import PauseInfo, Status, WeightsUpdate
+from cbserve_client._types import PauseInfo, SleepResult, Status, WeightsUpdate
 from cbserve_client._weights import WeightsSource
 from cbserve_client.admin import DEFAULT_TIMEOUT_S, AdminClient
 from cbserve_client.errors import CbserveError, FleetError
 
-__all__ = ["AdminFleet", "replica_targets"]
+__all__ = ["AdminFleet", "replica_targets", "run_on_all"]
 
 Result = TypeVar("Result")
+
+
+def run_on_all(
+    executor: Executor, clients: Sequence[AdminClient], call: Callable[[AdminClient], Result]
+) -> list[Result]:
+    """``call`` on every client in parallel; results in client order, or FleetError naming each
+    failed target once every client has answered (so none is left running behind the error)."""
+    futures = [executor.submit(call, client) for client in clients]
+    results: dict[str, Any] = {}
+    failures: dict[str, CbserveError] = {}
+    for client, future in zip(clients, futures, strict=True):
+        try:
+            results[client.target] = future.result()
+        except CbserveError as exc:
+            failures[client.target] = exc
+    if failures:
+        raise FleetError(failures, results)
+    return [results[client.target] for client in clients]
 
 
 class AdminFleet(Closeable):
@@ -84,17 +102,7 @@ class AdminFleet(Closeable):
 
     def _on_all(self, call: Callable[[AdminClient], Result]) -> list[Result]:
         """`call` on every replica in parallel; results in target order, or FleetError."""
-        futures = [self._executor.submit(call, client) for client in self.clients]
-        results: dict[str, Any] = {}
-        failures: dict[str, CbserveError] = {}
-        for client, future in zip(self.clients, futures, strict=True):
-            try:
-                results[client.target] = future.result()
-            except CbserveError as exc:
-                failures[client.target] = exc
-        if failures:
-            raise FleetError(failures, results)
-        return [results[client.target] for client in self.clients]
+        return run_on_all(self._executor, self.clients, call)
 
     @contextlib.contextmanager
     def paused(
@@ -136,6 +144,15 @@ class AdminFleet(Closeable):
     def status(self) -> list[Status]:
         """Each replica's :class:`Status`, in target order."""
         return self._on_all(lambda client: client.status())
+
+    def sleep(self, level: int = 1, *, mode: str = "keep") -> list[SleepResult]:
+        """:meth:`AdminClient.sleep` on every replica at once; results in target order."""
+        return self._on_all(lambda client: client.sleep(level, mode=mode))
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> list[int]:
+        """:meth:`AdminClient.wake_up` on every replica at once; the sleep level each has left, in
+        target order."""
+        return self._on_all(lambda client: client.wake_up(tags))
 
     def close(self) -> None:
         for client in self.clients:

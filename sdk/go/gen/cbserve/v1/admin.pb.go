@@ -1346,8 +1346,9 @@ func (x *UpdateWeightsFromDistributedRequest) GetValidateOnly() bool {
 // The server is waiting for the buckets: the trainer broadcasts them now.
 type WeightTransferReady struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Number of buckets and bytes the server expects.
-	NumBuckets    uint32 `protobuf:"varint,1,opt,name=num_buckets,json=numBuckets,proto3" json:"num_buckets,omitempty"`
+	// Number of buckets the server expects.
+	NumBuckets uint32 `protobuf:"varint,1,opt,name=num_buckets,json=numBuckets,proto3" json:"num_buckets,omitempty"`
+	// Their total size, in bytes.
 	NumBytes      uint64 `protobuf:"varint,2,opt,name=num_bytes,json=numBytes,proto3" json:"num_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -1400,6 +1401,8 @@ func (x *WeightTransferReady) GetNumBytes() uint64 {
 // A message of the AdminService.UpdateWeightsFromDistributed stream: `ready`, then `done`.
 type UpdateWeightsFromDistributedResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
+	// What happened: the server waits for the buckets, or the update is applied.
+	//
 	// Types that are valid to be assigned to Event:
 	//
 	//	*UpdateWeightsFromDistributedResponse_Ready
@@ -1469,10 +1472,12 @@ type isUpdateWeightsFromDistributedResponse_Event interface {
 }
 
 type UpdateWeightsFromDistributedResponse_Ready struct {
+	// First message: broadcast the buckets now.
 	Ready *WeightTransferReady `protobuf:"bytes,1,opt,name=ready,proto3,oneof"`
 }
 
 type UpdateWeightsFromDistributedResponse_Done struct {
+	// Last message: the weights are updated.
 	Done *UpdateWeightsResponse `protobuf:"bytes,2,opt,name=done,proto3,oneof"`
 }
 
@@ -1572,22 +1577,28 @@ type CudaIpcTensor struct {
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Element type, as TensorChunk.dtype names it; converted to the parameter's.
 	Dtype string `protobuf:"bytes,2,opt,name=dtype,proto3" json:"dtype,omitempty"`
-	// The tensor's shape (must equal the parameter's), stride and offset, in elements.
-	Shape         []int64 `protobuf:"varint,3,rep,packed,name=shape,proto3" json:"shape,omitempty"`
-	Stride        []int64 `protobuf:"varint,4,rep,packed,name=stride,proto3" json:"stride,omitempty"`
-	StorageOffset uint64  `protobuf:"varint,5,opt,name=storage_offset,json=storageOffset,proto3" json:"storage_offset,omitempty"`
+	// The tensor's shape; must equal the parameter's.
+	Shape []int64 `protobuf:"varint,3,rep,packed,name=shape,proto3" json:"shape,omitempty"`
+	// The tensor's stride, in elements.
+	Stride []int64 `protobuf:"varint,4,rep,packed,name=stride,proto3" json:"stride,omitempty"`
+	// The tensor's offset in its storage, in elements.
+	StorageOffset uint64 `protobuf:"varint,5,opt,name=storage_offset,json=storageOffset,proto3" json:"storage_offset,omitempty"`
 	// The CUDA device the storage lives on.
 	DeviceIndex uint32 `protobuf:"varint,6,opt,name=device_index,json=deviceIndex,proto3" json:"device_index,omitempty"`
-	// The storage's cudaIpcMemHandle, its size and its offset in the shared allocation, in bytes.
-	StorageHandle      []byte `protobuf:"bytes,7,opt,name=storage_handle,json=storageHandle,proto3" json:"storage_handle,omitempty"`
-	StorageSizeBytes   uint64 `protobuf:"varint,8,opt,name=storage_size_bytes,json=storageSizeBytes,proto3" json:"storage_size_bytes,omitempty"`
+	// The cudaIpcMemHandle of the allocation that holds the storage.
+	StorageHandle []byte `protobuf:"bytes,7,opt,name=storage_handle,json=storageHandle,proto3" json:"storage_handle,omitempty"`
+	// The storage's size, in bytes.
+	StorageSizeBytes uint64 `protobuf:"varint,8,opt,name=storage_size_bytes,json=storageSizeBytes,proto3" json:"storage_size_bytes,omitempty"`
+	// The storage's offset in that allocation, in bytes.
 	StorageOffsetBytes uint64 `protobuf:"varint,9,opt,name=storage_offset_bytes,json=storageOffsetBytes,proto3" json:"storage_offset_bytes,omitempty"`
-	// torch's reference counter of the shared storage (a file handle and an offset in it).
+	// torch's reference counter of the shared storage: the handle of its file.
 	RefCounterHandle []byte `protobuf:"bytes,10,opt,name=ref_counter_handle,json=refCounterHandle,proto3" json:"ref_counter_handle,omitempty"`
+	// The counter's offset in that file.
 	RefCounterOffset uint64 `protobuf:"varint,11,opt,name=ref_counter_offset,json=refCounterOffset,proto3" json:"ref_counter_offset,omitempty"`
-	// The cudaIpcEventHandle to wait on before reading, when event_sync_required.
-	EventHandle       []byte `protobuf:"bytes,12,opt,name=event_handle,json=eventHandle,proto3" json:"event_handle,omitempty"`
-	EventSyncRequired bool   `protobuf:"varint,13,opt,name=event_sync_required,json=eventSyncRequired,proto3" json:"event_sync_required,omitempty"`
+	// The cudaIpcEventHandle to wait on before reading.
+	EventHandle []byte `protobuf:"bytes,12,opt,name=event_handle,json=eventHandle,proto3" json:"event_handle,omitempty"`
+	// Whether the reader must wait on event_handle first.
+	EventSyncRequired bool `protobuf:"varint,13,opt,name=event_sync_required,json=eventSyncRequired,proto3" json:"event_sync_required,omitempty"`
 	unknownFields     protoimpl.UnknownFields
 	sizeCache         protoimpl.SizeCache
 }
@@ -1715,8 +1726,9 @@ func (x *CudaIpcTensor) GetEventSyncRequired() bool {
 
 // Request of AdminService.UpdateWeightsFromIpc.
 type UpdateWeightsFromIpcRequest struct {
-	state   protoimpl.MessageState `protogen:"open.v1"`
-	Tensors []*CudaIpcTensor       `protobuf:"bytes,1,rep,name=tensors,proto3" json:"tensors,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The tensors to copy, each checked against the model before any is opened.
+	Tensors []*CudaIpcTensor `protobuf:"bytes,1,rep,name=tensors,proto3" json:"tensors,omitempty"`
 	// A free-form label of the new weights, as in UpdateWeightsRequest.
 	VersionLabel  string `protobuf:"bytes,2,opt,name=version_label,json=versionLabel,proto3" json:"version_label,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -1767,6 +1779,70 @@ func (x *UpdateWeightsFromIpcRequest) GetVersionLabel() string {
 	return ""
 }
 
+// Response of AdminService.UpdateWeightsFromIpc.
+type UpdateWeightsFromIpcResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Version of the weights now served (the previous version + 1).
+	WeightVersion uint64 `protobuf:"varint,1,opt,name=weight_version,json=weightVersion,proto3" json:"weight_version,omitempty"`
+	// Number of tensors replaced.
+	TensorsUpdated uint32 `protobuf:"varint,2,opt,name=tensors_updated,json=tensorsUpdated,proto3" json:"tensors_updated,omitempty"`
+	// The version_label the client sent, if any.
+	VersionLabel  string `protobuf:"bytes,3,opt,name=version_label,json=versionLabel,proto3" json:"version_label,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *UpdateWeightsFromIpcResponse) Reset() {
+	*x = UpdateWeightsFromIpcResponse{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *UpdateWeightsFromIpcResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*UpdateWeightsFromIpcResponse) ProtoMessage() {}
+
+func (x *UpdateWeightsFromIpcResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use UpdateWeightsFromIpcResponse.ProtoReflect.Descriptor instead.
+func (*UpdateWeightsFromIpcResponse) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *UpdateWeightsFromIpcResponse) GetWeightVersion() uint64 {
+	if x != nil {
+		return x.WeightVersion
+	}
+	return 0
+}
+
+func (x *UpdateWeightsFromIpcResponse) GetTensorsUpdated() uint32 {
+	if x != nil {
+		return x.TensorsUpdated
+	}
+	return 0
+}
+
+func (x *UpdateWeightsFromIpcResponse) GetVersionLabel() string {
+	if x != nil {
+		return x.VersionLabel
+	}
+	return ""
+}
+
 // Request of AdminService.Sleep.
 type SleepRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1780,7 +1856,7 @@ type SleepRequest struct {
 
 func (x *SleepRequest) Reset() {
 	*x = SleepRequest{}
-	mi := &file_cbserve_v1_admin_proto_msgTypes[22]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1792,7 +1868,7 @@ func (x *SleepRequest) String() string {
 func (*SleepRequest) ProtoMessage() {}
 
 func (x *SleepRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_admin_proto_msgTypes[22]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1805,7 +1881,7 @@ func (x *SleepRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepRequest.ProtoReflect.Descriptor instead.
 func (*SleepRequest) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{22}
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *SleepRequest) GetLevel() uint32 {
@@ -1836,7 +1912,7 @@ type SleepResponse struct {
 
 func (x *SleepResponse) Reset() {
 	*x = SleepResponse{}
-	mi := &file_cbserve_v1_admin_proto_msgTypes[23]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1848,7 +1924,7 @@ func (x *SleepResponse) String() string {
 func (*SleepResponse) ProtoMessage() {}
 
 func (x *SleepResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_admin_proto_msgTypes[23]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1861,7 +1937,7 @@ func (x *SleepResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SleepResponse.ProtoReflect.Descriptor instead.
 func (*SleepResponse) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{23}
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SleepResponse) GetReleasedBytes() uint64 {
@@ -1889,7 +1965,7 @@ type WakeUpRequest struct {
 
 func (x *WakeUpRequest) Reset() {
 	*x = WakeUpRequest{}
-	mi := &file_cbserve_v1_admin_proto_msgTypes[24]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1901,7 +1977,7 @@ func (x *WakeUpRequest) String() string {
 func (*WakeUpRequest) ProtoMessage() {}
 
 func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_admin_proto_msgTypes[24]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1914,7 +1990,7 @@ func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpRequest.ProtoReflect.Descriptor instead.
 func (*WakeUpRequest) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{24}
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *WakeUpRequest) GetTags() []string {
@@ -1935,7 +2011,7 @@ type WakeUpResponse struct {
 
 func (x *WakeUpResponse) Reset() {
 	*x = WakeUpResponse{}
-	mi := &file_cbserve_v1_admin_proto_msgTypes[25]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1947,7 +2023,7 @@ func (x *WakeUpResponse) String() string {
 func (*WakeUpResponse) ProtoMessage() {}
 
 func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_admin_proto_msgTypes[25]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1960,7 +2036,7 @@ func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpResponse.ProtoReflect.Descriptor instead.
 func (*WakeUpResponse) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{25}
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *WakeUpResponse) GetSleepLevel() uint32 {
@@ -2104,7 +2180,11 @@ const file_cbserve_v1_admin_proto_rawDesc = "" +
 	"\x13event_sync_required\x18\r \x01(\bR\x11eventSyncRequired\"w\n" +
 	"\x1bUpdateWeightsFromIpcRequest\x123\n" +
 	"\atensors\x18\x01 \x03(\v2\x19.cbserve.v1.CudaIpcTensorR\atensors\x12#\n" +
-	"\rversion_label\x18\x02 \x01(\tR\fversionLabel\"O\n" +
+	"\rversion_label\x18\x02 \x01(\tR\fversionLabel\"\x93\x01\n" +
+	"\x1cUpdateWeightsFromIpcResponse\x12%\n" +
+	"\x0eweight_version\x18\x01 \x01(\x04R\rweightVersion\x12'\n" +
+	"\x0ftensors_updated\x18\x02 \x01(\rR\x0etensorsUpdated\x12#\n" +
+	"\rversion_label\x18\x03 \x01(\tR\fversionLabel\"O\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\x12)\n" +
 	"\x04mode\x18\x02 \x01(\x0e2\x15.cbserve.v1.PauseModeR\x04mode\"c\n" +
@@ -2120,7 +2200,7 @@ const file_cbserve_v1_admin_proto_rawDesc = "" +
 	"\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n" +
 	"\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n" +
-	"\x10PAUSE_MODE_ABORT\x10\x032\xbd\a\n" +
+	"\x10PAUSE_MODE_ABORT\x10\x032\xc4\a\n" +
 	"\fAdminService\x12>\n" +
 	"\x05Pause\x12\x18.cbserve.v1.PauseRequest\x1a\x19.cbserve.v1.PauseResponse0\x01\x129\n" +
 	"\x04Stop\x12\x17.cbserve.v1.StopRequest\x1a\x18.cbserve.v1.StopResponse\x12<\n" +
@@ -2129,8 +2209,8 @@ const file_cbserve_v1_admin_proto_rawDesc = "" +
 	"\rUpdateWeights\x12 .cbserve.v1.UpdateWeightsRequest\x1a!.cbserve.v1.UpdateWeightsResponse(\x01\x12o\n" +
 	"\x16InitWeightsUpdateGroup\x12).cbserve.v1.InitWeightsUpdateGroupRequest\x1a*.cbserve.v1.InitWeightsUpdateGroupResponse\x12\x83\x01\n" +
 	"\x1cUpdateWeightsFromDistributed\x12/.cbserve.v1.UpdateWeightsFromDistributedRequest\x1a0.cbserve.v1.UpdateWeightsFromDistributedResponse0\x01\x12x\n" +
-	"\x19DestroyWeightsUpdateGroup\x12,.cbserve.v1.DestroyWeightsUpdateGroupRequest\x1a-.cbserve.v1.DestroyWeightsUpdateGroupResponse\x12b\n" +
-	"\x14UpdateWeightsFromIpc\x12'.cbserve.v1.UpdateWeightsFromIpcRequest\x1a!.cbserve.v1.UpdateWeightsResponse\x12<\n" +
+	"\x19DestroyWeightsUpdateGroup\x12,.cbserve.v1.DestroyWeightsUpdateGroupRequest\x1a-.cbserve.v1.DestroyWeightsUpdateGroupResponse\x12i\n" +
+	"\x14UpdateWeightsFromIpc\x12'.cbserve.v1.UpdateWeightsFromIpcRequest\x1a(.cbserve.v1.UpdateWeightsFromIpcResponse\x12<\n" +
 	"\x05Sleep\x12\x18.cbserve.v1.SleepRequest\x1a\x19.cbserve.v1.SleepResponse\x12?\n" +
 	"\x06WakeUp\x12\x19.cbserve.v1.WakeUpRequest\x1a\x1a.cbserve.v1.WakeUpResponseb\x06proto3"
 
@@ -2147,7 +2227,7 @@ func file_cbserve_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_cbserve_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_cbserve_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_cbserve_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
 var file_cbserve_v1_admin_proto_goTypes = []any{
 	(PauseMode)(0),                               // 0: cbserve.v1.PauseMode
 	(*PauseRequest)(nil),                         // 1: cbserve.v1.PauseRequest
@@ -2172,17 +2252,18 @@ var file_cbserve_v1_admin_proto_goTypes = []any{
 	(*DestroyWeightsUpdateGroupResponse)(nil),    // 20: cbserve.v1.DestroyWeightsUpdateGroupResponse
 	(*CudaIpcTensor)(nil),                        // 21: cbserve.v1.CudaIpcTensor
 	(*UpdateWeightsFromIpcRequest)(nil),          // 22: cbserve.v1.UpdateWeightsFromIpcRequest
-	(*SleepRequest)(nil),                         // 23: cbserve.v1.SleepRequest
-	(*SleepResponse)(nil),                        // 24: cbserve.v1.SleepResponse
-	(*WakeUpRequest)(nil),                        // 25: cbserve.v1.WakeUpRequest
-	(*WakeUpResponse)(nil),                       // 26: cbserve.v1.WakeUpResponse
-	nil,                                          // 27: cbserve.v1.GetStatusResponse.CountersEntry
-	(*timestamppb.Timestamp)(nil),                // 28: google.protobuf.Timestamp
+	(*UpdateWeightsFromIpcResponse)(nil),         // 23: cbserve.v1.UpdateWeightsFromIpcResponse
+	(*SleepRequest)(nil),                         // 24: cbserve.v1.SleepRequest
+	(*SleepResponse)(nil),                        // 25: cbserve.v1.SleepResponse
+	(*WakeUpRequest)(nil),                        // 26: cbserve.v1.WakeUpRequest
+	(*WakeUpResponse)(nil),                       // 27: cbserve.v1.WakeUpResponse
+	nil,                                          // 28: cbserve.v1.GetStatusResponse.CountersEntry
+	(*timestamppb.Timestamp)(nil),                // 29: google.protobuf.Timestamp
 }
 var file_cbserve_v1_admin_proto_depIdxs = []int32{
 	0,  // 0: cbserve.v1.PauseRequest.mode:type_name -> cbserve.v1.PauseMode
-	28, // 1: cbserve.v1.PauseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	27, // 2: cbserve.v1.GetStatusResponse.counters:type_name -> cbserve.v1.GetStatusResponse.CountersEntry
+	29, // 1: cbserve.v1.PauseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	28, // 2: cbserve.v1.GetStatusResponse.counters:type_name -> cbserve.v1.GetStatusResponse.CountersEntry
 	9,  // 3: cbserve.v1.UpdateWeightsRequest.chunk:type_name -> cbserve.v1.TensorChunk
 	14, // 4: cbserve.v1.WeightBucket.tensors:type_name -> cbserve.v1.BucketTensor
 	15, // 5: cbserve.v1.UpdateWeightsFromDistributedRequest.buckets:type_name -> cbserve.v1.WeightBucket
@@ -2199,8 +2280,8 @@ var file_cbserve_v1_admin_proto_depIdxs = []int32{
 	16, // 16: cbserve.v1.AdminService.UpdateWeightsFromDistributed:input_type -> cbserve.v1.UpdateWeightsFromDistributedRequest
 	19, // 17: cbserve.v1.AdminService.DestroyWeightsUpdateGroup:input_type -> cbserve.v1.DestroyWeightsUpdateGroupRequest
 	22, // 18: cbserve.v1.AdminService.UpdateWeightsFromIpc:input_type -> cbserve.v1.UpdateWeightsFromIpcRequest
-	23, // 19: cbserve.v1.AdminService.Sleep:input_type -> cbserve.v1.SleepRequest
-	25, // 20: cbserve.v1.AdminService.WakeUp:input_type -> cbserve.v1.WakeUpRequest
+	24, // 19: cbserve.v1.AdminService.Sleep:input_type -> cbserve.v1.SleepRequest
+	26, // 20: cbserve.v1.AdminService.WakeUp:input_type -> cbserve.v1.WakeUpRequest
 	2,  // 21: cbserve.v1.AdminService.Pause:output_type -> cbserve.v1.PauseResponse
 	4,  // 22: cbserve.v1.AdminService.Stop:output_type -> cbserve.v1.StopResponse
 	6,  // 23: cbserve.v1.AdminService.Start:output_type -> cbserve.v1.StartResponse
@@ -2209,9 +2290,9 @@ var file_cbserve_v1_admin_proto_depIdxs = []int32{
 	13, // 26: cbserve.v1.AdminService.InitWeightsUpdateGroup:output_type -> cbserve.v1.InitWeightsUpdateGroupResponse
 	18, // 27: cbserve.v1.AdminService.UpdateWeightsFromDistributed:output_type -> cbserve.v1.UpdateWeightsFromDistributedResponse
 	20, // 28: cbserve.v1.AdminService.DestroyWeightsUpdateGroup:output_type -> cbserve.v1.DestroyWeightsUpdateGroupResponse
-	11, // 29: cbserve.v1.AdminService.UpdateWeightsFromIpc:output_type -> cbserve.v1.UpdateWeightsResponse
-	24, // 30: cbserve.v1.AdminService.Sleep:output_type -> cbserve.v1.SleepResponse
-	26, // 31: cbserve.v1.AdminService.WakeUp:output_type -> cbserve.v1.WakeUpResponse
+	23, // 29: cbserve.v1.AdminService.UpdateWeightsFromIpc:output_type -> cbserve.v1.UpdateWeightsFromIpcResponse
+	25, // 30: cbserve.v1.AdminService.Sleep:output_type -> cbserve.v1.SleepResponse
+	27, // 31: cbserve.v1.AdminService.WakeUp:output_type -> cbserve.v1.WakeUpResponse
 	21, // [21:32] is the sub-list for method output_type
 	10, // [10:21] is the sub-list for method input_type
 	10, // [10:10] is the sub-list for extension type_name
@@ -2242,7 +2323,7 @@ func file_cbserve_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cbserve_v1_admin_proto_rawDesc), len(file_cbserve_v1_admin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   27,
+			NumMessages:   28,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

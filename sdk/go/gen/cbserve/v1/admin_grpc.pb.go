@@ -97,7 +97,7 @@ type AdminServiceClient interface {
 	// to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
 	// UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
 	// device. The trainer keeps its tensors alive until the call returns.
-	UpdateWeightsFromIpc(ctx context.Context, in *UpdateWeightsFromIpcRequest, opts ...grpc.CallOption) (*UpdateWeightsResponse, error)
+	UpdateWeightsFromIpc(ctx context.Context, in *UpdateWeightsFromIpcRequest, opts ...grpc.CallOption) (*UpdateWeightsFromIpcResponse, error)
 	// Frees memory for a colocated trainer (vLLM's sleep). Level 1 frees the KV cache (the prefix
 	// cache is dropped); level 2 also moves the weights to host memory. While asleep the engine
 	// does not step: new generation requests are refused with UNAVAILABLE (a router retries another
@@ -219,9 +219,9 @@ func (c *adminServiceClient) DestroyWeightsUpdateGroup(ctx context.Context, in *
 	return out, nil
 }
 
-func (c *adminServiceClient) UpdateWeightsFromIpc(ctx context.Context, in *UpdateWeightsFromIpcRequest, opts ...grpc.CallOption) (*UpdateWeightsResponse, error) {
+func (c *adminServiceClient) UpdateWeightsFromIpc(ctx context.Context, in *UpdateWeightsFromIpcRequest, opts ...grpc.CallOption) (*UpdateWeightsFromIpcResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
-	out := new(UpdateWeightsResponse)
+	out := new(UpdateWeightsFromIpcResponse)
 	err := c.cc.Invoke(ctx, AdminService_UpdateWeightsFromIpc_FullMethodName, in, out, cOpts...)
 	if err != nil {
 		return nil, err
@@ -308,7 +308,7 @@ type AdminServiceServer interface {
 	// to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
 	// UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
 	// device. The trainer keeps its tensors alive until the call returns.
-	UpdateWeightsFromIpc(context.Context, *UpdateWeightsFromIpcRequest) (*UpdateWeightsResponse, error)
+	UpdateWeightsFromIpc(context.Context, *UpdateWeightsFromIpcRequest) (*UpdateWeightsFromIpcResponse, error)
 	// Frees memory for a colocated trainer (vLLM's sleep). Level 1 frees the KV cache (the prefix
 	// cache is dropped); level 2 also moves the weights to host memory. While asleep the engine
 	// does not step: new generation requests are refused with UNAVAILABLE (a router retries another
@@ -353,7 +353,7 @@ func (UnimplementedAdminServiceServer) UpdateWeightsFromDistributed(*UpdateWeigh
 func (UnimplementedAdminServiceServer) DestroyWeightsUpdateGroup(context.Context, *DestroyWeightsUpdateGroupRequest) (*DestroyWeightsUpdateGroupResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method DestroyWeightsUpdateGroup not implemented")
 }
-func (UnimplementedAdminServiceServer) UpdateWeightsFromIpc(context.Context, *UpdateWeightsFromIpcRequest) (*UpdateWeightsResponse, error) {
+func (UnimplementedAdminServiceServer) UpdateWeightsFromIpc(context.Context, *UpdateWeightsFromIpcRequest) (*UpdateWeightsFromIpcResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method UpdateWeightsFromIpc not implemented")
 }
 func (UnimplementedAdminServiceServer) Sleep(context.Context, *SleepRequest) (*SleepResponse, error) {

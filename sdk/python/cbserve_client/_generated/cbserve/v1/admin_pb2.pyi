@@ -708,8 +708,9 @@ class WeightTransferReady(_message.Message):
     NUM_BUCKETS_FIELD_NUMBER: _builtins.int
     NUM_BYTES_FIELD_NUMBER: _builtins.int
     num_buckets: _builtins.int
-    """Number of buckets and bytes the server expects."""
+    """Number of buckets the server expects."""
     num_bytes: _builtins.int
+    """Their total size, in bytes."""
     def __init__(
         self,
         *,
@@ -733,9 +734,13 @@ class UpdateWeightsFromDistributedResponse(_message.Message):
     READY_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def ready(self) -> Global___WeightTransferReady: ...
+    def ready(self) -> Global___WeightTransferReady:
+        """First message: broadcast the buckets now."""
+
     @_builtins.property
-    def done(self) -> Global___UpdateWeightsResponse: ...
+    def done(self) -> Global___UpdateWeightsResponse:
+        """Last message: the weights are updated."""
+
     def __init__(
         self,
         *,
@@ -818,24 +823,31 @@ class CudaIpcTensor(_message.Message):
     dtype: _builtins.str
     """Element type, as TensorChunk.dtype names it; converted to the parameter's."""
     storage_offset: _builtins.int
+    """The tensor's offset in its storage, in elements."""
     device_index: _builtins.int
     """The CUDA device the storage lives on."""
     storage_handle: _builtins.bytes
-    """The storage's cudaIpcMemHandle, its size and its offset in the shared allocation, in bytes."""
+    """The cudaIpcMemHandle of the allocation that holds the storage."""
     storage_size_bytes: _builtins.int
+    """The storage's size, in bytes."""
     storage_offset_bytes: _builtins.int
+    """The storage's offset in that allocation, in bytes."""
     ref_counter_handle: _builtins.bytes
-    """torch's reference counter of the shared storage (a file handle and an offset in it)."""
+    """torch's reference counter of the shared storage: the handle of its file."""
     ref_counter_offset: _builtins.int
+    """The counter's offset in that file."""
     event_handle: _builtins.bytes
-    """The cudaIpcEventHandle to wait on before reading, when event_sync_required."""
+    """The cudaIpcEventHandle to wait on before reading."""
     event_sync_required: _builtins.bool
+    """Whether the reader must wait on event_handle first."""
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The tensor's shape (must equal the parameter's), stride and offset, in elements."""
+        """The tensor's shape; must equal the parameter's."""
 
     @_builtins.property
-    def stride(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def stride(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tensor's stride, in elements."""
+
     def __init__(
         self,
         *,
@@ -872,7 +884,9 @@ class UpdateWeightsFromIpcRequest(_message.Message):
     version_label: _builtins.str
     """A free-form label of the new weights, as in UpdateWeightsRequest."""
     @_builtins.property
-    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaIpcTensor]: ...
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___CudaIpcTensor]:
+        """The tensors to copy, each checked against the model before any is opened."""
+
     def __init__(
         self,
         *,
@@ -886,6 +900,36 @@ class UpdateWeightsFromIpcRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UpdateWeightsFromIpcRequest: _TypeAlias = UpdateWeightsFromIpcRequest  # noqa: Y015
+
+@_typing.final
+class UpdateWeightsFromIpcResponse(_message.Message):
+    """Response of AdminService.UpdateWeightsFromIpc."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    TENSORS_UPDATED_FIELD_NUMBER: _builtins.int
+    VERSION_LABEL_FIELD_NUMBER: _builtins.int
+    weight_version: _builtins.int
+    """Version of the weights now served (the previous version + 1)."""
+    tensors_updated: _builtins.int
+    """Number of tensors replaced."""
+    version_label: _builtins.str
+    """The version_label the client sent, if any."""
+    def __init__(
+        self,
+        *,
+        weight_version: _builtins.int = ...,
+        tensors_updated: _builtins.int = ...,
+        version_label: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tensors_updated", b"tensors_updated", "version_label", b"version_label", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateWeightsFromIpcResponse: _TypeAlias = UpdateWeightsFromIpcResponse  # noqa: Y015
 
 @_typing.final
 class SleepRequest(_message.Message):

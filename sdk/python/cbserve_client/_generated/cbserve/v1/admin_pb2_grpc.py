@@ -78,7 +78,7 @@ class AdminServiceStub:
         self.UpdateWeightsFromIpc = channel.unary_unary(
                 '/cbserve.v1.AdminService/UpdateWeightsFromIpc',
                 request_serializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromIpcRequest.SerializeToString,
-                response_deserializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsResponse.FromString,
+                response_deserializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromIpcResponse.FromString,
                 _registered_method=True)
         self.Sleep = channel.unary_unary(
                 '/cbserve.v1.AdminService/Sleep',
@@ -261,7 +261,7 @@ def add_AdminServiceServicer_to_server(servicer, server):
             'UpdateWeightsFromIpc': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeightsFromIpc,
                     request_deserializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromIpcRequest.FromString,
-                    response_serializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsResponse.SerializeToString,
+                    response_serializer=cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromIpcResponse.SerializeToString,
             ),
             'Sleep': grpc.unary_unary_rpc_method_handler(
                     servicer.Sleep,
@@ -517,7 +517,7 @@ class AdminService:
             target,
             '/cbserve.v1.AdminService/UpdateWeightsFromIpc',
             cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromIpcRequest.SerializeToString,
-            cbserve_dot_v1_dot_admin__pb2.UpdateWeightsResponse.FromString,
+            cbserve_dot_v1_dot_admin__pb2.UpdateWeightsFromIpcResponse.FromString,
             options,
             channel_credentials,
             insecure,

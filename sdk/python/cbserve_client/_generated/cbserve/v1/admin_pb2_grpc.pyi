@@ -93,7 +93,7 @@ class AdminServiceStub:
     """
     DestroyWeightsUpdateGroup: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DestroyWeightsUpdateGroupRequest, _admin_pb2.DestroyWeightsUpdateGroupResponse]
     """Leaves the weight-update group (SGLang's destroy_weights_update_group). Idempotent."""
-    UpdateWeightsFromIpc: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UpdateWeightsFromIpcRequest, _admin_pb2.UpdateWeightsResponse]
+    UpdateWeightsFromIpc: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UpdateWeightsFromIpcRequest, _admin_pb2.UpdateWeightsFromIpcResponse]
     """Copies new weights from a colocated trainer's CUDA tensors, named by CUDA IPC handles, device
     to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
     UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
@@ -171,7 +171,7 @@ class AdminServiceAsyncStub(AdminServiceStub):
     """
     DestroyWeightsUpdateGroup: _aio.UnaryUnaryMultiCallable[_admin_pb2.DestroyWeightsUpdateGroupRequest, _admin_pb2.DestroyWeightsUpdateGroupResponse]  # type: ignore[assignment]
     """Leaves the weight-update group (SGLang's destroy_weights_update_group). Idempotent."""
-    UpdateWeightsFromIpc: _aio.UnaryUnaryMultiCallable[_admin_pb2.UpdateWeightsFromIpcRequest, _admin_pb2.UpdateWeightsResponse]  # type: ignore[assignment]
+    UpdateWeightsFromIpc: _aio.UnaryUnaryMultiCallable[_admin_pb2.UpdateWeightsFromIpcRequest, _admin_pb2.UpdateWeightsFromIpcResponse]  # type: ignore[assignment]
     """Copies new weights from a colocated trainer's CUDA tensors, named by CUDA IPC handles, device
     to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
     UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
@@ -300,7 +300,7 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _admin_pb2.UpdateWeightsFromIpcRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_admin_pb2.UpdateWeightsResponse, _abc.Awaitable[_admin_pb2.UpdateWeightsResponse]]:
+    ) -> _typing.Union[_admin_pb2.UpdateWeightsFromIpcResponse, _abc.Awaitable[_admin_pb2.UpdateWeightsFromIpcResponse]]:
         """Copies new weights from a colocated trainer's CUDA tensors, named by CUDA IPC handles, device
         to device with no host round trip (SGLang's update_weights_from_tensor). Checked like
         UpdateWeights before any weight changes; FAILED_PRECONDITION unless the model is on a CUDA
