@@ -408,7 +408,7 @@ else
 fi
 sync_ipc=()
 [[ $DEVICE == cuda ]] && sync_ipc=(--ipc)
-run_step weight_sync 150 bash -c '"$@" > "$0"' "$WORK/weight_sync.jsonl" "$PYTHON" bench/weight_sync.py \
+run_step weight_sync 150 bash -c '"$@" > "$0"' "$WORK/weight_sync.jsonl" "$PYTHON" -m bench.weight_sync \
   "${sync_model[@]}" "${sync_ipc[@]}"
 
 merge finished

@@ -565,6 +565,8 @@ class GenerationLoop:
         if engine.has_step_in_flight:
             self._flush()
         released = requeued = 0
+        if self._weights_update_group is not None:
+            released += self._weights_update_group.release_buffer()
         if SleepTag.KV_CACHE not in self._asleep:
             requeued = engine.scheduler.num_running
             released += release_kv_cache(engine)

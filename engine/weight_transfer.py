@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from engine.errors import WeightTransferError, WeightTransferTimeout
 from engine.weights import StagedTensor, apply_weights, cast_for_target, check_tensor, dtype_from_name
@@ -197,6 +198,9 @@ class WeightsUpdateGroup:
         """Joins: returns once every member joined and took part in the warm-up broadcast; raises
         WeightTransferError (WeightTransferTimeout) when that does not happen within `spec.timeout_s`."""
         self._group: Any = None  # ProcessGroupGloo or ProcessGroupNCCL (no common public base)
+        # Where buckets land, kept from one push to the next: a fresh buffer would be paged in (or
+        # allocated on the device) again on every push, which costs as much as the transfer on a CPU.
+        self._buffer: torch.Tensor | None = None
         try:
             self._join(spec, rank, device)
         except Exception as exc:
@@ -251,6 +255,18 @@ class WeightsUpdateGroup:
         if not work.wait(self.timeout):
             raise WeightTransferTimeout(f"no broadcast from the trainer within {self.spec.timeout_s:g} s")
 
+    def bucket_buffer(self, num_bytes: int) -> torch.Tensor:
+        """A buffer of at least `num_bytes` on the group's device, the same one push after push."""
+        if self._buffer is None or self._buffer.numel() < num_bytes:
+            self._buffer = None  # freed before its larger successor is allocated
+            self._buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.buffer_device)
+        return self._buffer
+
+    def release_buffer(self) -> int:
+        """Frees the bucket buffer (sleep gives its memory back too); returns its bytes."""
+        buffer, self._buffer = self._buffer, None
+        return 0 if buffer is None else buffer.numel()
+
     def abort(self) -> None:
         """Ends a receive in progress from another thread (the caller gave up on the transfer)."""
         group = self._group
@@ -258,6 +274,7 @@ class WeightsUpdateGroup:
             group.abort()
 
     def close(self) -> None:
+        self.release_buffer()
         group, self._group = self._group, None
         if group is not None and hasattr(group, "shutdown"):
             try:
@@ -283,9 +300,8 @@ def receive_buckets(
     """Receives `plan`'s buckets and copies each into the weights as it lands; returns the number of
     tensors updated. Raises when a broadcast fails or times out; `progress` then says how many
     buckets were already applied (the weights are a mix of two versions when it is not 0)."""
-    largest = max(bucket.num_bytes for bucket in plan.buckets)
     # One buffer for every bucket: the transfer holds one bucket of memory, never a copy of the model.
-    buffer = torch.empty(largest, dtype=torch.uint8, device=group.buffer_device)
+    buffer = group.bucket_buffer(max(bucket.num_bytes for bucket in plan.buckets))
     if on_ready is not None:
         on_ready()
     num_tensors = 0
@@ -297,13 +313,15 @@ def receive_buckets(
             raise transfer_error(
                 f"bucket {index + 1} of {len(plan.buckets)} not received", exc, group.spec.timeout_s
             ) from exc
-        staged = []
-        for tensor in bucket.tensors:
-            data = received[tensor.byte_offset : tensor.byte_offset + tensor.num_bytes]
-            value = data.view(dtype_from_name(tensor.dtype)).reshape(tensor.shape)
-            target = targets[tensor.name]
-            staged.append(StagedTensor(tensor.name, target, cast_for_target(value, target)))
-        apply_weights(staged)
+        with torch.no_grad():
+            for tensor in bucket.tensors:
+                data = received[tensor.byte_offset : tensor.byte_offset + tensor.num_bytes]
+                value = data.view(dtype_from_name(tensor.dtype)).reshape(tensor.shape)
+                target = targets[tensor.name]
+                if isinstance(target, DTensor):  # this rank's shard, cut from the full tensor
+                    apply_weights([StagedTensor(tensor.name, target, cast_for_target(value, target))])
+                else:  # straight from the bucket, converted on the way: no intermediate copy
+                    target.data.copy_(value)
         progress.num_buckets_applied += 1
-        num_tensors += len(staged)
+        num_tensors += len(bucket.tensors)
     return num_tensors

@@ -90,6 +90,9 @@ class WeightSyncGroup(Closeable):
         self.backend = backend
         self.server_ranks = server_ranks
         self.world_size = 1 + sum(len(ranks) for ranks in server_ranks)
+        # The packing buffer, kept from one push to the next (the servers keep theirs too): a fresh one
+        # is paged in again on every push, which on a CPU costs as much as the broadcast.
+        self._buffer: torch.Tensor | None = None
 
     @classmethod
     def create(
@@ -248,6 +251,7 @@ class WeightSyncGroup(Closeable):
         self._close(abort=False)
 
     def _close(self, *, abort: bool) -> None:
+        self._buffer = None
         process_group, self._process_group = self._process_group, None
         if process_group is None:
             return
@@ -300,9 +304,11 @@ class WeightSyncGroup(Closeable):
         broadcasts it from rank 0: the servers receive the buckets in announcement order."""
         import torch
 
-        buffer = torch.empty(
-            max(bucket.num_bytes for bucket in buckets), dtype=torch.uint8, device=self._device
-        )
+        largest = max(bucket.num_bytes for bucket in buckets)
+        if self._buffer is None or self._buffer.numel() < largest:
+            self._buffer = None  # freed before its larger successor is allocated
+            self._buffer = torch.empty(largest, dtype=torch.uint8, device=self._device)
+        buffer = self._buffer
         with torch.no_grad():
             for index, bucket in enumerate(buckets):
                 packed = buffer[: bucket.num_bytes]
