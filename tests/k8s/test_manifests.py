@@ -162,13 +162,16 @@ def test_network_policy_admits_only_trainers_to_admin(rendered: tuple[str, list[
     pod_labels = one(docs, "Deployment", "cbserve")["spec"]["template"]["metadata"]["labels"]
     assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
     assert policy["policyTypes"] == ["Ingress"]
-    by_port: dict[int, list[Doc]] = {}
-    for rule in policy["ingress"]:
-        for port in rule["ports"]:
-            by_port.setdefault(port["port"], []).extend(rule["from"])
-    assert set(by_port) == {GENERATION_PORT, ADMIN_PORT}
-    assert by_port[ADMIN_PORT] == [{"podSelector": {"matchLabels": TRAINER_LABEL}}]
-    assert by_port[GENERATION_PORT] == [{"podSelector": {}}]
+    client = {"app": "client"}
+    assert admits(docs, pod_labels, client, GENERATION_PORT)
+    assert admits(docs, pod_labels, TRAINER_LABEL, ADMIN_PORT)
+    for source in (client, pod_labels):
+        assert not admits(docs, pod_labels, source, ADMIN_PORT)
+    # A weight-update group's ranks listen on ports the OS picks: trainers and other replicas reach them.
+    for port in (1024, 40000, 50053, 65535):
+        assert admits(docs, pod_labels, TRAINER_LABEL, port)
+        assert admits(docs, pod_labels, pod_labels, port)
+        assert not admits(docs, pod_labels, client, port)
 
 
 def test_pdb_and_hpa_target_the_deployment(rendered: tuple[str, list[Doc]]) -> None:
@@ -267,7 +270,10 @@ def admits(docs: list[Doc], to_labels: dict[str, str], from_labels: dict[str, st
         return True
     for policy in isolating:
         for rule in policy.get("ingress", []):
-            port_ok = "ports" not in rule or any(p.get("port") == port for p in rule["ports"])
+            port_ok = "ports" not in rule or any(
+                p.get("port") == port or p.get("port", 0) <= port <= p.get("endPort", -1)
+                for p in rule["ports"]
+            )
             peer_ok = "from" not in rule or any(
                 set(peer) == {"podSelector"} and selects(peer["podSelector"], from_labels)
                 for peer in rule["from"]
