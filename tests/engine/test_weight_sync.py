@@ -2,7 +2,7 @@
 
 The trainer here is a thread of the test process holding rank 0 of a gloo group, built from torch's
 public classes exactly as a training job builds it; the engine joins as rank 1. (The SDK's trainer
-helper and `cbserve serve --tp 2` are tested through the service, tests/service/test_weight_sync.py.)
+helper and `cbserve serve --tp 2` are tested through the service, tests/service/test_weight_sync_service.py.)
 """
 
 from __future__ import annotations
