@@ -193,7 +193,7 @@ class LogitsPenalties:
             row * vocab_size + token
             for row, request, before in zip(rows, requests, num_before, strict=True)
             if before - request.num_prompt_tokens < request.sampling.min_new_tokens
-            for token in request.sampling.eos_token_ids
+            for token in request.sampling.eos_token_ids | request.sampling.stop_token_ids
             if token < vocab_size
         ]
         if at:

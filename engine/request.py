@@ -25,8 +25,9 @@ class RequestStatus(IntEnum):
 
 
 class FinishReason(StrEnum):
-    """Why a request ended. The values are the wire's and the metrics' labels: "stop" is a stop string the
-    service matched on the decoded text (the engine itself ends requests on EOS, length, cancel or error)."""
+    """Why a request ended. The values are the wire's and the metrics' labels: "stop" is one of the
+    request's stop token ids (the engine) or stop strings (matched by the service on the decoded text);
+    `stop_reason` says which."""
 
     EOS = "eos"
     STOP = "stop"
@@ -61,6 +62,11 @@ class GenerationOutput:
     num_cached_tokens: int = 0
     # The weight version (manager.weight_version) that produced the latest token; 0 before any.
     weight_version: int = 0
+    # With FinishReason.STOP: the stop token id (or, in the service, the stop string) that ended it.
+    stop_reason: int | str | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token after the first, (its logprob, the top
+    # alternatives {token id: logprob}); the first prompt token has no logprob (nothing precedes it).
+    prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
@@ -79,6 +85,7 @@ class Request:
 
     __slots__ = (
         "all_token_ids",
+        "arrival_index",
         "block_hashes",
         "created_time",
         "error",
@@ -93,12 +100,16 @@ class Request:
         "num_prompt_tokens",
         "num_tokens_to_recompute",
         "offloaded",
+        "priority",
+        "prompt_logprobs",
         "record_timestamps",
         "request_id",
         "sampling",
         "scheduled_time",
         "status",
+        "stop_reason",
         "streaming",
+        "structured_state",
         "timestamps",
         "top_logprobs",
         "weight_version",
@@ -111,6 +122,7 @@ class Request:
         sampling: SamplingParams,
         streaming: bool = False,
         record_timestamps: bool = False,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids = list(prompt_ids)
@@ -141,6 +153,17 @@ class Request:
         self.generator: object | None = None
         # The weight version that produced the latest generated token (0 before the first).
         self.weight_version = 0
+        # The "priority" scheduling policy admits smaller values first, and preempts larger ones first.
+        self.priority = priority
+        # Order of arrival at the scheduler (set by it): ties of priority go first-come.
+        self.arrival_index = 0
+        self.stop_reason: int | str | None = None
+        # Filled while the prompt is computed, when SamplingParams.prompt_logprobs is set.
+        self.prompt_logprobs: list[tuple[float, dict[int, float]]] | None = (
+            [] if sampling.prompt_logprobs is not None else None
+        )
+        # The grammar matcher of a request with SamplingParams.structured_output (engine.structured_output).
+        self.structured_state: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -179,6 +202,8 @@ class Request:
             timestamps=list(self.timestamps) if self.record_timestamps else None,
             num_cached_tokens=self.num_cached_tokens,
             weight_version=self.weight_version,
+            stop_reason=self.stop_reason,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
         )
 
     def __repr__(self) -> str:

@@ -1,7 +1,7 @@
 """Per-request sampling, vectorised over the batch.
 
 Penalties and `min_new_tokens` (engine.penalties) come first, for the rows that set them; then
-temperature, top-k and top-p are applied to all sampled rows in one pass. The random draw uses the
+temperature, top-k, top-p and min-p are applied to all sampled rows in one pass. The random draw uses the
 exponential race (`argmax(p / E)`, E ~ Exp(1)), which samples from `p` without a cumulative sum; each
 seeded request draws its noise from its own generator, so its tokens depend on its seed alone, never
 on which requests share its batch.
@@ -124,6 +124,9 @@ class Sampler:
         top_ps = [p.top_p if p.top_p is not None else 1.0 for p in params]
         if min(top_ks) < vocab_size or min(top_ps) < 1.0:
             logits = _apply_top_k_top_p(logits, top_ks, top_ps)
+        min_ps = [p.min_p or 0.0 for p in params]
+        if max(min_ps) > 0.0:
+            logits = _apply_min_p(logits, min_ps)
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
         for row, generator in enumerate(generators):
@@ -143,6 +146,14 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_indices, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Drops the tokens whose probability (after temperature, top-k and top-p) is below min_p times the
+    most likely token's; that token always stays."""
+    probs = torch.softmax(logits, dim=-1)
+    thresholds = probs.amax(dim=-1, keepdim=True) * to_device(min_ps, probs.dtype, probs.device).unsqueeze(1)
+    return logits.masked_fill(probs < thresholds, float("-inf"))
 
 
 def request_generator(seed: int, device: torch.device) -> torch.Generator:

@@ -21,6 +21,10 @@ MAX_TOP_LOGPROBS = 20
 # OpenAI's bounds on presence_penalty and frequency_penalty, and on logit_bias values.
 MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_STOP_TOKEN_IDS = 64
+# A JSON schema, regex or grammar longer than this is refused before it reaches the grammar compiler.
+MAX_STRUCTURED_OUTPUT_CHARS = 65536
+STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "grammar")
 # The generate() keyword arguments a request may carry besides max_new_tokens and eos_token_id.
 SAMPLING_KWARGS = (
     "temperature",
@@ -35,6 +39,10 @@ SAMPLING_KWARGS = (
     "frequency_penalty",
     "min_new_tokens",
     "logit_bias",
+    "min_p",
+    "stop_token_ids",
+    "prompt_logprobs",
+    "structured_output",
 )
 
 
@@ -44,6 +52,16 @@ class InvalidParameterError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}{message}")
         self.field = field
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output (engine.structured_output): `kind` is "json_schema" (`spec`, a JSON
+    schema), "json_object" (any JSON object; `spec` empty), "regex" (`spec`, a regular expression) or
+    "grammar" (`spec`, an EBNF grammar in the Lark / GBNF style)."""
+
+    kind: str
+    spec: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,6 +83,13 @@ class SamplingParams:
     min_new_tokens: int = 0
     # (token id, bias) pairs added to the logits first, as transformers' sequence_bias of one token.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Tokens whose probability is below min_p times the most likely token's are never sampled.
+    min_p: float | None = None
+    # Tokens that end the output besides `eos_token_ids` (FinishReason.STOP, with the token as stop_reason).
+    stop_token_ids: frozenset[int] = frozenset()
+    # Per prompt token, its logprob and this many alternatives (vLLM's prompt_logprobs); None: off.
+    prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -139,21 +164,78 @@ def build_sampling_params(
         top_logprobs=top_logprobs,
         **_penalties(settings, generation_config, max_new_tokens, fields),
         logit_bias=_logit_bias(settings.get("logit_bias"), vocab_size, fields),
+        stop_token_ids=_stop_token_ids(settings.get("stop_token_ids"), vocab_size, fields),
+        prompt_logprobs=_prompt_logprobs(settings.get("prompt_logprobs"), fields),
+        structured_output=_structured_output(settings.get("structured_output"), fields),
     )
 
 
+def _stop_token_ids(stop_token_ids: Any, vocab_size: int, fields: _Fields) -> frozenset[int]:
+    if stop_token_ids is None:
+        return frozenset()
+    ids = check_token_ids(fields.name("stop_token_ids"), _as_ids(stop_token_ids), vocab_size)
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidParameterError(
+            fields.name("stop_token_ids"), f": at most {MAX_STOP_TOKEN_IDS} token ids, got {len(ids)}"
+        )
+    return frozenset(ids)
+
+
+def _prompt_logprobs(prompt_logprobs: Any, fields: _Fields) -> int | None:
+    if prompt_logprobs is None:
+        return None
+    fields.check_int(
+        "prompt_logprobs",
+        prompt_logprobs,
+        minimum=0,
+        maximum=MAX_TOP_LOGPROBS,
+        note=" (0: the prompt token's only)",
+    )
+    return int(prompt_logprobs)
+
+
+def _structured_output(structured_output: Any, fields: _Fields) -> StructuredOutput | None:
+    if structured_output is None:
+        return None
+    field = fields.name("structured_output")
+    if not isinstance(structured_output, StructuredOutput):
+        raise InvalidParameterError(
+            field, f" must be a StructuredOutput, got {type(structured_output).__name__}"
+        )
+    if structured_output.kind not in STRUCTURED_OUTPUT_KINDS:
+        raise InvalidParameterError(
+            f"{field}.kind",
+            f" must be one of {list(STRUCTURED_OUTPUT_KINDS)}, got {structured_output.kind!r}",
+        )
+    needs_spec = structured_output.kind != "json_object"
+    if needs_spec and not structured_output.spec:
+        raise InvalidParameterError(
+            f"{field}.spec", f" must not be empty for kind {structured_output.kind!r}"
+        )
+    if len(structured_output.spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+        raise InvalidParameterError(
+            f"{field}.spec",
+            f" must be at most {MAX_STRUCTURED_OUTPUT_CHARS} characters, got {len(structured_output.spec)}",
+        )
+    return structured_output
+
+
 def _sampler_settings(settings: Mapping[str, Any], generation_config: Any, fields: _Fields) -> dict[str, Any]:
-    """temperature, top_k, top_p and seed. The model's sampling defaults apply only when sampling: a
+    """temperature, top_k, top_p, min_p and seed. The model's sampling defaults apply only when sampling: a
     greedy model config stays greedy unless the request sets a temperature."""
     do_sample = settings.get("do_sample", getattr(generation_config, "do_sample", False))
     defaults = {
         name: getattr(generation_config, name, None) if do_sample else None
         for name in ("temperature", "top_k", "top_p")
     }
+    defaults["min_p"] = getattr(generation_config, "min_p", None) if do_sample else None
     temperature = settings.get("temperature", defaults["temperature"])
     top_k = settings.get("top_k", defaults["top_k"])
     top_p = settings.get("top_p", defaults["top_p"])
+    min_p = settings.get("min_p", defaults["min_p"])
     seed = settings.get("seed")
+    if min_p is not None:
+        fields.check_number("min_p", min_p, "in [0, 1] (0 disables it)", lambda value: 0 <= value <= 1)
     if temperature is not None:
         fields.check_number("temperature", temperature, ">= 0", lambda value: value >= 0)
     if top_k is not None:
@@ -170,6 +252,7 @@ def _sampler_settings(settings: Mapping[str, Any], generation_config: Any, field
         "temperature": float(temperature) if temperature is not None else None,
         "top_k": top_k or None,
         "top_p": float(top_p) if top_p is not None else None,
+        "min_p": float(min_p) if min_p else None,
         "seed": seed,
     }
 

@@ -372,6 +372,9 @@ class Scheduler:
             advanced.append(item)
             if token_id in request.sampling.eos_token_ids:
                 self.finish_request(request, RequestStatus.FINISHED, FinishReason.EOS)
+            elif token_id in request.sampling.stop_token_ids:
+                request.stop_reason = token_id
+                self.finish_request(request, RequestStatus.FINISHED, FinishReason.STOP)
             elif request.num_generated_tokens >= request.sampling.max_new_tokens:
                 self.finish_request(request, RequestStatus.FINISHED, FinishReason.LENGTH)
         self.remove_finished_running()
