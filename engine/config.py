@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_SAFETY_MARGIN", "SCHEDULER_TYPES", "ContinuousBatchingConfig"]
 
-SCHEDULER_TYPES: tuple[str, ...] = ("fifo", "prefill_first")
-DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0}
+SCHEDULER_TYPES: tuple[str, ...] = ("fifo", "prefill_first", "priority")
+DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0, "priority": 0.15}
 
 _DEFAULT_PAGE_SIZE = 256
 _MIN_PAGE_SIZE = 4
@@ -92,11 +92,13 @@ class ContinuousBatchingConfig:
     (see `compile_config_for`).
 
     scheduler_type: "fifo" serves requests in arrival order and schedules decode steps before new prefills;
-    "prefill_first" admits waiting prefills first, which lowers time to first token.
+    "prefill_first" admits waiting prefills first, which lowers time to first token; "priority" is fifo
+    ordered by each request's `priority` (smaller first, ties first-come): waiting requests are admitted in
+    that order, and when memory runs out the lowest-priority running request is preempted first.
 
     safety_margin: fraction of the cache, in [0, 1], kept free for the decode steps of running requests;
-    once free blocks fall below it, no new prefill is admitted. None resolves per scheduler: 0.15 for fifo,
-    0.0 for prefill_first (see `resolved_safety_margin`).
+    once free blocks fall below it, no new prefill is admitted. None resolves per scheduler: 0.15 for fifo
+    and priority, 0.0 for prefill_first (see `resolved_safety_margin`).
 
     return_logprobs: return the log-probability of each generated token, taken from the processed logits.
 

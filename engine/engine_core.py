@@ -225,9 +225,7 @@ class EngineCore:
         """Whether a request that was scheduled at least once (running, or preempted) has not ended."""
         if self.scheduler.running or self._in_flight is not None:
             return True
-        # Preempted requests sit at the head of the queue, ahead of every request never admitted.
-        waiting = self.scheduler.waiting
-        return bool(waiting) and waiting[0].num_preemptions > 0
+        return self.scheduler.has_preempted_waiting()
 
     @property
     def has_step_in_flight(self) -> bool:

@@ -237,6 +237,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
         sampling_params: SamplingParams | None = None,
+        priority: int = 0,
         **logit_processor_kwargs: Any,
     ) -> str | None:
         """Queues one request and returns its id; None (with a warning) once the manager is stopped.
@@ -244,6 +245,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
         Generation parameters come either as generate's keyword arguments (`max_new_tokens`,
         `eos_token_id`, temperature, ...; the model's generation config fills the rest), or as one
         `sampling_params` built with `engine.sampling_params.build_sampling_params`, not both.
+        `priority` orders requests under `scheduler_type="priority"` (smaller first; ignored otherwise).
 
         Raises ValueError for a request that is malformed (empty prompt, token outside the vocabulary,
         bad sampling value, duplicate live id) or that can never run (prompt + max_new_tokens larger than
@@ -271,6 +273,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
             sampling_params,
             streaming=streaming,
             record_timestamps=record_timestamps,
+            priority=self._priority(priority),
         )
         # Sizes only (blocks in the pool, positions of the model): fixed once the engine exists, so this
         # thread may read them while the loop runs.
@@ -293,6 +296,12 @@ class ContinuousBatchingManager(WeightsAndMemory):
             drop_unsupported=self.config.drop_unsupported_processors,
             field_prefix=field_prefix,
         )
+
+    @staticmethod
+    def _priority(priority: Any) -> int:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
+            raise ValueError(f"priority must be an int in [-2**31, 2**31), got {priority!r}")
+        return priority
 
     def _request_id(self, request_id: Any) -> str:
         if request_id is None:

@@ -16,6 +16,8 @@ scheduled again; one that turns out to have hit EOS wastes its row in one step, 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,7 +25,12 @@ from engine.kv.cache_manager import KVCacheManager, blocks_for_tokens
 from engine.kv.offload import BlockCopy, HostBlockPool, OffloadedKV
 from engine.request import FinishReason, Request, RequestStatus
 
-SCHEDULING_POLICIES = ("fifo", "prefill_first")
+SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority")
+
+
+def priority_key(request: Request) -> tuple[int, int]:
+    """The "priority" policy's order: smaller priority first, ties first-come."""
+    return (request.priority, request.arrival_index)
 
 
 @dataclass
@@ -85,9 +92,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         # Preemption offloads to this pool when it has room, and falls back to recompute otherwise.
         self.host_block_pool = host_block_pool
-        # Invariant: `waiting` holds exactly the PENDING requests (never a finished one), preempted ones
-        # (pushed to the head) ahead of every request never admitted (appended at the tail).
+        # Invariant: `waiting` holds exactly the PENDING requests (never a finished one). Under "fifo" and
+        # "prefill_first", preempted ones (pushed to the head) are ahead of every request never admitted
+        # (appended at the tail); under "priority", all are in `priority_key` order, and so is `running`.
         self.waiting: deque[Request] = deque()
+        self._arrivals = itertools.count()
         # While True, only preempted requests are (re)admitted: a WAIT pause lets in-flight work finish.
         self.hold_new_admissions = False
         self.running: list[Request] = []
@@ -140,7 +149,22 @@ class Scheduler:
         return None
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.arrival_index = next(self._arrivals)
+        self._enqueue(request, preempted=False)
+
+    def _enqueue(self, request: Request, preempted: bool) -> None:
+        if self.policy == "priority":
+            bisect.insort(self.waiting, request, key=priority_key)
+        elif preempted:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def has_preempted_waiting(self) -> bool:
+        """Whether a preempted request waits to run again (it is still in flight)."""
+        if self.policy == "priority":
+            return any(request.num_preemptions > 0 for request in self.waiting)
+        return bool(self.waiting) and self.waiting[0].num_preemptions > 0
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -187,16 +211,31 @@ class Scheduler:
         return budget
 
     def _lowest_priority_victim(self, index: int, newly_admitted: set[str]) -> Request | None:
-        """The latest-admitted running request not yet scheduled this step (after position `index`)."""
+        """The running request not yet scheduled this step (after position `index`) to preempt first:
+        the latest admitted, or under "priority" the lowest priority (`running` is kept in that order);
+        None when there is none, or when the request at `index` itself has a lower priority."""
         for candidate in reversed(self.running[index + 1 :]):
             if candidate.request_id not in newly_admitted:
+                if self.policy == "priority" and priority_key(candidate) < priority_key(self.running[index]):
+                    return None
                 return candidate
         return None
 
+    def _next_waiting(self) -> Request | None:
+        """The waiting request to admit next: the head, or while new admissions are held (a WAIT pause)
+        the first preempted one."""
+        if not self.waiting:
+            return None
+        if not self.hold_new_admissions:
+            return self.waiting[0]
+        if self.policy == "priority":
+            return next((request for request in self.waiting if request.num_preemptions > 0), None)
+        return self.waiting[0] if self.waiting[0].num_preemptions > 0 else None
+
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
-            if self.hold_new_admissions and request.num_preemptions == 0:
+        while budget > 0:
+            request = self._next_waiting()
+            if request is None:
                 break
             if len(self.running) >= self.max_requests_per_batch:
                 break
@@ -217,7 +256,7 @@ class Scheduler:
                     self._fail_unschedulable(request, output)
                     continue
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.kv_cache_manager.record_prefix_lookup(request, num_hit_tokens)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -225,10 +264,16 @@ class Scheduler:
             self._count_recompute(request, num_hit_tokens, num_new_tokens)
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.PREFILLING
-            self.running.append(request)
+            self._add_running(request)
             self._commit(output, ScheduledRequest(request, num_new_tokens, num_hit_tokens))
             budget -= num_new_tokens
         return budget
+
+    def _add_running(self, request: Request) -> None:
+        if self.policy == "priority":
+            bisect.insort(self.running, request, key=priority_key)
+        else:
+            self.running.append(request)
 
     @staticmethod
     def _commit(output: SchedulerOutput, item: ScheduledRequest) -> None:
@@ -250,7 +295,7 @@ class Scheduler:
         if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
             request.num_computed_tokens = 0
             return False
-        self.waiting.popleft()
+        self.waiting.remove(request)
         for group, host_block_ids in enumerate(offloaded.host_block_ids):
             device_block_ids = self.kv_cache_manager.resume_block_ids(
                 request.request_id, group, offloaded.num_tokens
@@ -260,7 +305,7 @@ class Scheduler:
         self.host_block_pool.free_after_step(all_host_block_ids)
         request.offloaded = None
         request.status = RequestStatus.PREFILLING
-        self.running.append(request)
+        self._add_running(request)
         self.counters.restored_blocks += len(all_host_block_ids)
         self._commit(output, ScheduledRequest(request, num_new_tokens, offloaded.num_tokens))
         return True
@@ -333,14 +378,14 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PENDING
-        self.waiting.appendleft(request)
+        self._enqueue(request, preempted=True)
         self.counters.preemptions += 1
         if output is not None:
             output.preempted.append(request)
 
     def _fail_unschedulable(self, request: Request, output: SchedulerOutput) -> None:
         # Nothing else holds blocks, so the pool is as free as it will ever be: this request cannot fit.
-        self.waiting.popleft()
+        self.waiting.remove(request)
         page_size = self.kv_cache_manager.page_size
         needed = blocks_for_tokens(request.num_tokens, page_size)
         request.status = RequestStatus.FAILED

@@ -30,6 +30,7 @@ def _generate(manager, prompt, **kwargs):
         {"temperature": 1e-4, "do_sample": True},
         {"top_k": 1, "temperature": 1.5},
         {"top_p": 1e-6, "temperature": 1.0},
+        {"min_p": 1.0, "temperature": 1.0},
     ],
 )
 def test_limits_of_sampling_equal_greedy(model, sampling):
@@ -95,3 +96,46 @@ def test_logprobs_equal_log_softmax_of_the_models_logits(model):
         values, indices = expected[step].topk(3)
         assert list(top) == indices.tolist()
         assert torch.allclose(torch.tensor(list(top.values())), values, atol=1e-4)
+
+
+def test_min_p_never_samples_a_token_below_its_threshold():
+    from engine.request import Request
+    from engine.sampling import Sampler
+    from engine.sampling_params import SamplingParams
+
+    # Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.5 keeps the tokens at >= 0.25, i.e. 0 and 1 only.
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, min_p=0.5)
+    requests = [Request(f"r{row}", [1], params) for row in range(400)]
+    drawn = Sampler(torch.device("cpu"), seed=0).sample(logits, requests, [None] * 400).to_output().token_ids
+    assert set(drawn) == {0, 1}, sorted(set(drawn))
+    without = SamplingParams(max_new_tokens=1, temperature=1.0)
+    requests = [Request(f"r{row}", [1], without) for row in range(400)]
+    drawn = Sampler(torch.device("cpu"), seed=0).sample(logits, requests, [None] * 400).to_output().token_ids
+    assert {2, 3} <= set(drawn), "without min_p the unlikely tokens are drawn too"
+
+
+def test_min_p_out_of_bounds_is_refused(model):
+    with continuous_batching_context_manager(
+        model, continuous_batching_config=ContinuousBatchingConfig(**CONFIG)
+    ) as m:
+        for bad in (-0.1, 1.5, float("nan")):
+            with pytest.raises(ValueError, match=r"min_p must be a finite number in \[0, 1\]"):
+                m.add_request([1, 2, 3], max_new_tokens=2, min_p=bad, temperature=1.0)
+
+
+def test_a_stop_token_ends_the_output_with_its_id_as_stop_reason(model):
+    prompt = random_prompt(20, seed=4)
+    expected = reference_greedy(model, prompt, 12)
+    stop = expected[4]
+    cut = expected.index(stop) + 1
+    with continuous_batching_context_manager(
+        model, continuous_batching_config=ContinuousBatchingConfig(**CONFIG)
+    ) as m:
+        output = _generate(m, prompt, max_new_tokens=12, stop_token_ids=[stop])
+        held = _generate(m, prompt, max_new_tokens=12, stop_token_ids=[stop], min_new_tokens=12)
+        with pytest.raises(ValueError, match=r"stop_token_ids: token id 100000 is not in \[0, 256\)"):
+            m.add_request(prompt, max_new_tokens=2, stop_token_ids=[100000])
+    assert output.generated_tokens == expected[:cut], (output.generated_tokens, expected)
+    assert output.finish_reason == "stop" and output.stop_reason == stop
+    assert stop not in held.generated_tokens and held.finish_reason == "length" and held.stop_reason is None

@@ -567,3 +567,61 @@ def test_the_step_run_ahead_of_an_eos_is_dropped() -> None:
     assert scheduler.update_from_output(second, [12]) == [], "a finished request gains no token"
     assert request.generated_tokens == [EOS]
     assert scheduler.kv_cache_manager.block_pool.num_used_blocks == 0
+
+
+# ------------------------------------------------------------------ the "priority" policy
+
+
+def make_prioritised(request_id: str, priority: int, length: int, start: int) -> Request:
+    request = make_request(request_id, prompt(start, length))
+    request.priority = priority
+    return request
+
+
+def test_priority_admits_waiting_requests_by_priority_then_arrival() -> None:
+    scheduler = make_scheduler(policy="priority", max_requests_per_batch=1)
+    arrivals = [("low", 5), ("high", -1), ("mid", 2), ("high-later", -1), ("mid-later", 2)]
+    for index, (name, priority) in enumerate(arrivals):
+        scheduler.add_request(make_prioritised(name, priority, 3, 100 * index))
+    admitted = []
+    while scheduler.has_unfinished_requests():
+        output = step(scheduler, token=EOS)  # each request ends on its first token: one admission per step
+        admitted += [item.request.request_id for item in output.scheduled]
+    assert admitted == ["high", "high-later", "mid", "mid-later", "low"]
+
+
+def test_priority_preempts_the_lowest_priority_running_request_first() -> None:
+    # 7 usable blocks of 4 tokens; three prompts of 8, 7 and 8 tokens fill them, admitted by priority.
+    scheduler = make_scheduler(num_blocks=7, page_size=4, policy="priority")
+    for index, (name, priority) in enumerate([("a", 1), ("b", 9), ("c", 0)]):
+        scheduler.add_request(make_prioritised(name, priority, (8, 7, 8)[index], 100 * index))
+    assert plan(step(scheduler)) == [("c", 8), ("a", 8), ("b", 7)]
+    assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 0
+    # c and a grow into a new block each: b, the lowest priority although not the latest admitted, goes.
+    output = step(scheduler)
+    assert [request.request_id for request in output.preempted] == ["b"]
+    assert plan(output) == [("c", 1), ("a", 1)]
+    assert [request.request_id for request in scheduler.waiting] == ["b"]
+
+
+def test_priority_puts_a_preempted_request_back_in_priority_order() -> None:
+    scheduler = make_scheduler(num_blocks=7, page_size=4, policy="priority")
+    for index, (name, priority) in enumerate([("a", 1), ("b", 9), ("c", 0)]):
+        scheduler.add_request(make_prioritised(name, priority, (8, 7, 8)[index], 100 * index))
+    step(scheduler)
+    scheduler.add_request(make_prioritised("urgent", -5, 4, 900))
+    scheduler.add_request(make_prioritised("lowest", 20, 4, 950))
+    output = step(scheduler)
+    assert [request.request_id for request in output.preempted] == ["b"]
+    assert [request.request_id for request in scheduler.waiting] == ["urgent", "b", "lowest"]
+
+
+def test_priority_ranks_a_request_that_cannot_grow_below_those_after_it() -> None:
+    # Only the running request with the lowest priority is preempted, even when it is the one that grows.
+    scheduler = make_scheduler(num_blocks=5, page_size=4, policy="priority")
+    scheduler.add_request(make_prioritised("first", 3, 8, 0))
+    scheduler.add_request(make_prioritised("second", 3, 8, 100))
+    assert plan(step(scheduler)) == [("first", 8), ("second", 8)]
+    output = step(scheduler)
+    assert [request.request_id for request in output.preempted] == ["second"], "ties: the later arrival"
+    assert plan(output) == [("first", 1)]
