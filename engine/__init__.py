@@ -28,6 +28,7 @@ from engine.request import FinishReason, GenerationOutput, RequestStatus
 from engine.sampling_params import (
     InvalidParameterError,
     SamplingParams,
+    StructuredOutput,
     build_sampling_params,
     check_token_ids,
     default_max_new_tokens,
@@ -64,6 +65,7 @@ __all__ = [
     "RequestStatus",
     "SamplingParams",
     "SleepOutcome",
+    "StructuredOutput",
     "WeightBucket",
     "WeightTransferError",
     "WeightTransferTimeout",

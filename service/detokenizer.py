@@ -19,13 +19,14 @@ class IncrementalDetokenizer:
     U+FFFD: then nothing is emitted and the window grows until a later token completes the character.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._prefix_offset = 0  # first token of the decoding window
         self._read_offset = 0  # tokens before this one are emitted as text
 
     def _decode(self, token_ids: list[int]) -> str:
-        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens))
 
     def step(self, token_ids: list[int]) -> str:
         """The text that `token_ids` (all tokens so far) add to what was already emitted."""

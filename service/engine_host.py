@@ -258,6 +258,7 @@ class EngineHost:
                 streaming=True,
                 record_timestamps=prepared.record_timestamps,
                 sampling_params=prepared.sampling,
+                priority=prepared.priority,
             )
         except QueueFullError as exc:
             raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
@@ -273,6 +274,7 @@ class EngineHost:
             logprobs=prepared.sampling.logprobs,
             record_timestamps=prepared.record_timestamps,
             stop_strings=prepared.stop_strings,
+            skip_special_tokens=prepared.skip_special_tokens,
         )
         self._records[request_id] = record
         self.counters.prompt_tokens += len(prepared.input_ids)

@@ -52,6 +52,7 @@ class RequestRecord:
         logprobs: bool,
         record_timestamps: bool,
         stop_strings: list[str] | None = None,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.request_id = request_id
         self.prompt_len = prompt_len
@@ -61,6 +62,12 @@ class RequestRecord:
         # The weight version that produced each token.
         self._token_versions: list[int] = []
         self.finish_reason: FinishReason | None = None
+        # With FinishReason.STOP: the stop token id or the stop string that ended the output.
+        self.stop_reason: int | str | None = None
+        # With prompt_logprobs: one entry per prompt token after the first, once the prompt is computed,
+        # and the prompt's ids (the first has no entry).
+        self.prompt_logprobs: list[types_pb2.PromptLogprob] = []
+        self.prompt_token_ids: list[int] = []
         self.error = ""
         self.num_cached_tokens = 0
         self.queued_at = time.time()
@@ -71,7 +78,9 @@ class RequestRecord:
         self._want_timestamps = record_timestamps
         self._logprobs: list[types_pb2.TokenLogprob] = []
         self._token_times: list[float] = []
-        self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self._detokenizer = (
+            IncrementalDetokenizer(tokenizer, skip_special_tokens) if tokenizer is not None else None
+        )
         # Ends the request when its text shows a stop string; the engine, which sees only tokens, is
         # then told to cancel it (see `stopped_by_text`).
         self._stop_matcher = (
@@ -131,6 +140,9 @@ class RequestRecord:
             if self.stopped_by_text:
                 break  # the tokens after the one that completed a stop string are not part of the output
         self.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs = _prompt_logprobs(output)
+            self.prompt_token_ids = list(output.prompt_ids)
         self.status = RequestStatus.FINISHED if self.stopped_by_text else output.status
         if self.finished:
             self._finish(output, now)
@@ -148,9 +160,11 @@ class RequestRecord:
                 self._tail_text += self._stop_matcher.flush()
         if self.stopped_by_text and self.status == RequestStatus.FINISHED:
             self.finish_reason = FinishReason.STOP
+            self.stop_reason = self.matched_stop_string
             self.error = ""
         else:
             self.finish_reason = output.finish_reason
+            self.stop_reason = output.stop_reason
             self.error = output.error or ""
 
     def add_listener(self, listener: Callable[[RequestRecord], None]) -> None:
@@ -221,8 +235,14 @@ class RequestRecord:
         if self._detokenizer is not None:
             text = "".join(self._text_by_token[start:end])
             chunk.text = text + self._tail_text if self.finished else text
+        if start == 0 and end > 0:  # the chunk of the first token: the prompt was computed by then
+            chunk.prompt_logprobs.extend(self.prompt_logprobs)
         if self.finished:
             chunk.finish_reason = _FINISH_REASON[self.finish_reason or FinishReason.ERROR]
+            if isinstance(self.stop_reason, str):
+                chunk.stop_string = self.stop_reason
+            elif self.stop_reason is not None:
+                chunk.stop_token_id = self.stop_reason
             chunk.error = self.error
             if self.status == RequestStatus.FAILED:
                 chunk.error_code = _INTERNAL
@@ -255,6 +275,17 @@ def _token_logprob(output: GenerationOutput, index: int) -> types_pb2.TokenLogpr
         logprob=output.logprobs[index],
         top_logprobs=[types_pb2.TopLogprob(token_id=token, logprob=value) for token, value in ranked],
     )
+
+
+def _prompt_logprobs(output: GenerationOutput) -> list[types_pb2.PromptLogprob]:
+    """The engine's prompt logprobs (positions 1.. of the prompt) as the wire carries them."""
+    assert output.prompt_logprobs is not None
+    entries = []
+    for token, (logprob, top) in zip(output.prompt_ids[1:], output.prompt_logprobs, strict=False):
+        ranked = sorted(top.items(), key=lambda item: item[1], reverse=True)
+        alternatives = [types_pb2.TopLogprob(token_id=token_id, logprob=value) for token_id, value in ranked]
+        entries.append(types_pb2.PromptLogprob(token_id=token, logprob=logprob, top_logprobs=alternatives))
+    return entries
 
 
 def _timestamp(seconds: float) -> Timestamp:

@@ -15,12 +15,15 @@ from typing import Any
 import grpc
 from cbserve_client.proto import types_pb2
 
-from engine import SamplingParams, build_sampling_params, check_token_ids
+from engine import SamplingParams, StructuredOutput, build_sampling_params, check_token_ids
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGIT_BIAS_ENTRIES = 300
+# GenerationRequest.priority is an int32 on the wire; the in-process API takes the same range.
+MIN_PRIORITY = -(2**31)
+MAX_PRIORITY = 2**31 - 1
 
 
 class RequestRejected(Exception):
@@ -56,6 +59,9 @@ class PreparedRequest:
     record_timestamps: bool
     # Matched by the service on the decoded text (the engine sees only tokens).
     stop_strings: list[str] = field(default_factory=list)
+    # Whether the text leaves special tokens out (the detokenizer's business, not the engine's).
+    skip_special_tokens: bool = True
+    priority: int = 0
 
 
 def prepare(
@@ -96,6 +102,8 @@ def prepare(
         sampling=sampling,
         record_timestamps=request.record_timestamps,
         stop_strings=stop_strings,
+        skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+        priority=request.priority,
     )
 
 
@@ -194,7 +202,24 @@ def _sampling_settings(
                 f"sampling.logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}"
             )
         settings["logit_bias"] = dict(params.logit_bias)
+    if params.stop_token_ids:
+        settings["stop_token_ids"] = list(params.stop_token_ids)
+    if params.HasField("structured_output"):
+        settings["structured_output"] = _structured_output(params.structured_output)
     return settings
+
+
+def _structured_output(message: types_pb2.StructuredOutput) -> StructuredOutput:
+    kind = message.WhichOneof("constraint")
+    if kind is None:
+        raise invalid(
+            "sampling.structured_output: one of json_schema, json_object, regex or grammar must be set"
+        )
+    if kind == "json_object":
+        if not message.json_object:
+            raise invalid("sampling.structured_output.json_object must be true when it is the one set")
+        return StructuredOutput("json_object")
+    return StructuredOutput(kind, getattr(message, kind))
 
 
 # Wire fields with presence whose name and meaning are generate's keyword argument of the same name.
@@ -208,4 +233,6 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "min_new_tokens",
+    "min_p",
+    "prompt_logprobs",
 )

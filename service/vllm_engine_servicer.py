@@ -75,7 +75,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except RequestRejected as exc:
             renamed = reject_with_vllm_names(exc)
             await context.abort(renamed.code, renamed.message)
-        stop_token_ids = set(request.sampling_params.stop_token_ids) - set(host.eos_token_ids)
         try:
             async for start, end, finished in record.token_ranges(0, send_current=False):
                 if request.stream and end > start:
@@ -89,7 +88,6 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 # Streaming, the completion repeats the last delta, as vLLM's servicer does (the gateway
                 # has added up the chunks); otherwise it carries the whole output.
                 complete = _complete(record, start if request.stream else 0, end, wants_logprobs)
-                _set_matched_stop(complete, record, stop_token_ids)
                 yield vllm_engine_pb2.GenerateResponse(complete=complete)
                 return
         finally:
@@ -289,22 +287,33 @@ def _complete(
     )
     if wants_logprobs:
         complete.output_logprobs.CopyFrom(_output_logprobs(token_ids, record.token_logprobs(start, end)))
+    if record.prompt_logprobs:
+        complete.input_logprobs.CopyFrom(_input_logprobs(record))
+    # Which stop ended the output (vLLM names none for an EOS): a stop string or a stop token id.
+    if isinstance(record.stop_reason, str):
+        complete.matched_stop_str = record.stop_reason
+    elif record.stop_reason is not None:
+        complete.matched_token_id = record.stop_reason
     return complete
 
 
-def _set_matched_stop(
-    complete: vllm_engine_pb2.GenerateComplete, record: RequestRecord, stop_token_ids: set[int]
-) -> None:
-    """Which stop ended the output: a stop string, or a stop token id that is not the model's EOS (vLLM
-    names no match for an EOS)."""
-    if record.finish_reason == FinishReason.STOP and record.matched_stop_string is not None:
-        complete.matched_stop_str = record.matched_stop_string
-    elif (
-        record.finish_reason == FinishReason.EOS
-        and record.token_ids
-        and record.token_ids[-1] in stop_token_ids
-    ):
-        complete.matched_token_id = record.token_ids[-1]
+def _input_logprobs(record: RequestRecord) -> vllm_engine_pb2.InputLogProbs:
+    """Prompt logprobs as vLLM sends them: the first prompt token has none (an empty entry)."""
+    output = vllm_engine_pb2.InputLogProbs(
+        token_ids=[record.prompt_token_ids[0]] if record.prompt_token_ids else []
+    )
+    output.token_logprobs.append(vllm_engine_pb2.InputTokenLogProb())
+    output.top_logprobs.append(vllm_engine_pb2.TopLogProbs())
+    for entry in record.prompt_logprobs:
+        output.token_ids.append(entry.token_id)
+        output.token_logprobs.append(vllm_engine_pb2.InputTokenLogProb(value=entry.logprob))
+        output.top_logprobs.append(
+            vllm_engine_pb2.TopLogProbs(
+                values=[top.logprob for top in entry.top_logprobs],
+                token_ids=[top.token_id for top in entry.top_logprobs],
+            )
+        )
+    return output
 
 
 def _output_logprobs(

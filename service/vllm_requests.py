@@ -5,9 +5,10 @@ queue, traces and metrics). The differences are vLLM's, applied here:
 
 - an unset temperature samples at 1.0; top_p 0, top_k 0 and repetition_penalty 0 mean "off";
 - an unset max_tokens generates until the context (or the KV cache) is full, not to the model's default;
-- stop_token_ids end the output in addition to the model's EOS ids, and still do under ignore_eos.
+- stop_token_ids end the output in addition to the model's EOS ids, and still do under ignore_eos;
+- skip_special_tokens and spaces_between_special_tokens are the gateway's: it detokenizes.
 
-A field cbserve does not serve (n > 1, min_p, structured output, prompt logprobs, multimodal input, KV
+A field cbserve does not serve (n > 1, a structural tag or a choice constraint, multimodal input, KV
 transfer, a pinned data-parallel rank, all-vocabulary logprobs) fails the request with INVALID_ARGUMENT
 naming it, never ignored. Errors name vLLM's fields, not cbserve's.
 """
@@ -15,7 +16,6 @@ naming it, never ignored. Errors name vLLM's fields, not cbserve's.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from cbserve_client.proto import types_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2
@@ -31,12 +31,14 @@ _FIELD_NAMES = {
     "sampling.max_new_tokens": "sampling_params.max_tokens",
     "sampling.min_new_tokens": "sampling_params.min_tokens",
     "sampling.top_logprobs": "sampling_params.logprobs",
-    "sampling.eos_token_ids": "sampling_params.stop_token_ids",
+    "sampling.structured_output.spec": "sampling_params.constraint",
+    "sampling.structured_output": "sampling_params.constraint",
     "max_new_tokens": "max_tokens",
     "token_ids": "tokenized.input_ids",
     "sampling.": "sampling_params.",
 }
-_FIELD_PATTERN = re.compile("|".join(re.escape(name) for name in _FIELD_NAMES))
+# A name only where a field name starts: "token_ids" inside "stop_token_ids" is not the prompt's.
+_FIELD_PATTERN = re.compile("(?<![A-Za-z_.])(?:" + "|".join(re.escape(name) for name in _FIELD_NAMES) + ")")
 
 
 def vllm_field_names(message: str) -> str:
@@ -84,7 +86,17 @@ def to_generation_request(
             raise invalid(f"sampling_params.logit_bias: token id {token} is negative")
         sampling.logit_bias[token] = bias
     sampling.stop.extend(params.stop)
-    _stop_token_ids(params, host, sampling)
+    sampling.ignore_eos = params.ignore_eos
+    sampling.stop_token_ids.extend(params.stop_token_ids)
+    if params.min_p:
+        sampling.min_p = params.min_p
+    if params.HasField("prompt_logprobs"):
+        sampling.prompt_logprobs = params.prompt_logprobs
+    constraint = params.WhichOneof("constraint")
+    if constraint in ("json_schema", "regex", "grammar"):
+        setattr(sampling.structured_output, constraint, getattr(params, constraint))
+    elif constraint == "json_object":
+        sampling.structured_output.json_object = True
     return translated
 
 
@@ -92,12 +104,16 @@ def _refuse_unsupported(request: vllm_engine_pb2.GenerateRequest) -> None:
     params = request.sampling_params
     unsupported: list[tuple[bool, str]] = [
         (params.n > 1, f"sampling_params.n: {params.n} samples per prompt are not supported (n must be 1)"),
-        (params.min_p != 0, "sampling_params.min_p is not supported"),
         (
-            params.WhichOneof("constraint") is not None,
-            f"sampling_params.{params.WhichOneof('constraint')}: structured output is not supported",
+            params.WhichOneof("constraint") in ("structural_tag", "choice"),
+            f"sampling_params.{params.WhichOneof('constraint')} is not supported: use json_schema, regex, "
+            "grammar or json_object",
         ),
-        (params.HasField("prompt_logprobs"), "sampling_params.prompt_logprobs is not supported"),
+        (
+            params.HasField("prompt_logprobs") and params.prompt_logprobs < 0,
+            "sampling_params.prompt_logprobs: -1 (every token's logprob) is not supported; ask for at "
+            "most 20",
+        ),
         (
             params.HasField("logprobs") and params.logprobs < 0,
             "sampling_params.logprobs: -1 (every token's logprob) is not supported; ask for at most 20",
@@ -140,18 +156,6 @@ def _prompt_ids(request: vllm_engine_pb2.GenerateRequest, host: EngineHost) -> l
             raise invalid("text must not be empty")
         return list(host.tokenizer(request.text)["input_ids"])
     raise invalid("input: one of tokenized or text must be set")
-
-
-def _stop_token_ids(params: Any, host: EngineHost, sampling: types_pb2.SamplingParams) -> None:
-    """vLLM's stop_token_ids end the output besides EOS (and instead of it under ignore_eos); cbserve's
-    eos_token_ids replace the model's EOS ids, so the union goes on the wire."""
-    stop_token_ids = list(params.stop_token_ids)
-    if params.ignore_eos and not stop_token_ids:
-        sampling.ignore_eos = True
-        return
-    ends = stop_token_ids if params.ignore_eos else [*host.eos_token_ids, *stop_token_ids]
-    if stop_token_ids:
-        sampling.eos_token_ids.extend(dict.fromkeys(ends))
 
 
 def reject_with_vllm_names(exc: RequestRejected) -> RequestRejected:

@@ -12,4 +12,10 @@ const (
 	MaxStopStrings                 = 16
 	MaxStopStringChars             = 256
 	MaxRequestIDBytes              = 128
+	MaxStopTokenIds                = 64
+	MaxPromptLogprobs              = 20
+	MaxStructuredOutputChars       = 65536
+	MaxMinP                        = 1.0
+	MinPriority                    = -2147483648
+	MaxPriority                    = 2147483647
 )

@@ -133,11 +133,15 @@ def test_an_unsupported_field_comes_back_as_a_400_naming_it(client: openai.OpenA
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=4, n=2)
     assert "sampling_params.n" in str(caught.value), caught.value
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(
-            model=model_name, messages=MESSAGES, max_tokens=4, extra_body={"min_p": 0.1}
-        )
-    assert "sampling_params.min_p" in str(caught.value), caught.value
+
+
+def test_min_p_reaches_the_engine(client: openai.OpenAI, model_name: str) -> None:
+    """min_p 1 keeps only the most likely token: sampled at temperature 1, the answer is the greedy one."""
+    greedy = client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=6, temperature=0)
+    kept = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=5, extra_body={"min_p": 1.0}
+    )
+    assert kept.choices[0].message.content == greedy.choices[0].message.content
 
 
 def test_requests_sharing_a_prefix_land_mostly_on_one_replica(

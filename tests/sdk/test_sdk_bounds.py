@@ -24,6 +24,12 @@ def test_the_sdk_table_holds_the_server_s_bounds() -> None:
         "max_stop_strings": validation.MAX_STOP_STRINGS,
         "max_stop_string_chars": validation.MAX_STOP_STRING_CHARS,
         "max_request_id_bytes": validation.MAX_REQUEST_ID_BYTES,
+        "max_stop_token_ids": sampling_params.MAX_STOP_TOKEN_IDS,
+        "max_prompt_logprobs": sampling_params.MAX_TOP_LOGPROBS,
+        "max_structured_output_chars": sampling_params.MAX_STRUCTURED_OUTPUT_CHARS,
+        "max_min_p": 1.0,
+        "min_priority": validation.MIN_PRIORITY,
+        "max_priority": validation.MAX_PRIORITY,
     }
     assert {name: value for name, value in table.items() if not name.startswith("_")} == server
 

@@ -77,6 +77,18 @@ def test_a_stop_token_id_ends_the_output_and_is_named_as_the_match(stub, client)
     assert response.complete.finish_reason == "stop" and response.complete.matched_token_id == stop_token
 
 
+def test_min_p_of_one_samples_the_most_likely_token(stub, client) -> None:
+    prompt = random_prompt(9, seed=6)
+    greedy = client.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids
+    (response,) = list(
+        stub.Generate(
+            _request(prompt, max_tokens=6, ignore_eos=True, min_p=1.0, temperature=1.0, seed=3),
+            timeout=TIMEOUT,
+        )
+    )
+    assert list(response.complete.output_ids) == list(greedy)
+
+
 def test_logprobs_come_with_their_top_alternatives(stub) -> None:
     (response,) = list(
         stub.Generate(
@@ -91,9 +103,9 @@ def test_logprobs_come_with_their_top_alternatives(stub) -> None:
 
 UNSUPPORTED = {
     "n > 1": (dict(n=2), "sampling_params.n"),
-    "min_p": (dict(min_p=0.1), "sampling_params.min_p"),
-    "json schema": (dict(json_schema='{"type": "object"}'), "sampling_params.json_schema"),
-    "prompt logprobs": (dict(prompt_logprobs=1), "sampling_params.prompt_logprobs"),
+    "min_p above 1": (dict(min_p=1.5), "sampling_params.min_p"),
+    "a choice constraint": (dict(choice=vllm_engine_pb2.ChoiceConstraint()), "sampling_params.choice"),
+    "every prompt logprob": (dict(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),
     "every logprob": (dict(logprobs=-1), "sampling_params.logprobs"),
     "too many logprobs": (dict(logprobs=21), "sampling_params.logprobs"),
     "top_p > 1": (dict(top_p=1.5), "sampling_params.top_p"),

@@ -118,7 +118,9 @@ const (
 	FinishReason_FINISH_REASON_CANCELLED FinishReason = 3
 	// The request failed; GenerationChunk.error says why.
 	FinishReason_FINISH_REASON_ERROR FinishReason = 4
-	// The output text contained one of SamplingParams.stop; the text ends before it.
+	// A stop condition: one of SamplingParams.stop_token_ids was generated (included in the
+	// output), or the output text contained one of SamplingParams.stop (the text ends before it).
+	// GenerationChunk.stop_reason says which.
 	FinishReason_FINISH_REASON_STOP FinishReason = 5
 )
 
@@ -383,9 +385,28 @@ type SamplingParams struct {
 	// Added to the logits of these token ids before anything else (then penalties, temperature,
 	// top-k, top-p), at every step: -100 all but bans a token, 100 all but forces it. At most 300
 	// entries; ids below the vocab size; biases finite, in [-100, 100].
-	LogitBias     map[uint32]float32 `protobuf:"bytes,15,rep,name=logit_bias,json=logitBias,proto3" json:"logit_bias,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"fixed32,2,opt,name=value"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	LogitBias map[uint32]float32 `protobuf:"bytes,15,rep,name=logit_bias,json=logitBias,proto3" json:"logit_bias,omitempty" protobuf_key:"varint,1,opt,name=key" protobuf_val:"fixed32,2,opt,name=value"`
+	// Sample only among the tokens whose probability is at least min_p times the most likely
+	// token's (after temperature, top-k and top-p). In [0, 1]; 0 disables it. Unset: the model's
+	// generation config when it samples, else 0.
+	MinP *float32 `protobuf:"fixed32,16,opt,name=min_p,json=minP,proto3,oneof" json:"min_p,omitempty"`
+	// Token ids that end generation besides the EOS ids, ignore_eos or not: the id is emitted, then
+	// the request finishes with FINISH_REASON_STOP and GenerationChunk.stop_token_id. min_new_tokens
+	// holds them back like EOS. At most 64 ids, below the vocab size.
+	StopTokenIds []uint32 `protobuf:"varint,17,rep,packed,name=stop_token_ids,json=stopTokenIds,proto3" json:"stop_token_ids,omitempty"`
+	// Whether the text leaves out special tokens (BOS, EOS, chat-template markers). Unset: true.
+	SkipSpecialTokens *bool `protobuf:"varint,18,opt,name=skip_special_tokens,json=skipSpecialTokens,proto3,oneof" json:"skip_special_tokens,omitempty"`
+	// Per prompt token, its log-probability and this many most likely alternatives (vLLM's
+	// prompt_logprobs), in GenerationChunk.prompt_logprobs. In [0, 20]; 0 returns the prompt tokens'
+	// own only. Unset: none. Such a request does not read the prefix cache for its prompt (every
+	// prompt position is computed).
+	PromptLogprobs *uint32 `protobuf:"varint,19,opt,name=prompt_logprobs,json=promptLogprobs,proto3,oneof" json:"prompt_logprobs,omitempty"`
+	// Constrains the output to a grammar: every token is sampled among those that keep the output a
+	// valid prefix, and the request ends once the grammar is complete. A constraint that does not
+	// compile fails the request with INVALID_ARGUMENT quoting the compiler. Unset: unconstrained.
+	StructuredOutput *StructuredOutput `protobuf:"bytes,20,opt,name=structured_output,json=structuredOutput,proto3" json:"structured_output,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *SamplingParams) Reset() {
@@ -523,6 +544,162 @@ func (x *SamplingParams) GetLogitBias() map[uint32]float32 {
 	return nil
 }
 
+func (x *SamplingParams) GetMinP() float32 {
+	if x != nil && x.MinP != nil {
+		return *x.MinP
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetStopTokenIds() []uint32 {
+	if x != nil {
+		return x.StopTokenIds
+	}
+	return nil
+}
+
+func (x *SamplingParams) GetSkipSpecialTokens() bool {
+	if x != nil && x.SkipSpecialTokens != nil {
+		return *x.SkipSpecialTokens
+	}
+	return false
+}
+
+func (x *SamplingParams) GetPromptLogprobs() uint32 {
+	if x != nil && x.PromptLogprobs != nil {
+		return *x.PromptLogprobs
+	}
+	return 0
+}
+
+func (x *SamplingParams) GetStructuredOutput() *StructuredOutput {
+	if x != nil {
+		return x.StructuredOutput
+	}
+	return nil
+}
+
+// What a structured output must match. Exactly one is set.
+type StructuredOutput struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The constraint; a spec is at most 65536 characters.
+	//
+	// Types that are valid to be assigned to Constraint:
+	//
+	//	*StructuredOutput_JsonSchema
+	//	*StructuredOutput_JsonObject
+	//	*StructuredOutput_Regex
+	//	*StructuredOutput_Grammar
+	Constraint    isStructuredOutput_Constraint `protobuf_oneof:"constraint"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StructuredOutput) Reset() {
+	*x = StructuredOutput{}
+	mi := &file_cbserve_v1_types_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StructuredOutput) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StructuredOutput) ProtoMessage() {}
+
+func (x *StructuredOutput) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_types_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StructuredOutput.ProtoReflect.Descriptor instead.
+func (*StructuredOutput) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *StructuredOutput) GetConstraint() isStructuredOutput_Constraint {
+	if x != nil {
+		return x.Constraint
+	}
+	return nil
+}
+
+func (x *StructuredOutput) GetJsonSchema() string {
+	if x != nil {
+		if x, ok := x.Constraint.(*StructuredOutput_JsonSchema); ok {
+			return x.JsonSchema
+		}
+	}
+	return ""
+}
+
+func (x *StructuredOutput) GetJsonObject() bool {
+	if x != nil {
+		if x, ok := x.Constraint.(*StructuredOutput_JsonObject); ok {
+			return x.JsonObject
+		}
+	}
+	return false
+}
+
+func (x *StructuredOutput) GetRegex() string {
+	if x != nil {
+		if x, ok := x.Constraint.(*StructuredOutput_Regex); ok {
+			return x.Regex
+		}
+	}
+	return ""
+}
+
+func (x *StructuredOutput) GetGrammar() string {
+	if x != nil {
+		if x, ok := x.Constraint.(*StructuredOutput_Grammar); ok {
+			return x.Grammar
+		}
+	}
+	return ""
+}
+
+type isStructuredOutput_Constraint interface {
+	isStructuredOutput_Constraint()
+}
+
+type StructuredOutput_JsonSchema struct {
+	// A JSON schema (as a JSON string) the output must be an instance of.
+	JsonSchema string `protobuf:"bytes,1,opt,name=json_schema,json=jsonSchema,proto3,oneof"`
+}
+
+type StructuredOutput_JsonObject struct {
+	// When true, the output is any JSON object.
+	JsonObject bool `protobuf:"varint,2,opt,name=json_object,json=jsonObject,proto3,oneof"`
+}
+
+type StructuredOutput_Regex struct {
+	// A regular expression the whole output must match.
+	Regex string `protobuf:"bytes,3,opt,name=regex,proto3,oneof"`
+}
+
+type StructuredOutput_Grammar struct {
+	// An EBNF grammar (Lark / GBNF style, start rule "start" or "root") the output must derive.
+	Grammar string `protobuf:"bytes,4,opt,name=grammar,proto3,oneof"`
+}
+
+func (*StructuredOutput_JsonSchema) isStructuredOutput_Constraint() {}
+
+func (*StructuredOutput_JsonObject) isStructuredOutput_Constraint() {}
+
+func (*StructuredOutput_Regex) isStructuredOutput_Constraint() {}
+
+func (*StructuredOutput_Grammar) isStructuredOutput_Constraint() {}
+
 // One generation request: a prompt plus how to sample from it.
 type GenerationRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -543,13 +720,18 @@ type GenerationRequest struct {
 	// When true, every generated token's wall-clock time is returned in
 	// GenerationChunk.token_timestamps. Default false.
 	RecordTimestamps bool `protobuf:"varint,6,opt,name=record_timestamps,json=recordTimestamps,proto3" json:"record_timestamps,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Scheduling priority when the server runs the "priority" scheduler (--scheduler-type
+	// priority): smaller values are admitted first (ties first-come), and when memory runs out the
+	// running request with the largest value is preempted first. Ignored by other schedulers.
+	// Default 0.
+	Priority      int32 `protobuf:"varint,7,opt,name=priority,proto3" json:"priority,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerationRequest) Reset() {
 	*x = GenerationRequest{}
-	mi := &file_cbserve_v1_types_proto_msgTypes[4]
+	mi := &file_cbserve_v1_types_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -561,7 +743,7 @@ func (x *GenerationRequest) String() string {
 func (*GenerationRequest) ProtoMessage() {}
 
 func (x *GenerationRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_types_proto_msgTypes[4]
+	mi := &file_cbserve_v1_types_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -574,7 +756,7 @@ func (x *GenerationRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerationRequest.ProtoReflect.Descriptor instead.
 func (*GenerationRequest) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{4}
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GenerationRequest) GetRequestId() string {
@@ -632,6 +814,13 @@ func (x *GenerationRequest) GetRecordTimestamps() bool {
 	return false
 }
 
+func (x *GenerationRequest) GetPriority() int32 {
+	if x != nil {
+		return x.Priority
+	}
+	return 0
+}
+
 type isGenerationRequest_Prompt interface {
 	isGenerationRequest_Prompt()
 }
@@ -671,7 +860,7 @@ type TopLogprob struct {
 
 func (x *TopLogprob) Reset() {
 	*x = TopLogprob{}
-	mi := &file_cbserve_v1_types_proto_msgTypes[5]
+	mi := &file_cbserve_v1_types_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -683,7 +872,7 @@ func (x *TopLogprob) String() string {
 func (*TopLogprob) ProtoMessage() {}
 
 func (x *TopLogprob) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_types_proto_msgTypes[5]
+	mi := &file_cbserve_v1_types_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -696,7 +885,7 @@ func (x *TopLogprob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TopLogprob.ProtoReflect.Descriptor instead.
 func (*TopLogprob) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{5}
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *TopLogprob) GetTokenId() uint32 {
@@ -727,7 +916,7 @@ type TokenLogprob struct {
 
 func (x *TokenLogprob) Reset() {
 	*x = TokenLogprob{}
-	mi := &file_cbserve_v1_types_proto_msgTypes[6]
+	mi := &file_cbserve_v1_types_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -739,7 +928,7 @@ func (x *TokenLogprob) String() string {
 func (*TokenLogprob) ProtoMessage() {}
 
 func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_types_proto_msgTypes[6]
+	mi := &file_cbserve_v1_types_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -752,7 +941,7 @@ func (x *TokenLogprob) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TokenLogprob.ProtoReflect.Descriptor instead.
 func (*TokenLogprob) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{6}
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *TokenLogprob) GetLogprob() float32 {
@@ -763,6 +952,70 @@ func (x *TokenLogprob) GetLogprob() float32 {
 }
 
 func (x *TokenLogprob) GetTopLogprobs() []*TopLogprob {
+	if x != nil {
+		return x.TopLogprobs
+	}
+	return nil
+}
+
+// Log-probability information for one prompt token.
+type PromptLogprob struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The prompt token.
+	TokenId uint32 `protobuf:"varint,1,opt,name=token_id,json=tokenId,proto3" json:"token_id,omitempty"`
+	// Its log-probability given the prompt tokens before it.
+	Logprob float32 `protobuf:"fixed32,2,opt,name=logprob,proto3" json:"logprob,omitempty"`
+	// The SamplingParams.prompt_logprobs most likely tokens at its position, most likely first.
+	TopLogprobs   []*TopLogprob `protobuf:"bytes,3,rep,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PromptLogprob) Reset() {
+	*x = PromptLogprob{}
+	mi := &file_cbserve_v1_types_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PromptLogprob) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PromptLogprob) ProtoMessage() {}
+
+func (x *PromptLogprob) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_types_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PromptLogprob.ProtoReflect.Descriptor instead.
+func (*PromptLogprob) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *PromptLogprob) GetTokenId() uint32 {
+	if x != nil {
+		return x.TokenId
+	}
+	return 0
+}
+
+func (x *PromptLogprob) GetLogprob() float32 {
+	if x != nil {
+		return x.Logprob
+	}
+	return 0
+}
+
+func (x *PromptLogprob) GetTopLogprobs() []*TopLogprob {
 	if x != nil {
 		return x.TopLogprobs
 	}
@@ -784,7 +1037,7 @@ type Usage struct {
 
 func (x *Usage) Reset() {
 	*x = Usage{}
-	mi := &file_cbserve_v1_types_proto_msgTypes[7]
+	mi := &file_cbserve_v1_types_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -796,7 +1049,7 @@ func (x *Usage) String() string {
 func (*Usage) ProtoMessage() {}
 
 func (x *Usage) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_types_proto_msgTypes[7]
+	mi := &file_cbserve_v1_types_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -809,7 +1062,7 @@ func (x *Usage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Usage.ProtoReflect.Descriptor instead.
 func (*Usage) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{7}
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Usage) GetPromptTokens() uint32 {
@@ -855,7 +1108,7 @@ type Timings struct {
 
 func (x *Timings) Reset() {
 	*x = Timings{}
-	mi := &file_cbserve_v1_types_proto_msgTypes[8]
+	mi := &file_cbserve_v1_types_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -867,7 +1120,7 @@ func (x *Timings) String() string {
 func (*Timings) ProtoMessage() {}
 
 func (x *Timings) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_types_proto_msgTypes[8]
+	mi := &file_cbserve_v1_types_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -880,7 +1133,7 @@ func (x *Timings) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Timings.ProtoReflect.Descriptor instead.
 func (*Timings) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{8}
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Timings) GetQueuedAt() *timestamppb.Timestamp {
@@ -968,14 +1221,25 @@ type GenerationChunk struct {
 	// failure. A request rejected on a Generate stream gets the code AddRequest would have
 	// returned (3 INVALID_ARGUMENT, 6 ALREADY_EXISTS, 8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE); an
 	// engine failure while the request ran gets 13 INTERNAL. 0 otherwise.
-	ErrorCode     uint32 `protobuf:"varint,13,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	ErrorCode uint32 `protobuf:"varint,13,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	// With FINISH_REASON_STOP: what stopped the request.
+	//
+	// Types that are valid to be assigned to StopReason:
+	//
+	//	*GenerationChunk_StopTokenId
+	//	*GenerationChunk_StopString
+	StopReason isGenerationChunk_StopReason `protobuf_oneof:"stop_reason"`
+	// With SamplingParams.prompt_logprobs: one entry per prompt token after the first (the first
+	// has nothing before it), on the chunk that carries the first generated token (token_index 0).
+	// Empty otherwise.
+	PromptLogprobs []*PromptLogprob `protobuf:"bytes,16,rep,name=prompt_logprobs,json=promptLogprobs,proto3" json:"prompt_logprobs,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *GenerationChunk) Reset() {
 	*x = GenerationChunk{}
-	mi := &file_cbserve_v1_types_proto_msgTypes[9]
+	mi := &file_cbserve_v1_types_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -987,7 +1251,7 @@ func (x *GenerationChunk) String() string {
 func (*GenerationChunk) ProtoMessage() {}
 
 func (x *GenerationChunk) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_types_proto_msgTypes[9]
+	mi := &file_cbserve_v1_types_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1000,7 +1264,7 @@ func (x *GenerationChunk) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerationChunk.ProtoReflect.Descriptor instead.
 func (*GenerationChunk) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{9}
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GenerationChunk) GetRequestId() string {
@@ -1094,6 +1358,56 @@ func (x *GenerationChunk) GetErrorCode() uint32 {
 	return 0
 }
 
+func (x *GenerationChunk) GetStopReason() isGenerationChunk_StopReason {
+	if x != nil {
+		return x.StopReason
+	}
+	return nil
+}
+
+func (x *GenerationChunk) GetStopTokenId() uint32 {
+	if x != nil {
+		if x, ok := x.StopReason.(*GenerationChunk_StopTokenId); ok {
+			return x.StopTokenId
+		}
+	}
+	return 0
+}
+
+func (x *GenerationChunk) GetStopString() string {
+	if x != nil {
+		if x, ok := x.StopReason.(*GenerationChunk_StopString); ok {
+			return x.StopString
+		}
+	}
+	return ""
+}
+
+func (x *GenerationChunk) GetPromptLogprobs() []*PromptLogprob {
+	if x != nil {
+		return x.PromptLogprobs
+	}
+	return nil
+}
+
+type isGenerationChunk_StopReason interface {
+	isGenerationChunk_StopReason()
+}
+
+type GenerationChunk_StopTokenId struct {
+	// The stop token id (SamplingParams.stop_token_ids) generated last.
+	StopTokenId uint32 `protobuf:"varint,14,opt,name=stop_token_id,json=stopTokenId,proto3,oneof"`
+}
+
+type GenerationChunk_StopString struct {
+	// The stop string (SamplingParams.stop) the text matched.
+	StopString string `protobuf:"bytes,15,opt,name=stop_string,json=stopString,proto3,oneof"`
+}
+
+func (*GenerationChunk_StopTokenId) isGenerationChunk_StopReason() {}
+
+func (*GenerationChunk_StopString) isGenerationChunk_StopReason() {}
+
 var File_cbserve_v1_types_proto protoreflect.FileDescriptor
 
 const file_cbserve_v1_types_proto_rawDesc = "" +
@@ -1108,7 +1422,7 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\fChatMessages\x123\n" +
 	"\bmessages\x18\x01 \x03(\v2\x17.cbserve.v1.ChatMessageR\bmessages\x127\n" +
 	"\x15add_generation_prompt\x18\x02 \x01(\bH\x00R\x13addGenerationPrompt\x88\x01\x01B\x18\n" +
-	"\x16_add_generation_prompt\"\xb9\x06\n" +
+	"\x16_add_generation_prompt\"\xdd\b\n" +
 	"\x0eSamplingParams\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12%\n" +
 	"\vtemperature\x18\x02 \x01(\x02H\x01R\vtemperature\x88\x01\x01\x12\x18\n" +
@@ -1127,7 +1441,13 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x11frequency_penalty\x18\r \x01(\x02H\bR\x10frequencyPenalty\x88\x01\x01\x12)\n" +
 	"\x0emin_new_tokens\x18\x0e \x01(\rH\tR\fminNewTokens\x88\x01\x01\x12H\n" +
 	"\n" +
-	"logit_bias\x18\x0f \x03(\v2).cbserve.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x1a<\n" +
+	"logit_bias\x18\x0f \x03(\v2).cbserve.v1.SamplingParams.LogitBiasEntryR\tlogitBias\x12\x18\n" +
+	"\x05min_p\x18\x10 \x01(\x02H\n" +
+	"R\x04minP\x88\x01\x01\x12$\n" +
+	"\x0estop_token_ids\x18\x11 \x03(\rR\fstopTokenIds\x123\n" +
+	"\x13skip_special_tokens\x18\x12 \x01(\bH\vR\x11skipSpecialTokens\x88\x01\x01\x12,\n" +
+	"\x0fprompt_logprobs\x18\x13 \x01(\rH\fR\x0epromptLogprobs\x88\x01\x01\x12I\n" +
+	"\x11structured_output\x18\x14 \x01(\v2\x1c.cbserve.v1.StructuredOutputR\x10structuredOutput\x1a<\n" +
 	"\x0eLogitBiasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x11\n" +
@@ -1140,7 +1460,19 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x13_repetition_penaltyB\x13\n" +
 	"\x11_presence_penaltyB\x14\n" +
 	"\x12_frequency_penaltyB\x11\n" +
-	"\x0f_min_new_tokens\"\xa4\x02\n" +
+	"\x0f_min_new_tokensB\b\n" +
+	"\x06_min_pB\x16\n" +
+	"\x14_skip_special_tokensB\x12\n" +
+	"\x10_prompt_logprobs\"\x9a\x01\n" +
+	"\x10StructuredOutput\x12!\n" +
+	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
+	"jsonSchema\x12!\n" +
+	"\vjson_object\x18\x02 \x01(\bH\x00R\n" +
+	"jsonObject\x12\x16\n" +
+	"\x05regex\x18\x03 \x01(\tH\x00R\x05regex\x12\x1a\n" +
+	"\agrammar\x18\x04 \x01(\tH\x00R\agrammarB\f\n" +
+	"\n" +
+	"constraint\"\xc0\x02\n" +
 	"\x11GenerationRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x123\n" +
@@ -1148,7 +1480,8 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x04text\x18\x03 \x01(\tH\x00R\x04text\x126\n" +
 	"\bmessages\x18\x04 \x01(\v2\x18.cbserve.v1.ChatMessagesH\x00R\bmessages\x126\n" +
 	"\bsampling\x18\x05 \x01(\v2\x1a.cbserve.v1.SamplingParamsR\bsampling\x12+\n" +
-	"\x11record_timestamps\x18\x06 \x01(\bR\x10recordTimestampsB\b\n" +
+	"\x11record_timestamps\x18\x06 \x01(\bR\x10recordTimestamps\x12\x1a\n" +
+	"\bpriority\x18\a \x01(\x05R\bpriorityB\b\n" +
 	"\x06prompt\"A\n" +
 	"\n" +
 	"TopLogprob\x12\x19\n" +
@@ -1156,7 +1489,11 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\alogprob\x18\x02 \x01(\x02R\alogprob\"c\n" +
 	"\fTokenLogprob\x12\x18\n" +
 	"\alogprob\x18\x01 \x01(\x02R\alogprob\x129\n" +
-	"\ftop_logprobs\x18\x02 \x03(\v2\x16.cbserve.v1.TopLogprobR\vtopLogprobs\"|\n" +
+	"\ftop_logprobs\x18\x02 \x03(\v2\x16.cbserve.v1.TopLogprobR\vtopLogprobs\"\x7f\n" +
+	"\rPromptLogprob\x12\x19\n" +
+	"\btoken_id\x18\x01 \x01(\rR\atokenId\x12\x18\n" +
+	"\alogprob\x18\x02 \x01(\x02R\alogprob\x129\n" +
+	"\ftop_logprobs\x18\x03 \x03(\v2\x16.cbserve.v1.TopLogprobR\vtopLogprobs\"|\n" +
 	"\x05Usage\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\rR\fpromptTokens\x12)\n" +
 	"\x10generated_tokens\x18\x02 \x01(\rR\x0fgeneratedTokens\x12#\n" +
@@ -1171,14 +1508,14 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"queueTimeS\x88\x01\x01\x125\n" +
 	"\x15time_to_first_token_s\x18\x06 \x01(\x01H\x01R\x11timeToFirstTokenS\x88\x01\x01B\x0f\n" +
 	"\r_queue_time_sB\x18\n" +
-	"\x16_time_to_first_token_s\"\x97\x04\n" +
+	"\x16_time_to_first_token_s\"\xb3\x05\n" +
 	"\x0fGenerationChunk\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x1f\n" +
 	"\vtoken_index\x18\x02 \x01(\rR\n" +
 	"tokenIndex\x12\x1b\n" +
 	"\ttoken_ids\x18\x03 \x03(\rR\btokenIds\x12\x17\n" +
-	"\x04text\x18\x04 \x01(\tH\x00R\x04text\x88\x01\x01\x124\n" +
+	"\x04text\x18\x04 \x01(\tH\x01R\x04text\x88\x01\x01\x124\n" +
 	"\blogprobs\x18\x05 \x03(\v2\x18.cbserve.v1.TokenLogprobR\blogprobs\x121\n" +
 	"\x06status\x18\x06 \x01(\x0e2\x19.cbserve.v1.RequestStatusR\x06status\x12=\n" +
 	"\rfinish_reason\x18\a \x01(\x0e2\x18.cbserve.v1.FinishReasonR\ffinishReason\x12\x14\n" +
@@ -1189,7 +1526,12 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x0eweight_version\x18\v \x01(\x04R\rweightVersion\x12)\n" +
 	"\x10token_timestamps\x18\f \x03(\x01R\x0ftokenTimestamps\x12\x1d\n" +
 	"\n" +
-	"error_code\x18\r \x01(\rR\terrorCodeB\a\n" +
+	"error_code\x18\r \x01(\rR\terrorCode\x12$\n" +
+	"\rstop_token_id\x18\x0e \x01(\rH\x00R\vstopTokenId\x12!\n" +
+	"\vstop_string\x18\x0f \x01(\tH\x00R\n" +
+	"stopString\x12B\n" +
+	"\x0fprompt_logprobs\x18\x10 \x03(\v2\x19.cbserve.v1.PromptLogprobR\x0epromptLogprobsB\r\n" +
+	"\vstop_reasonB\a\n" +
 	"\x05_text*\xdc\x01\n" +
 	"\rRequestStatus\x12\x1e\n" +
 	"\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n" +
@@ -1220,7 +1562,7 @@ func file_cbserve_v1_types_proto_rawDescGZIP() []byte {
 }
 
 var file_cbserve_v1_types_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_cbserve_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_cbserve_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_cbserve_v1_types_proto_goTypes = []any{
 	(RequestStatus)(0),            // 0: cbserve.v1.RequestStatus
 	(FinishReason)(0),             // 1: cbserve.v1.FinishReason
@@ -1228,36 +1570,41 @@ var file_cbserve_v1_types_proto_goTypes = []any{
 	(*ChatMessage)(nil),           // 3: cbserve.v1.ChatMessage
 	(*ChatMessages)(nil),          // 4: cbserve.v1.ChatMessages
 	(*SamplingParams)(nil),        // 5: cbserve.v1.SamplingParams
-	(*GenerationRequest)(nil),     // 6: cbserve.v1.GenerationRequest
-	(*TopLogprob)(nil),            // 7: cbserve.v1.TopLogprob
-	(*TokenLogprob)(nil),          // 8: cbserve.v1.TokenLogprob
-	(*Usage)(nil),                 // 9: cbserve.v1.Usage
-	(*Timings)(nil),               // 10: cbserve.v1.Timings
-	(*GenerationChunk)(nil),       // 11: cbserve.v1.GenerationChunk
-	nil,                           // 12: cbserve.v1.SamplingParams.LogitBiasEntry
-	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
+	(*StructuredOutput)(nil),      // 6: cbserve.v1.StructuredOutput
+	(*GenerationRequest)(nil),     // 7: cbserve.v1.GenerationRequest
+	(*TopLogprob)(nil),            // 8: cbserve.v1.TopLogprob
+	(*TokenLogprob)(nil),          // 9: cbserve.v1.TokenLogprob
+	(*PromptLogprob)(nil),         // 10: cbserve.v1.PromptLogprob
+	(*Usage)(nil),                 // 11: cbserve.v1.Usage
+	(*Timings)(nil),               // 12: cbserve.v1.Timings
+	(*GenerationChunk)(nil),       // 13: cbserve.v1.GenerationChunk
+	nil,                           // 14: cbserve.v1.SamplingParams.LogitBiasEntry
+	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
 }
 var file_cbserve_v1_types_proto_depIdxs = []int32{
 	3,  // 0: cbserve.v1.ChatMessages.messages:type_name -> cbserve.v1.ChatMessage
-	12, // 1: cbserve.v1.SamplingParams.logit_bias:type_name -> cbserve.v1.SamplingParams.LogitBiasEntry
-	2,  // 2: cbserve.v1.GenerationRequest.token_ids:type_name -> cbserve.v1.TokenIds
-	4,  // 3: cbserve.v1.GenerationRequest.messages:type_name -> cbserve.v1.ChatMessages
-	5,  // 4: cbserve.v1.GenerationRequest.sampling:type_name -> cbserve.v1.SamplingParams
-	7,  // 5: cbserve.v1.TokenLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
-	13, // 6: cbserve.v1.Timings.queued_at:type_name -> google.protobuf.Timestamp
-	13, // 7: cbserve.v1.Timings.scheduled_at:type_name -> google.protobuf.Timestamp
-	13, // 8: cbserve.v1.Timings.first_token_at:type_name -> google.protobuf.Timestamp
-	13, // 9: cbserve.v1.Timings.finished_at:type_name -> google.protobuf.Timestamp
-	8,  // 10: cbserve.v1.GenerationChunk.logprobs:type_name -> cbserve.v1.TokenLogprob
-	0,  // 11: cbserve.v1.GenerationChunk.status:type_name -> cbserve.v1.RequestStatus
-	1,  // 12: cbserve.v1.GenerationChunk.finish_reason:type_name -> cbserve.v1.FinishReason
-	9,  // 13: cbserve.v1.GenerationChunk.usage:type_name -> cbserve.v1.Usage
-	10, // 14: cbserve.v1.GenerationChunk.timings:type_name -> cbserve.v1.Timings
-	15, // [15:15] is the sub-list for method output_type
-	15, // [15:15] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	14, // 1: cbserve.v1.SamplingParams.logit_bias:type_name -> cbserve.v1.SamplingParams.LogitBiasEntry
+	6,  // 2: cbserve.v1.SamplingParams.structured_output:type_name -> cbserve.v1.StructuredOutput
+	2,  // 3: cbserve.v1.GenerationRequest.token_ids:type_name -> cbserve.v1.TokenIds
+	4,  // 4: cbserve.v1.GenerationRequest.messages:type_name -> cbserve.v1.ChatMessages
+	5,  // 5: cbserve.v1.GenerationRequest.sampling:type_name -> cbserve.v1.SamplingParams
+	8,  // 6: cbserve.v1.TokenLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
+	8,  // 7: cbserve.v1.PromptLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
+	15, // 8: cbserve.v1.Timings.queued_at:type_name -> google.protobuf.Timestamp
+	15, // 9: cbserve.v1.Timings.scheduled_at:type_name -> google.protobuf.Timestamp
+	15, // 10: cbserve.v1.Timings.first_token_at:type_name -> google.protobuf.Timestamp
+	15, // 11: cbserve.v1.Timings.finished_at:type_name -> google.protobuf.Timestamp
+	9,  // 12: cbserve.v1.GenerationChunk.logprobs:type_name -> cbserve.v1.TokenLogprob
+	0,  // 13: cbserve.v1.GenerationChunk.status:type_name -> cbserve.v1.RequestStatus
+	1,  // 14: cbserve.v1.GenerationChunk.finish_reason:type_name -> cbserve.v1.FinishReason
+	11, // 15: cbserve.v1.GenerationChunk.usage:type_name -> cbserve.v1.Usage
+	12, // 16: cbserve.v1.GenerationChunk.timings:type_name -> cbserve.v1.Timings
+	10, // 17: cbserve.v1.GenerationChunk.prompt_logprobs:type_name -> cbserve.v1.PromptLogprob
+	18, // [18:18] is the sub-list for method output_type
+	18, // [18:18] is the sub-list for method input_type
+	18, // [18:18] is the sub-list for extension type_name
+	18, // [18:18] is the sub-list for extension extendee
+	0,  // [0:18] is the sub-list for field type_name
 }
 
 func init() { file_cbserve_v1_types_proto_init() }
@@ -1268,19 +1615,28 @@ func file_cbserve_v1_types_proto_init() {
 	file_cbserve_v1_types_proto_msgTypes[2].OneofWrappers = []any{}
 	file_cbserve_v1_types_proto_msgTypes[3].OneofWrappers = []any{}
 	file_cbserve_v1_types_proto_msgTypes[4].OneofWrappers = []any{
+		(*StructuredOutput_JsonSchema)(nil),
+		(*StructuredOutput_JsonObject)(nil),
+		(*StructuredOutput_Regex)(nil),
+		(*StructuredOutput_Grammar)(nil),
+	}
+	file_cbserve_v1_types_proto_msgTypes[5].OneofWrappers = []any{
 		(*GenerationRequest_TokenIds)(nil),
 		(*GenerationRequest_Text)(nil),
 		(*GenerationRequest_Messages)(nil),
 	}
-	file_cbserve_v1_types_proto_msgTypes[8].OneofWrappers = []any{}
-	file_cbserve_v1_types_proto_msgTypes[9].OneofWrappers = []any{}
+	file_cbserve_v1_types_proto_msgTypes[10].OneofWrappers = []any{}
+	file_cbserve_v1_types_proto_msgTypes[11].OneofWrappers = []any{
+		(*GenerationChunk_StopTokenId)(nil),
+		(*GenerationChunk_StopString)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cbserve_v1_types_proto_rawDesc), len(file_cbserve_v1_types_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   11,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

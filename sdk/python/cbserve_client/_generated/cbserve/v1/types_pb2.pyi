@@ -95,7 +95,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     FINISH_REASON_ERROR: _FinishReason.ValueType  # 4
     """The request failed; GenerationChunk.error says why."""
     FINISH_REASON_STOP: _FinishReason.ValueType  # 5
-    """The output text contained one of SamplingParams.stop; the text ends before it."""
+    """A stop condition: one of SamplingParams.stop_token_ids was generated (included in the
+    output), or the output text contained one of SamplingParams.stop (the text ends before it).
+    GenerationChunk.stop_reason says which.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why a request ended. Set only on the chunk that carries a terminal status."""
@@ -113,7 +116,10 @@ FINISH_REASON_CANCELLED: FinishReason.ValueType  # 3
 FINISH_REASON_ERROR: FinishReason.ValueType  # 4
 """The request failed; GenerationChunk.error says why."""
 FINISH_REASON_STOP: FinishReason.ValueType  # 5
-"""The output text contained one of SamplingParams.stop; the text ends before it."""
+"""A stop condition: one of SamplingParams.stop_token_ids was generated (included in the
+output), or the output text contained one of SamplingParams.stop (the text ends before it).
+GenerationChunk.stop_reason says which.
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -248,6 +254,11 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
     MIN_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Maximum number of tokens to generate, EOS included. Must be >= 1. Unset: the server default.
     The request also stops when prompt + generated tokens reach the model's max context length.
@@ -293,6 +304,19 @@ class SamplingParams(_message.Message):
     """EOS tokens cannot end the request before it has generated this many tokens (stop strings
     still can). At most max_new_tokens. Unset: the model's generation config, else 0.
     """
+    min_p: _builtins.float
+    """Sample only among the tokens whose probability is at least min_p times the most likely
+    token's (after temperature, top-k and top-p). In [0, 1]; 0 disables it. Unset: the model's
+    generation config when it samples, else 0.
+    """
+    skip_special_tokens: _builtins.bool
+    """Whether the text leaves out special tokens (BOS, EOS, chat-template markers). Unset: true."""
+    prompt_logprobs: _builtins.int
+    """Per prompt token, its log-probability and this many most likely alternatives (vLLM's
+    prompt_logprobs), in GenerationChunk.prompt_logprobs. In [0, 20]; 0 returns the prompt tokens'
+    own only. Unset: none. Such a request does not read the prefix cache for its prompt (every
+    prompt position is computed).
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end generation (the id is emitted, then the request finishes with
@@ -316,6 +340,20 @@ class SamplingParams(_message.Message):
         entries; ids below the vocab size; biases finite, in [-100, 100].
         """
 
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids that end generation besides the EOS ids, ignore_eos or not: the id is emitted, then
+        the request finishes with FINISH_REASON_STOP and GenerationChunk.stop_token_id. min_new_tokens
+        holds them back like EOS. At most 64 ids, below the vocab size.
+        """
+
+    @_builtins.property
+    def structured_output(self) -> Global___StructuredOutput:
+        """Constrains the output to a grammar: every token is sampled among those that keep the output a
+        valid prefix, and the request ends once the grammar is complete. A constraint that does not
+        compile fails the request with INVALID_ARGUMENT quoting the compiler. Unset: unconstrained.
+        """
+
     def __init__(
         self,
         *,
@@ -334,10 +372,15 @@ class SamplingParams(_message.Message):
         frequency_penalty: _builtins.float | None = ...,
         min_new_tokens: _builtins.int | None = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        min_p: _builtins.float | None = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        skip_special_tokens: _builtins.bool | None = ...,
+        prompt_logprobs: _builtins.int | None = ...,
+        structured_output: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
@@ -345,12 +388,18 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
     _WhichOneofReturnType__min_new_tokens: _TypeAlias = _typing.Literal["min_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__min_new_tokens: _TypeAlias = _typing.Literal["_min_new_tokens", b"_min_new_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
+    _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
     _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
     _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__prompt_logprobs: _TypeAlias = _typing.Literal["_prompt_logprobs", b"_prompt_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
@@ -366,11 +415,17 @@ class SamplingParams(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_new_tokens) -> _WhichOneofReturnType__min_new_tokens | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p) -> _WhichOneofReturnType__min_p | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt_logprobs) -> _WhichOneofReturnType__prompt_logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
     @_typing.overload
@@ -381,6 +436,42 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class StructuredOutput(_message.Message):
+    """What a structured output must match. Exactly one is set."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON schema (as a JSON string) the output must be an instance of."""
+    json_object: _builtins.bool
+    """When true, the output is any JSON object."""
+    regex: _builtins.str
+    """A regular expression the whole output must match."""
+    grammar: _builtins.str
+    """An EBNF grammar (Lark / GBNF style, start rule "start" or "root") the output must derive."""
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
+        grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "grammar"]  # noqa: Y015
+    _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
+
+Global___StructuredOutput: _TypeAlias = StructuredOutput  # noqa: Y015
 
 @_typing.final
 class GenerationRequest(_message.Message):
@@ -394,6 +485,7 @@ class GenerationRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     RECORD_TIMESTAMPS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id of the request, unique among the server's live requests (ALREADY_EXISTS
     otherwise). Leave empty to let the server generate one; the id is returned by AddRequest and
@@ -406,6 +498,12 @@ class GenerationRequest(_message.Message):
     record_timestamps: _builtins.bool
     """When true, every generated token's wall-clock time is returned in
     GenerationChunk.token_timestamps. Default false.
+    """
+    priority: _builtins.int
+    """Scheduling priority when the server runs the "priority" scheduler (--scheduler-type
+    priority): smaller values are admitted first (ties first-come), and when memory runs out the
+    running request with the largest value is preempted first. Ignored by other schedulers.
+    Default 0.
     """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
@@ -428,10 +526,11 @@ class GenerationRequest(_message.Message):
         messages: Global___ChatMessages | None = ...,
         sampling: Global___SamplingParams | None = ...,
         record_timestamps: _builtins.bool = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "prompt", b"prompt", "record_timestamps", b"record_timestamps", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "priority", b"priority", "prompt", b"prompt", "record_timestamps", b"record_timestamps", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["token_ids", "text", "messages"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
@@ -494,6 +593,38 @@ class TokenLogprob(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class PromptLogprob(_message.Message):
+    """Log-probability information for one prompt token."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """The prompt token."""
+    logprob: _builtins.float
+    """Its log-probability given the prompt tokens before it."""
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """The SamplingParams.prompt_logprobs most likely tokens at its position, most likely first."""
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        top_logprobs: _abc.Iterable[Global___TopLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PromptLogprob: _TypeAlias = PromptLogprob  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):
@@ -606,6 +737,9 @@ class GenerationChunk(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     TOKEN_TIMESTAMPS_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    STOP_STRING_FIELD_NUMBER: _builtins.int
+    PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request this chunk belongs to."""
     token_index: _builtins.int
@@ -638,6 +772,10 @@ class GenerationChunk(_message.Message):
     returned (3 INVALID_ARGUMENT, 6 ALREADY_EXISTS, 8 RESOURCE_EXHAUSTED, 14 UNAVAILABLE); an
     engine failure while the request ran gets 13 INTERNAL. 0 otherwise.
     """
+    stop_token_id: _builtins.int
+    """The stop token id (SamplingParams.stop_token_ids) generated last."""
+    stop_string: _builtins.str
+    """The stop string (SamplingParams.stop) the text matched."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Newly generated token ids (the delta), starting at token_index."""
@@ -662,6 +800,13 @@ class GenerationChunk(_message.Message):
         wall-clock time it was generated at, in seconds since the Unix epoch. Empty otherwise.
         """
 
+    @_builtins.property
+    def prompt_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PromptLogprob]:
+        """With SamplingParams.prompt_logprobs: one entry per prompt token after the first (the first
+        has nothing before it), on the chunk that carries the first generated token (token_index 0).
+        Empty otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -678,13 +823,21 @@ class GenerationChunk(_message.Message):
         weight_version: _builtins.int = ...,
         token_timestamps: _abc.Iterable[_builtins.float] | None = ...,
         error_code: _builtins.int = ...,
+        stop_token_id: _builtins.int = ...,
+        stop_string: _builtins.str = ...,
+        prompt_logprobs: _abc.Iterable[Global___PromptLogprob] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_text", b"_text", "text", b"text", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_text", b"_text", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_text", b"_text", "error", b"error", "error_code", b"error_code", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "status", b"status", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "token_index", b"token_index", "token_timestamps", b"token_timestamps", "usage", b"usage", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_text", b"_text", "error", b"error", "error_code", b"error_code", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "status", b"status", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "token_index", b"token_index", "token_timestamps", b"token_timestamps", "usage", b"usage", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__text: _TypeAlias = _typing.Literal["text"]  # noqa: Y015
     _WhichOneofArgType__text: _TypeAlias = _typing.Literal["_text", b"_text"]  # noqa: Y015
+    _WhichOneofReturnType_stop_reason: _TypeAlias = _typing.Literal["stop_token_id", "stop_string"]  # noqa: Y015
+    _WhichOneofArgType_stop_reason: _TypeAlias = _typing.Literal["stop_reason", b"stop_reason"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__text) -> _WhichOneofReturnType__text | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_stop_reason) -> _WhichOneofReturnType_stop_reason | None: ...
 
 Global___GenerationChunk: _TypeAlias = GenerationChunk  # noqa: Y015

@@ -11,6 +11,12 @@ public final class SamplingBounds {
   public static final int MAX_STOP_STRINGS = 16;
   public static final int MAX_STOP_STRING_CHARS = 256;
   public static final int MAX_REQUEST_ID_BYTES = 128;
+  public static final int MAX_STOP_TOKEN_IDS = 64;
+  public static final int MAX_PROMPT_LOGPROBS = 20;
+  public static final int MAX_STRUCTURED_OUTPUT_CHARS = 65536;
+  public static final double MAX_MIN_P = 1.0;
+  public static final int MIN_PRIORITY = -2147483648;
+  public static final int MAX_PRIORITY = 2147483647;
 
   private SamplingBounds() {}
 }
