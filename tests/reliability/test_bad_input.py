@@ -41,6 +41,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_ABS_LOGIT_BIAS = 100.0
+MAX_STOP_TOKEN_IDS = 64
+MAX_PROMPT_LOGPROBS = 20
+MAX_STRUCTURED_OUTPUT_CHARS = 65536
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 # gRPC's default limit on a received message.
 MAX_MESSAGE_BYTES = 4 * 2**20
 UINT32_MAX = 2**32 - 1
@@ -128,6 +132,13 @@ VALID = {
     "presence_penalty": st.one_of(st.floats(-2.0, 2.0, width=32), edges(-2.0, 0.0, 2.0)),
     "frequency_penalty": st.one_of(st.floats(-2.0, 2.0, width=32), edges(-2.0, 0.0, 2.0)),
     "min_new_tokens": st.integers(0, 4),
+    "min_p": st.one_of(st.floats(0, 1, width=32), edges(0.0, 1e-45, 1.0)),
+    "skip_special_tokens": st.booleans(),
+    "prompt_logprobs": st.integers(0, MAX_PROMPT_LOGPROBS),
+    "stop_token_ids": st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=3),
+    "priority": st.one_of(st.integers(-5, 5), edges(INT32_MIN, INT32_MAX)),
+    # Left unset in valid requests: whether a schema compiles is the grammar library's to say.
+    "structured_output": st.none(),
     "logit_bias": st.dictionaries(
         st.integers(0, VOCAB_SIZE - 1),
         st.floats(-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS, width=32),
@@ -172,6 +183,23 @@ WILD = {
     "presence_penalty": st.one_of(st.floats(width=32), edges(-2.0000002, 2.0000002, math.inf, math.nan)),
     "frequency_penalty": st.one_of(st.floats(width=32), edges(-2.0000002, 2.0000002, -math.inf, math.nan)),
     "min_new_tokens": st.one_of(st.integers(0, 40), edges(CONTEXT, UINT32_MAX)),
+    "min_p": st.one_of(st.floats(width=32), edges(-1e-45, 1.0000001, 2.0, math.inf, math.nan)),
+    "skip_special_tokens": st.booleans(),
+    "prompt_logprobs": st.one_of(st.integers(0, MAX_PROMPT_LOGPROBS + 4), edges(UINT32_MAX)),
+    "stop_token_ids": st.one_of(
+        st.lists(st.integers(0, UINT32_MAX), max_size=4),
+        st.builds(lambda count: [3] * count, edges(MAX_STOP_TOKEN_IDS, MAX_STOP_TOKEN_IDS + 1)),
+    ),
+    "priority": st.integers(INT32_MIN, INT32_MAX),
+    # Every one of these is refused before it reaches a grammar compiler.
+    "structured_output": st.one_of(
+        st.builds(
+            lambda kind: types_pb2.StructuredOutput(**{kind: ""}), edges("json_schema", "regex", "grammar")
+        ),
+        st.just(types_pb2.StructuredOutput(json_object=False)),
+        st.just(types_pb2.StructuredOutput(regex="a" * (MAX_STRUCTURED_OUTPUT_CHARS + 1))),
+        st.just(types_pb2.StructuredOutput()),
+    ),
     "logit_bias": st.one_of(
         st.dictionaries(st.integers(0, UINT32_MAX), st.floats(width=32), max_size=4),
         st.builds(
@@ -183,7 +211,9 @@ WILD = {
 }
 # The optional scalar fields, from the proto: one added there without a strategy above fails here.
 SAMPLING_FIELDS = tuple(
-    field.name for field in types_pb2.SamplingParams.DESCRIPTOR.fields if field.has_presence
+    field.name
+    for field in types_pb2.SamplingParams.DESCRIPTOR.fields
+    if field.has_presence and field.message_type is None
 )
 
 
@@ -196,7 +226,9 @@ def generation_requests(draw: st.DrawFn) -> types_pb2.GenerationRequest:
         return WILD[name] if mode == "all wild" or name == wild_field else VALID[name]
 
     request = types_pb2.GenerationRequest(
-        request_id=draw(pick("request_id")), record_timestamps=draw(st.booleans())
+        request_id=draw(pick("request_id")),
+        record_timestamps=draw(st.booleans()),
+        priority=draw(pick("priority")),
     )
     kind = draw(pick("prompt_kind"))
     if kind == "token_ids":
@@ -217,6 +249,10 @@ def generation_requests(draw: st.DrawFn) -> types_pb2.GenerationRequest:
     sampling.eos_token_ids.extend(draw(st.lists(pick("eos_token_id"), max_size=3)))
     sampling.stop.extend(draw(pick("stop")))
     sampling.logit_bias.update(draw(pick("logit_bias")))
+    sampling.stop_token_ids.extend(draw(pick("stop_token_ids")))
+    structured_output = draw(pick("structured_output"))
+    if structured_output is not None:
+        sampling.structured_output.CopyFrom(structured_output)
     sampling.ignore_eos = draw(st.booleans())
     sampling.logprobs = draw(st.booleans())
     return request
@@ -317,6 +353,16 @@ def is_invalid(request: types_pb2.GenerationRequest) -> bool:
     if sampling.HasField("top_p") and not (math.isfinite(sampling.top_p) and 0 < sampling.top_p <= 1):
         return True
     if sampling.HasField("top_logprobs") and sampling.top_logprobs > MAX_TOP_LOGPROBS:
+        return True
+    if sampling.HasField("min_p") and not (math.isfinite(sampling.min_p) and 0 <= sampling.min_p <= 1):
+        return True
+    if sampling.HasField("prompt_logprobs") and sampling.prompt_logprobs > MAX_PROMPT_LOGPROBS:
+        return True
+    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
+        token >= VOCAB_SIZE for token in sampling.stop_token_ids
+    ):
+        return True
+    if sampling.HasField("structured_output"):  # the strategies draw only refusable ones
         return True
     if sampling.HasField("repetition_penalty") and not (
         math.isfinite(sampling.repetition_penalty) and sampling.repetition_penalty > 0
