@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_output import GrammarCompiler, accept_token, is_complete
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +172,8 @@ class EngineCore:
         self.num_failed_steps = 0
         # Version of the weights in the model, stamped on every token (the manager bumps it on updates).
         self.weight_version = 1
+        # Structured output's grammars, for the tokenizer's vocabulary (set_tokenizer); None: no tokenizer.
+        self.grammars: GrammarCompiler | None = None
         register_paged_attention()
 
     @property
@@ -184,6 +188,11 @@ class EngineCore:
     def add_request(self, request: Request) -> bool:
         """Queues `request`, or fails it at once (returns False) when it can never fit."""
         error = self.scheduler.admission_error(request)
+        if error is None:
+            try:
+                self.init_structured_output(request)
+            except ValueError as exc:
+                error = str(exc)
         if error is not None:
             request.status = RequestStatus.FAILED
             request.finish_reason = FinishReason.ERROR
@@ -192,6 +201,23 @@ class EngineCore:
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
         return True
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """The tokenizer whose vocabulary structured output's grammars are compiled for (None: none)."""
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer is not None else None
+
+    def init_structured_output(self, request: Request) -> None:
+        """Gives a request with `structured_output` its grammar matcher (the grammar compiled once per spec);
+        ValueError when the grammar does not compile or no tokenizer is known. Safe on any thread."""
+        if request.sampling.structured_output is None or request.structured_state is not None:
+            return
+        grammars = self.grammars
+        if grammars is None:
+            raise ValueError(
+                "structured_output needs the model's tokenizer: pass tokenizer= to ContinuousBatchingManager "
+                "or call its set_tokenizer()"
+            )
+        request.structured_state = grammars.new_state(request)
 
     def cancel_request(self, request_id: str) -> Request | None:
         """Cancels a live request and frees its blocks; returns it, or None if it is not live."""
@@ -295,6 +321,8 @@ class EngineCore:
         timings = self.runner.timings
         updating = time.perf_counter()
         timings.num_steps += 1
+        for request, prompt_logprobs in runner_output.prompt_logprobs:
+            prompt_logprobs.add_to(request)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.token_ids)
         now = time.time()
         for item, logprob, top in zip(
@@ -312,11 +340,25 @@ class EngineCore:
                 request.first_token_time = now
             if request.record_timestamps:
                 request.timestamps.append(now)
+            if request.structured_state is not None:
+                self._advance_grammar(request)
             result.advanced.append(request)
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
                 result.finished.append(request)
         timings.update_s += time.perf_counter() - updating
+
+    def _advance_grammar(self, request: Request) -> None:
+        """Feeds a request's new token to its grammar. A refused token fails the request; a grammar that
+        ended (on an EOS id the request does not stop on: it had none) ends it with EOS all the same."""
+        error = accept_token(request, request.all_token_ids[-1])
+        if error is not None:
+            self.scheduler.finish_request(request, RequestStatus.FAILED, FinishReason.ERROR, error)
+        elif not request.is_finished and is_complete(request):
+            self.scheduler.finish_request(request, RequestStatus.FINISHED, FinishReason.EOS)
+        else:
+            return
+        self.scheduler.remove_finished_running()
 
     def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception, result: StepResult) -> None:
         live = [item.request for item in scheduler_output.scheduled if not item.request.is_finished]

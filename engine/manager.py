@@ -50,8 +50,11 @@ class ContinuousBatchingManager(WeightsAndMemory):
         model: torch.nn.Module,
         generation_config: Any = None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
+        tokenizer: Any = None,
     ) -> None:
         self.model = model
+        # The model's tokenizer: structured output compiles its grammars for its vocabulary.
+        self._tokenizer = tokenizer
         self.generation_config = generation_config or getattr(model, "generation_config", None)
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         self.config.validate()
@@ -93,9 +96,17 @@ class ContinuousBatchingManager(WeightsAndMemory):
             self.switch_to_cb_friendly_attn(self.model, self.config.auto_switch_to_flash)
             group = TensorParallelGroup.for_model(self.model, self.config.cpu_group_timeout)
             engine = EngineCore(self.model, self.config, group)
+            engine.set_tokenizer(self._tokenizer)
             self._loop = self._make_loop(engine, group)
             self._engine = engine
         return self._engine
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """The model's tokenizer, which requests with `structured_output` need (their grammars are compiled
+        for its vocabulary); requests already added keep the grammars they have."""
+        self._tokenizer = tokenizer
+        if self._engine is not None:
+            self._engine.set_tokenizer(tokenizer)
 
     def _make_loop(self, engine: EngineCore, group: TensorParallelGroup | None) -> GenerationLoop:
         max_queue_size = self.config.max_queue_size
@@ -280,6 +291,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
         error = engine.scheduler.admission_error(request)
         if error is not None:
             raise ValueError(error)
+        engine.init_structured_output(request)  # its grammar compiles here, or ValueError
         if not self._running_loop.submit(request):
             warnings.warn("the manager is stopped: request ignored; call start() first", stacklevel=2)
             return None

@@ -1,10 +1,10 @@
 """Per-request sampling, vectorised over the batch.
 
-Penalties and `min_new_tokens` (engine.penalties) come first, for the rows that set them; then
-temperature, top-k, top-p and min-p are applied to all sampled rows in one pass. The random draw uses the
-exponential race (`argmax(p / E)`, E ~ Exp(1)), which samples from `p` without a cumulative sum; each
-seeded request draws its noise from its own generator, so its tokens depend on its seed alone, never
-on which requests share its batch.
+Penalties and `min_new_tokens` (engine.penalties) come first, for the rows that set them, then the
+grammar masks of structured output (engine.structured_output); then temperature, top-k, top-p and min-p
+are applied to all sampled rows in one pass. The random draw uses the exponential race (`argmax(p / E)`,
+E ~ Exp(1)), which samples from `p` without a cumulative sum; each seeded request draws its noise from its
+own generator, so its tokens depend on its seed alone, never on which requests share its batch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from engine.device_copies import HostCopies, to_device
 from engine.penalties import LogitsPenalties
 from engine.request import Request, SamplingParams
+from engine.structured_output import apply_grammar_masks, constrained_rows
 
 
 @dataclass
@@ -87,10 +88,15 @@ class Sampler:
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
         # Penalties work in place, through flat indices: a step that has them works on a contiguous copy
         # when the raw logits are still needed for logprobs or are not contiguous. Others copy nothing.
+        # Rows a grammar constrains (engine.structured_output) are masked after the penalties.
+        grammar_rows = constrained_rows(requests)
         processed = logits
-        if any(p.processes_logits for p in params) and (want_logprobs or not logits.is_contiguous()):
+        if (any(p.processes_logits for p in params) or grammar_rows) and (
+            want_logprobs or not logits.is_contiguous()
+        ):
             processed = logits.clone(memory_format=torch.contiguous_format)
         penalized = self.penalties.apply(processed, requests)
+        apply_grammar_masks(processed, requests, grammar_rows)
         token_ids = processed.argmax(dim=-1)
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:

@@ -58,7 +58,7 @@ class InvalidParameterError(ValueError):
 class StructuredOutput:
     """A constraint on the output (engine.structured_output): `kind` is "json_schema" (`spec`, a JSON
     schema), "json_object" (any JSON object; `spec` empty), "regex" (`spec`, a regular expression) or
-    "grammar" (`spec`, an EBNF grammar in the Lark / GBNF style)."""
+    "grammar" (`spec`, an EBNF grammar in GBNF style: rules `name ::= ...`, starting at `root`)."""
 
     kind: str
     spec: str = ""

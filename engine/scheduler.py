@@ -194,6 +194,9 @@ class Scheduler:
             ):
                 index += 1  # its last token is still being sampled: the request ends when it lands
                 continue
+            if request.num_output_placeholders > 0 and request.sampling.structured_output is not None:
+                index += 1  # its grammar's next mask depends on the token still being sampled
+                continue
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
                 victim = self._lowest_priority_victim(index, newly_admitted) or request

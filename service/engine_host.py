@@ -107,7 +107,10 @@ class EngineHost:
         self.model_name = model_name or str(getattr(model.config, "name_or_path", "") or type(model).__name__)
         # Where the model was loaded from, as gateways ask for it (GetModelInfo); the name otherwise.
         self.model_path = model_path or self.model_name
-        self.manager = ContinuousBatchingManager(model, continuous_batching_config=config)
+        # The tokenizer also compiles structured-output grammars for the model's vocabulary.
+        self.manager = ContinuousBatchingManager(
+            model, continuous_batching_config=config, tokenizer=tokenizer
+        )
         self.retention_s = retention_s
         self.counters = Counters()
         self._records: dict[str, RequestRecord] = {}

@@ -94,8 +94,9 @@ def follow(model_path: str, config: ContinuousBatchingConfig, dtype: str = "auto
     # Signals are rank 0's to handle: it drains, then its stop ends this rank's loop too.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    model, _tokenizer = load_pretrained(model_path, dtype=dtype)
-    manager = ContinuousBatchingManager(model, continuous_batching_config=config)
+    model, tokenizer = load_pretrained(model_path, dtype=dtype)
+    # Every rank masks structured-output logits alike, so each needs the grammars and their tokenizer.
+    manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
     manager.start()
     manager.join()
     error = manager.loop_error

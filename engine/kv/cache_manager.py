@@ -105,9 +105,23 @@ class KVCacheManager:
         return [table[page] for page in self.groups[group].resume_pages(num_tokens)]
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
-        """The longest run of leading full blocks of `request` already in the prefix cache."""
+        """The longest run of leading full blocks of `request` already in the prefix cache.
+
+        A request with prompt logprobs (SamplingParams.prompt_logprobs) takes no block covering a prompt
+        position whose logprobs it does not hold yet: the logits of a position served from the cache are
+        never computed. So on admission it bypasses the lookup and computes its whole prompt; its blocks
+        are still registered for other requests to share, as far as the cache does not hold the same pages
+        already (engine.kv.full_attention registers no page after one another block owns). Readmitted after
+        a preemption with recompute, it may take only the blocks its collected logprobs cover. Its lookups
+        still count as queried tokens in `prefix_cache_stats`.
+        """
         full = self.full_attention_group
-        return [] if full is None else full.get_computed_blocks(request)
+        if full is None:
+            return []
+        if request.prompt_logprobs is not None:
+            max_hit_blocks = len(request.prompt_logprobs) // self.page_size
+            return full.get_computed_blocks(request)[:max_hit_blocks] if max_hit_blocks else []
+        return full.get_computed_blocks(request)
 
     def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counts one admission's lookup; called once the request is actually admitted."""

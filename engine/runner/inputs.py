@@ -6,6 +6,13 @@ packed rows it reads and fills.
 
 Padded steps (see engine.runner.padding) add padding rows, tokens and requests; here they get their
 block tables (the null block alone), write slots and kernel tiles.
+
+Prompt logprobs (SamplingParams.prompt_logprobs): the logits at position q give the logprob of prompt
+token q + 1, so a request that asks for them has logits computed at every position q of its chunk with
+q + 1 < its prompt length (`PromptLogprobSpan`). A chunk's last position predicts the next chunk's first
+token, which is in the prompt and known here; the position that predicts the first generated token (the
+prompt's last) is not one of them. Positions whose logprobs the request already holds (computed again
+after a preemption with recompute) are skipped. Requests that do not ask add no logits rows.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from engine.device_copies import to_device
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
+from engine.request import Request
 from engine.runner.attention import (
     PREFILL_QUERIES_PER_TILE,
     AttentionBatch,
@@ -37,6 +45,17 @@ class PreviousTokens:
     rows: dict[str, int]
 
 
+@dataclass(frozen=True)
+class PromptLogprobSpan:
+    """Positions [first_position, first_position + count) of `request` whose logits this step computes for
+    its prompt logprobs: those at position q give the logprob of prompt token q + 1. They are consecutive
+    rows of the step's prompt logits, spans following each other in scheduling order."""
+
+    request: Request
+    first_position: int
+    count: int
+
+
 @dataclass
 class BatchInputs:
     input_ids: torch.Tensor  # [1, T]
@@ -50,6 +69,11 @@ class BatchInputs:
     num_placeholder_inputs: int = 0
     # Whether the step's shapes come from the padded set (the only steps a CUDA graph can replay).
     is_padded: bool = False
+    # Prompt logprobs: which of the L logits rows hold them ([N]), the prompt token each row predicts
+    # ([N]), and whose they are; None and empty when no request of the step asks.
+    prompt_logits: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
+    prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -78,6 +102,9 @@ class _PackedStep:
     # Packed rows whose input id is a token of `previous`, and that token's row there.
     placeholder_rows: list[int] = field(default_factory=list)
     previous_rows: list[int] = field(default_factory=list)
+    # Prompt logprobs: the spans, and the prompt token each of their rows (`tokens.prompt_rows`) predicts.
+    prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -140,6 +167,7 @@ class InputBuilder:
         self._step_tables.clear()
         step = self._pack(scheduler_output, previous)
         keys_interval = None
+        # Padded decode steps compute every row's logits, prompt rows' included.
         if padding is not None and padding.decode and step.is_decode_only:
             step.pad_decode_rows(padding.decode_rows(len(step.decode), min_rows))
             keys_interval = padding.keys_interval
@@ -147,7 +175,8 @@ class InputBuilder:
         if self.attention_kernel is not None:
             queries_per_tile = 1 if step.is_decode_only else PREFILL_QUERIES_PER_TILE
             varlen_shape = None
-            if padding is not None and not step.is_decode_only:
+            # A step with prompt rows runs unpadded: its logits count is not one of the padded shapes.
+            if padding is not None and not step.is_decode_only and not step.prompt_spans:
                 varlen_shape = padding.varlen_shape(len(step.tokens.input_ids), len(step.chunks))
             kernel_inputs = self._kernel_inputs(step.chunks, keys_interval, queries_per_tile, varlen_shape)
             # A step whose tables are too wide for the kernel gathers, unpadded.
@@ -155,8 +184,10 @@ class InputBuilder:
                 step.tokens.pad_varlen(varlen_shape)
         metadata = self._metadata(step, kernel_inputs, keys_interval)
         tokens = step.tokens
+        tokens.add_prompt_logits()
         device = self.device
         sampled_logits = tokens.sampled_logits
+        prompt_logits, prompt_targets = tokens.prompt_logits, step.prompt_targets
         return BatchInputs(
             input_ids=self._input_ids(step, previous).unsqueeze(0),
             position_ids=to_device(tokens.positions, torch.long, device).unsqueeze(0),
@@ -166,6 +197,9 @@ class InputBuilder:
             num_padding_rows=tokens.num_padding_rows,
             num_placeholder_inputs=len(step.placeholder_rows),
             is_padded=tokens.is_padded,
+            prompt_logits=None if prompt_logits is None else to_device(prompt_logits, torch.long, device),
+            prompt_targets=to_device(prompt_targets, torch.long, device) if prompt_targets else None,
+            prompt_spans=step.prompt_spans,
         )
 
     def _pack(self, scheduler_output: SchedulerOutput, previous: PreviousTokens | None) -> _PackedStep:
@@ -186,9 +220,26 @@ class InputBuilder:
             tokens.positions.extend(range(start, end))
             if item.samples_token:
                 tokens.logits_rows.append(chunk.row + item.num_new_tokens - 1)
+            if request.prompt_logprobs is not None:
+                self._add_prompt_rows(step, chunk, request)
             step.chunks.append(chunk)
             (step.decode if item.num_new_tokens == 1 else step.prefill).append(chunk)
         return step
+
+    @staticmethod
+    def _add_prompt_rows(step: _PackedStep, chunk: _Chunk, request: Request) -> None:
+        """The rows of `chunk` whose logits give prompt logprobs `request` does not hold yet: positions q
+        with q + 1 < the prompt's length (the prompt's last position predicts the first generated token)
+        and q >= the logprobs it holds (a recompute after preemption computes earlier positions again)."""
+        assert request.prompt_logprobs is not None
+        first = max(chunk.start, len(request.prompt_logprobs))
+        stop = min(chunk.end, request.num_prompt_tokens - 1)
+        if first >= stop:
+            return
+        step.tokens.prompt_rows.extend(range(chunk.row + first - chunk.start, chunk.row + stop - chunk.start))
+        # Prompt tokens, on the host: a placeholder is only ever a generated token.
+        step.prompt_targets.extend(request.all_token_ids[first + 1 : stop + 1])
+        step.prompt_spans.append(PromptLogprobSpan(request, first, stop - first))
 
     def _metadata(
         self, step: _PackedStep, kernel_inputs: KernelInputs | None, keys_interval: int | None

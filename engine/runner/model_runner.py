@@ -1,21 +1,35 @@
-"""Turns a `SchedulerOutput` into one packed forward pass over the paged cache, then samples."""
+"""Turns a `SchedulerOutput` into one packed forward pass over the paged cache, then samples.
+
+Prompt logprobs (SamplingParams.prompt_logprobs) come from the same forward pass: the rows of the
+requests that ask are among its logits rows (engine.runner.inputs), and are reduced on the device to the
+prompt token's logprob and the top alternatives before anything is copied to the host, so a long prompt
+never brings vocabulary-wide rows to the host.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import ContinuousBatchingConfig
+from engine.device_copies import HostCopies
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
+from engine.request import Request
 from engine.runner.forward_paths import ForwardPaths
-from engine.runner.inputs import BatchInputs, InputBuilder, PreviousTokens
+from engine.runner.inputs import BatchInputs, InputBuilder, PreviousTokens, PromptLogprobSpan
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.sampling import SampledTokens, Sampler, request_generator
 from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Prompt logprob rows are reduced this many at a time, which bounds the fp32 log_softmax's memory.
+PROMPT_LOGPROB_ROWS_PER_SLICE = 1024
 
 
 @dataclass
@@ -39,6 +53,80 @@ class StepTimings:
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt logprobs one step computed for one request: `entries[i]` is (the logprob of prompt token
+    `first_position + 1 + i`, its top alternatives {token id: logprob})."""
+
+    first_position: int
+    entries: list[tuple[float, dict[int, float]]]
+
+    def add_to(self, request: Request) -> None:
+        """Appends the entries `request` does not hold yet. Steps resolve in order and every position
+        from the first the request lacks is computed (its prompt never comes from the prefix cache past
+        the logprobs it holds: engine.kv.cache_manager), so the entries continue its list; those it
+        already holds, computed again by a recompute after preemption, are dropped."""
+        collected = request.prompt_logprobs
+        if collected is None:
+            return
+        skip = len(collected) - self.first_position
+        if skip < 0:  # never: it would leave a gap in the list
+            logger.error(
+                "request %r: prompt logprobs from position %d arrived while it holds %d; dropped",
+                request.request_id,
+                self.first_position,
+                len(collected),
+            )
+            return
+        collected.extend(self.entries[skip:])
+
+
+class PromptLogprobsOnDevice:
+    """One step's prompt logprobs reduced on the device (the prompt token's logprob, the top-k values and
+    ids), on their way to the host."""
+
+    def __init__(self, logits: torch.Tensor, targets: torch.Tensor, spans: list[PromptLogprobSpan]) -> None:
+        """`logits` [N, V]: the raw logits of the spans' rows, in order; `targets` [N]: the prompt token
+        each row predicts."""
+        self.spans = spans
+        self.num_top = [span.request.sampling.prompt_logprobs or 0 for span in spans]
+        max_top = max(self.num_top)
+        chosen: list[torch.Tensor] = []
+        top_values: list[torch.Tensor] = []
+        top_ids: list[torch.Tensor] = []
+        for start in range(0, logits.shape[0], PROMPT_LOGPROB_ROWS_PER_SLICE):
+            stop = start + PROMPT_LOGPROB_ROWS_PER_SLICE
+            log_probs = torch.log_softmax(logits[start:stop].float(), dim=-1)
+            chosen.append(log_probs.gather(1, targets[start:stop].unsqueeze(1)).squeeze(1))
+            if max_top:
+                values, ids = log_probs.topk(max_top, dim=-1)
+                top_values.append(values)
+                top_ids.append(ids)
+        tensors = [torch.cat(chosen)]
+        if max_top:
+            tensors.extend([torch.cat(top_values), torch.cat(top_ids)])
+        self._copies = HostCopies(tensors)
+
+    def to_host(self) -> list[tuple[Request, PromptLogprobs]]:
+        """Waits for the copies; each span's request with its entries, in scheduling order."""
+        chosen_tensor, *top = self._copies.wait()
+        chosen = chosen_tensor.tolist()
+        values, ids = (top[0].tolist(), top[1].tolist()) if top else ([], [])
+        results = []
+        row = 0
+        for span, num_top in zip(self.spans, self.num_top, strict=True):
+            entries = [
+                (
+                    chosen[index],
+                    dict(zip(ids[index][:num_top], values[index][:num_top], strict=True)) if num_top else {},
+                )
+                for index in range(row, row + span.count)
+            ]
+            results.append((span.request, PromptLogprobs(span.first_position, entries)))
+            row += span.count
+        return results
+
+
+@dataclass
 class LaunchedStep:
     """A step whose work is queued on the device; `ModelRunner.resolve` waits for its tokens."""
 
@@ -46,6 +134,7 @@ class LaunchedStep:
     sampled: SampledTokens | None
     # Row of each sampling request in `sampled.token_ids`.
     sampled_rows: dict[str, int]
+    prompt_logprobs: PromptLogprobsOnDevice | None = None
 
 
 @dataclass
@@ -55,6 +144,8 @@ class ModelRunnerOutput:
     token_ids: list[int | None]
     logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]
+    # The prompt logprobs of the requests that asked and had prompt positions in the step.
+    prompt_logprobs: list[tuple[Request, PromptLogprobs]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -124,11 +215,17 @@ class ModelRunner:
         )
 
     def forward(self, inputs: BatchInputs) -> torch.Tensor:
-        """Logits [R, V] of the rows that sample this step, in scheduling order."""
-        logits = self.forward_paths.run(inputs)
-        if inputs.sampled_logits is not None:
-            logits = logits.index_select(0, inputs.sampled_logits)
-        return logits
+        """Logits [L, V] of the rows in `inputs.logits_indices`: the rows that sample this step (those
+        `inputs.sampled_logits` selects, or all of them), then prompt logprob rows."""
+        return self.forward_paths.run(inputs)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, inputs: BatchInputs, logits: torch.Tensor) -> PromptLogprobsOnDevice | None:
+        if inputs.prompt_logits is None or inputs.prompt_targets is None:
+            return None
+        return PromptLogprobsOnDevice(
+            logits.index_select(0, inputs.prompt_logits), inputs.prompt_targets, inputs.prompt_spans
+        )
 
     def copy_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Offloads before restores: a restore may land in a device block an offload just freed."""
@@ -161,6 +258,10 @@ class ModelRunner:
         forwarded = time.perf_counter()
         timings.prepare_inputs_s += prepared - started
         timings.forward_s += forwarded - prepared
+        # Before sampling, which may process its logits in place.
+        prompt_logprobs = self._prompt_logprobs(inputs, logits)
+        if inputs.sampled_logits is not None:
+            logits = logits.index_select(0, inputs.sampled_logits)
         sampling_items = [item for item in scheduler_output.scheduled if item.samples_token]
         requests = [item.request for item in sampling_items]
         generators = []
@@ -176,12 +277,13 @@ class ModelRunner:
         sampled = self.sampler.sample(logits, requests, generators) if sampling_items else None
         timings.sample_s += time.perf_counter() - forwarded
         rows = {item.request.request_id: row for row, item in enumerate(sampling_items)}
-        return LaunchedStep(scheduler_output, sampled, rows)
+        return LaunchedStep(scheduler_output, sampled, rows, prompt_logprobs)
 
     def resolve(self, launched: LaunchedStep) -> ModelRunnerOutput:
         """Waits for a launched step's tokens; one entry per scheduled request, in scheduling order."""
         waiting = time.perf_counter()
         sampled = launched.sampled.to_output() if launched.sampled is not None else None
+        prompt_logprobs = launched.prompt_logprobs.to_host() if launched.prompt_logprobs is not None else []
         token_ids: list[int | None] = []
         logprobs: list[float | None] = []
         top_logprobs: list[dict[int, float] | None] = []
@@ -197,4 +299,4 @@ class ModelRunner:
                 logprobs.append(None)
                 top_logprobs.append(None)
         self.timings.sample_s += time.perf_counter() - waiting
-        return ModelRunnerOutput(token_ids, logprobs, top_logprobs)
+        return ModelRunnerOutput(token_ids, logprobs, top_logprobs, prompt_logprobs)

@@ -14,6 +14,11 @@ static-shape compilation) cover every padded step with few distinct shapes.
 
 Padded logits rows are never sampled. The null block therefore holds finite values that only masked
 columns and padding rows ever read.
+
+Prompt logprobs (SamplingParams.prompt_logprobs) need the logits of prompt rows that do not sample. A
+padded decode step computes every row's logits anyway, so they are read from there; a step with prefill
+chunks that has such rows runs unpadded (its logits count follows its prompt rows, which no captured
+shape covers), as do steps too large to pad.
 """
 
 from __future__ import annotations
@@ -93,6 +98,10 @@ class PackedTokens:
     logits_rows: list[int] = field(default_factory=list)
     # Which of those logits rows are sampled, in scheduling order; None when all of them are.
     sampled_logits: list[int] | None = None
+    # Packed rows whose logits give prompt logprobs, and (after `add_prompt_logits`) which logits rows
+    # hold them.
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_logits: list[int] | None = None
     num_padding_rows: int = 0
     is_padded: bool = False
 
@@ -109,6 +118,21 @@ class PackedTokens:
         self.sampled_logits = list(range(len(self.logits_rows)))
         self.logits_rows.extend([0] * (shape.num_requests - len(self.logits_rows)))
         self._pad_tokens(shape.num_tokens)
+
+    def add_prompt_logits(self) -> None:
+        """Adds the logits of `prompt_rows`, once the step is padded (or not): a padded decode step already
+        computes every row's, other steps compute them after the sampled rows'."""
+        if not self.prompt_rows:
+            return
+        if self.is_padded:
+            # Only decode steps are padded when they have prompt rows: their logits rows are the packed rows.
+            assert self.logits_rows == list(range(len(self.input_ids))), "a padded varlen step"
+            self.prompt_logits = list(self.prompt_rows)
+            return
+        num_sampled = len(self.logits_rows)
+        self.sampled_logits = list(range(num_sampled))
+        self.prompt_logits = list(range(num_sampled, num_sampled + len(self.prompt_rows)))
+        self.logits_rows.extend(self.prompt_rows)
 
     def _pad_tokens(self, num_tokens: int) -> None:
         self.num_padding_rows = num_tokens - len(self.input_ids)

@@ -2,6 +2,7 @@ package cbserve_test
 
 import (
 	"errors"
+	"math"
 	"strings"
 	"testing"
 
@@ -19,6 +20,14 @@ func TestClientRefusesValuesOutsideTheServersBounds(t *testing.T) {
 		}
 		return stop
 	}
+	ids := func(n int) []uint32 {
+		out := make([]uint32, n)
+		for i := range out {
+			out[i] = uint32(i)
+		}
+		return out
+	}
+	quoted := func(chars int) string { return `"` + strings.Repeat("x", chars-2) + `"` } // a JSON value of that many characters
 	bias := func(entries int, value float64) map[uint32]float64 {
 		m := map[uint32]float64{}
 		for id := range entries {
@@ -55,6 +64,40 @@ func TestClientRefusesValuesOutsideTheServersBounds(t *testing.T) {
 			cbserve.WithRequestID("no-space")},
 		{"temperature", cbserve.WithTemperature(-0.5), []string{"WithTemperature(-0.5)", ">= 0"}, cbserve.WithTemperature(0)},
 		{"top p", cbserve.WithTopP(0), []string{"WithTopP(0)", "(0, 1]"}, cbserve.WithTopP(1)},
+		{"min p above", cbserve.WithMinP(1.5), []string{"WithMinP(1.5)", "sampling.min_p", "[0, 1]"},
+			cbserve.WithMinP(cbserve.MaxMinP)},
+		{"min p below", cbserve.WithMinP(-0.25), []string{"WithMinP(-0.25)", "sampling.min_p", "[0, 1]"}, cbserve.WithMinP(0)},
+		{"min p NaN", cbserve.WithMinP(math.NaN()), []string{"WithMinP(NaN)", "sampling.min_p"}, cbserve.WithMinP(0.5)},
+		{"stop token ids", cbserve.WithStopTokenIDs(ids(cbserve.MaxStopTokenIds + 1)...),
+			[]string{"WithStopTokenIDs", "65 ids", "sampling.stop_token_ids", "at most 64"},
+			cbserve.WithStopTokenIDs(ids(cbserve.MaxStopTokenIds)...)},
+		{"prompt logprobs above", cbserve.WithPromptLogprobs(cbserve.MaxPromptLogprobs + 1),
+			[]string{"WithPromptLogprobs(21)", "[0, 20]", "sampling.prompt_logprobs"}, cbserve.WithPromptLogprobs(cbserve.MaxPromptLogprobs)},
+		{"prompt logprobs below", cbserve.WithPromptLogprobs(-1), []string{"WithPromptLogprobs(-1)", "[0, 20]", "sampling.prompt_logprobs"},
+			cbserve.WithPromptLogprobs(0)},
+		{"priority above", cbserve.WithPriority(cbserve.MaxPriority + 1),
+			[]string{"WithPriority(2147483648)", "priority", "[-2147483648, 2147483647]"}, cbserve.WithPriority(cbserve.MaxPriority)},
+		{"priority below", cbserve.WithPriority(cbserve.MinPriority - 1),
+			[]string{"WithPriority(-2147483649)", "priority", "[-2147483648, 2147483647]"}, cbserve.WithPriority(cbserve.MinPriority)},
+		{"regex length", cbserve.WithRegex(strings.Repeat("é", cbserve.MaxStructuredOutputChars+1)),
+			[]string{"WithRegex", "sampling.structured_output.regex", "65537 characters", "1 to 65536"},
+			cbserve.WithRegex(strings.Repeat("é", cbserve.MaxStructuredOutputChars))},
+		{"empty regex", cbserve.WithRegex(""), []string{"WithRegex", "sampling.structured_output.regex", "0 characters"},
+			cbserve.WithRegex("[a-z]+")},
+		{"grammar length", cbserve.WithGrammar(strings.Repeat("g", cbserve.MaxStructuredOutputChars+1)),
+			[]string{"WithGrammar", "sampling.structured_output.grammar", "65537 characters", "1 to 65536"},
+			cbserve.WithGrammar(strings.Repeat("g", cbserve.MaxStructuredOutputChars))},
+		{"empty grammar", cbserve.WithGrammar(""), []string{"WithGrammar", "sampling.structured_output.grammar", "0 characters"},
+			cbserve.WithGrammar(`root ::= "yes" | "no"`)},
+		{"json schema length", cbserve.WithJSONSchema(quoted(cbserve.MaxStructuredOutputChars + 1)),
+			[]string{"WithJSONSchema", "sampling.structured_output.json_schema", "65537 characters", "1 to 65536"},
+			cbserve.WithJSONSchema(quoted(cbserve.MaxStructuredOutputChars))},
+		{"empty json schema", cbserve.WithJSONSchema([]byte{}), []string{"WithJSONSchema", "sampling.structured_output.json_schema", "0 characters"},
+			cbserve.WithJSONSchema([]byte(`{"type": "object"}`))},
+		{"json schema not JSON", cbserve.WithJSONSchema("{type: object}"),
+			[]string{"WithJSONSchema", "sampling.structured_output.json_schema", "not valid JSON"}, cbserve.WithJSONSchema(`{"type": "object"}`)},
+		{"json schema that does not marshal", cbserve.WithJSONSchema(map[string]any{"type": func() {}}),
+			[]string{"WithJSONSchema", "does not marshal"}, cbserve.WithJSONSchema(map[string]any{"type": "object"})},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			calls := fake.callCount()
@@ -78,5 +121,25 @@ func TestClientRefusesValuesOutsideTheServersBounds(t *testing.T) {
 	_, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithMaxNewTokens(4), cbserve.WithMinNewTokens(5))
 	if !errors.Is(err, cbserve.ErrInvalidArgument) || !strings.Contains(err.Error(), "WithMinNewTokens(5): must not exceed WithMaxNewTokens(4)") {
 		t.Errorf("min new tokens above max new tokens: %v; want ErrInvalidArgument naming both", err)
+	}
+
+	// At most one structured-output option, even of one kind.
+	calls := fake.callCount()
+	for _, pair := range [][2]cbserve.GenerateOption{
+		{cbserve.WithJSONObject(), cbserve.WithRegex("[a-z]+")},
+		{cbserve.WithRegex("a"), cbserve.WithRegex("b")},
+		{cbserve.WithJSONSchema(`{"type": "object"}`), cbserve.WithGrammar(`root ::= "x"`)},
+	} {
+		_, err := client.Generate(testContext(t), cbserve.Text("hi"), pair[0], pair[1])
+		if !errors.Is(err, cbserve.ErrInvalidArgument) || !containsAll(err.Error(), "at most one structured-output option", "sampling.structured_output") {
+			t.Errorf("two structured-output options: %v; want ErrInvalidArgument", err)
+		}
+	}
+	_, err = client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithJSONObject(), cbserve.WithRegex("[a-z]+"))
+	if err == nil || !strings.Contains(err.Error(), "WithJSONObject and WithRegex") {
+		t.Errorf("WithJSONObject and WithRegex: %v; want an error naming both", err)
+	}
+	if made := fake.callCount() - calls; made != 0 {
+		t.Errorf("two structured-output options made %d calls; want none", made)
 	}
 }

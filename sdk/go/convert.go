@@ -110,6 +110,20 @@ func chunkFromProto(c *pb.GenerationChunk) *Chunk {
 	for _, s := range c.GetTokenTimestamps() {
 		chunk.TokenTimestamps = append(chunk.TokenTimestamps, unixSeconds(s))
 	}
+	switch reason := c.GetStopReason().(type) {
+	case *pb.GenerationChunk_StopTokenId:
+		id := reason.StopTokenId
+		chunk.StopTokenID = &id
+	case *pb.GenerationChunk_StopString:
+		chunk.StopString = reason.StopString
+	}
+	for _, lp := range c.GetPromptLogprobs() {
+		entry := PromptLogprob{TokenID: lp.GetTokenId(), Logprob: lp.GetLogprob()}
+		for _, t := range lp.GetTopLogprobs() {
+			entry.Top = append(entry.Top, TopLogprob{TokenID: t.GetTokenId(), Logprob: t.GetLogprob()})
+		}
+		chunk.PromptLogprobs = append(chunk.PromptLogprobs, entry)
+	}
 	return chunk
 }
 
@@ -148,6 +162,9 @@ func (b *completionBuilder) add(chunk *Chunk) error {
 		b.c.TokenTimestamps = append(b.c.TokenTimestamps, chunk.TokenTimestamps[skip:]...)
 	}
 	b.text.WriteString(chunk.Text)
+	if b.c.PromptLogprobs == nil && len(chunk.PromptLogprobs) > 0 {
+		b.c.PromptLogprobs = chunk.PromptLogprobs
+	}
 	if chunk.Usage != nil {
 		b.c.Usage = chunk.Usage
 	}
@@ -173,6 +190,8 @@ func (b *completionBuilder) add(chunk *Chunk) error {
 			}
 		}
 		b.c.Error = chunk.Error
+		b.c.StopTokenID = chunk.StopTokenID
+		b.c.StopString = chunk.StopString
 	}
 	return nil
 }

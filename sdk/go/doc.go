@@ -12,7 +12,9 @@
 // come, as a range-over-func iterator (breaking out of the loop cancels the request);
 // [Client.Submit] queues a request whose outputs [Client.Results] streams from any token index;
 // [Client.Cancel] cancels one. Prompts are [Text], [Tokens] or [Chat]; sampling options
-// (WithMaxNewTokens, WithTemperature, ...) left out take the server's defaults.
+// (WithMaxNewTokens, WithTemperature, ...) left out take the server's defaults, and at most one
+// structured-output option ([WithJSONSchema], [WithJSONObject], [WithRegex], [WithGrammar])
+// constrains the output.
 //
 // A target may list several replicas ("10.0.0.1:50051,10.0.0.2:50051") or name them all
 // ("dns:///cbserve-headless.ns.svc.cluster.local:50051"): calls are spread over them with gRPC's

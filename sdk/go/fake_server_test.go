@@ -12,10 +12,12 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/json"
 	"errors"
 	"maps"
 	"math/big"
 	"net"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -431,5 +433,152 @@ func TestLogitBias(t *testing.T) {
 	}
 	if sent := fake.generated[1].GetSampling().GetLogitBias(); len(sent) != 0 {
 		t.Errorf("no WithLogitBias sent logit bias %v; want none", sent)
+	}
+}
+
+func TestMinPStopTokensPromptLogprobsPriorityOnTheWire(t *testing.T) {
+	fake, client := dialRecordingFake(t)
+	stopIDs := []uint32{5, 9}
+	option := cbserve.WithStopTokenIDs(stopIDs...)
+	stopIDs[0] = 77 // changes after the option was built must not reach the wire
+	if _, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithMinP(0.25), option,
+		cbserve.WithSkipSpecialTokens(false), cbserve.WithPromptLogprobs(3), cbserve.WithPriority(-3)); err != nil {
+		t.Fatalf("Generate with the options: %v", err)
+	}
+	if _, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithPromptLogprobs(0),
+		cbserve.WithSkipSpecialTokens(true)); err != nil {
+		t.Fatalf("Generate with WithPromptLogprobs(0): %v", err)
+	}
+	// Without the options nothing of them goes on the wire.
+	if _, err := client.Generate(testContext(t), cbserve.Text("hi")); err != nil {
+		t.Fatalf("Generate: %v", err)
+	}
+
+	fake.mu.Lock()
+	defer fake.mu.Unlock()
+	if len(fake.generated) != 3 {
+		t.Fatalf("%d Generate requests reached the server; want 3", len(fake.generated))
+	}
+	set := fake.generated[0]
+	sent := set.GetSampling()
+	if sent.MinP == nil || *sent.MinP != 0.25 {
+		t.Errorf("WithMinP(0.25) sent %v; want 0.25", sent.MinP)
+	}
+	if !slices.Equal(sent.GetStopTokenIds(), []uint32{5, 9}) {
+		t.Errorf("WithStopTokenIDs(5, 9) sent %v", sent.GetStopTokenIds())
+	}
+	if sent.SkipSpecialTokens == nil || *sent.SkipSpecialTokens {
+		t.Errorf("WithSkipSpecialTokens(false) sent %v; want false", sent.SkipSpecialTokens)
+	}
+	if sent.PromptLogprobs == nil || *sent.PromptLogprobs != 3 {
+		t.Errorf("WithPromptLogprobs(3) sent %v; want 3", sent.PromptLogprobs)
+	}
+	if set.GetPriority() != -3 {
+		t.Errorf("WithPriority(-3) sent %d", set.GetPriority())
+	}
+	if sent.StructuredOutput != nil || sent.Logprobs || sent.TopLogprobs != nil {
+		t.Errorf("sent structured output %v, logprobs %v, top logprobs %v; want none", sent.StructuredOutput, sent.Logprobs, sent.TopLogprobs)
+	}
+	zero := fake.generated[1].GetSampling()
+	if zero.PromptLogprobs == nil || *zero.PromptLogprobs != 0 || zero.SkipSpecialTokens == nil || !*zero.SkipSpecialTokens {
+		t.Errorf("WithPromptLogprobs(0), WithSkipSpecialTokens(true) sent %v, %v; want 0 and true, set", zero.PromptLogprobs, zero.SkipSpecialTokens)
+	}
+	unset := fake.generated[2]
+	if s := unset.GetSampling(); s.MinP != nil || s.StopTokenIds != nil || s.SkipSpecialTokens != nil || s.PromptLogprobs != nil ||
+		s.StructuredOutput != nil || unset.GetPriority() != 0 {
+		t.Errorf("no options sent min p %v, stop token ids %v, skip special tokens %v, prompt logprobs %v, structured output %v, "+
+			"priority %d; want all unset", s.MinP, s.StopTokenIds, s.SkipSpecialTokens, s.PromptLogprobs, s.StructuredOutput, unset.GetPriority())
+	}
+}
+
+func TestStructuredOutputOnTheWire(t *testing.T) {
+	fake, client := dialRecordingFake(t)
+	type answer struct {
+		Type       string         `json:"type"`
+		Properties map[string]any `json:"properties"`
+	}
+	schemaBytes := []byte(`{"type": "object"}`)
+	fromBytes := cbserve.WithJSONSchema(schemaBytes)
+	schemaBytes[2] = 'X' // changes after the option was built must not reach the wire
+	for _, tc := range []struct {
+		option cbserve.GenerateOption
+		want   *pb.StructuredOutput
+	}{
+		{cbserve.WithJSONSchema(`{"type": "string"}`),
+			&pb.StructuredOutput{Constraint: &pb.StructuredOutput_JsonSchema{JsonSchema: `{"type": "string"}`}}},
+		{fromBytes, &pb.StructuredOutput{Constraint: &pb.StructuredOutput_JsonSchema{JsonSchema: `{"type": "object"}`}}},
+		{cbserve.WithJSONSchema(json.RawMessage(`{"type": "integer"}`)),
+			&pb.StructuredOutput{Constraint: &pb.StructuredOutput_JsonSchema{JsonSchema: `{"type": "integer"}`}}},
+		{cbserve.WithJSONSchema(answer{Type: "object", Properties: map[string]any{"n": map[string]string{"type": "integer"}}}),
+			&pb.StructuredOutput{Constraint: &pb.StructuredOutput_JsonSchema{
+				JsonSchema: `{"type":"object","properties":{"n":{"type":"integer"}}}`}}},
+		{cbserve.WithJSONObject(), &pb.StructuredOutput{Constraint: &pb.StructuredOutput_JsonObject{JsonObject: true}}},
+		{cbserve.WithRegex(`\d{3}`), &pb.StructuredOutput{Constraint: &pb.StructuredOutput_Regex{Regex: `\d{3}`}}},
+		{cbserve.WithGrammar(`root ::= "a" | "b"`), &pb.StructuredOutput{Constraint: &pb.StructuredOutput_Grammar{Grammar: `root ::= "a" | "b"`}}},
+	} {
+		if _, err := client.Generate(testContext(t), cbserve.Text("hi"), tc.option); err != nil {
+			t.Fatalf("Generate with a structured-output option: %v", err)
+		}
+		fake.mu.Lock()
+		sent := fake.generated[len(fake.generated)-1].GetSampling().GetStructuredOutput()
+		fake.mu.Unlock()
+		if !proto.Equal(sent, tc.want) {
+			t.Errorf("sent structured output %v; want %v", sent, tc.want)
+		}
+	}
+}
+
+func TestStopReasonAndPromptLogprobsFromChunks(t *testing.T) {
+	fake, client := dialRecordingFake(t)
+	promptLogprobs := []*pb.PromptLogprob{
+		{TokenId: 'i', Logprob: -1.5, TopLogprobs: []*pb.TopLogprob{{TokenId: 'a', Logprob: -0.5}, {TokenId: 'i', Logprob: -1.5}}},
+	}
+	fake.mu.Lock()
+	fake.chunks = []*pb.GenerationChunk{
+		{Status: pb.RequestStatus_REQUEST_STATUS_QUEUED},
+		{TokenIds: []uint32{'o'}, Text: proto.String("o"), Status: pb.RequestStatus_REQUEST_STATUS_DECODING, PromptLogprobs: promptLogprobs},
+		{TokenIndex: 1, TokenIds: []uint32{0}, Text: proto.String(""), Status: pb.RequestStatus_REQUEST_STATUS_FINISHED,
+			FinishReason: pb.FinishReason_FINISH_REASON_STOP, StopReason: &pb.GenerationChunk_StopTokenId{StopTokenId: 0}},
+	}
+	fake.mu.Unlock()
+	var last *cbserve.Chunk
+	for chunk, err := range client.Stream(testContext(t), cbserve.Text("hi")) {
+		if err != nil {
+			t.Fatalf("Stream: %v", err)
+		}
+		if (len(chunk.PromptLogprobs) > 0) != (chunk.TokenIndex == 0 && len(chunk.TokenIDs) > 0) {
+			t.Errorf("chunk %+v: prompt logprobs %v; want them on the first token's chunk only", chunk, chunk.PromptLogprobs)
+		}
+		last = chunk
+	}
+	if last.FinishReason != cbserve.FinishStop || last.StopTokenID == nil || *last.StopTokenID != 0 || last.StopString != "" {
+		t.Errorf("last chunk: finish %q, stop token %v, stop string %q; want stop, token 0", last.FinishReason, last.StopTokenID, last.StopString)
+	}
+	completion, err := client.Generate(testContext(t), cbserve.Text("hi"))
+	if err != nil {
+		t.Fatalf("Generate: %v", err)
+	}
+	want := []cbserve.PromptLogprob{{TokenID: 'i', Logprob: -1.5, Top: []cbserve.TopLogprob{{TokenID: 'a', Logprob: -0.5}, {TokenID: 'i', Logprob: -1.5}}}}
+	if !reflect.DeepEqual(completion.PromptLogprobs, want) {
+		t.Errorf("Completion.PromptLogprobs = %+v; want %+v", completion.PromptLogprobs, want)
+	}
+	if completion.FinishReason != cbserve.FinishStop || completion.StopTokenID == nil || *completion.StopTokenID != 0 || completion.StopString != "" {
+		t.Errorf("Completion: finish %q, stop token %v, stop string %q; want stop, token 0", completion.FinishReason, completion.StopTokenID, completion.StopString)
+	}
+
+	fake.mu.Lock()
+	fake.chunks = []*pb.GenerationChunk{
+		{Status: pb.RequestStatus_REQUEST_STATUS_QUEUED},
+		{TokenIds: []uint32{'o', 'k', '!'}, Text: proto.String("ok"), Status: pb.RequestStatus_REQUEST_STATUS_FINISHED,
+			FinishReason: pb.FinishReason_FINISH_REASON_STOP, StopReason: &pb.GenerationChunk_StopString{StopString: "!"}},
+	}
+	fake.mu.Unlock()
+	completion, err = client.Generate(testContext(t), cbserve.Text("hi"))
+	if err != nil {
+		t.Fatalf("Generate: %v", err)
+	}
+	if completion.FinishReason != cbserve.FinishStop || completion.StopTokenID != nil || completion.StopString != "!" || completion.PromptLogprobs != nil {
+		t.Errorf("Completion: finish %q, stop token %v, stop string %q, prompt logprobs %v; want stop, string \"!\", no prompt logprobs",
+			completion.FinishReason, completion.StopTokenID, completion.StopString, completion.PromptLogprobs)
 	}
 }

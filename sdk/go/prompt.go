@@ -1,6 +1,7 @@
 package cbserve
 
 import (
+	"encoding/json"
 	"maps"
 	"math"
 	"time"
@@ -78,6 +79,32 @@ type requestConfig struct {
 	logprobs            *int
 	recordTimestamps    bool
 	addGenerationPrompt *bool
+	minP                *float64
+	stopTokenIDs        []uint32
+	skipSpecialTokens   *bool
+	promptLogprobs      *int
+	priority            *int
+	// structured holds every structured-output option given, in order: check refuses more than one.
+	structured []structuredOutput
+}
+
+// structuredKind is the constraint a structured-output option sets (StructuredOutput's oneof).
+type structuredKind int
+
+const (
+	structuredJSONSchema structuredKind = iota
+	structuredJSONObject
+	structuredRegex
+	structuredGrammar
+)
+
+// structuredOutput is one structured-output option as given.
+type structuredOutput struct {
+	option string // the option's name, for errors
+	kind   structuredKind
+	field  string // the wire field, for errors
+	spec   string // the schema, pattern or grammar (empty for WithJSONObject)
+	err    error  // WithJSONSchema's marshalling error, reported by check
 }
 
 // WithMaxNewTokens caps the number of generated tokens (EOS included); n must be at least
@@ -191,6 +218,89 @@ func WithAddGenerationPrompt(add bool) GenerateOption {
 	return GenerateOption{func(c *requestConfig) { c.addGenerationPrompt = &add }}
 }
 
+// WithMinP samples only among the tokens whose probability is at least p times the most likely
+// token's (after temperature, top-k and top-p): 1 keeps only the most likely token, 0 disables
+// the filter. In [0, MaxMinP] ([0, 1]).
+func WithMinP(p float64) GenerateOption {
+	return GenerateOption{func(c *requestConfig) { c.minP = &p }}
+}
+
+// WithStopTokenIDs sets token ids that end generation besides the EOS ids, WithIgnoreEOS or not:
+// the id is emitted (it is the last of the output), then the request finishes with FinishStop
+// and Chunk.StopTokenID / Completion.StopTokenID set to it. WithMinNewTokens holds them back as
+// it does EOS. At most MaxStopTokenIds (64) ids, each below the vocab size.
+func WithStopTokenIDs(ids ...uint32) GenerateOption {
+	ids = append([]uint32(nil), ids...) // copied now, as in WithEOS
+	return GenerateOption{func(c *requestConfig) { c.stopTokenIDs = ids }}
+}
+
+// WithSkipSpecialTokens sets whether the output text leaves out special tokens (BOS, EOS,
+// chat-template markers): true, the server's default, leaves them out. Token ids are unaffected.
+func WithSkipSpecialTokens(skip bool) GenerateOption {
+	return GenerateOption{func(c *requestConfig) { c.skipSpecialTokens = &skip }}
+}
+
+// WithPromptLogprobs returns, for each prompt token after the first, its log-probability given
+// the tokens before it and the n most likely tokens at its position (vLLM's prompt_logprobs), in
+// the PromptLogprobs of the chunk that carries the first generated token and of the Completion;
+// n is in [0, MaxPromptLogprobs] ([0, 20]). Such a request does not use the prefix cache for its
+// prompt.
+func WithPromptLogprobs(n int) GenerateOption {
+	return GenerateOption{func(c *requestConfig) { c.promptLogprobs = &n }}
+}
+
+// WithPriority sets the request's scheduling priority under the server's "priority" scheduler
+// (--scheduler-type priority): smaller values are admitted first (ties first-come), and when
+// memory runs out the running request with the largest value is preempted first. Other
+// schedulers ignore it. In [MinPriority, MaxPriority] (an int32); default 0.
+func WithPriority(p int) GenerateOption {
+	return GenerateOption{func(c *requestConfig) { c.priority = &p }}
+}
+
+// WithJSONSchema constrains the output to an instance of a JSON schema: every token is sampled
+// among those that keep the output a valid prefix, and the request ends once the JSON value is
+// complete. schema is the schema's JSON text as a string, []byte or json.RawMessage, or any
+// other value, which is marshalled with encoding/json now (a map[string]any, a struct, a schema
+// type of a JSON-schema library). At most one of WithJSONSchema, WithJSONObject, WithRegex and
+// WithGrammar per request; a spec of at most MaxStructuredOutputChars (65536) characters. A schema
+// the server cannot compile fails the request with ErrInvalidArgument quoting the compiler.
+func WithJSONSchema(schema any) GenerateOption {
+	spec := structuredOutput{option: "WithJSONSchema", kind: structuredJSONSchema, field: "json_schema"}
+	switch s := schema.(type) {
+	case string:
+		spec.spec = s
+	case []byte:
+		spec.spec = string(s)
+	case json.RawMessage:
+		spec.spec = string(s)
+	default:
+		data, err := json.Marshal(schema)
+		spec.spec, spec.err = string(data), err
+	}
+	return GenerateOption{func(c *requestConfig) { c.structured = append(c.structured, spec) }}
+}
+
+// WithJSONObject constrains the output to a JSON object (any object), as WithJSONSchema does to
+// a schema's instances.
+func WithJSONObject() GenerateOption {
+	spec := structuredOutput{option: "WithJSONObject", kind: structuredJSONObject, field: "json_object"}
+	return GenerateOption{func(c *requestConfig) { c.structured = append(c.structured, spec) }}
+}
+
+// WithRegex constrains the whole output to match a regular expression, as WithJSONSchema does to
+// a schema's instances.
+func WithRegex(pattern string) GenerateOption {
+	spec := structuredOutput{option: "WithRegex", kind: structuredRegex, field: "regex", spec: pattern}
+	return GenerateOption{func(c *requestConfig) { c.structured = append(c.structured, spec) }}
+}
+
+// WithGrammar constrains the output to derive from an EBNF grammar (Lark / GBNF style, start rule
+// "start" or "root"), as WithJSONSchema does to a schema's instances.
+func WithGrammar(grammar string) GenerateOption {
+	spec := structuredOutput{option: "WithGrammar", kind: structuredGrammar, field: "grammar", spec: grammar}
+	return GenerateOption{func(c *requestConfig) { c.structured = append(c.structured, spec) }}
+}
+
 // buildRequest turns a prompt and options into a GenerationRequest, refusing values outside the
 // server's bounds (bounds.go) before anything is sent. What needs the model (token ids below the
 // vocab size, the prompt fitting its context) is the server's to check.
@@ -236,8 +346,32 @@ func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, 
 			sampling.TopLogprobs = wireUint32(cfg.logprobs)
 		}
 	}
+	sampling.MinP = wireFloat(cfg.minP)
+	sampling.StopTokenIds = cfg.stopTokenIDs
+	sampling.SkipSpecialTokens = cfg.skipSpecialTokens
+	sampling.PromptLogprobs = wireUint32(cfg.promptLogprobs)
+	if len(cfg.structured) == 1 {
+		sampling.StructuredOutput = cfg.structured[0].proto()
+	}
 	request.Sampling = sampling
+	if cfg.priority != nil {
+		request.Priority = int32(*cfg.priority) // checked to fit
+	}
 	return request, nil
+}
+
+// proto returns the wire's StructuredOutput of a structured-output option.
+func (s structuredOutput) proto() *pb.StructuredOutput {
+	switch s.kind {
+	case structuredJSONObject:
+		return &pb.StructuredOutput{Constraint: &pb.StructuredOutput_JsonObject{JsonObject: true}}
+	case structuredRegex:
+		return &pb.StructuredOutput{Constraint: &pb.StructuredOutput_Regex{Regex: s.spec}}
+	case structuredGrammar:
+		return &pb.StructuredOutput{Constraint: &pb.StructuredOutput_Grammar{Grammar: s.spec}}
+	default:
+		return &pb.StructuredOutput{Constraint: &pb.StructuredOutput_JsonSchema{JsonSchema: s.spec}}
+	}
 }
 
 // applyGenerateOptions applies opts in order (a later option wins); the zero GenerateOption does

@@ -33,7 +33,9 @@ type FinishReason string
 const (
 	// FinishEOS: an end-of-sequence token was generated (it is part of the output).
 	FinishEOS FinishReason = "eos"
-	// FinishStop: the output text contained a string of WithStop (the text ends before it).
+	// FinishStop: a token of WithStopTokenIDs was generated (it is the last of the output;
+	// StopTokenID says which), or the output text contained a string of WithStop (the text ends
+	// before it; StopString says which).
 	FinishStop FinishReason = "stop"
 	// FinishLength: max_new_tokens were generated, or the model's context is full.
 	FinishLength FinishReason = "length"
@@ -52,6 +54,14 @@ type TopLogprob struct {
 // TokenLogprob is the log-probability of one generated token (log_softmax of the raw logits),
 // with the most likely alternatives when WithLogprobs(n) asked for n > 0.
 type TokenLogprob struct {
+	TokenID uint32
+	Logprob float32
+	Top     []TopLogprob
+}
+
+// PromptLogprob is the log-probability of one prompt token given the tokens before it, with the
+// most likely tokens at its position when WithPromptLogprobs(n) asked for n > 0.
+type PromptLogprob struct {
 	TokenID uint32
 	Logprob float32
 	Top     []TopLogprob
@@ -111,6 +121,16 @@ type Chunk struct {
 	WeightVersion uint64
 	// TokenTimestamps has, with WithRecordTimestamps, the time each token was generated at.
 	TokenTimestamps []time.Time
+	// StopTokenID is, on the chunk that ends a request with FinishStop because it generated a
+	// token of WithStopTokenIDs, that token; nil otherwise.
+	StopTokenID *uint32
+	// StopString is, on the chunk that ends a request with FinishStop because its text
+	// contained a string of WithStop, that string; empty otherwise.
+	StopString string
+	// PromptLogprobs has, with WithPromptLogprobs, one entry per prompt token after the first
+	// (the first has nothing before it), on the chunk that carries the first generated token
+	// (TokenIndex 0) only.
+	PromptLogprobs []PromptLogprob
 }
 
 // Finished reports whether this chunk ends its request (finished, cancelled or failed).
@@ -125,9 +145,15 @@ type Completion struct {
 	// Text is the decoded output, cut before a matched WithStop string (empty when the server
 	// has no tokenizer).
 	Text string
-	// FinishReason says why the request ended: FinishEOS, FinishStop, FinishLength,
-	// FinishCancelled or FinishError (then Error says why).
+	// FinishReason says why the request ended: FinishEOS, FinishStop (then StopTokenID or
+	// StopString says which stop), FinishLength, FinishCancelled or FinishError (then Error says
+	// why).
 	FinishReason FinishReason
+	// StopTokenID is the WithStopTokenIDs token that ended the request (the last of TokenIDs),
+	// nil when none did.
+	StopTokenID *uint32
+	// StopString is the WithStop string the text matched, empty when none did.
+	StopString string
 	// Error describes a failure while the request ran (FinishReason == FinishError).
 	Error string
 	// Usage holds the request's token counts.
@@ -136,6 +162,8 @@ type Completion struct {
 	Timings *Timings
 	// Logprobs has one entry per generated token when logprobs were requested.
 	Logprobs []TokenLogprob
+	// PromptLogprobs has, with WithPromptLogprobs, one entry per prompt token after the first.
+	PromptLogprobs []PromptLogprob
 	// WeightVersion is the version of the weights that produced the last token.
 	WeightVersion uint64
 	// WeightVersions lists every weight version seen, in order (more than one when the weights

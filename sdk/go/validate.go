@@ -1,6 +1,7 @@
 package cbserve
 
 import (
+	"encoding/json"
 	"maps"
 	"math"
 	"slices"
@@ -62,7 +63,59 @@ func (c *requestConfig) check() error {
 	if err := checkLogitBias(c.logitBias); err != nil {
 		return err
 	}
-	return checkStop(c.stop)
+	if err := checkStop(c.stop); err != nil {
+		return err
+	}
+	if c.minP != nil && !(isFinite(*c.minP) && *c.minP >= 0 && *c.minP <= MaxMinP) {
+		return newError(codes.InvalidArgument, "WithMinP(%g): sampling.min_p must be in [0, %g] (MaxMinP; 0 = off)", *c.minP, MaxMinP)
+	}
+	if len(c.stopTokenIDs) > MaxStopTokenIds {
+		return newError(codes.InvalidArgument, "WithStopTokenIDs: %d ids; sampling.stop_token_ids takes at most %d (MaxStopTokenIds)",
+			len(c.stopTokenIDs), MaxStopTokenIds)
+	}
+	if c.promptLogprobs != nil {
+		if err := checkCount("WithPromptLogprobs", *c.promptLogprobs, 0, MaxPromptLogprobs,
+			" (sampling.prompt_logprobs, MaxPromptLogprobs)"); err != nil {
+			return err
+		}
+	}
+	if p := c.priority; p != nil && (*p < MinPriority || *p > MaxPriority) {
+		return newError(codes.InvalidArgument, "WithPriority(%d): priority must be in [%d, %d] (MinPriority, MaxPriority: an int32)",
+			*p, MinPriority, MaxPriority)
+	}
+	return checkStructuredOutput(c.structured)
+}
+
+// checkStructuredOutput refuses more than one structured-output option, and a spec the server
+// would refuse whatever the model: empty, over MaxStructuredOutputChars characters, not UTF-8, or
+// (a JSON schema) not JSON. Whether it compiles is the server's to say.
+func checkStructuredOutput(given []structuredOutput) error {
+	if len(given) > 1 {
+		return newError(codes.InvalidArgument, "%s and %s: at most one structured-output option per request "+
+			"(sampling.structured_output holds one constraint)", given[0].option, given[1].option)
+	}
+	if len(given) == 0 {
+		return nil
+	}
+	s := given[0]
+	field := "sampling.structured_output." + s.field
+	if s.err != nil {
+		return newError(codes.InvalidArgument, "%s: the schema does not marshal to JSON: %v", s.option, s.err)
+	}
+	if s.kind == structuredJSONObject {
+		return nil
+	}
+	if !utf8.ValidString(s.spec) {
+		return newError(codes.InvalidArgument, "%s: %s is not valid UTF-8", s.option, field)
+	}
+	if n := utf8.RuneCountInString(s.spec); n < 1 || n > MaxStructuredOutputChars {
+		return newError(codes.InvalidArgument, "%s: %s has %d characters; it must have 1 to %d (MaxStructuredOutputChars)",
+			s.option, field, n, MaxStructuredOutputChars)
+	}
+	if s.kind == structuredJSONSchema && !json.Valid([]byte(s.spec)) {
+		return newError(codes.InvalidArgument, "%s: %s is not valid JSON", s.option, field)
+	}
+	return nil
 }
 
 func checkRequestID(id string) error {

@@ -39,7 +39,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.kv.layer_groups",
     },
     {"engine.scheduler"},
-    {"engine.penalties", "engine.sampling"},
+    {"engine.penalties", "engine.structured_output", "engine.sampling"},
     {
         "engine.runner",
         "engine.runner.attention",

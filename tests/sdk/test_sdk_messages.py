@@ -23,6 +23,13 @@ from cbserve_client.proto import admin_pb2, types_pb2
 OPTIONAL_SAMPLING_FIELDS = [
     field.name for field in types_pb2.SamplingParams.DESCRIPTOR.fields if field.has_presence
 ]
+# The optional numbers: their zero is a value of its own. (skip_special_tokens is a bool, kept strict,
+# and structured_output a message.)
+OPTIONAL_NUMBER_FIELDS = [
+    field.name
+    for field in types_pb2.SamplingParams.DESCRIPTOR.fields
+    if field.has_presence and field.message_type is None and field.type != field.TYPE_BOOL
+]
 
 
 def test_unset_sampling_kwargs_stay_unset() -> None:
@@ -38,7 +45,7 @@ def test_unset_sampling_kwargs_stay_unset() -> None:
 ZERO_REFUSED = {"max_new_tokens", "top_p", "repetition_penalty"}
 
 
-@pytest.mark.parametrize("name", [name for name in OPTIONAL_SAMPLING_FIELDS if name not in ZERO_REFUSED])
+@pytest.mark.parametrize("name", [name for name in OPTIONAL_NUMBER_FIELDS if name not in ZERO_REFUSED])
 def test_explicit_zero_differs_from_unset(name: str) -> None:
     params = build_sampling(**{name: 0})
     assert params.HasField(name)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import math
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import grpc
@@ -19,6 +20,7 @@ from cbserve_client._types import (
     Completion,
     ModelInfo,
     PauseInfo,
+    PromptLogprob,
     SleepResult,
     Status,
     StopResult,
@@ -52,11 +54,23 @@ SAMPLING_KWARGS = frozenset(
         "frequency_penalty",
         "min_new_tokens",
         "logit_bias",
+        "min_p",
+        "stop_token_ids",
+        "skip_special_tokens",
+        "prompt_logprobs",
+        "json_schema",
+        "json_object",
+        "regex",
+        "grammar",
         "request_id",
         "record_timestamps",
         "add_generation_prompt",
+        "priority",
     }
 )
+
+#: The keywords that set SamplingParams.structured_output, at most one per request (its oneof).
+STRUCTURED_OUTPUT_KWARGS = ("json_schema", "json_object", "regex", "grammar")
 
 _STATUS_NAMES = {
     types_pb2.REQUEST_STATUS_UNSPECIFIED: "unspecified",
@@ -115,13 +129,19 @@ def _refuse(field: str, message: str) -> InvalidArgumentError:
 
 
 def _check_int_range(
-    field: str, value: int, minimum: int, maximum: int | None = None, *, wire_max: int = _UINT32_MAX
+    field: str,
+    value: int,
+    minimum: int,
+    maximum: int | None = None,
+    *,
+    wire_max: int = _UINT32_MAX,
+    note: str = "",
 ) -> None:
-    """``minimum``/``maximum`` are the server's bounds, phrased as it phrases them; ``wire_max`` is the
-    width of the wire's unsigned field."""
+    """``minimum``/``maximum`` are the server's bounds, phrased as it phrases them (``note`` too);
+    ``wire_max`` is the width of the wire's unsigned field."""
     if value < minimum or (maximum is not None and value > maximum):
         bounds = f" in [{minimum}, {maximum}]" if maximum is not None else f" >= {minimum}"
-        raise _refuse(field, f" must be an int{bounds}, got {value!r}")
+        raise _refuse(field, f" must be an int{bounds}{note}, got {value!r}")
     if value > wire_max:
         raise _refuse(
             field, f" must be at most {wire_max} (the wire's uint{wire_max.bit_length()}), got {value!r}"
@@ -134,7 +154,11 @@ def _check_number_range(field: str, value: float, bounds: str, in_bounds: bool) 
 
 
 def _check_bounds(
-    values: Mapping[str, Any], eos_token_ids: list[int], stop: list[str], logit_bias: Mapping[int, float]
+    values: Mapping[str, Any],
+    eos_token_ids: list[int],
+    stop: list[str],
+    logit_bias: Mapping[int, float],
+    stop_token_ids: list[int],
 ) -> None:
     """Refuses every value outside the server's bounds (sdk/sampling_bounds.json, and the wire's
     integer widths), with the server's message. Bounds that depend on the model (vocabulary size,
@@ -149,6 +173,14 @@ def _check_bounds(
         _check_int_range("sampling.seed", values["seed"], 0, wire_max=_UINT64_MAX)
     if values.get("top_logprobs") is not None:
         _check_int_range("sampling.top_logprobs", values["top_logprobs"], 0, _bounds.MAX_TOP_LOGPROBS)
+    if values.get("prompt_logprobs") is not None:
+        _check_int_range(
+            "sampling.prompt_logprobs",
+            values["prompt_logprobs"],
+            0,
+            _bounds.MAX_PROMPT_LOGPROBS,
+            note=" (0: the prompt token's only)",
+        )
     min_new_tokens = values.get("min_new_tokens")
     if min_new_tokens is not None and max_new_tokens is not None and min_new_tokens > max_new_tokens:
         message = f" ({min_new_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
@@ -161,6 +193,11 @@ def _check_bounds(
     if values.get("top_p") is not None:
         top_p = values["top_p"]
         _check_number_range("sampling.top_p", top_p, "in (0, 1]", 0 < top_p <= 1)
+    if values.get("min_p") is not None:
+        min_p, bound = values["min_p"], _bounds.MAX_MIN_P
+        _check_number_range(
+            "sampling.min_p", min_p, f"in [0, {bound:g}] (0 disables it)", 0 <= min_p <= bound
+        )
     if values.get("repetition_penalty") is not None:
         penalty = values["repetition_penalty"]
         _check_number_range("sampling.repetition_penalty", penalty, "> 0 (1 disables it)", penalty > 0)
@@ -171,6 +208,15 @@ def _check_bounds(
             _check_number_range(f"sampling.{name}", value, f"in [-{bound:g}, {bound:g}]", abs(value) <= bound)
     _check_stop(stop)
     _check_logit_bias(logit_bias)
+    _check_stop_token_ids(stop_token_ids)
+
+
+def _check_stop_token_ids(stop_token_ids: list[int]) -> None:
+    if len(stop_token_ids) > _bounds.MAX_STOP_TOKEN_IDS:
+        message = f": at most {_bounds.MAX_STOP_TOKEN_IDS} token ids, got {len(stop_token_ids)}"
+        raise _refuse("sampling.stop_token_ids", message)
+    for index, token in enumerate(stop_token_ids):
+        _check_int_range(f"sampling.stop_token_ids[{index}]", token, 0)
 
 
 def _check_stop(stop: list[str]) -> None:
@@ -194,6 +240,58 @@ def _check_logit_bias(logit_bias: Mapping[int, float]) -> None:
         _check_number_range(
             f"sampling.logit_bias[{token}]", float(bias), f"in [-{bound:g}, {bound:g}]", abs(bias) <= bound
         )
+
+
+def _structured_output(
+    json_schema: Mapping[str, Any] | str | None,
+    json_object: bool | None,
+    regex: str | None,
+    grammar: str | None,
+) -> types_pb2.StructuredOutput | None:
+    """The StructuredOutput of at most one of the four keywords (None: unconstrained).
+
+    ``json_schema`` is a mapping (serialized with :func:`json.dumps`) or the schema's JSON text;
+    ``json_object=True`` asks for any JSON object (False is the same as leaving it unset).
+    """
+    if json_object is not None:
+        _check_bool("json_object", json_object)
+    given = {
+        name: value
+        for name, value in (
+            ("json_schema", json_schema),
+            ("json_object", json_object or None),
+            ("regex", regex),
+            ("grammar", grammar),
+        )
+        if value is not None
+    }
+    if len(given) > 1:
+        raise ValueError(
+            f"at most one of {', '.join(STRUCTURED_OUTPUT_KWARGS)} may be set (they are alternative "
+            f"structured-output constraints), got {' and '.join(given)}"
+        )
+    if not given:
+        return None
+    ((kind, value),) = given.items()
+    if kind == "json_object":
+        return types_pb2.StructuredOutput(json_object=True)
+    if kind == "json_schema" and isinstance(value, Mapping):
+        try:
+            value = json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"json_schema must be serializable as JSON: {exc}") from exc
+    if not isinstance(value, str):
+        expected = "a mapping or a str (a JSON schema)" if kind == "json_schema" else "a str"
+        raise TypeError(f"{kind} must be {expected}, got {type(value).__name__}")
+    field = f"sampling.structured_output.{kind}"
+    if not value:
+        raise _refuse(field, " must not be empty")
+    if len(value) > _bounds.MAX_STRUCTURED_OUTPUT_CHARS:
+        message = f" must be at most {_bounds.MAX_STRUCTURED_OUTPUT_CHARS} characters, got {len(value)}"
+        raise _refuse(field, message)
+    constraint = types_pb2.StructuredOutput()
+    setattr(constraint, kind, value)
+    return constraint
 
 
 def _check_request_id(request_id: str) -> None:
@@ -253,11 +351,20 @@ def build_sampling(
     frequency_penalty: float | None = None,
     min_new_tokens: int | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    min_p: float | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    skip_special_tokens: bool | None = None,
+    prompt_logprobs: int | None = None,
+    json_schema: Mapping[str, Any] | str | None = None,
+    json_object: bool | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
 ) -> types_pb2.SamplingParams:
     """A SamplingParams message with only the given fields set (None leaves a field unset).
 
-    Raises TypeError for a value of the wrong type, and :class:`InvalidArgumentError` (as the server
-    would) for one outside the server's bounds.
+    Raises TypeError for a value of the wrong type, ValueError for more than one structured-output
+    constraint, and :class:`InvalidArgumentError` (as the server would) for a value outside the
+    server's bounds.
     """
     scalars: dict[str, tuple[object, Callable[[str, object], object]]] = {
         "max_new_tokens": (max_new_tokens, _check_int),
@@ -272,12 +379,16 @@ def build_sampling(
         "presence_penalty": (presence_penalty, _check_float),
         "frequency_penalty": (frequency_penalty, _check_float),
         "min_new_tokens": (min_new_tokens, _check_int),
+        "min_p": (min_p, _check_float),
+        "skip_special_tokens": (skip_special_tokens, _check_bool),
+        "prompt_logprobs": (prompt_logprobs, _check_int),
     }
     values: dict[str, Any] = {
         name: check(name, value) for name, (value, check) in scalars.items() if value is not None
     }
     eos_ids = _check_int_list("eos_token_ids", eos_token_ids) if eos_token_ids is not None else []
     stop_strings = _check_str_list("stop", stop) if stop is not None else []
+    stop_ids = _check_int_list("stop_token_ids", stop_token_ids) if stop_token_ids is not None else []
     biases: dict[int, float] = {}
     if logit_bias is not None:
         if not isinstance(logit_bias, Mapping):
@@ -286,10 +397,15 @@ def build_sampling(
             )
         for token, bias in logit_bias.items():
             biases[_check_int("logit_bias key", token)] = _check_float(f"logit_bias[{token}]", bias)
-    _check_bounds(values, eos_ids, stop_strings, biases)
-    params = types_pb2.SamplingParams(**values, eos_token_ids=eos_ids, stop=stop_strings)
+    _check_bounds(values, eos_ids, stop_strings, biases, stop_ids)
+    constraint = _structured_output(json_schema, json_object, regex, grammar)
+    params = types_pb2.SamplingParams(
+        **values, eos_token_ids=eos_ids, stop=stop_strings, stop_token_ids=stop_ids
+    )
     for token, bias in biases.items():
         params.logit_bias[token] = bias
+    if constraint is not None:
+        params.structured_output.CopyFrom(constraint)
     return params
 
 
@@ -299,6 +415,7 @@ def build_request(
     request_id: str | None = None,
     record_timestamps: bool | None = None,
     add_generation_prompt: bool | None = None,
+    priority: int | None = None,
     **sampling: Any,
 ) -> types_pb2.GenerationRequest:
     """A GenerationRequest from a prompt and the client's sampling keyword arguments.
@@ -307,6 +424,7 @@ def build_request(
     ``{"role", "content"}`` mappings (chat, rendered with the model's template on the server).
     Values outside the server's bounds raise :class:`InvalidArgumentError` here, before any call;
     what depends on the model (vocabulary, context length, tokenizer) is the server's to check.
+    ``priority`` orders the request under the server's "priority" scheduler (smaller first).
     """
     unknown = set(sampling) - SAMPLING_KWARGS
     if unknown:
@@ -319,6 +437,11 @@ def build_request(
         request.request_id = request_id
     if record_timestamps is not None:
         request.record_timestamps = _check_bool("record_timestamps", record_timestamps)
+    if priority is not None:
+        _check_int_range(
+            "priority", _check_int("priority", priority), _bounds.MIN_PRIORITY, _bounds.MAX_PRIORITY
+        )
+        request.priority = priority
     if isinstance(prompt, str):
         if add_generation_prompt is not None:
             raise TypeError("add_generation_prompt applies to chat prompts only")
@@ -382,6 +505,19 @@ def timings_from_proto(timings: types_pb2.Timings) -> Timings:
     )
 
 
+def _top_logprobs(alternatives: Iterable[types_pb2.TopLogprob]) -> tuple[TopLogprob, ...]:
+    return tuple(TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in alternatives)
+
+
+def _stop_reason(chunk: types_pb2.GenerationChunk) -> int | str | None:
+    kind = chunk.WhichOneof("stop_reason")
+    if kind == "stop_token_id":
+        return int(chunk.stop_token_id)
+    if kind == "stop_string":
+        return str(chunk.stop_string)
+    return None
+
+
 def chunk_from_proto(chunk: types_pb2.GenerationChunk) -> Chunk:
     """The client-side view of a GenerationChunk."""
     token_ids = tuple(chunk.token_ids)
@@ -389,7 +525,7 @@ def chunk_from_proto(chunk: types_pb2.GenerationChunk) -> Chunk:
         TokenLogprob(
             token_id=token_ids[i] if i < len(token_ids) else -1,
             logprob=lp.logprob,
-            top=tuple(TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in lp.top_logprobs),
+            top=_top_logprobs(lp.top_logprobs),
         )
         for i, lp in enumerate(chunk.logprobs)
     )
@@ -407,6 +543,11 @@ def chunk_from_proto(chunk: types_pb2.GenerationChunk) -> Chunk:
         timings=timings_from_proto(chunk.timings) if chunk.HasField("timings") else None,
         weight_version=chunk.weight_version,
         token_timestamps=tuple(chunk.token_timestamps),
+        stop_reason=_stop_reason(chunk),
+        prompt_logprobs=tuple(
+            PromptLogprob(token_id=p.token_id, logprob=p.logprob, top_logprobs=_top_logprobs(p.top_logprobs))
+            for p in chunk.prompt_logprobs
+        ),
     )
 
 
@@ -436,6 +577,8 @@ class CompletionBuilder:
         self.weight_versions: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.stop_reason: int | str | None = None
+        self.prompt_logprobs: list[PromptLogprob] = []
 
     def add(self, chunk: Chunk) -> None:
         have = self._start + len(self.token_ids)
@@ -452,6 +595,8 @@ class CompletionBuilder:
             if self._text is None:
                 self._text = []
             self._text.append(chunk.text)
+        if chunk.prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs = list(chunk.prompt_logprobs)
         if chunk.usage is not None:
             self.usage = chunk.usage
         if chunk.timings is not None:
@@ -466,12 +611,19 @@ class CompletionBuilder:
             fallback = {"cancelled": "cancelled", "failed": "error"}.get(chunk.status, "unknown")
             self.finish_reason = chunk.finish_reason or fallback
             self.error = chunk.error
+            self.stop_reason = chunk.stop_reason
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def build(self, *, logprobs_requested: bool = False, timestamps_requested: bool = False) -> Completion:
+    def build(
+        self,
+        *,
+        logprobs_requested: bool = False,
+        timestamps_requested: bool = False,
+        prompt_logprobs_requested: bool = False,
+    ) -> Completion:
         if self.finish_reason is None:
             raise CbserveError(
                 grpc.StatusCode.UNKNOWN,
@@ -489,6 +641,10 @@ class CompletionBuilder:
             error=self.error,
             timings=self.timings,
             token_timestamps=list(self._timestamps) if (timestamps_requested or self._timestamps) else None,
+            stop_reason=self.stop_reason,
+            prompt_logprobs=(
+                list(self.prompt_logprobs) if (prompt_logprobs_requested or self.prompt_logprobs) else None
+            ),
         )
 
 

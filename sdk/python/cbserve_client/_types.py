@@ -10,6 +10,7 @@ __all__ = [
     "Completion",
     "ModelInfo",
     "PauseInfo",
+    "PromptLogprob",
     "SleepResult",
     "Status",
     "StopResult",
@@ -41,6 +42,16 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """Log-probability of one prompt token given the tokens before it, with the ``prompt_logprobs``
+    most likely tokens at its position (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Usage:
     """Token counts of one request."""
 
@@ -69,7 +80,10 @@ class Chunk:
     ``text`` is the decoded text delta (never a split UTF-8 character), or None when the server has
     no tokenizer. ``status`` is one of "queued", "prefilling", "decoding", "finished", "cancelled",
     "failed"; ``finish_reason`` is None until the request ends, then "eos", "stop" (a stop
-    string), "length", "cancelled" or "error".
+    string or stop token id), "length", "cancelled" or "error". With "stop", ``stop_reason`` is what
+    stopped it: the stop token id (an int) or the stop string (a str). ``prompt_logprobs`` (with the
+    ``prompt_logprobs`` keyword) has one entry per prompt token after the first, on the chunk that
+    carries the first generated token.
     """
 
     request_id: str
@@ -85,6 +99,8 @@ class Chunk:
     timings: Timings | None = None
     weight_version: int = 0
     token_timestamps: tuple[float, ...] = ()
+    stop_reason: int | str | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -97,10 +113,12 @@ class Completion:
     """The whole output of one request.
 
     ``text`` is None when the server has no tokenizer. ``finish_reason`` is "eos", "stop" (a stop
-    string; ``text`` ends before it), "length", "cancelled" or "error" (then ``error`` says why).
-    ``logprobs`` is None unless logprobs were requested. ``weight_version`` is the version of the
-    weights that produced the last token (``weight_versions`` lists every version seen, when a weight
-    update happened mid-request).
+    string, ``text`` ending before it, or a stop token id, included), "length", "cancelled" or
+    "error" (then ``error`` says why); with "stop", ``stop_reason`` is the stop token id (int) or
+    the stop string (str), else None. ``logprobs`` is None unless logprobs were requested, and
+    ``prompt_logprobs`` (one entry per prompt token after the first) unless prompt logprobs were.
+    ``weight_version`` is the version of the weights that produced the last token
+    (``weight_versions`` lists every version seen, when a weight update happened mid-request).
     """
 
     request_id: str
@@ -114,6 +132,8 @@ class Completion:
     error: str | None = None
     timings: Timings | None = None
     token_timestamps: list[float] | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 @dataclass(frozen=True, slots=True)

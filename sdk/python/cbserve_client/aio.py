@@ -182,6 +182,7 @@ class AsyncClient:
         return builder.build(
             logprobs_requested=bool(sampling.get("logprobs") or sampling.get("top_logprobs")),
             timestamps_requested=bool(sampling.get("record_timestamps")),
+            prompt_logprobs_requested=sampling.get("prompt_logprobs") is not None,
         )
 
     def stream(

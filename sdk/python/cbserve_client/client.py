@@ -123,11 +123,15 @@ class Client(ChannelOwner):
             ``grpc.service_config`` replaces the load balancing and retry policy).
 
     Sampling keyword arguments accepted by :meth:`generate`, :meth:`stream` and :meth:`submit`:
-    ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``eos_token_ids``,
-    ``ignore_eos``, ``logprobs``, ``top_logprobs``, ``stop`` (strings that end the output, which stops
-    before the first one), ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-    ``min_new_tokens``, ``logit_bias`` ({token id: bias}), ``request_id``, ``record_timestamps`` and,
-    for chat prompts, ``add_generation_prompt``. Unset arguments take the server's defaults.
+    ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``eos_token_ids``,
+    ``ignore_eos``, ``logprobs``, ``top_logprobs``, ``prompt_logprobs``, ``stop`` (strings that end
+    the output, which stops before the first one), ``stop_token_ids`` (token ids that end it,
+    included), ``skip_special_tokens``, ``repetition_penalty``, ``presence_penalty``,
+    ``frequency_penalty``, ``min_new_tokens``, ``logit_bias`` ({token id: bias}), at most one
+    structured-output constraint (``json_schema`` (a dict or its JSON text), ``json_object=True``,
+    ``regex`` or ``grammar``), ``request_id``, ``priority`` (smaller first under the server's
+    "priority" scheduler), ``record_timestamps`` and, for chat prompts, ``add_generation_prompt``.
+    Unset arguments take the server's defaults.
     """
 
     def __init__(
@@ -174,6 +178,7 @@ class Client(ChannelOwner):
         return builder.build(
             logprobs_requested=bool(sampling.get("logprobs") or sampling.get("top_logprobs")),
             timestamps_requested=bool(sampling.get("record_timestamps")),
+            prompt_logprobs_requested=sampling.get("prompt_logprobs") is not None,
         )
 
     def stream(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> ChunkStream:

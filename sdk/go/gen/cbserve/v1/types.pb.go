@@ -688,7 +688,8 @@ type StructuredOutput_Regex struct {
 }
 
 type StructuredOutput_Grammar struct {
-	// An EBNF grammar (Lark / GBNF style, start rule "start" or "root") the output must derive.
+	// An EBNF grammar in GBNF style (rules `name ::= ...`, starting at `root`) the output must
+	// derive.
 	Grammar string `protobuf:"bytes,4,opt,name=grammar,proto3,oneof"`
 }
 

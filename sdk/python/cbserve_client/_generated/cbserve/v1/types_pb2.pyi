@@ -454,7 +454,9 @@ class StructuredOutput(_message.Message):
     regex: _builtins.str
     """A regular expression the whole output must match."""
     grammar: _builtins.str
-    """An EBNF grammar (Lark / GBNF style, start rule "start" or "root") the output must derive."""
+    """An EBNF grammar in GBNF style (rules `name ::= ...`, starting at `root`) the output must
+    derive.
+    """
     def __init__(
         self,
         *,

@@ -394,7 +394,7 @@ public final class CbserveClient implements AutoCloseable {
    * throws {@link NotFoundException} from the iterator.
    *
    * @param options the call's deadline (else the client's {@code streamTimeout}) and headers; its
-   *     request id and timestamps setting do not apply (the request already has them)
+   *     request id, timestamps setting and priority do not apply (the request already has them)
    */
   public ChunkIterator results(String requestId, int fromIndex, RequestOptions options) {
     Objects.requireNonNull(requestId, "requestId");
@@ -504,7 +504,8 @@ public final class CbserveClient implements AutoCloseable {
     }
   }
 
-  private static Types.GenerationRequest request(
+  /** The GenerationRequest message of a call (package-private for the tests). */
+  static Types.GenerationRequest request(
       Prompt prompt, SamplingParams params, RequestOptions options) {
     Objects.requireNonNull(prompt, "prompt");
     Objects.requireNonNull(params, "params");
@@ -514,7 +515,8 @@ public final class CbserveClient implements AutoCloseable {
             .setRequestId(
                 options.requestId() != null ? options.requestId() : Calls.newRequestId())
             .setSampling(params.toProto())
-            .setRecordTimestamps(options.recordTimestamps());
+            .setRecordTimestamps(options.recordTimestamps())
+            .setPriority(options.priority());
     prompt.applyTo(request);
     return request.build();
   }

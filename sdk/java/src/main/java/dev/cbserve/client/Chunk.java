@@ -3,6 +3,7 @@ package dev.cbserve.client;
 import io.grpc.Status;
 import java.time.Instant;
 import java.util.List;
+import java.util.Optional;
 
 /**
  * A piece of one request's output (a delta). A request's chunks, in order, make its whole output:
@@ -27,6 +28,14 @@ import java.util.List;
  * @param weightVersion version of the weights that produced these tokens
  * @param tokenTimestamps with {@code recordTimestamps}, each token's server wall-clock time (as
  *     {@link Timings}); empty otherwise
+ * @param stopTokenId with {@link FinishReason#STOP} from one of {@link
+ *     SamplingParams.Builder#stopTokenIds(int...)}: that id (the last of {@code tokenIds}); empty
+ *     otherwise
+ * @param stopString with {@link FinishReason#STOP} from one of {@link
+ *     SamplingParams.Builder#stop(String...)}: the stop string the text matched; empty otherwise
+ * @param promptLogprobs with {@link SamplingParams.Builder#promptLogprobs(int)}, on the chunk of
+ *     the first generated token ({@code tokenIndex} 0): one entry per prompt token after the
+ *     first; empty otherwise
  */
 public record Chunk(
     String requestId,
@@ -41,13 +50,69 @@ public record Chunk(
     Usage usage,
     Timings timings,
     long weightVersion,
-    List<Instant> tokenTimestamps) {
+    List<Instant> tokenTimestamps,
+    Optional<Integer> stopTokenId,
+    Optional<String> stopString,
+    List<PromptLogprob> promptLogprobs) {
 
-  /** Copies the lists into immutable ones; a null text becomes empty. */
+  /** Copies the lists into immutable ones; a null text becomes empty, a null optional empty. */
   public Chunk {
     text = text == null ? "" : text;
     logprobs = List.copyOf(logprobs);
     tokenTimestamps = List.copyOf(tokenTimestamps);
+    stopTokenId = stopTokenId == null ? Optional.empty() : stopTokenId;
+    stopString = stopString == null ? Optional.empty() : stopString;
+    promptLogprobs = List.copyOf(promptLogprobs);
+  }
+
+  /**
+   * A chunk without a stop reason or prompt logprobs (the components before they were added).
+   *
+   * @param requestId the request this chunk belongs to
+   * @param tokenIndex index of the first token of this chunk among the request's generated tokens
+   * @param tokenIds the new token ids
+   * @param text the new text
+   * @param status the request's status after this chunk
+   * @param finishReason why the request ended, or null
+   * @param error why the request failed, or null
+   * @param errorCode the gRPC status code of a failure
+   * @param logprobs one entry per token when logprobs were asked for
+   * @param usage token counts so far, or null
+   * @param timings the request's timings so far, or null
+   * @param weightVersion version of the weights that produced these tokens
+   * @param tokenTimestamps each token's server wall-clock time
+   */
+  public Chunk(
+      String requestId,
+      int tokenIndex,
+      TokenIds tokenIds,
+      String text,
+      RequestStatus status,
+      FinishReason finishReason,
+      String error,
+      Status.Code errorCode,
+      List<TokenLogprob> logprobs,
+      Usage usage,
+      Timings timings,
+      long weightVersion,
+      List<Instant> tokenTimestamps) {
+    this(
+        requestId,
+        tokenIndex,
+        tokenIds,
+        text,
+        status,
+        finishReason,
+        error,
+        errorCode,
+        logprobs,
+        usage,
+        timings,
+        weightVersion,
+        tokenTimestamps,
+        Optional.empty(),
+        Optional.empty(),
+        List.of());
   }
 
   /** True when this chunk ends its request (FINISHED, CANCELLED or FAILED). */

@@ -2,6 +2,7 @@ package dev.cbserve.client;
 
 import java.time.Instant;
 import java.util.List;
+import java.util.Optional;
 
 /**
  * The whole output of one request ({@link CbserveClient#generate}).
@@ -19,6 +20,14 @@ import java.util.List;
  * @param error why the request failed, or null
  * @param timings the request's timings, or null
  * @param tokenTimestamps with {@code recordTimestamps}, each token's server time; empty otherwise
+ * @param stopTokenId with {@link FinishReason#STOP} from one of {@link
+ *     SamplingParams.Builder#stopTokenIds(int...)}: that id (the last of {@code tokenIds}); empty
+ *     otherwise
+ * @param stopString with {@link FinishReason#STOP} from one of {@link
+ *     SamplingParams.Builder#stop(String...)}: the stop string the text matched (the text ends just
+ *     before it); empty otherwise
+ * @param promptLogprobs with {@link SamplingParams.Builder#promptLogprobs(int)}: one entry per
+ *     prompt token after the first (the first has nothing before it); empty otherwise
  */
 public record Completion(
     String requestId,
@@ -31,13 +40,63 @@ public record Completion(
     List<Long> weightVersions,
     String error,
     Timings timings,
-    List<Instant> tokenTimestamps) {
+    List<Instant> tokenTimestamps,
+    Optional<Integer> stopTokenId,
+    Optional<String> stopString,
+    List<PromptLogprob> promptLogprobs) {
 
-  /** Copies the lists into immutable ones; a null text becomes empty. */
+  /** Copies the lists into immutable ones; a null text becomes empty, a null optional empty. */
   public Completion {
     text = text == null ? "" : text;
     logprobs = List.copyOf(logprobs);
     weightVersions = List.copyOf(weightVersions);
     tokenTimestamps = List.copyOf(tokenTimestamps);
+    stopTokenId = stopTokenId == null ? Optional.empty() : stopTokenId;
+    stopString = stopString == null ? Optional.empty() : stopString;
+    promptLogprobs = List.copyOf(promptLogprobs);
+  }
+
+  /**
+   * A completion without a stop reason or prompt logprobs (the components before they were added).
+   *
+   * @param requestId the request's id
+   * @param tokenIds every generated token id
+   * @param text the decoded output
+   * @param finishReason why it ended
+   * @param usage token counts, or null
+   * @param logprobs one entry per token when logprobs were asked for
+   * @param weightVersion version of the weights that produced the last token
+   * @param weightVersions every weights version seen, in order
+   * @param error why the request failed, or null
+   * @param timings the request's timings, or null
+   * @param tokenTimestamps each token's server time
+   */
+  public Completion(
+      String requestId,
+      TokenIds tokenIds,
+      String text,
+      FinishReason finishReason,
+      Usage usage,
+      List<TokenLogprob> logprobs,
+      long weightVersion,
+      List<Long> weightVersions,
+      String error,
+      Timings timings,
+      List<Instant> tokenTimestamps) {
+    this(
+        requestId,
+        tokenIds,
+        text,
+        finishReason,
+        usage,
+        logprobs,
+        weightVersion,
+        weightVersions,
+        error,
+        timings,
+        tokenTimestamps,
+        Optional.empty(),
+        Optional.empty(),
+        List.of());
   }
 }

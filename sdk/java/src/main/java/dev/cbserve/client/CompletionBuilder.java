@@ -5,6 +5,7 @@ import java.time.Instant;
 import java.util.ArrayList;
 import java.util.Arrays;
 import java.util.List;
+import java.util.Optional;
 
 /**
  * Assembles a request's chunks, in order, into a {@link Completion}. Tokens are placed by their
@@ -23,6 +24,9 @@ final class CompletionBuilder {
   private Timings timings;
   private FinishReason finishReason;
   private String error;
+  private Optional<Integer> stopTokenId = Optional.empty();
+  private Optional<String> stopString = Optional.empty();
+  private List<PromptLogprob> promptLogprobs = List.of();
 
   CompletionBuilder(String requestId) {
     this(requestId, 0);
@@ -59,6 +63,9 @@ final class CompletionBuilder {
       timestamps.addAll(ts.subList(skip, ts.size()));
     }
     text.append(chunk.text());
+    if (promptLogprobs.isEmpty()) {
+      promptLogprobs = chunk.promptLogprobs();
+    }
     if (chunk.usage() != null) {
       usage = chunk.usage();
     }
@@ -79,6 +86,8 @@ final class CompletionBuilder {
       }
       finishReason = reason;
       error = chunk.error();
+      stopTokenId = chunk.stopTokenId();
+      stopString = chunk.stopString();
     }
   }
 
@@ -104,6 +113,9 @@ final class CompletionBuilder {
         weightVersions,
         error,
         timings,
-        timestamps);
+        timestamps,
+        stopTokenId,
+        stopString,
+        promptLogprobs);
   }
 }

@@ -9,6 +9,7 @@ import java.time.Duration;
 import java.time.Instant;
 import java.util.ArrayList;
 import java.util.List;
+import java.util.Optional;
 
 /** Conversions from the cbserve.v1 messages to the SDK's values (no protobuf type leaks out). */
 final class Convert {
@@ -106,12 +107,13 @@ final class Convert {
     List<TokenLogprob> logprobs = new ArrayList<>(c.getLogprobsCount());
     for (int i = 0; i < c.getLogprobsCount(); i++) {
       Types.TokenLogprob lp = c.getLogprobs(i);
-      List<TopLogprob> top = new ArrayList<>(lp.getTopLogprobsCount());
-      for (Types.TopLogprob t : lp.getTopLogprobsList()) {
-        top.add(new TopLogprob(t.getTokenId(), t.getLogprob()));
-      }
       int tokenId = i < tokenIds.length ? tokenIds[i] : -1;
-      logprobs.add(new TokenLogprob(tokenId, lp.getLogprob(), top));
+      logprobs.add(new TokenLogprob(tokenId, lp.getLogprob(), top(lp.getTopLogprobsList())));
+    }
+    List<PromptLogprob> promptLogprobs = new ArrayList<>(c.getPromptLogprobsCount());
+    for (Types.PromptLogprob lp : c.getPromptLogprobsList()) {
+      promptLogprobs.add(
+          new PromptLogprob(lp.getTokenId(), lp.getLogprob(), top(lp.getTopLogprobsList())));
     }
     return new Chunk(
         c.getRequestId(),
@@ -126,7 +128,22 @@ final class Convert {
         c.hasUsage() ? usage(c.getUsage()) : null,
         c.hasTimings() ? timings(c.getTimings()) : null,
         c.getWeightVersion(),
-        timestamps);
+        timestamps,
+        c.getStopReasonCase() == Types.GenerationChunk.StopReasonCase.STOP_TOKEN_ID
+            ? Optional.of(c.getStopTokenId())
+            : Optional.empty(),
+        c.getStopReasonCase() == Types.GenerationChunk.StopReasonCase.STOP_STRING
+            ? Optional.of(c.getStopString())
+            : Optional.empty(),
+        promptLogprobs);
+  }
+
+  private static List<TopLogprob> top(List<Types.TopLogprob> top) {
+    List<TopLogprob> out = new ArrayList<>(top.size());
+    for (Types.TopLogprob t : top) {
+      out.add(new TopLogprob(t.getTokenId(), t.getLogprob()));
+    }
+    return out;
   }
 
   static ModelInfo modelInfo(Generation.GetModelInfoResponse r) {

@@ -9,7 +9,8 @@ import java.util.Objects;
 
 /**
  * Per-call options of {@code generate}, {@code stream}, {@code submit} and {@code results}: the
- * request id, token timestamps, the call's deadline and extra headers (gRPC metadata).
+ * request id, token timestamps, the scheduling priority, the call's deadline and extra headers
+ * (gRPC metadata).
  * Immutable; build with {@link #builder()}.
  */
 public final class RequestOptions {
@@ -17,17 +18,21 @@ public final class RequestOptions {
 
   private final String requestId;
   private final boolean recordTimestamps;
+  private final int priority;
   private final Duration timeout;
   private final Map<String, String> headers;
 
   private RequestOptions(Builder b) {
     this.requestId = b.requestId;
     this.recordTimestamps = b.recordTimestamps;
+    this.priority = b.priority;
     this.timeout = b.timeout;
     this.headers = Collections.unmodifiableMap(new LinkedHashMap<>(b.headers));
   }
 
-  /** No request id (one is generated client-side), no timestamps, the default deadline. */
+  /**
+   * No request id (one is generated client-side), no timestamps, priority 0, the default deadline.
+   */
   public static RequestOptions defaults() {
     return DEFAULTS;
   }
@@ -45,6 +50,11 @@ public final class RequestOptions {
   /** Whether each token's server wall-clock time is returned. */
   public boolean recordTimestamps() {
     return recordTimestamps;
+  }
+
+  /** The request's scheduling priority (0 unless set); smaller values go first. */
+  public int priority() {
+    return priority;
   }
 
   /**
@@ -65,6 +75,7 @@ public final class RequestOptions {
   public static final class Builder {
     private String requestId;
     private boolean recordTimestamps;
+    private int priority;
     private Duration timeout;
     private final Map<String, String> headers = new LinkedHashMap<>();
 
@@ -91,6 +102,24 @@ public final class RequestOptions {
     /** Returns every token's server wall-clock time in {@link Chunk#tokenTimestamps()}. */
     public Builder recordTimestamps(boolean recordTimestamps) {
       this.recordTimestamps = recordTimestamps;
+      return this;
+    }
+
+    /**
+     * The request's scheduling priority when the server runs the {@code priority} scheduler
+     * ({@code --scheduler-type priority}): smaller values are admitted first (ties first-come), and
+     * when memory runs out the running request with the largest value is preempted first. Other
+     * schedulers ignore it. In [{@link SamplingBounds#MIN_PRIORITY}, {@link
+     * SamplingBounds#MAX_PRIORITY}] (an int32 on the wire); 0 unless set. Does not apply to {@code
+     * results} (the request already has one).
+     */
+    public Builder priority(long priority) {
+      if (priority < SamplingBounds.MIN_PRIORITY || priority > SamplingBounds.MAX_PRIORITY) {
+        throw new IllegalArgumentException(
+            "priority must be in [" + SamplingBounds.MIN_PRIORITY + ", "
+                + SamplingBounds.MAX_PRIORITY + "], got " + priority);
+      }
+      this.priority = (int) priority;
       return this;
     }
 

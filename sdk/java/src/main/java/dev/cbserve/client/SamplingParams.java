@@ -22,6 +22,8 @@ import java.util.TreeMap;
  *
  * <pre>{@code
  * SamplingParams greedy = SamplingParams.builder().maxNewTokens(32).temperature(0).build();
+ * SamplingParams json = SamplingParams.builder().maxNewTokens(64)
+ *     .jsonSchema("{\"type\": \"object\"}").build();
  * }</pre>
  */
 public final class SamplingParams {
@@ -42,6 +44,26 @@ public final class SamplingParams {
   private final Float frequencyPenalty;
   private final Integer minNewTokens;
   private final SortedMap<Integer, Float> logitBias;
+  private final Float minP;
+  private final int[] stopTokenIds;
+  private final Boolean skipSpecialTokens;
+  private final Integer promptLogprobs;
+  private final Constraint constraint;
+  private final String constraintSpec;
+
+  /** The kinds of {@code structured_output}, named as the builder's setters. */
+  private enum Constraint {
+    JSON_SCHEMA("jsonSchema"),
+    JSON_OBJECT("jsonObject"),
+    REGEX("regex"),
+    GRAMMAR("grammar");
+
+    final String setter;
+
+    Constraint(String setter) {
+      this.setter = setter;
+    }
+  }
 
   private SamplingParams(Builder b) {
     this.maxNewTokens = b.maxNewTokens;
@@ -59,6 +81,12 @@ public final class SamplingParams {
     this.frequencyPenalty = b.frequencyPenalty;
     this.minNewTokens = b.minNewTokens;
     this.logitBias = b.logitBias;
+    this.minP = b.minP;
+    this.stopTokenIds = b.stopTokenIds.clone();
+    this.skipSpecialTokens = b.skipSpecialTokens;
+    this.promptLogprobs = b.promptLogprobs;
+    this.constraint = b.constraint;
+    this.constraintSpec = b.constraintSpec;
   }
 
   /** All fields unset: the server's defaults. */
@@ -115,6 +143,36 @@ public final class SamplingParams {
       p.setMinNewTokens(minNewTokens);
     }
     p.putAllLogitBias(logitBias);
+    if (minP != null) {
+      p.setMinP(minP);
+    }
+    for (int id : stopTokenIds) {
+      p.addStopTokenIds(id);
+    }
+    if (skipSpecialTokens != null) {
+      p.setSkipSpecialTokens(skipSpecialTokens);
+    }
+    if (promptLogprobs != null) {
+      p.setPromptLogprobs(promptLogprobs);
+    }
+    if (constraint != null) {
+      Types.StructuredOutput.Builder so = Types.StructuredOutput.newBuilder();
+      switch (constraint) {
+        case JSON_SCHEMA:
+          so.setJsonSchema(constraintSpec);
+          break;
+        case JSON_OBJECT:
+          so.setJsonObject(true);
+          break;
+        case REGEX:
+          so.setRegex(constraintSpec);
+          break;
+        default:
+          so.setGrammar(constraintSpec);
+          break;
+      }
+      p.setStructuredOutput(so);
+    }
     return p.build();
   }
 
@@ -180,8 +238,38 @@ public final class SamplingParams {
     }
     if (!logitBias.isEmpty()) {
       s.append(sep).append("logitBias=").append(logitBias);
+      sep = ", ";
+    }
+    if (minP != null) {
+      s.append(sep).append("minP=").append(minP);
+      sep = ", ";
+    }
+    if (stopTokenIds.length > 0) {
+      s.append(sep).append("stopTokenIds=").append(Arrays.toString(stopTokenIds));
+      sep = ", ";
+    }
+    if (skipSpecialTokens != null) {
+      s.append(sep).append("skipSpecialTokens=").append(skipSpecialTokens);
+      sep = ", ";
+    }
+    if (promptLogprobs != null) {
+      s.append(sep).append("promptLogprobs=").append(promptLogprobs);
+      sep = ", ";
+    }
+    if (constraint == Constraint.JSON_OBJECT) {
+      s.append(sep).append("jsonObject");
+    } else if (constraint != null) {
+      s.append(sep).append(constraint.setter).append('=').append(abbreviated(constraintSpec));
     }
     return s.append('}').toString();
+  }
+
+  /** A spec for toString: whole up to 64 code points, else its first 61 and "...". */
+  private static String abbreviated(String spec) {
+    if (spec.codePointCount(0, spec.length()) <= 64) {
+      return spec;
+    }
+    return spec.substring(0, spec.offsetByCodePoints(0, 61)) + "...";
   }
 
   /** Builds {@link SamplingParams}; every setter is optional. */
@@ -201,6 +289,12 @@ public final class SamplingParams {
     private Float frequencyPenalty;
     private Integer minNewTokens;
     private SortedMap<Integer, Float> logitBias = Collections.emptySortedMap();
+    private Float minP;
+    private int[] stopTokenIds = new int[0];
+    private Boolean skipSpecialTokens;
+    private Integer promptLogprobs;
+    private Constraint constraint;
+    private String constraintSpec;
 
     private Builder() {}
 
@@ -368,6 +462,147 @@ public final class SamplingParams {
         copy.put(id, bounded("logitBias[" + id + "]", bias, SamplingBounds.MAX_ABS_LOGIT_BIAS));
       }
       this.logitBias = Collections.unmodifiableSortedMap(copy);
+      return this;
+    }
+
+    /**
+     * Samples only among the tokens whose probability is at least {@code minP} times the most
+     * likely token's (after temperature, top-k and top-p). In [0, 1] ({@link
+     * SamplingBounds#MAX_MIN_P}); 0 disables it. Unset: the model's generation config when it
+     * samples, else 0.
+     */
+    public Builder minP(double minP) {
+      if (!(minP >= 0 && minP <= SamplingBounds.MAX_MIN_P)) { // NaN fails too
+        throw new IllegalArgumentException(
+            "minP must be in [0.0, " + SamplingBounds.MAX_MIN_P + "], got " + minP);
+      }
+      this.minP = (float) minP;
+      return this;
+    }
+
+    /**
+     * Token ids that end generation besides the EOS ids, even with {@code ignoreEos}: the id is
+     * emitted, then the request finishes with {@link FinishReason#STOP} and {@link
+     * Completion#stopTokenId()} (or {@link Chunk#stopTokenId()}) says which. {@code minNewTokens}
+     * holds them back as it does EOS. At most {@link SamplingBounds#MAX_STOP_TOKEN_IDS} ids, below
+     * the vocabulary size (checked by the server). Replaces any earlier setting; none: no stop
+     * token ids.
+     */
+    public Builder stopTokenIds(int... tokenIds) {
+      int[] copy = Objects.requireNonNull(tokenIds, "tokenIds").clone();
+      if (copy.length > SamplingBounds.MAX_STOP_TOKEN_IDS) {
+        throw new IllegalArgumentException(
+            "stopTokenIds: at most " + SamplingBounds.MAX_STOP_TOKEN_IDS + " ids, got "
+                + copy.length);
+      }
+      for (int i = 0; i < copy.length; i++) {
+        Prompt.checkTokenId("stopTokenIds[" + i + "]", copy[i]);
+      }
+      this.stopTokenIds = copy;
+      return this;
+    }
+
+    /** Stop token ids; see {@link #stopTokenIds(int...)}. */
+    public Builder stopTokenIds(List<Integer> tokenIds) {
+      Objects.requireNonNull(tokenIds, "tokenIds");
+      int[] ids = new int[tokenIds.size()];
+      for (int i = 0; i < ids.length; i++) {
+        ids[i] = Objects.requireNonNull(tokenIds.get(i), "stopTokenIds[" + i + "]");
+      }
+      return stopTokenIds(ids);
+    }
+
+    /**
+     * Whether the text leaves out special tokens (BOS, EOS, chat-template markers); the token ids
+     * always include them. Unset: true.
+     */
+    public Builder skipSpecialTokens(boolean skipSpecialTokens) {
+      this.skipSpecialTokens = skipSpecialTokens;
+      return this;
+    }
+
+    /**
+     * Returns, for every prompt token after the first, its log-probability given the tokens before
+     * it and this many most likely alternatives at its position ({@link
+     * Completion#promptLogprobs()}; when streaming, on the chunk of the first generated token); 0
+     * returns the prompt tokens' own only. 0 to {@link SamplingBounds#MAX_PROMPT_LOGPROBS}. Such a
+     * request does not read the prefix cache for its prompt (every prompt position is computed).
+     */
+    public Builder promptLogprobs(int promptLogprobs) {
+      if (promptLogprobs < 0 || promptLogprobs > SamplingBounds.MAX_PROMPT_LOGPROBS) {
+        throw new IllegalArgumentException(
+            "promptLogprobs must be in [0, " + SamplingBounds.MAX_PROMPT_LOGPROBS + "], got "
+                + promptLogprobs);
+      }
+      this.promptLogprobs = promptLogprobs;
+      return this;
+    }
+
+    /**
+     * Constrains the output to instances of this JSON schema (a JSON document, e.g. {@code
+     * {"type": "object", "required": ["name"]}}): every token is sampled among those that keep the
+     * output a valid prefix, and the request ends once the value is complete. The server compiles
+     * it ({@link InvalidArgumentException} quoting the compiler when it does not). 1 to {@link
+     * SamplingBounds#MAX_STRUCTURED_OUTPUT_CHARS} characters. At most one of {@code jsonSchema},
+     * {@link #jsonObject()}, {@link #regex(String)} and {@link #grammar(String)}; the same one
+     * again replaces it.
+     *
+     * @throws IllegalArgumentException when another of the four is set, or the schema is empty or
+     *     too long
+     */
+    public Builder jsonSchema(String schema) {
+      return constrain(Constraint.JSON_SCHEMA, schema);
+    }
+
+    /**
+     * Constrains the output to any JSON object; see {@link #jsonSchema(String)}.
+     *
+     * @throws IllegalArgumentException when {@code jsonSchema}, {@code regex} or {@code grammar} is
+     *     set
+     */
+    public Builder jsonObject() {
+      return constrain(Constraint.JSON_OBJECT, "");
+    }
+
+    /**
+     * Constrains the whole output to match this regular expression; see {@link
+     * #jsonSchema(String)}.
+     *
+     * @throws IllegalArgumentException when another constraint is set, or the expression is empty
+     *     or too long
+     */
+    public Builder regex(String regex) {
+      return constrain(Constraint.REGEX, regex);
+    }
+
+    /**
+     * Constrains the output to derive from this EBNF grammar (Lark / GBNF style, start rule {@code
+     * start} or {@code root}); see {@link #jsonSchema(String)}.
+     *
+     * @throws IllegalArgumentException when another constraint is set, or the grammar is empty or
+     *     too long
+     */
+    public Builder grammar(String grammar) {
+      return constrain(Constraint.GRAMMAR, grammar);
+    }
+
+    private Builder constrain(Constraint kind, String spec) {
+      Objects.requireNonNull(spec, kind.setter);
+      if (constraint != null && constraint != kind) {
+        throw new IllegalArgumentException(
+            kind.setter + ": " + constraint.setter + " is already set (set at most one of"
+                + " jsonSchema, jsonObject, regex and grammar)");
+      }
+      if (kind != Constraint.JSON_OBJECT) {
+        int chars = spec.codePointCount(0, spec.length());
+        if (chars < 1 || chars > SamplingBounds.MAX_STRUCTURED_OUTPUT_CHARS) {
+          throw new IllegalArgumentException(
+              kind.setter + " must be 1 to " + SamplingBounds.MAX_STRUCTURED_OUTPUT_CHARS
+                  + " characters, got " + chars);
+        }
+      }
+      this.constraint = kind;
+      this.constraintSpec = spec;
       return this;
     }
 

@@ -13,6 +13,7 @@ import java.util.HashMap;
 import java.util.LinkedHashMap;
 import java.util.List;
 import java.util.Map;
+import java.util.Optional;
 import java.util.Set;
 import org.junit.jupiter.api.Test;
 
@@ -292,5 +293,259 @@ class SamplingParamsTest {
     refused(() -> RequestOptions.builder().requestId("with space"));
     refused(() -> RequestOptions.builder().requestId("caf\u00e9"));
     refused(() -> RequestOptions.builder().requestId(""));
+  }
+
+  // -- min_p, stop_token_ids, skip_special_tokens, prompt_logprobs, structured_output, priority --
+
+  @Test
+  void theNewSamplingFieldsGoInTheMessage() {
+    SamplingParams params =
+        SamplingParams.builder()
+            .maxNewTokens(8)
+            .minP(0.25)
+            .stopTokenIds(7, 3)
+            .skipSpecialTokens(false)
+            .promptLogprobs(2)
+            .jsonSchema("{\"type\": \"object\"}")
+            .build();
+    Types.SamplingParams proto = params.toProto();
+    assertTrue(proto.hasMinP());
+    assertEquals(0.25f, proto.getMinP());
+    assertEquals(List.of(7, 3), proto.getStopTokenIdsList());
+    assertTrue(proto.hasSkipSpecialTokens());
+    assertFalse(proto.getSkipSpecialTokens());
+    assertTrue(proto.hasPromptLogprobs());
+    assertEquals(2, proto.getPromptLogprobs());
+    assertTrue(proto.hasStructuredOutput());
+    assertEquals(
+        Types.StructuredOutput.ConstraintCase.JSON_SCHEMA,
+        proto.getStructuredOutput().getConstraintCase());
+    assertEquals("{\"type\": \"object\"}", proto.getStructuredOutput().getJsonSchema());
+    assertEquals(
+        "SamplingParams{maxNewTokens=8, minP=0.25, stopTokenIds=[7, 3], skipSpecialTokens=false,"
+            + " promptLogprobs=2, jsonSchema={\"type\": \"object\"}}",
+        params.toString());
+  }
+
+  @Test
+  void zerosOfTheNewFieldsAreSentAndUnsetOnesAreNot() {
+    Types.SamplingParams zeros =
+        SamplingParams.builder()
+            .minP(0)
+            .skipSpecialTokens(true)
+            .promptLogprobs(0)
+            .build()
+            .toProto();
+    assertTrue(zeros.hasMinP());
+    assertTrue(zeros.hasSkipSpecialTokens());
+    assertTrue(zeros.getSkipSpecialTokens());
+    assertTrue(zeros.hasPromptLogprobs());
+    assertEquals(0, zeros.getPromptLogprobs());
+
+    Types.SamplingParams unset = SamplingParams.defaults().toProto();
+    assertFalse(unset.hasMinP());
+    assertEquals(0, unset.getStopTokenIdsCount());
+    assertFalse(unset.hasSkipSpecialTokens());
+    assertFalse(unset.hasPromptLogprobs());
+    assertFalse(unset.hasStructuredOutput());
+  }
+
+  @Test
+  void eachStructuredOutputKindGoesInTheMessage() {
+    Types.StructuredOutput object =
+        SamplingParams.builder().jsonObject().build().toProto().getStructuredOutput();
+    assertEquals(Types.StructuredOutput.ConstraintCase.JSON_OBJECT, object.getConstraintCase());
+    assertTrue(object.getJsonObject());
+    Types.StructuredOutput regex =
+        SamplingParams.builder().regex("[ab]+").build().toProto().getStructuredOutput();
+    assertEquals(Types.StructuredOutput.ConstraintCase.REGEX, regex.getConstraintCase());
+    assertEquals("[ab]+", regex.getRegex());
+    Types.StructuredOutput grammar =
+        SamplingParams.builder()
+            .grammar("root ::= \"x\"")
+            .build()
+            .toProto()
+            .getStructuredOutput();
+    assertEquals(Types.StructuredOutput.ConstraintCase.GRAMMAR, grammar.getConstraintCase());
+    assertEquals("root ::= \"x\"", grammar.getGrammar());
+    assertEquals(
+        "SamplingParams{jsonObject}", SamplingParams.builder().jsonObject().build().toString());
+    // A long spec is abbreviated in toString (whole in the message).
+    String longRegex = "a".repeat(100);
+    SamplingParams longOne = SamplingParams.builder().regex(longRegex).build();
+    assertEquals("SamplingParams{regex=" + "a".repeat(61) + "...}", longOne.toString());
+    assertEquals(longRegex, longOne.toProto().getStructuredOutput().getRegex());
+  }
+
+  @Test
+  void atMostOneStructuredOutputConstraint() {
+    SamplingParams.Builder builder = SamplingParams.builder().regex("a+");
+    String message = refused(() -> builder.jsonSchema("{}"));
+    assertTrue(message.startsWith("jsonSchema: regex is already set"), message);
+    assertTrue(refused(builder::jsonObject).startsWith("jsonObject: regex"));
+    assertTrue(refused(() -> builder.grammar("root ::= \"a\"")).startsWith("grammar: regex"));
+    // The refused settings left the first in place; the same kind again replaces it.
+    assertEquals("a+", builder.build().toProto().getStructuredOutput().getRegex());
+    assertEquals("b+", builder.regex("b+").build().toProto().getStructuredOutput().getRegex());
+    SamplingParams.Builder object = SamplingParams.builder().jsonObject().jsonObject();
+    assertTrue(refused(() -> object.regex("x")).startsWith("regex: jsonObject is already set"));
+  }
+
+  @Test
+  void structuredOutputSpecsOutsideTheBoundsAreRefused() {
+    int max = SamplingBounds.MAX_STRUCTURED_OUTPUT_CHARS;
+    assertEquals(
+        "jsonSchema must be 1 to " + max + " characters, got 0",
+        refused(() -> SamplingParams.builder().jsonSchema("")));
+    assertEquals(
+        "regex must be 1 to " + max + " characters, got " + (max + 1),
+        refused(() -> SamplingParams.builder().regex("a".repeat(max + 1))));
+    refused(() -> SamplingParams.builder().grammar(""));
+    // Characters are code points, as the server counts them.
+    String emoji = "\uD83D\uDE00".repeat(max);
+    assertEquals(
+        emoji,
+        SamplingParams.builder()
+            .grammar(emoji)
+            .build()
+            .toProto()
+            .getStructuredOutput()
+            .getGrammar());
+    NullPointerException e =
+        assertThrows(NullPointerException.class, () -> SamplingParams.builder().jsonSchema(null));
+    assertEquals("jsonSchema", e.getMessage());
+  }
+
+  @Test
+  void minPOutsideTheBoundIsRefused() {
+    assertEquals(
+        "minP must be in [0.0, 1.0], got 1.5", refused(() -> SamplingParams.builder().minP(1.5)));
+    assertEquals(
+        "minP must be in [0.0, 1.0], got -0.1", refused(() -> SamplingParams.builder().minP(-0.1)));
+    refused(() -> SamplingParams.builder().minP(Double.NaN));
+    refused(() -> SamplingParams.builder().minP(Double.POSITIVE_INFINITY));
+    assertEquals(
+        (float) SamplingBounds.MAX_MIN_P,
+        SamplingParams.builder().minP(SamplingBounds.MAX_MIN_P).build().toProto().getMinP());
+  }
+
+  @Test
+  void stopTokenIdsOutsideTheBoundsAreRefused() {
+    int[] tooMany = new int[SamplingBounds.MAX_STOP_TOKEN_IDS + 1];
+    assertEquals(
+        "stopTokenIds: at most 64 ids, got 65",
+        refused(() -> SamplingParams.builder().stopTokenIds(tooMany)));
+    assertEquals(
+        "stopTokenIds[1] must be >= 0, got -4",
+        refused(() -> SamplingParams.builder().stopTokenIds(1, -4)));
+    refused(() -> SamplingParams.builder().stopTokenIds(List.of(2, -1)));
+    assertEquals(
+        SamplingBounds.MAX_STOP_TOKEN_IDS,
+        SamplingParams.builder()
+            .stopTokenIds(new int[SamplingBounds.MAX_STOP_TOKEN_IDS])
+            .build()
+            .toProto()
+            .getStopTokenIdsCount());
+    List<Integer> withNull = new ArrayList<>(List.of(1));
+    withNull.add(null);
+    NullPointerException e =
+        assertThrows(
+            NullPointerException.class, () -> SamplingParams.builder().stopTokenIds(withNull));
+    assertEquals("stopTokenIds[1]", e.getMessage());
+  }
+
+  @Test
+  void stopTokenIdsAreCopiedAndTheLastSettingWins() {
+    int[] ids = {5, 6};
+    SamplingParams.Builder builder = SamplingParams.builder().stopTokenIds(ids);
+    ids[0] = 9;
+    assertEquals(List.of(5, 6), builder.build().toProto().getStopTokenIdsList());
+    assertEquals(
+        List.of(8), builder.stopTokenIds(List.of(8)).build().toProto().getStopTokenIdsList());
+    assertEquals(List.of(), builder.stopTokenIds().build().toProto().getStopTokenIdsList());
+  }
+
+  @Test
+  void promptLogprobsOutsideTheBoundIsRefused() {
+    int max = SamplingBounds.MAX_PROMPT_LOGPROBS;
+    assertEquals(
+        "promptLogprobs must be in [0, " + max + "], got " + (max + 1),
+        refused(() -> SamplingParams.builder().promptLogprobs(max + 1)));
+    refused(() -> SamplingParams.builder().promptLogprobs(-1));
+    assertEquals(
+        max, SamplingParams.builder().promptLogprobs(max).build().toProto().getPromptLogprobs());
+  }
+
+  @Test
+  void priorityGoesInTheRequestAndOutOfBoundsIsRefused() {
+    RequestOptions options = RequestOptions.builder().priority(-3).build();
+    assertEquals(-3, options.priority());
+    assertEquals(0, RequestOptions.defaults().priority());
+    Types.GenerationRequest request =
+        CbserveClient.request(Prompt.text("x"), SamplingParams.defaults(), options);
+    assertEquals(-3, request.getPriority());
+    assertEquals(
+        0,
+        CbserveClient.request(
+                Prompt.text("x"), SamplingParams.defaults(), RequestOptions.defaults())
+            .getPriority());
+
+    long above = (long) SamplingBounds.MAX_PRIORITY + 1;
+    assertEquals(
+        "priority must be in [-2147483648, 2147483647], got 2147483648",
+        refused(() -> RequestOptions.builder().priority(above)));
+    refused(() -> RequestOptions.builder().priority((long) SamplingBounds.MIN_PRIORITY - 1));
+    assertEquals(
+        SamplingBounds.MIN_PRIORITY,
+        RequestOptions.builder().priority(SamplingBounds.MIN_PRIORITY).build().priority());
+    assertEquals(
+        SamplingBounds.MAX_PRIORITY,
+        RequestOptions.builder().priority(SamplingBounds.MAX_PRIORITY).build().priority());
+  }
+
+  @Test
+  void stopReasonsAndPromptLogprobsAreReadFromTheChunk() {
+    Types.GenerationChunk.Builder base =
+        Types.GenerationChunk.newBuilder()
+            .setRequestId("r")
+            .setStatus(Types.RequestStatus.REQUEST_STATUS_FINISHED)
+            .setFinishReason(Types.FinishReason.FINISH_REASON_STOP);
+    Chunk byToken = Convert.chunk(base.clone().addTokenIds(42).setStopTokenId(42).build());
+    assertEquals(Optional.of(42), byToken.stopTokenId());
+    assertEquals(Optional.empty(), byToken.stopString());
+    Chunk byString = Convert.chunk(base.clone().setStopString("User:").build());
+    assertEquals(Optional.empty(), byString.stopTokenId());
+    assertEquals(Optional.of("User:"), byString.stopString());
+    Chunk neither = Convert.chunk(base.clone().build());
+    assertTrue(neither.stopTokenId().isEmpty());
+    assertTrue(neither.stopString().isEmpty());
+    assertTrue(neither.promptLogprobs().isEmpty());
+
+    Types.GenerationChunk withPrompt =
+        Types.GenerationChunk.newBuilder()
+            .setRequestId("r")
+            .setStatus(Types.RequestStatus.REQUEST_STATUS_DECODING)
+            .addTokenIds(3)
+            .addPromptLogprobs(
+                Types.PromptLogprob.newBuilder()
+                    .setTokenId(5)
+                    .setLogprob(-1.5f)
+                    .addTopLogprobs(Types.TopLogprob.newBuilder().setTokenId(6).setLogprob(-0.5f))
+                    .addTopLogprobs(Types.TopLogprob.newBuilder().setTokenId(5).setLogprob(-1.5f)))
+            .build();
+    List<TopLogprob> top = List.of(new TopLogprob(6, -0.5f), new TopLogprob(5, -1.5f));
+    assertEquals(
+        List.of(new PromptLogprob(5, -1.5f, top)), Convert.chunk(withPrompt).promptLogprobs());
+
+    CompletionBuilder completion = new CompletionBuilder("r");
+    completion.add(Convert.chunk(withPrompt));
+    completion.add(
+        Convert.chunk(
+            base.clone().setTokenIndex(1).addTokenIds(42).setStopTokenId(42).build()));
+    Completion done = completion.build();
+    assertEquals(FinishReason.STOP, done.finishReason());
+    assertEquals(Optional.of(42), done.stopTokenId());
+    assertTrue(done.stopString().isEmpty());
+    assertEquals(Convert.chunk(withPrompt).promptLogprobs(), done.promptLogprobs());
   }
 }
