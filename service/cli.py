@@ -205,9 +205,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--scheduler-type",
-        choices=("fifo", "prefill_first"),
+        choices=("fifo", "prefill_first", "priority"),
         help="fifo: arrival order, decode steps first; prefill_first: waiting prefills first, for a lower "
-        f"time to first token (default {ENGINE_DEFAULTS['scheduler_type']})",
+        "time to first token; priority: fifo by each request's priority (smaller first), the lowest "
+        f"preempted first (default {ENGINE_DEFAULTS['scheduler_type']})",
     )
     engine.add_argument(
         "--compile-level",
