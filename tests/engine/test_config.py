@@ -134,7 +134,11 @@ def test_invalid_value_raises_naming_field_and_value(field: str, bad_value: Any)
     [
         ("page_size", 2, "page_size must be an int >= 4, got 2"),
         ("safety_margin", 1.5, "safety_margin must be in [0, 1], got 1.5"),
-        ("scheduler_type", "lifo", "scheduler_type must be one of 'fifo', 'prefill_first', 'priority', got 'lifo'"),
+        (
+            "scheduler_type",
+            "lifo",
+            "scheduler_type must be one of 'fifo', 'prefill_first', 'priority', got 'lifo'",
+        ),
     ],
 )
 def test_error_message_states_allowed_range(field: str, bad_value: Any, message: str) -> None:
