@@ -31,7 +31,7 @@ from engine import (
 from engine.engine_core import EngineCore
 from engine.request import Request
 from service.default_model import DefaultModelUnavailable, default_model_dir, find_gguf, is_converted
-from tests.conftest import TEST_DEVICE
+from tests.conftest import COMMON, TEST_DEVICE
 
 TIMEOUT = 120
 EOS = 2  # SmolLM2's <|im_end|>, its tokenizer's eos_token_id
@@ -55,19 +55,7 @@ def _tokenizer() -> Any:
 def _model(extra_vocab: int = 0) -> torch.nn.Module:
     """A tiny random llama whose head covers the tokenizer's vocabulary (and `extra_vocab` padded ids)."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(_tokenizer()) + extra_vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-    )
+    config = LlamaConfig(**{**COMMON, "vocab_size": len(_tokenizer()) + extra_vocab, "eos_token_id": EOS})
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     return model.to(TEST_DEVICE).eval()
 

@@ -65,56 +65,6 @@ public record Chunk(
     promptLogprobs = List.copyOf(promptLogprobs);
   }
 
-  /**
-   * A chunk without a stop reason or prompt logprobs (the components before they were added).
-   *
-   * @param requestId the request this chunk belongs to
-   * @param tokenIndex index of the first token of this chunk among the request's generated tokens
-   * @param tokenIds the new token ids
-   * @param text the new text
-   * @param status the request's status after this chunk
-   * @param finishReason why the request ended, or null
-   * @param error why the request failed, or null
-   * @param errorCode the gRPC status code of a failure
-   * @param logprobs one entry per token when logprobs were asked for
-   * @param usage token counts so far, or null
-   * @param timings the request's timings so far, or null
-   * @param weightVersion version of the weights that produced these tokens
-   * @param tokenTimestamps each token's server wall-clock time
-   */
-  public Chunk(
-      String requestId,
-      int tokenIndex,
-      TokenIds tokenIds,
-      String text,
-      RequestStatus status,
-      FinishReason finishReason,
-      String error,
-      Status.Code errorCode,
-      List<TokenLogprob> logprobs,
-      Usage usage,
-      Timings timings,
-      long weightVersion,
-      List<Instant> tokenTimestamps) {
-    this(
-        requestId,
-        tokenIndex,
-        tokenIds,
-        text,
-        status,
-        finishReason,
-        error,
-        errorCode,
-        logprobs,
-        usage,
-        timings,
-        weightVersion,
-        tokenTimestamps,
-        Optional.empty(),
-        Optional.empty(),
-        List.of());
-  }
-
   /** True when this chunk ends its request (FINISHED, CANCELLED or FAILED). */
   public boolean isFinished() {
     return status.isTerminal();

@@ -55,48 +55,4 @@ public record Completion(
     stopString = stopString == null ? Optional.empty() : stopString;
     promptLogprobs = List.copyOf(promptLogprobs);
   }
-
-  /**
-   * A completion without a stop reason or prompt logprobs (the components before they were added).
-   *
-   * @param requestId the request's id
-   * @param tokenIds every generated token id
-   * @param text the decoded output
-   * @param finishReason why it ended
-   * @param usage token counts, or null
-   * @param logprobs one entry per token when logprobs were asked for
-   * @param weightVersion version of the weights that produced the last token
-   * @param weightVersions every weights version seen, in order
-   * @param error why the request failed, or null
-   * @param timings the request's timings, or null
-   * @param tokenTimestamps each token's server time
-   */
-  public Completion(
-      String requestId,
-      TokenIds tokenIds,
-      String text,
-      FinishReason finishReason,
-      Usage usage,
-      List<TokenLogprob> logprobs,
-      long weightVersion,
-      List<Long> weightVersions,
-      String error,
-      Timings timings,
-      List<Instant> tokenTimestamps) {
-    this(
-        requestId,
-        tokenIds,
-        text,
-        finishReason,
-        usage,
-        logprobs,
-        weightVersion,
-        weightVersions,
-        error,
-        timings,
-        tokenTimestamps,
-        Optional.empty(),
-        Optional.empty(),
-        List.of());
-  }
 }
