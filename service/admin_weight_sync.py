@@ -59,8 +59,15 @@ def status_code_of(exc: Exception) -> grpc.StatusCode | None:
 
 async def call_manager(context: grpc.aio.ServicerContext, call: Callable[[], T]) -> T:
     """Runs a blocking manager call in a worker thread; its errors end the RPC with their status."""
+    return await outcome(context, asyncio.get_running_loop().run_in_executor(None, call))
+
+
+async def outcome(context: grpc.aio.ServicerContext, running: asyncio.Future[T]) -> T:
+    """The result of a manager call running in a worker thread, or the RPC ended with its error's status.
+    Shielded: a cancelled RPC does not cancel the call's future (the thread runs on regardless, and a
+    transfer's end is what health waits for)."""
     try:
-        return await asyncio.get_running_loop().run_in_executor(None, call)
+        return await asyncio.shield(running)
     except Exception as exc:
         code = status_code_of(exc)
         if code is None:
@@ -155,7 +162,7 @@ class WeightSyncRpcs:
                     num_buckets=len(plan.buckets), num_bytes=plan.num_bytes
                 )
                 yield admin_pb2.UpdateWeightsFromDistributedResponse(ready=message)
-            version = await _finish(context, update)
+            version = await outcome(context, update)
         except asyncio.CancelledError:
             # The trainer gave up (its call ended): a receive still waiting fails now, not at the timeout.
             host.manager.abort_weights_transfer()
@@ -218,18 +225,6 @@ class WeightSyncRpcs:
         finally:
             host.state_changed()
         return admin_pb2.WakeUpResponse(sleep_level=level)
-
-
-async def _finish(context: grpc.aio.ServicerContext, update: asyncio.Future[Any]) -> int:
-    """The transfer's new weight version, or the RPC ended with the failure's status."""
-    try:
-        # Shielded: a cancelled call must not cancel the transfer's future, whose end health awaits.
-        return int(await asyncio.shield(update))
-    except Exception as exc:
-        code = status_code_of(exc)
-        if code is None:
-            raise
-        await abort(context, code, str(exc))
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
