@@ -24,14 +24,16 @@ from engine.parallel import (
     torchrun_rank,
     torchrun_world_size,
 )
-from engine.request import FinishReason, GenerationOutput, RequestStatus
+from engine.request import FinishReason, GenerationOutput, RequestStatus, sequence_request_id
 from engine.sampling_params import (
+    MAX_SEQUENCES_PER_REQUEST,
     InvalidParameterError,
     SamplingParams,
     StructuredOutput,
     build_sampling_params,
     check_token_ids,
     default_max_new_tokens,
+    sequence_seed,
 )
 from engine.stats import ManagerStats
 from engine.weight_transfer import (
@@ -46,6 +48,7 @@ from engine.weights import dtype_from_name, safetensors_files
 __all__ = [
     "DEFAULT_GROUP_NAME",
     "DEFAULT_GROUP_TIMEOUT_S",
+    "MAX_SEQUENCES_PER_REQUEST",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -80,6 +83,8 @@ __all__ = [
     "init_continuous_batching",
     "load_sharded_model",
     "safetensors_files",
+    "sequence_request_id",
+    "sequence_seed",
     "tensor_parallel_size",
     "torchrun_environment",
     "torchrun_rank",

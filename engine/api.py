@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from engine.config import ContinuousBatchingConfig
 from engine.manager import ContinuousBatchingManager
-from engine.request import GenerationOutput
+from engine.request import GenerationOutput, sequence_request_id
 
 
 def init_continuous_batching(
@@ -72,7 +72,9 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """Generates for every prompt and returns `{request_id: output}` in input order.
 
-    Keyword arguments are per-request generation parameters (max_new_tokens, temperature, ...).
+    Keyword arguments are per-request generation parameters (max_new_tokens, temperature, ...). With
+    `num_return_sequences` > 1 (an argument, or the generation config's), every sequence of a prompt has
+    its entry, in order: the request's id, then `{request_id}__child#0`, ... as in transformers.
     """
     if not inputs:
         return {}
@@ -90,10 +92,16 @@ def generate_batch(
         persistent_manager=persistent_manager,
         warmup=warmup,
     ) as manager:
-        ids = manager.add_requests(
-            inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps, **kwargs
-        )
-        pending = {request_id for request_id in ids if request_id is not None}
+        num_sequences = manager.sampling_params(max_new_tokens=max_new_tokens, **kwargs).n
+        ids = [
+            sequence_request_id(request_id, index)
+            for request_id in manager.add_requests(
+                inputs, max_new_tokens=max_new_tokens, record_timestamps=record_timestamps, **kwargs
+            )
+            if request_id is not None
+            for index in range(num_sequences)
+        ]
+        pending = set(ids)
         with tqdm(total=len(pending), disable=not progress_bar, desc="generate_batch", unit="req") as bar:
             while pending:
                 output = manager.get_result(timeout=1.0)

@@ -186,19 +186,24 @@ class EngineCore:
         self.scheduler.hold_new_admissions = value
 
     def add_request(self, request: Request) -> bool:
-        """Queues `request`, or fails it at once (returns False) when it can never fit."""
+        """Queues `request` and its `pending_forks` (n > 1), or fails them all at once (returns False) when
+        it can never fit."""
+        sequences = [request, *request.pending_forks]
         error = self.scheduler.admission_error(request)
         if error is None:
             try:
-                self.init_structured_output(request)
+                for sequence in sequences:
+                    self.init_structured_output(sequence)
             except ValueError as exc:
                 error = str(exc)
         if error is not None:
-            request.status = RequestStatus.FAILED
-            request.finish_reason = FinishReason.ERROR
-            request.error = error
+            for sequence in sequences:
+                sequence.status = RequestStatus.FAILED
+                sequence.finish_reason = FinishReason.ERROR
+                sequence.error = error
             return False
-        self.requests[request.request_id] = request
+        for sequence in sequences:
+            self.requests[sequence.request_id] = sequence
         self.scheduler.add_request(request)
         return True
 
@@ -295,6 +300,8 @@ class EngineCore:
             self.requests.pop(failed.request_id, None)
             result.finished.append(failed)
         if not scheduler_output.scheduled:
+            if scheduler_output.block_copies:  # sequences forked now, scheduled in a later step
+                self.runner.copy_blocks(scheduler_output)
             return None
         for item in scheduler_output.scheduled:
             if item.request.scheduled_time is None:
@@ -362,6 +369,18 @@ class EngineCore:
 
     def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception, result: StepResult) -> None:
         live = [item.request for item in scheduler_output.scheduled if not item.request.is_finished]
+        failed_ids = {request.request_id for request in live}
+        # Sequences forked (n > 1) from KV this step was to copy or to write fail with it: with async
+        # batching they may already run in the next step, reading that KV.
+        forked_ids = {request.request_id for request in scheduler_output.forked}
+        for request in [*scheduler_output.forked, *self.requests.values()]:
+            source = request.fork_source
+            from_failed = source is not None and source.request_id in failed_ids
+            if request.is_finished or request.request_id in failed_ids:
+                continue
+            if request.request_id in forked_ids or from_failed:
+                live.append(request)
+                failed_ids.add(request.request_id)
         logger.error(
             "engine step failed; failing the %d requests in it",
             len(live),

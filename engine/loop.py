@@ -99,7 +99,9 @@ class GenerationLoop:
         # WAIT pauses whose in-flight requests have not all ended yet (the loop keeps stepping for them).
         self._pending_waits: list[PauseHandle] = []
         self._paused = False
+        # Ids of the live sequences (a request with n > 1 has n), and each n > 1 request's sequence ids.
         self._live_ids: set[str] = set()
+        self._sequence_ids: dict[str, tuple[str, ...]] = {}
         # Requests submitted and not yet scheduled (or ended): what `max_queue_size` bounds.
         self._num_queued = 0
         self.weight_version = 1
@@ -162,27 +164,38 @@ class GenerationLoop:
         return self._call(ResetPrefixCache)
 
     def submit(self, request: Request) -> bool:
-        """Queues a validated request; False once stopped. Raises ValueError for a live duplicate id and
-        QueueFullError when `max_queue_size` requests wait."""
+        """Queues a validated request and its `pending_forks` (n > 1: each sequence counts as one queued
+        request); False once stopped. Raises ValueError for a live duplicate id and QueueFullError when
+        `max_queue_size` requests wait."""
+        ids = tuple(sequence.request_id for sequence in (request, *request.pending_forks))
         with self._cond:
             if not self._accepting:
                 return False
-            if request.request_id in self._live_ids:
-                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            for request_id in ids:
+                if request_id in self._live_ids or request_id in self._sequence_ids:
+                    raise ValueError(f"request_id {request_id!r} is already in flight")
             if self.max_queue_size and self._num_queued >= self.max_queue_size:
                 raise QueueFullError(
                     f"the request queue is full ({self._num_queued} waiting, max_queue_size="
                     f"{self.max_queue_size}); retry later"
                 )
-            self._live_ids.add(request.request_id)
-            self._num_queued += 1
-            self.router.open(request.request_id)
+            self._live_ids.update(ids)
+            if len(ids) > 1:
+                self._sequence_ids[request.request_id] = ids
+            self._num_queued += len(ids)
+            for request_id in ids:
+                self.router.open(request_id)
             self._post(AddRequest(request))
         return True
 
-    def cancel(self, request_id: str) -> None:
+    def cancel(self, request_id: str, index: int | None = None) -> None:
+        """Cancels a request, every sequence of it (n > 1), or with `index` only that sequence."""
         with self._cond:
-            self._post(CancelRequest(request_id))
+            ids = self._sequence_ids.get(request_id, (request_id,))
+            if index is not None:
+                ids = ids[index : index + 1] if index >= 0 else ()
+            for sequence_id in ids:
+                self._post(CancelRequest(sequence_id))
 
     @contextmanager
     def pause(self, mode: PauseMode) -> Iterator[PauseHandle]:
@@ -413,7 +426,8 @@ class GenerationLoop:
         engine = self.engine
         if isinstance(command, AddRequest):
             if not engine.add_request(command.request):
-                self._finish(command.request)
+                for sequence in (command.request, *command.request.pending_forks):
+                    self._finish(sequence)
         elif isinstance(command, CancelRequest):
             cancelled = engine.cancel_request(command.request_id)
             if cancelled is not None:
@@ -620,6 +634,10 @@ class GenerationLoop:
             self._live_ids.discard(request.request_id)
             if request.scheduled_time is None:
                 self._num_queued -= 1
+            parent_id = request.parent_request_id
+            sequence_ids = self._sequence_ids.get(parent_id, ())
+            if sequence_ids and self._live_ids.isdisjoint(sequence_ids):
+                del self._sequence_ids[parent_id]
         if self._publishes_outputs:
             self.router.publish(request.to_output())
 
@@ -627,7 +645,12 @@ class GenerationLoop:
         for request in self.engine.fail_all(error):
             self._finish(request)
         with self._cond:
-            leftovers = [command.request for command in self._inbox if isinstance(command, AddRequest)]
+            leftovers = [
+                sequence
+                for command in self._inbox
+                if isinstance(command, AddRequest)
+                for sequence in (command.request, *command.request.pending_forks)
+            ]
             waiting = [future for command in self._inbox for future in caller_futures(command)]
             self._inbox.clear()
         for future in waiting:

@@ -31,8 +31,8 @@ from engine.loop import IDLE_WAIT_S, GenerationLoop
 from engine.manager_weights import WeightsAndMemory
 from engine.output_router import OutputRouter
 from engine.parallel import DRIVER_RANK, TensorParallelGroup, global_rank, tensor_parallel_size
-from engine.request import GenerationOutput, Request
-from engine.sampling_params import SamplingParams, build_sampling_params, check_token_ids
+from engine.request import GenerationOutput, Request, sequence_request_id
+from engine.sampling_params import SamplingParams, build_sampling_params, check_token_ids, sequence_seed
 from engine.stats import ManagerStats
 
 logger = logging.getLogger(__name__)
@@ -258,6 +258,11 @@ class ContinuousBatchingManager(WeightsAndMemory):
         `sampling_params` built with `engine.sampling_params.build_sampling_params`, not both.
         `priority` orders requests under `scheduler_type="priority"` (smaller first; ignored otherwise).
 
+        With `num_return_sequences` (or `n`) > 1, the request samples that many completions of the prompt,
+        which is computed once: sequence i has its own id (`engine.request.sequence_request_id`: the
+        request's id for the first, `{request_id}__child#{i - 1}` for the others, as in transformers) and
+        its own outputs (`GenerationOutput.index` is i), and with a `seed` samples with seed + i.
+
         Raises ValueError for a request that is malformed (empty prompt, token outside the vocabulary,
         bad sampling value, duplicate live id) or that can never run (prompt + max_new_tokens larger than
         the whole KV cache or the model's positions), and QueueFullError when `max_queue_size` requests
@@ -278,20 +283,32 @@ class ContinuousBatchingManager(WeightsAndMemory):
             raise TypeError("add_request takes sampling_params or generation keyword arguments, not both")
         elif self.config.return_logprobs and not sampling_params.logprobs:
             sampling_params = dataclasses.replace(sampling_params, logprobs=True)
-        request = Request(
-            self._request_id(request_id),
-            self._prompt_ids(input_ids, engine.vocab_size),
-            sampling_params,
-            streaming=streaming,
-            record_timestamps=record_timestamps,
-            priority=self._priority(priority),
-        )
+        request_id = self._request_id(request_id)
+        prompt_ids = self._prompt_ids(input_ids, engine.vocab_size)
+        priority = self._priority(priority)
+        sequences = [
+            Request(
+                sequence_request_id(request_id, index),
+                prompt_ids,
+                dataclasses.replace(sampling_params, seed=sequence_seed(sampling_params.seed, index)),
+                streaming=streaming,
+                record_timestamps=record_timestamps,
+                priority=priority,
+                index=index,
+            )
+            for index in range(sampling_params.n)
+        ]
+        request = sequences[0]
+        request.pending_forks = sequences[1:]
+        for sequence in request.pending_forks:
+            sequence.prompt_logprobs = request.prompt_logprobs  # one prompt: its logprobs are shared
         # Sizes only (blocks in the pool, positions of the model): fixed once the engine exists, so this
         # thread may read them while the loop runs.
         error = engine.scheduler.admission_error(request)
         if error is not None:
             raise ValueError(error)
-        engine.init_structured_output(request)  # its grammar compiles here, or ValueError
+        for sequence in sequences:
+            engine.init_structured_output(sequence)  # its grammar compiles here (once), or ValueError
         if not self._running_loop.submit(request):
             warnings.warn("the manager is stopped: request ignored; call start() first", stacklevel=2)
             return None
@@ -359,10 +376,11 @@ class ContinuousBatchingManager(WeightsAndMemory):
             )
         return list(ids)
 
-    def cancel_request(self, request_id: str) -> None:
-        """Cancels a request; it ends with one CANCELLED output. Unknown or finished ids are ignored."""
+    def cancel_request(self, request_id: str, index: int | None = None) -> None:
+        """Cancels a request, each of its sequences ending with one CANCELLED output; with `index`, only
+        that sequence of it (n > 1). Unknown or finished ids are ignored."""
         if self.is_driver and self._loop is not None:
-            self._loop.cancel(request_id)
+            self._loop.cancel(request_id, index)
 
     # ------------------------------------------------------------------ results
 

@@ -67,9 +67,18 @@ class GenerationOutput:
     # With SamplingParams.prompt_logprobs: per prompt token after the first, (its logprob, the top
     # alternatives {token id: logprob}); the first prompt token has no logprob (nothing precedes it).
     prompt_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # Which of the request's n sequences this is (SamplingParams.n); 0 for the first, whose id is the
+    # request's (`sequence_request_id`).
+    index: int = 0
 
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
+
+
+def sequence_request_id(request_id: str, index: int) -> str:
+    """The id of sequence `index` of a request with n > 1 (SamplingParams.n): the request's own id for the
+    first, `{request_id}__child#{index - 1}` for the others, as transformers names them."""
+    return request_id if index == 0 else f"{request_id}__child#{index - 1}"
 
 
 class Request:
@@ -81,6 +90,10 @@ class Request:
     Every step the scheduler gives a
     request some tokens so that computed catches up with `num_tokens`; prefill, chunked prefill,
     prefix-cache hits and recompute after preemption are all that one rule, with no phase flags.
+
+    A request with n > 1 (SamplingParams.n) is n `Request`s, one per sequence: the first computes the
+    prompt and holds the others in `pending_forks` until the scheduler forks them from its KV blocks
+    (engine.scheduler); each then samples on its own.
     """
 
     __slots__ = (
@@ -91,7 +104,9 @@ class Request:
         "error",
         "finish_reason",
         "first_token_time",
+        "fork_source",
         "generator",
+        "index",
         "logprobs",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -100,6 +115,7 @@ class Request:
         "num_prompt_tokens",
         "num_tokens_to_recompute",
         "offloaded",
+        "pending_forks",
         "priority",
         "prompt_logprobs",
         "record_timestamps",
@@ -123,8 +139,10 @@ class Request:
         streaming: bool = False,
         record_timestamps: bool = False,
         priority: int = 0,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.index = index
         self.all_token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.sampling = sampling
@@ -164,6 +182,18 @@ class Request:
         )
         # The grammar matcher of a request with SamplingParams.structured_output (engine.structured_output).
         self.structured_state: object | None = None
+        # n > 1: on the first sequence, the others until they are forked from its prompt's KV; on each of
+        # those, the first sequence, until its own first token lands (a failure of the step that wrote
+        # the shared KV fails it too: engine.engine_core).
+        self.pending_forks: list[Request] = []
+        self.fork_source: Request | None = None
+
+    @property
+    def parent_request_id(self) -> str:
+        """The id of the request this is a sequence of (n > 1): its own for the first sequence."""
+        return (
+            self.request_id if self.index == 0 else self.request_id.removesuffix(f"__child#{self.index - 1}")
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -204,6 +234,7 @@ class Request:
             weight_version=self.weight_version,
             stop_reason=self.stop_reason,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            index=self.index,
         )
 
     def __repr__(self) -> str:

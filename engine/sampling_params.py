@@ -22,6 +22,10 @@ MAX_TOP_LOGPROBS = 20
 MAX_ABS_PRESENCE_FREQUENCY_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_STOP_TOKEN_IDS = 64
+# OpenAI's bound on `n`: completions sampled from one prompt.
+MAX_SEQUENCES_PER_REQUEST = 128
+# torch.Generator.manual_seed's range.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 # A JSON schema, regex or grammar longer than this is refused before it reaches the grammar compiler.
 MAX_STRUCTURED_OUTPUT_CHARS = 65536
 STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "grammar")
@@ -43,6 +47,8 @@ SAMPLING_KWARGS = (
     "stop_token_ids",
     "prompt_logprobs",
     "structured_output",
+    "num_return_sequences",
+    "n",
 )
 
 
@@ -90,6 +96,9 @@ class SamplingParams:
     # Per prompt token, its logprob and this many alternatives (vLLM's prompt_logprobs); None: off.
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    # Completions sampled from the prompt (generate's num_return_sequences, vLLM's n); see
+    # `sequence_seed` for the seed of each.
+    n: int = 1
 
     @property
     def is_greedy(self) -> bool:
@@ -105,6 +114,15 @@ class SamplingParams:
             or self.min_new_tokens > 0
             or bool(self.logit_bias)
         )
+
+
+def sequence_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sequence `index` of a request with `seed` and n > 1: `seed + index`, wrapped into
+    torch's seed range, so sequence i of n equals a single request seeded with `sequence_seed(seed, i)`."""
+    if seed is None or index == 0:
+        return seed
+    derived = seed + index
+    return derived - 2**64 if derived > MAX_SEED else derived
 
 
 def default_max_new_tokens(generation_config: Any) -> int:
@@ -167,7 +185,22 @@ def build_sampling_params(
         stop_token_ids=_stop_token_ids(settings.get("stop_token_ids"), vocab_size, fields),
         prompt_logprobs=_prompt_logprobs(settings.get("prompt_logprobs"), fields),
         structured_output=_structured_output(settings.get("structured_output"), fields),
+        n=_num_sequences(settings, generation_config, fields),
     )
+
+
+def _num_sequences(settings: Mapping[str, Any], generation_config: Any, fields: _Fields) -> int:
+    """generate's `num_return_sequences` or vLLM's `n` (not both); the model's generation config supplies
+    the default."""
+    given = [name for name in ("n", "num_return_sequences") if settings.get(name) is not None]
+    if len(given) > 1:
+        raise InvalidParameterError(
+            fields.name("n"), " and num_return_sequences name the same setting: pass one"
+        )
+    name = given[0] if given else "num_return_sequences"
+    value = settings[name] if given else getattr(generation_config, "num_return_sequences", None) or 1
+    fields.check_int(name, value, minimum=1, maximum=MAX_SEQUENCES_PER_REQUEST)
+    return int(value)
 
 
 def _stop_token_ids(stop_token_ids: Any, vocab_size: int, fields: _Fields) -> frozenset[int]:
@@ -243,7 +276,7 @@ def _sampler_settings(settings: Mapping[str, Any], generation_config: Any, field
     if top_p is not None:
         fields.check_number("top_p", top_p, "in (0, 1]", lambda value: 0 < value <= 1)
     if seed is not None:
-        fields.check_int("seed", seed)
+        fields.check_int("seed", seed, minimum=MIN_SEED, maximum=MAX_SEED)
     if do_sample and temperature is None:
         temperature = 1.0
     if not do_sample and "temperature" not in settings:

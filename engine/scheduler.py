@@ -12,6 +12,13 @@ So the next step can be scheduled while this one still runs (async batching): a 
 then scheduled for the position of its placeholder, whose input id the runner takes from the previous
 step's sampled tokens on the device. A request whose placeholders already reach `max_new_tokens` is not
 scheduled again; one that turns out to have hit EOS wastes its row in one step, and its output is dropped.
+
+Parallel sampling (n > 1): the request's first sequence computes the prompt but its last token, holding
+the other sequences in `pending_forks`. The next step forks them (`_fork_sequences`): each shares the
+prompt's full pages and gets a copy of the partly filled one (copied on the device before the forward
+pass), then all n compute the prompt's last token and sample their first tokens in that same step.
+Sequences that cannot be forked then (no free blocks, a full batch, or a first sequence that ended) wait
+as requests of their own and compute the prompt themselves.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv.cache_manager import KVCacheManager, blocks_for_tokens
+from engine.kv.cache_manager import DeviceBlockCopy, KVCacheManager, blocks_for_tokens
 from engine.kv.offload import BlockCopy, HostBlockPool, OffloadedKV
 from engine.request import FinishReason, Request, RequestStatus
 
@@ -55,6 +62,9 @@ class SchedulerOutput:
     # KV copies the runner makes before the forward pass: offloads first, then restores.
     offloads: list[BlockCopy] = field(default_factory=list)
     restores: list[BlockCopy] = field(default_factory=list)
+    # Sequences forked this step (n > 1), and the copies of their partly filled pages, made first.
+    forked: list[Request] = field(default_factory=list)
+    block_copies: list[DeviceBlockCopy] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -69,6 +79,8 @@ class SchedulerCounters:
     # Blocks copied to and from host memory by offloading preemptions and their resumptions.
     offloaded_blocks: int = 0
     restored_blocks: int = 0
+    # Sequences of n > 1 requests forked from their first sequence's prompt KV instead of computing it.
+    forked_sequences: int = 0
 
 
 class Scheduler:
@@ -100,6 +112,8 @@ class Scheduler:
         # While True, only preempted requests are (re)admitted: a WAIT pause lets in-flight work finish.
         self.hold_new_admissions = False
         self.running: list[Request] = []
+        # First sequences of n > 1 requests whose other sequences wait to be forked from them.
+        self._forking: list[Request] = []
         self.counters = SchedulerCounters()
 
     @property
@@ -149,7 +163,13 @@ class Scheduler:
         return None
 
     def add_request(self, request: Request) -> None:
+        """Queues `request`; its `pending_forks` (n > 1) wait on it to be forked."""
         request.arrival_index = next(self._arrivals)
+        for sequence in request.pending_forks:
+            sequence.arrival_index = next(self._arrivals)
+            sequence.fork_source = request
+        if request.pending_forks:
+            self._forking.append(request)
         self._enqueue(request, preempted=False)
 
     def _enqueue(self, request: Request, preempted: bool) -> None:
@@ -168,6 +188,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        if self._forking:
+            self._fork_sequences(output)
         budget = self.max_batch_tokens
         if self.policy == "prefill_first":
             budget = self._schedule_waiting(output, budget)
@@ -177,6 +199,61 @@ class Scheduler:
             if not output.preempted:
                 self._schedule_waiting(output, budget)
         return output
+
+    def _fork_sequences(self, output: SchedulerOutput) -> None:
+        """Forks the pending sequences of every first sequence whose prompt KV, all but the last token,
+        earlier steps have computed. It may have computed the last token too (its prompt was served from
+        the prefix cache up to there): the copied page then holds it, and each sequence computes it again.
+        """
+        for source in list(self._forking):
+            if source.status not in (RequestStatus.PREFILLING, RequestStatus.DECODING):
+                continue  # queued, or preempted: its KV is not in the cache
+            num_shared = source.num_prompt_tokens - 1
+            if not num_shared <= source.num_computed_tokens <= num_shared + 1:
+                continue
+            self._forking.remove(source)
+            sequences, source.pending_forks = source.pending_forks, []
+            unforked = []
+            for sequence in sequences:
+                copies = None
+                if len(self.running) < self.max_requests_per_batch:
+                    copies = self.kv_cache_manager.fork(source, sequence, num_shared)
+                if copies is None:
+                    unforked.append(sequence)
+                    continue
+                output.block_copies.extend(copies)
+                output.forked.append(sequence)
+                sequence.num_computed_tokens = num_shared
+                sequence.num_cached_tokens = num_shared
+                sequence.status = RequestStatus.PREFILLING
+                self._add_running(sequence)
+                self.counters.admitted += 1
+                self.counters.forked_sequences += 1
+            for sequence in reversed(unforked):
+                self._release_fork(sequence)
+
+    def _release_fork(self, sequence: Request) -> None:
+        """A sequence that will not be forked waits as a request of its own: behind the preempted requests
+        at the head of the queue, ahead of every request never admitted (it arrived before them)."""
+        sequence.fork_source = None
+        if self.policy == "priority":
+            self._enqueue(sequence, preempted=False)
+            return
+        position = next(
+            (index for index, request in enumerate(self.waiting) if request.num_preemptions == 0),
+            len(self.waiting),
+        )
+        self.waiting.insert(position, sequence)
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        """The tokens `request` gets this step from `num_computed` on: all it lacks, within `budget`. A first
+        sequence with sequences to fork stops one token short of its prompt (see `_fork_sequences`),
+        unless it already reached that point."""
+        num_new_tokens = min(request.num_tokens - num_computed, budget)
+        num_shared = request.num_prompt_tokens - 1
+        if request.pending_forks and num_computed < num_shared:
+            num_new_tokens = min(num_new_tokens, num_shared - num_computed)
+        return num_new_tokens
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         newly_admitted = {item.request.request_id for item in output.scheduled}
@@ -197,7 +274,7 @@ class Scheduler:
             if request.num_output_placeholders > 0 and request.sampling.structured_output is not None:
                 index += 1  # its grammar's next mask depends on the token still being sampled
                 continue
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget)
             while self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
                 victim = self._lowest_priority_victim(index, newly_admitted) or request
                 self._preempt(victim, output)
@@ -253,7 +330,7 @@ class Scheduler:
                 continue
             computed_blocks = self.kv_cache_manager.get_computed_blocks(request)
             num_hit_tokens = len(computed_blocks) * self.kv_cache_manager.page_size
-            num_new_tokens = min(request.num_tokens - num_hit_tokens, budget)
+            num_new_tokens = self._num_new_tokens(request, num_hit_tokens, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
                 if not self.running and not output.scheduled:
                     self._fail_unschedulable(request, output)
@@ -292,7 +369,7 @@ class Scheduler:
         """Re-admits an offloaded request: its KV comes back from the host instead of being recomputed."""
         offloaded = request.offloaded
         assert offloaded is not None and self.host_block_pool is not None
-        num_new_tokens = min(request.num_tokens - offloaded.num_tokens, budget)
+        num_new_tokens = self._num_new_tokens(request, offloaded.num_tokens, budget)
         # Allocated as already computed, so sliding-window groups only take the pages of the window.
         request.num_computed_tokens = offloaded.num_tokens
         if self.kv_cache_manager.allocate_slots(request, num_new_tokens) is None:
@@ -415,6 +492,7 @@ class Scheduler:
                 continue  # a finished request's row is dropped: it ended while this step ran
             request.num_output_placeholders -= 1
             request.all_token_ids.append(token_id)
+            request.fork_source = None  # its own token landed: the KV it was forked from was sound
             if request.status == RequestStatus.PREFILLING:  # not if preempted since: it waits again
                 request.status = RequestStatus.DECODING
             advanced.append(item)
@@ -434,10 +512,20 @@ class Scheduler:
         """Ends a request wherever it is (waiting, running) and frees its blocks. Idempotent."""
         if request.is_finished:
             return
-        if request.status == RequestStatus.PENDING:
+        source = request.fork_source
+        if source is not None and request in source.pending_forks:
+            source.pending_forks.remove(request)  # never forked, never queued
+            if not source.pending_forks:
+                self._forking.remove(source)
+        elif request.status == RequestStatus.PENDING:
             # Queued (fresh or preempted): leave the queue now, so it only ever holds live requests and
             # the loop's per-step checks stay O(1). Cancelling a queued request is O(queue), and rare.
             self.waiting.remove(request)
+        if request.pending_forks:  # its sequences cannot be forked from it any more
+            self._forking.remove(request)
+            for sequence in reversed(request.pending_forks):
+                self._release_fork(sequence)
+            request.pending_forks = []
         request.status = status
         request.finish_reason = reason
         request.error = error

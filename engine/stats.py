@@ -26,6 +26,8 @@ class ManagerStats:
     offloaded_blocks: int
     restored_blocks: int
     recomputed_tokens: int
+    # Sequences of n > 1 requests forked from their request's prompt KV instead of computing it.
+    forked_sequences: int
     failed_steps: int
     prefix_caching_enabled: bool
     # Seconds per step phase since the engine was built: schedule, prepare_inputs, forward, sample, update.
@@ -85,6 +87,7 @@ class ManagerStats:
             offloaded_blocks=counters.offloaded_blocks,
             restored_blocks=counters.restored_blocks,
             recomputed_tokens=counters.recomputed_tokens,
+            forked_sequences=counters.forked_sequences,
             failed_steps=engine.num_failed_steps,
             prefix_caching_enabled=engine.kv_cache_manager.enable_prefix_caching,
             step_timings=engine.runner.timings.as_dict(),

@@ -18,9 +18,19 @@ from engine.kv.full_attention import FullAttentionManager, blocks_for_tokens
 from engine.kv.sliding_window import SlidingWindowManager
 from engine.request import Request
 
-__all__ = ["KVCacheManager", "PrefixCacheStats", "blocks_for_tokens"]
+__all__ = ["DeviceBlockCopy", "KVCacheManager", "PrefixCacheStats", "blocks_for_tokens"]
 
 GroupManager = FullAttentionManager | SlidingWindowManager
+
+
+@dataclass(frozen=True)
+class DeviceBlockCopy:
+    """Copy the KV of `source_block_ids[i]` into `target_block_ids[i]`, all layers of cache group `group`
+    (a forked sequence's own copy of its source's pages)."""
+
+    source_block_ids: tuple[int, ...]
+    target_block_ids: tuple[int, ...]
+    group: int = 0
 
 
 @dataclass
@@ -155,6 +165,23 @@ class KVCacheManager:
             else:
                 new_blocks.append(group.allocate(request, num_computed, num_new_tokens))
         return new_blocks[0]
+
+    def fork(self, source: Request, child: Request, num_tokens: int) -> list[DeviceBlockCopy] | None:
+        """Gives `child`, which holds no blocks, the KV of `source`'s first `num_tokens` tokens in every
+        group (n > 1: a sequence forked from the request's first one). Full-attention pages are shared,
+        the rest copied (engine.kv.full_attention, engine.kv.sliding_window). Returns the device copies
+        to make before the next forward pass, or None — and changes nothing — when a group lacks the
+        free blocks."""
+        for group in self.groups:
+            if group.num_fork_blocks(num_tokens) > group.block_pool.num_free_blocks:
+                return None
+        copies = []
+        for index, group in enumerate(self.groups):
+            pairs = group.fork(source, child, num_tokens)
+            if pairs:
+                sources, targets = zip(*pairs, strict=True)
+                copies.append(DeviceBlockCopy(tuple(sources), tuple(targets), index))
+        return copies
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks in every group."""

@@ -87,6 +87,34 @@ class FullAttentionManager:
             self._register_full_blocks(request, table, num_computed + num_new_tokens)
         return new_blocks
 
+    def num_fork_blocks(self, num_tokens: int) -> int:
+        """Blocks a sequence forked at `num_tokens` tokens takes for itself: its partly filled page."""
+        return 1 if num_tokens % self.page_size else 0
+
+    def fork(self, source: Request, child: Request, num_tokens: int) -> list[tuple[int, int]]:
+        """Gives `child` the KV of `source`'s first `num_tokens` tokens: the full pages are shared (one
+        more reference each), the partly filled page is copied into a block of its own (copy-on-write:
+        both sequences write their next tokens there). The caller has checked the free blocks
+        (`num_fork_blocks`). Returns the (source block, child block) copies to make."""
+        table = self.block_tables[source.request_id]
+        num_full = num_tokens // self.page_size
+        shared = table[:num_full]
+        self.block_pool.touch(shared)
+        child_table = list(shared)
+        copies = []
+        if self.num_fork_blocks(num_tokens):
+            [block] = self.block_pool.allocate(1)
+            child_table.append(block)
+            copies.append((table[num_full].block_id, block.block_id))
+        self.block_tables[child.request_id] = child_table
+        if self.enable_prefix_caching:
+            # The shared pages are the source's: registered by it as far as it registered them.
+            self._num_registered_blocks[child.request_id] = min(
+                self._num_registered_blocks.get(source.request_id, 0), num_full
+            )
+            child.block_hashes = source.block_hashes[:num_full]
+        return copies
+
     def free(self, request_id: str) -> None:
         """Releases the request's blocks, tail first so its least shareable blocks are evicted first."""
         table = self.block_tables.pop(request_id, None)

@@ -10,7 +10,8 @@ pool, and their table entries become the null block. A table is still indexed by
                                                         (plus pages the step's new tokens reach)
 
 so a request holds at most `ceil((sliding_window - 1 + num_new_tokens) / page_size) + 1` blocks, a small
-set recycled as it decodes. Blocks are never shared: there is no prefix caching in this group.
+set recycled as it decodes. Blocks are never shared: there is no prefix caching in this group, and a
+forked sequence (n > 1) takes copies of its source's window pages.
 """
 
 from __future__ import annotations
@@ -76,6 +77,25 @@ class SlidingWindowManager:
         new_blocks = self.block_pool.allocate(num_new_blocks)
         table.extend(new_blocks)
         return new_blocks
+
+    def num_fork_blocks(self, num_tokens: int) -> int:
+        """Blocks a sequence forked at `num_tokens` tokens takes: the pages of its window."""
+        return len(self.resume_pages(num_tokens))
+
+    def fork(self, source: Request, child: Request, num_tokens: int) -> list[tuple[int, int]]:
+        """Gives `child` copies of the pages of `source` that a query at `num_tokens` reads (earlier pages
+        are null). The caller has checked the free blocks (`num_fork_blocks`); `source` last allocated
+        with at most `num_tokens` computed tokens, so it still holds those pages. Returns the
+        (source block, child block) copies to make."""
+        table = self.block_tables[source.request_id]
+        pages = self.resume_pages(num_tokens)
+        blocks = self.block_pool.allocate(len(pages))
+        self.block_tables[child.request_id] = [self.null_block] * pages.start + blocks
+        copies = []
+        for page, block in zip(pages, blocks, strict=True):
+            assert table[page] is not self.null_block, (source, page)
+            copies.append((table[page].block_id, block.block_id))
+        return copies
 
     def free(self, request_id: str) -> None:
         table = self.block_tables.pop(request_id, None)

@@ -148,6 +148,12 @@ def resolve_cache_sizes(
     return sized, max_batch_tokens
 
 
+def block_slots(block_ids: list[int], page_size: int, device: torch.device) -> torch.Tensor:
+    """The cache rows of `block_ids`, block after block, on `device`."""
+    blocks = to_device(block_ids, torch.long, device)  # a plain copy to the device would wait for it
+    return (blocks.unsqueeze(1) * page_size + torch.arange(page_size, device=device)).flatten()
+
+
 class PagedKVCache:
     def __init__(self, shape: KVCacheShape, num_blocks: int, page_size: int, device: torch.device) -> None:
         self.shape = shape
@@ -165,6 +171,15 @@ class PagedKVCache:
         null_rows = slice(NULL_BLOCK_ID * page_size, (NULL_BLOCK_ID + 1) * page_size)
         for cache in (*self.key_caches, *self.value_caches):
             cache[null_rows].zero_()
+
+    def copy_blocks(self, source_block_ids: list[int], target_block_ids: list[int]) -> None:
+        """Copies the KV of each source block into its target block, every layer, on the device."""
+        if not source_block_ids:
+            return
+        sources = block_slots(source_block_ids, self.page_size, self.device)
+        targets = block_slots(target_block_ids, self.page_size, self.device)
+        for cache in (*self.key_caches, *self.value_caches):
+            cache.index_copy_(0, targets, cache.index_select(0, sources))
 
     def block_bytes(self, block_id: int) -> bytes:
         """The raw bytes of one block across all layers; for round-trip tests of block copies."""
@@ -214,16 +229,12 @@ class HostKVCache:
         ]
         self._pending: deque[_PendingOffload] = deque()
 
-    def _slots(self, block_ids: list[int], device: torch.device) -> torch.Tensor:
-        blocks = to_device(block_ids, torch.long, device)  # a plain copy to the device would wait for it
-        return (blocks.unsqueeze(1) * self.page_size + torch.arange(self.page_size, device=device)).flatten()
-
     def _slot_pairs(
         self, device_block_ids: list[int], host_block_ids: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Device slots, host slots, and the (device, host) tensor pairs of every layer's keys and values."""
-        device_slots = self._slots(device_block_ids, self.device_cache.device)
-        host_slots = self._slots(host_block_ids, torch.device("cpu"))
+        device_slots = block_slots(device_block_ids, self.page_size, self.device_cache.device)
+        host_slots = block_slots(host_block_ids, self.page_size, torch.device("cpu"))
         pairs = list(
             zip(
                 (*self.device_cache.key_caches, *self.device_cache.value_caches),

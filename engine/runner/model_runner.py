@@ -228,7 +228,11 @@ class ModelRunner:
         )
 
     def copy_blocks(self, scheduler_output: SchedulerOutput) -> None:
-        """Offloads before restores: a restore may land in a device block an offload just freed."""
+        """Forked sequences' copies first (their source blocks may be freed by this step's preemptions and
+        refilled by its restores), then offloads before restores: a restore may land in a device block an
+        offload just freed."""
+        for fork in scheduler_output.block_copies:
+            self.kv_caches[fork.group].copy_blocks(list(fork.source_block_ids), list(fork.target_block_ids))
         if self.host_kv_caches is None:
             return
         for copy in scheduler_output.offloads:

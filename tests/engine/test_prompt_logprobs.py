@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, GenerationOutput, init_continuous_batching
-from engine.request import Request
+from engine.request import Request, sequence_request_id
 from engine.runner.model_runner import PromptLogprobs
 from engine.sampling_params import SamplingParams
 from tests.conftest import assert_greedy_parity, random_prompt, tiny_model
@@ -281,3 +281,27 @@ def test_chunks_already_collected_are_dropped_and_a_gap_is_refused(caplog):
     with caplog.at_level(logging.ERROR, logger="engine.runner.model_runner"):
         PromptLogprobs(6, [(-7.0, {})]).add_to(request)
     assert len(request.prompt_logprobs) == 4 and "dropped" in caplog.text
+
+
+@pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
+def test_every_sequence_of_an_n_request_carries_the_prompt_logprobs(async_batching):
+    """n > 1: the prompt is computed once, and each sequence's outputs carry its logprobs."""
+    model = tiny_model("llama")
+    prompt = random_prompt(37, seed=37)
+    config = ContinuousBatchingConfig(
+        page_size=8, num_blocks=128, max_batch_tokens=16, use_async_batching=async_batching
+    )
+    manager = init_continuous_batching(model, continuous_batching_config=config)
+    manager.start()
+    try:
+        request_id = manager.add_request(prompt, max_new_tokens=5, eos_token_id=[], prompt_logprobs=2, n=3)
+        outputs = [
+            manager.get_result(sequence_request_id(request_id, index), timeout=TIMEOUT) for index in range(3)
+        ]
+        stats = manager.stats()
+    finally:
+        manager.destroy()
+    assert stats.forked_sequences == 2
+    for index, output in enumerate(outputs):
+        assert output is not None and output.index == index
+        _assert_prompt_logprobs(model, prompt, 2, output.prompt_logprobs, f"sequence {index}")

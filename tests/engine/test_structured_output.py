@@ -29,7 +29,7 @@ from engine import (
     StructuredOutput,
 )
 from engine.engine_core import EngineCore
-from engine.request import Request
+from engine.request import Request, sequence_request_id
 from service.default_model import DefaultModelUnavailable, default_model_dir, find_gguf, is_converted
 from tests.conftest import COMMON, TEST_DEVICE
 
@@ -472,3 +472,28 @@ def test_preemption_and_async_batching_keep_greedy_constrained_outputs(
         tokens, preemptions = run(**overrides)
         assert preemptions > 0, "the cache was meant to be too small to avoid preemption"
         assert tokens == expected, overrides
+
+
+def test_each_of_n_sampled_sequences_follows_the_schema_with_its_own_matcher(
+    model: torch.nn.Module, tokenizer: Any
+) -> None:
+    schema = SCHEMAS[7]  # an array of 1..3 bounded integers: sequences diverge early
+    manager = _manager(model, tokenizer)
+    try:
+        request_id = manager.add_request(
+            _prompt(tokenizer, 3),
+            max_new_tokens=300,
+            eos_token_id=EOS,
+            structured_output=_json_schema(schema),
+            temperature=1.0,
+            seed=5,
+            n=4,
+        )
+        assert request_id is not None
+        outputs = _results(manager, [sequence_request_id(request_id, index) for index in range(4)])
+    finally:
+        manager.destroy()
+    texts = [_text(tokenizer, output) for output in outputs]
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    assert len(set(texts)) > 1, f"four seeds sampled the same output: {texts}"
