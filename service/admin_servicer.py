@@ -126,7 +126,10 @@ class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
             finished_requests=counters.finished_requests,
             prompt_tokens=counters.prompt_tokens,
             generated_tokens=counters.generated_tokens,
-            counters={"failed_steps": float(stats.failed_steps)},
+            counters={
+                "failed_steps": float(stats.failed_steps),
+                "forked_sequences": float(stats.forked_sequences),
+            },
             prefix_caching_enabled=stats.prefix_caching_enabled,
             **weight_sync_status(host),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -21,11 +22,13 @@ from engine import (
     RequestStatus,
     default_max_new_tokens,
     load_sharded_model,
+    sequence_request_id,
     torchrun_world_size,
 )
 from service.engine_load import GenerationRate, engine_load
 from service.kv_event_stream import KvEventStream
 from service.request_record import RequestRecord
+from service.sequence_group import SequenceGroup
 from service.validation import ModelLimits, PreparedRequest, RequestRejected
 
 logger = logging.getLogger(__name__)
@@ -113,11 +116,11 @@ class EngineHost:
         )
         self.retention_s = retention_s
         self.counters = Counters()
-        self._records: dict[str, RequestRecord] = {}
+        self._records: dict[str, SequenceGroup] = {}
         self._draining = False
         self._watches_loop_exit = False
         self._state_listeners: list[Callable[[], None]] = []
-        # Called once per request when it ends (metrics hook).
+        # Called once per sequence (one per request unless n > 1) when it ends (metrics hook).
         self._end_listeners: list[Callable[[RequestRecord], None]] = []
         model_config: Any = model.config
         text_config = model_config.get_text_config()
@@ -173,7 +176,8 @@ class EngineHost:
         self._state_listeners.append(listener)
 
     def add_request_end_listener(self, listener: Callable[[RequestRecord], None]) -> None:
-        """`listener(record)` runs on the event loop once for each request, when it has ended."""
+        """`listener(record)` runs on the event loop once for each request's sequence (n > 1: each of
+        them), when it has ended."""
         self._end_listeners.append(listener)
 
     def state_changed(self) -> None:
@@ -207,7 +211,7 @@ class EngineHost:
 
         A drain that outlives `drain_timeout_s` fails the requests still running.
         """
-        live = [record for record in self._records.values() if not record.finished]
+        live = [group for group in self._records.values() if not group.finished]
         self._draining = True
         self.state_changed()
         try:
@@ -215,10 +219,12 @@ class EngineHost:
                 await self.wait_idle(drain_timeout_s)
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, lambda: self.manager.stop(block=True, hard_stop=True))
-            await asyncio.gather(*(record.wait_finished() for record in live))
+            await asyncio.gather(*(group.wait_finished() for group in live))
         finally:
             self.state_changed()
-        drained = sum(1 for record in live if record.status == RequestStatus.FINISHED)
+        drained = sum(
+            1 for group in live if all(record.status == RequestStatus.FINISHED for record in group.records)
+        )
         return drained, len(live) - drained
 
     def begin_drain(self) -> None:
@@ -228,7 +234,7 @@ class EngineHost:
 
     async def wait_idle(self, timeout: float | None) -> bool:
         """Waits until no request is live (at most `timeout` seconds); True when that happened."""
-        live = [record.wait_finished() for record in self._records.values() if not record.finished]
+        live = [group.wait_finished() for group in self._records.values() if not group.finished]
         if not live:
             return True
         _, pending = await asyncio.wait([asyncio.ensure_future(wait) for wait in live], timeout=timeout)
@@ -241,10 +247,11 @@ class EngineHost:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, prepared: PreparedRequest, detokenize: bool = True) -> RequestRecord:
-        """Queues a validated request; raises RequestRejected with the code the caller gets.
+    def submit(self, prepared: PreparedRequest, detokenize: bool = True) -> SequenceGroup:
+        """Queues a validated request; raises RequestRejected with the code the caller gets. Returns the
+        records of its sequences (one unless n > 1).
 
-        Without `detokenize` (and without stop strings, which match on text) the record decodes no text:
+        Without `detokenize` (and without stop strings, which match on text) the records decode no text:
         a gateway detokenizes itself, and decoding every token twice would cost the engine's cores."""
         unavailable = self.unavailable_reason()
         if unavailable is not None:
@@ -269,51 +276,67 @@ class EngineHost:
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         if request_id is None:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, "the engine is stopped")
-        record = RequestRecord(
-            request_id,
-            len(prepared.input_ids),
-            self.tokenizer if detokenize or prepared.stop_strings else None,
-            self.weight_version,
-            logprobs=prepared.sampling.logprobs,
-            record_timestamps=prepared.record_timestamps,
-            stop_strings=prepared.stop_strings,
-            skip_special_tokens=prepared.skip_special_tokens,
-        )
-        self._records[request_id] = record
+        records = [
+            RequestRecord(
+                request_id,
+                len(prepared.input_ids),
+                self.tokenizer if detokenize or prepared.stop_strings else None,
+                self.weight_version,
+                logprobs=prepared.sampling.logprobs,
+                record_timestamps=prepared.record_timestamps,
+                stop_strings=prepared.stop_strings,
+                skip_special_tokens=prepared.skip_special_tokens,
+                index=index,
+            )
+            for index in range(prepared.sampling.n)
+        ]
+        group = SequenceGroup(records)
+        self._records[request_id] = group
         self.counters.prompt_tokens += len(prepared.input_ids)
-        self.manager.register_result_handler(request_id, lambda output: self._on_output(record, output))
-        return record
+        for record in records:
+            self.manager.register_result_handler(
+                sequence_request_id(request_id, record.index),
+                functools.partial(self._on_output, group, record),
+            )
+        return group
 
-    def _on_output(self, record: RequestRecord, output: Any) -> None:
+    def _on_output(self, group: SequenceGroup, record: RequestRecord, output: Any) -> None:
         if record.finished:
-            return  # the engine's own end of a request a stop string already ended
+            return  # the engine's own end of a sequence a stop string already ended
         record.on_output(output)
         if record.stopped_by_text and output.status < RequestStatus.FINISHED:
-            self.manager.cancel_request(record.request_id)  # frees its KV blocks and batch slot
+            # Frees its KV blocks and batch slot; the request's other sequences run on.
+            self.manager.cancel_request(record.request_id, index=record.index)
         if record.finished:
-            self.counters.finished_requests += 1
             self.counters.generated_tokens += len(record.token_ids)
+            if group.finished:
+                self.counters.finished_requests += 1
             for listener in self._end_listeners:
                 try:
                     listener(record)
                 except Exception:
                     logger.exception("a request-end listener failed for %s", record.request_id)
-            asyncio.get_running_loop().call_later(self.retention_s, self._forget, record)
+            if group.finished:
+                asyncio.get_running_loop().call_later(self.retention_s, self._forget, group)
 
-    def _forget(self, record: RequestRecord) -> None:
-        # A later request may have reused the id; only drop the record this timer was set for.
-        if self._records.get(record.request_id) is record:
-            del self._records[record.request_id]
+    def _forget(self, group: SequenceGroup) -> None:
+        # A later request may have reused the id; only drop the group this timer was set for.
+        if self._records.get(group.request_id) is group:
+            del self._records[group.request_id]
 
-    def get(self, request_id: str) -> RequestRecord | None:
+    def get(self, request_id: str) -> SequenceGroup | None:
         return self._records.get(request_id)
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancels a live request; False when it is unknown or already ended."""
-        record = self._records.get(request_id)
-        if record is None or record.finished:
+    def cancel(self, request_id: str, index: int | None = None) -> bool:
+        """Cancels a live request, or with `index` only that sequence of it (n > 1); False when it is
+        unknown or already ended."""
+        group = self._records.get(request_id)
+        if group is None:
             return False
-        self.manager.cancel_request(request_id)
+        targets = group.records if index is None else group.records[index : index + 1]
+        if all(record.finished for record in targets):
+            return False
+        self.manager.cancel_request(request_id, index=index)
         return True
 
     def stats(self) -> ManagerStats:
@@ -340,7 +363,7 @@ class EngineHost:
 
     @property
     def num_live_requests(self) -> int:
-        return sum(1 for record in self._records.values() if not record.finished)
+        return sum(1 for group in self._records.values() if not group.finished)
 
     def engine_load(self) -> common_pb2.EngineLoad:
         """The load gateways route on (runs on the event loop)."""

@@ -13,7 +13,7 @@ from opentelemetry.context import Context
 from service.engine_host import EngineHost
 from service.host_slot import HostSlot
 from service.metrics import NO_METRICS, MetricsObserver
-from service.request_record import RequestRecord
+from service.sequence_group import SequenceGroup
 from service.tracing import RequestTracer, parent_context
 from service.validation import RequestRejected, invalid, prepare
 
@@ -37,30 +37,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         host = await self.slot.require(context)
         trace_parent = parent_context(context.invocation_metadata())
         try:
-            record = submit(host, request.request, self.tracer, self.metrics, trace_parent)
+            group = submit(host, request.request, self.tracer, self.metrics, trace_parent)
         except RequestRejected as exc:
             await context.abort(exc.code, exc.message)
-        return generation_pb2.AddRequestResponse(request_id=record.request_id)
+        return generation_pb2.AddRequestResponse(request_id=group.request_id)
 
     async def StreamResults(
         self, request: generation_pb2.StreamResultsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.StreamResultsResponse]:
-        record = (await self.slot.require(context)).get(request.request_id)
-        if record is None:
+        group = (await self.slot.require(context)).get(request.request_id)
+        if group is None:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"unknown or expired request_id {request.request_id!r}"
             )
-        assert record is not None  # context.abort raised otherwise
+        assert group is not None  # context.abort raised otherwise
         # Ending this call leaves the request running (the proto's contract): readers reconnect with
         # from_token_index and only Cancel stops it.
-        async for chunk in record.tail(request.from_token_index, send_current=True):
+        async for chunk in group.tail(request.from_token_index, send_current=True):
             yield generation_pb2.StreamResultsResponse(chunk=chunk)
 
     async def Cancel(
         self, request: generation_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CancelResponse:
         host = await self.slot.require(context)
-        return generation_pb2.CancelResponse(cancelled=host.cancel(request.request_id))
+        index = request.index if request.HasField("index") else None
+        return generation_pb2.CancelResponse(cancelled=host.cancel(request.request_id, index))
 
     async def GetModelInfo(
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -114,7 +115,7 @@ class _GenerateStream:
         # The caller's trace context, read from the call's metadata: the parent of every request's span.
         self.trace_parent = trace_parent
         self.outbox: asyncio.Queue[object] = asyncio.Queue()
-        self.records: dict[str, RequestRecord] = {}
+        self.groups: dict[str, SequenceGroup] = {}
         self.tails: set[asyncio.Task[None]] = set()
 
     async def read(self, request_iterator: AsyncIterator[generation_pb2.GenerateRequest]) -> None:
@@ -125,8 +126,11 @@ class _GenerateStream:
                 if action == "add":
                     self._add(message.add)
                 elif action == "cancel":
-                    if message.cancel.request_id in self.records:
-                        self.host.cancel(message.cancel.request_id)
+                    cancel = message.cancel
+                    if cancel.request_id in self.groups:
+                        self.host.cancel(
+                            cancel.request_id, cancel.index if cancel.HasField("index") else None
+                        )
                 else:
                     self.outbox.put_nowait(
                         invalid("GenerateRequest.action: one of add or cancel must be set")
@@ -148,25 +152,26 @@ class _GenerateStream:
 
     def _add(self, request: types_pb2.GenerationRequest) -> None:
         try:
-            record = submit(self.host, request, self.tracer, self.metrics, self.trace_parent)
+            group = submit(self.host, request, self.tracer, self.metrics, self.trace_parent)
         except RequestRejected as exc:
             self.outbox.put_nowait(_rejection(request.request_id, exc))
             return
-        self.records[record.request_id] = record
-        self.outbox.put_nowait(record.chunk(0, 0))
-        task = asyncio.create_task(self._tail(record))
+        self.groups[group.request_id] = group
+        for chunk in group.current_chunks():
+            self.outbox.put_nowait(chunk)
+        task = asyncio.create_task(self._tail(group))
         self.tails.add(task)
         task.add_done_callback(self.tails.discard)
 
-    async def _tail(self, record: RequestRecord) -> None:
-        async for chunk in record.tail(0, send_current=False):
+    async def _tail(self, group: SequenceGroup) -> None:
+        async for chunk in group.tail(0, send_current=False):
             self.outbox.put_nowait(chunk)
 
     def close(self) -> None:
         for task in list(self.tails):
             task.cancel()
-        for request_id, record in self.records.items():
-            if not record.finished:
+        for request_id, group in self.groups.items():
+            if not group.finished:
                 self.host.cancel(request_id)
 
 
@@ -177,7 +182,7 @@ def submit(
     metrics: MetricsObserver,
     trace_parent: Context,
     detokenize: bool = True,
-) -> RequestRecord:
+) -> SequenceGroup:
     """Validates and queues one request; raises RequestRejected with the caller's status code.
 
     The request's span starts here and ends with the request (or now, with an error, if it is refused).
@@ -192,7 +197,7 @@ def submit(
         unavailable = host.unavailable_reason()
         if unavailable is not None:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, unavailable)
-        record = host.submit(prepare(request, host.limits, host.tokenizer), detokenize=detokenize)
+        group = host.submit(prepare(request, host.limits, host.tokenizer), detokenize=detokenize)
     except RequestRejected as exc:
         metrics.observe_rejected(exc.code.name)
         span.reject(exc.code.name, exc.message)
@@ -201,8 +206,8 @@ def submit(
         metrics.observe_rejected("INTERNAL")
         span.reject("INTERNAL", str(exc) or type(exc).__name__)
         raise
-    span.attach(record)
-    return record
+    span.attach(group)
+    return group
 
 
 def _rejection(request_id: str, exc: RequestRejected) -> types_pb2.GenerationChunk:

@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 
 class RequestRecord:
-    """Everything sent about one request, kept so that any reader can start from any token index.
+    """Everything sent about one request, kept so that any reader can start from any token index; with
+    n > 1 (SamplingParams.n), about one of its sequences, `index` (service.sequence_group).
 
     Lives on the server's event loop: `on_output` (the engine's result handler) and the readers run
     there, so no lock is needed. Readers wait on `_changed`, an event replaced after every update, which
@@ -53,8 +54,10 @@ class RequestRecord:
         record_timestamps: bool,
         stop_strings: list[str] | None = None,
         skip_special_tokens: bool = True,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.index = index
         self.prompt_len = prompt_len
         self.weight_version = weight_version
         self.status = RequestStatus.PENDING
@@ -225,6 +228,7 @@ class RequestRecord:
         """The delta of tokens [start, end) with the request's present status."""
         chunk = types_pb2.GenerationChunk(
             request_id=self.request_id,
+            index=self.index,
             token_index=start,
             token_ids=self.token_ids[start:end],
             logprobs=self._logprobs[start:end],

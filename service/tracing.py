@@ -25,7 +25,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from engine import FinishReason, RequestStatus
 
 if TYPE_CHECKING:
-    from service.request_record import RequestRecord
+    from service.sequence_group import SequenceGroup
 
 logger = logging.getLogger(__name__)
 
@@ -167,43 +167,53 @@ class RequestSpan:
         self.span.set_status(Status(StatusCode.ERROR, message))
         self.span.end()
 
-    def attach(self, record: RequestRecord) -> None:
-        """Follows `record` (on the event loop) and ends the span when the request ends."""
+    def attach(self, group: SequenceGroup) -> None:
+        """Follows the request's sequences (on the event loop) and ends the span when the last ends: its
+        events are the first sequence scheduled and the first token of any, its usage counts every
+        sequence's tokens, and its finish reasons are each sequence's, in index order."""
         self.span.set_attributes(
             {
-                RESPONSE_ID: record.request_id,
+                RESPONSE_ID: group.request_id,
                 RESPONSE_MODEL: self.model,
-                USAGE_INPUT_TOKENS: record.prompt_len,
+                USAGE_INPUT_TOKENS: group.prompt_len,
             }
         )
-        self.span.add_event(EVENT_QUEUED, timestamp=_nanoseconds(record.queued_at))
-        record.add_listener(self.update)
-        self.update(record)
+        self.span.add_event(EVENT_QUEUED, timestamp=_nanoseconds(group.queued_at))
+        group.add_listener(self.update)
+        self.update(group)
 
-    def update(self, record: RequestRecord) -> None:
+    def update(self, group: SequenceGroup) -> None:
         if self._ended:
             return
-        if record.scheduled_at is not None and not self._scheduled:
+        scheduled = [record.scheduled_at for record in group.records if record.scheduled_at is not None]
+        if scheduled and not self._scheduled:
             self._scheduled = True
-            self.span.add_event(EVENT_SCHEDULED, timestamp=_nanoseconds(record.scheduled_at))
-        if record.first_token_at is not None and not self._first_token:
+            self.span.add_event(EVENT_SCHEDULED, timestamp=_nanoseconds(min(scheduled)))
+        first_tokens = [
+            record.first_token_at for record in group.records if record.first_token_at is not None
+        ]
+        if first_tokens and not self._first_token:
             self._first_token = True
-            self.span.add_event(EVENT_FIRST_TOKEN, timestamp=_nanoseconds(record.first_token_at))
-        if record.finished:
-            self._finish(record)
+            self.span.add_event(EVENT_FIRST_TOKEN, timestamp=_nanoseconds(min(first_tokens)))
+        if group.finished:
+            self._finish(group)
 
-    def _finish(self, record: RequestRecord) -> None:
+    def _finish(self, group: SequenceGroup) -> None:
         self._ended = True
-        reason = record.finish_reason or FinishReason.ERROR
+        records = group.records
         self.span.set_attributes(
             {
-                USAGE_OUTPUT_TOKENS: len(record.token_ids),
-                USAGE_CACHE_READ_INPUT_TOKENS: record.num_cached_tokens,
-                RESPONSE_FINISH_REASONS: [FINISH_REASONS[reason]],
+                USAGE_OUTPUT_TOKENS: group.num_generated_tokens,
+                USAGE_CACHE_READ_INPUT_TOKENS: records[0].num_cached_tokens,
+                RESPONSE_FINISH_REASONS: [
+                    FINISH_REASONS[record.finish_reason or FinishReason.ERROR] for record in records
+                ],
             }
         )
-        if record.status == RequestStatus.FAILED:
+        failed = [record for record in records if record.status == RequestStatus.FAILED]
+        if failed:
             self.span.set_attribute(ERROR_TYPE, "INTERNAL")
-            self.span.set_status(Status(StatusCode.ERROR, record.error or "the request failed"))
-        end = record.finished_at if record.finished_at is not None else time.time()
+            self.span.set_status(Status(StatusCode.ERROR, failed[0].error or "the request failed"))
+        ends = [record.finished_at for record in records if record.finished_at is not None]
+        end = max(ends) if ends else time.time()
         self.span.end(end_time=_nanoseconds(end))

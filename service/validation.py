@@ -235,4 +235,5 @@ _OPTIONAL_SAMPLING_FIELDS = (
     "min_new_tokens",
     "min_p",
     "prompt_logprobs",
+    "n",
 )

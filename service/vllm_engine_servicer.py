@@ -26,6 +26,7 @@ from service.host_slot import HostSlot
 from service.kv_event_stream import StreamAborted
 from service.metrics import NO_METRICS, MetricsObserver
 from service.request_record import RequestRecord
+from service.sequence_group import merged
 from service.tokenizer_archive import archive_chunks, build_tokenizer_archive
 from service.tracing import RequestTracer, parent_context
 from service.validation import RequestRejected
@@ -71,12 +72,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             # The gateway detokenizes: text is decoded here only to match stop strings.
             trace_parent = parent_context(context.invocation_metadata())
-            record = submit(host, translated, self.tracer, self.metrics, trace_parent, detokenize=False)
+            group = submit(host, translated, self.tracer, self.metrics, trace_parent, detokenize=False)
         except RequestRejected as exc:
             renamed = reject_with_vllm_names(exc)
             await context.abort(renamed.code, renamed.message)
+        # With n > 1, each sequence streams its chunks and ends with its own completion, marked with its
+        # index; the call ends after the last.
+        updates = merged([record.token_ranges(0, send_current=False) for record in group.records])
         try:
-            async for start, end, finished in record.token_ranges(0, send_current=False):
+            async for index, (start, end, finished) in updates:
+                record = group.records[index]
                 if request.stream and end > start:
                     yield vllm_engine_pb2.GenerateResponse(
                         chunk=_stream_chunk(record, start, end, wants_logprobs)
@@ -89,11 +94,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 # has added up the chunks); otherwise it carries the whole output.
                 complete = _complete(record, start if request.stream else 0, end, wants_logprobs)
                 yield vllm_engine_pb2.GenerateResponse(complete=complete)
-                return
         finally:
+            await updates.aclose()
             # However the call ends (client gone, deadline, abort): an unfinished request frees its blocks.
-            if not record.finished:
-                host.cancel(record.request_id)
+            if not group.finished:
+                host.cancel(group.request_id)
 
     async def Abort(
         self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -267,6 +272,7 @@ def _stream_chunk(
         prompt_tokens=record.prompt_len,
         completion_tokens=len(token_ids),
         cached_tokens=record.num_cached_tokens,
+        index=record.index,
     )
     if wants_logprobs:
         stream_chunk.output_logprobs.CopyFrom(_output_logprobs(token_ids, record.token_logprobs(start, end)))
@@ -284,6 +290,7 @@ def _complete(
         prompt_tokens=record.prompt_len,
         completion_tokens=len(token_ids),
         cached_tokens=record.num_cached_tokens,
+        index=record.index,
     )
     if wants_logprobs:
         complete.output_logprobs.CopyFrom(_output_logprobs(token_ids, record.token_logprobs(start, end)))

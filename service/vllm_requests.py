@@ -92,6 +92,8 @@ def to_generation_request(
         sampling.min_p = params.min_p
     if params.HasField("prompt_logprobs"):
         sampling.prompt_logprobs = params.prompt_logprobs
+    if params.n:
+        sampling.n = params.n
     constraint = params.WhichOneof("constraint")
     if constraint in ("json_schema", "regex", "grammar"):
         setattr(sampling.structured_output, constraint, getattr(params, constraint))
@@ -103,7 +105,6 @@ def to_generation_request(
 def _refuse_unsupported(request: vllm_engine_pb2.GenerateRequest) -> None:
     params = request.sampling_params
     unsupported: list[tuple[bool, str]] = [
-        (params.n > 1, f"sampling_params.n: {params.n} samples per prompt are not supported (n must be 1)"),
         (
             params.WhichOneof("constraint") in ("structural_tag", "choice"),
             f"sampling_params.{params.WhichOneof('constraint')} is not supported: use json_schema, regex, "

@@ -18,4 +18,5 @@ const (
 	MaxMinP                        = 1.0
 	MinPriority                    = -2147483648
 	MaxPriority                    = 2147483647
+	MaxN                           = 128
 )

@@ -129,10 +129,24 @@ def test_a_client_that_disconnects_mid_stream_leaves_no_kv_block_held(
     _wait_idle(replicas)
 
 
-def test_an_unsupported_field_comes_back_as_a_400_naming_it(client: openai.OpenAI, model_name: str) -> None:
+def test_n_choices_are_sampled_from_one_prompt(client: openai.OpenAI, model_name: str) -> None:
+    """n = 3 sampled with a seed: three choices, indexed, each its own sample; greedy, all alike."""
+    sampled = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=12, temperature=1.0, seed=3, n=3
+    )
+    assert sorted(choice.index for choice in sampled.choices) == [0, 1, 2]
+    assert len({choice.message.content for choice in sampled.choices}) > 1, sampled.choices
+    greedy = client.chat.completions.create(
+        model=model_name, messages=MESSAGES, max_tokens=8, temperature=0, n=2
+    )
+    assert [choice.index for choice in greedy.choices] == [0, 1]
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_a_field_past_its_bound_comes_back_as_a_400_naming_it(client: openai.OpenAI, model_name: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=4, n=2)
-    assert "sampling_params.n" in str(caught.value), caught.value
+        client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=5000)
+    assert "sampling_params.max_tokens" in str(caught.value), caught.value
 
 
 def test_min_p_reaches_the_engine(client: openai.OpenAI, model_name: str) -> None:

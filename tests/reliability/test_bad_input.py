@@ -44,6 +44,7 @@ MAX_ABS_LOGIT_BIAS = 100.0
 MAX_STOP_TOKEN_IDS = 64
 MAX_PROMPT_LOGPROBS = 20
 MAX_STRUCTURED_OUTPUT_CHARS = 65536
+MAX_N = 128
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 # gRPC's default limit on a received message.
 MAX_MESSAGE_BYTES = 4 * 2**20
@@ -137,6 +138,7 @@ VALID = {
     "prompt_logprobs": st.integers(0, MAX_PROMPT_LOGPROBS),
     "stop_token_ids": st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=3),
     "priority": st.one_of(st.integers(-5, 5), edges(INT32_MIN, INT32_MAX)),
+    "n": st.one_of(st.integers(1, 4), edges(1, 2)),
     # Left unset in valid requests: whether a schema compiles is the grammar library's to say.
     "structured_output": st.none(),
     "logit_bias": st.dictionaries(
@@ -191,6 +193,7 @@ WILD = {
         st.builds(lambda count: [3] * count, edges(MAX_STOP_TOKEN_IDS, MAX_STOP_TOKEN_IDS + 1)),
     ),
     "priority": st.integers(INT32_MIN, INT32_MAX),
+    "n": st.one_of(st.integers(0, 6), edges(0, MAX_N + 1, UINT32_MAX)),
     # Every one of these is refused before it reaches a grammar compiler.
     "structured_output": st.one_of(
         st.builds(
@@ -357,6 +360,8 @@ def is_invalid(request: types_pb2.GenerationRequest) -> bool:
     if sampling.HasField("min_p") and not (math.isfinite(sampling.min_p) and 0 <= sampling.min_p <= 1):
         return True
     if sampling.HasField("prompt_logprobs") and sampling.prompt_logprobs > MAX_PROMPT_LOGPROBS:
+        return True
+    if sampling.HasField("n") and not 1 <= sampling.n <= MAX_N:
         return True
     if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS or any(
         token >= VOCAB_SIZE for token in sampling.stop_token_ids

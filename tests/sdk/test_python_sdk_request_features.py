@@ -109,6 +109,96 @@ def first_new_token_after_the_start(token_ids: list[int]) -> int:
     return 0
 
 
+# -- n > 1: parallel sampling ---------------------------------------------------------------------------
+
+
+def test_generate_n_returns_every_greedy_sequence_by_index(client: Client, served: RunningServer) -> None:
+    expected = greedy(client)
+    with AdminClient(served.admin_target, token=ADMIN_TOKEN, timeout=30) as admin:
+        forked_before = admin.status().counters["forked_sequences"]
+        completions = client.generate_n(PROMPT, 3, max_new_tokens=16, temperature=0.0, ignore_eos=True)
+        # The prompt was computed once: the two other sequences were forked from its KV blocks.
+        assert admin.status().counters["forked_sequences"] == forked_before + 2
+    assert [completion.index for completion in completions] == [0, 1, 2]
+    for completion in completions:
+        assert completion.request_id == completions[0].request_id
+        assert completion.token_ids == expected.token_ids and completion.text == expected.text
+        assert completion.usage is not None and completion.usage.generated_tokens == 16
+
+
+def test_each_seeded_sequence_equals_a_single_request_with_seed_plus_its_index(client: Client) -> None:
+    sampling = dict(max_new_tokens=24, temperature=1.0, ignore_eos=True)
+    completions = client.generate_n(PROMPT, 3, seed=41, **sampling)
+    for completion in completions:
+        alone = client.generate(PROMPT, seed=41 + completion.index, **sampling)
+        assert completion.token_ids == alone.token_ids, (
+            completion.index,
+            completion.token_ids,
+            alone.token_ids,
+        )
+    assert len({tuple(completion.token_ids) for completion in completions}) == 3
+
+
+def test_stop_strings_end_each_sequence_on_its_own_text(client: Client) -> None:
+    sampling = dict(max_new_tokens=40, temperature=1.0, seed=7, ignore_eos=True)
+    free = client.generate_n(PROMPT, 4, **sampling)
+    stop = next(text[5:7] for text in (completion.text or "" for completion in free) if len(text.strip()) > 8)
+    stopped = client.generate_n(PROMPT, 4, stop=[stop], **sampling)
+    for before, after in zip(free, stopped, strict=True):
+        assert before.text is not None and after.text is not None
+        if stop in before.text:
+            assert after.finish_reason == "stop" and after.stop_reason == stop
+            assert after.text == before.text[: before.text.index(stop)]
+        else:
+            assert after.finish_reason == "length" and after.text == before.text
+    assert any(completion.finish_reason == "stop" for completion in stopped)
+
+
+def test_one_sequence_is_cancelled_alone(client: Client) -> None:
+    request_id = client.submit(PROMPT, n=3, max_new_tokens=400, temperature=0.0, ignore_eos=True)
+    assert client.cancel(request_id, index=1)
+    ends: dict[int, Chunk] = {}
+    with client.results(request_id) as chunks:
+        for chunk in chunks:
+            if chunk.finished:
+                ends[chunk.index] = chunk
+    assert sorted(ends) == [0, 1, 2]
+    assert ends[1].status == "cancelled"
+    assert ends[0].finish_reason == ends[2].finish_reason == "length"
+    assert not client.cancel(request_id, index=1)
+
+
+def test_prompt_logprobs_come_with_every_sequence(client: Client) -> None:
+    single = greedy(client, prompt_logprobs=1)
+    completions = client.generate_n(
+        PROMPT, 2, max_new_tokens=16, temperature=0.0, ignore_eos=True, prompt_logprobs=1
+    )
+    for completion in completions:
+        assert completion.prompt_logprobs is not None and single.prompt_logprobs is not None
+        assert [entry.token_id for entry in completion.prompt_logprobs] == [
+            entry.token_id for entry in single.prompt_logprobs
+        ]
+        for mine, theirs in zip(completion.prompt_logprobs, single.prompt_logprobs, strict=True):
+            assert math.isclose(mine.logprob, theirs.logprob, abs_tol=1e-5)
+
+
+def test_generate_refuses_n_above_one_and_the_async_client_has_generate_n(served: RunningServer) -> None:
+    with Client(served.target, timeout=30, stream_timeout=120) as connected:
+        with pytest.raises(ValueError, match="generate_n"):
+            connected.generate(PROMPT, n=2)
+        expected = greedy(connected).token_ids
+
+    async def main() -> list[Completion]:
+        async with AsyncClient(served.target, timeout=30, stream_timeout=120) as aclient:
+            with pytest.raises(ValueError, match="generate_n"):
+                await aclient.generate(PROMPT, n=2)
+            return await aclient.generate_n(PROMPT, 2, max_new_tokens=16, temperature=0.0, ignore_eos=True)
+
+    completions = asyncio.run(main())
+    assert [completion.index for completion in completions] == [0, 1]
+    assert all(completion.token_ids == expected for completion in completions)
+
+
 # -- the test tokenizer ------------------------------------------------------------------------------
 
 
@@ -373,6 +463,8 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
         "priority must be an int in [-2147483648, 2147483647], got 2147483648",
     ),
     ({"priority": _bounds.MIN_PRIORITY - 1}, "priority must be an int in [-2147483648, 2147483647]"),
+    ({"n": 0}, "sampling.n must be an int in [1, 128], got 0"),
+    ({"n": _bounds.MAX_N + 1}, "sampling.n must be an int in [1, 128], got 129"),
 ]
 
 
@@ -403,6 +495,8 @@ def test_a_new_keyword_out_of_bounds_is_refused_before_any_call(values: dict[str
         {"min_p": 1.5},
         {"stop_token_ids": list(range(_bounds.MAX_STOP_TOKEN_IDS + 1))},
         {"prompt_logprobs": _bounds.MAX_PROMPT_LOGPROBS + 1},
+        {"n": _bounds.MAX_N + 1},
+        {"n": 0},
     ],
     ids=lambda values: ",".join(values),
 )
@@ -425,6 +519,7 @@ def test_values_at_the_bounds_pass() -> None:
     build_request(PROMPT, stop_token_ids=list(range(_bounds.MAX_STOP_TOKEN_IDS)))
     build_request(PROMPT, prompt_logprobs=0)
     build_request(PROMPT, prompt_logprobs=_bounds.MAX_PROMPT_LOGPROBS)
+    assert build_request(PROMPT, n=_bounds.MAX_N).sampling.n == _bounds.MAX_N
     build_request(PROMPT, regex="x" * _bounds.MAX_STRUCTURED_OUTPUT_CHARS)
     assert build_request(PROMPT, priority=_bounds.MIN_PRIORITY).priority == _bounds.MIN_PRIORITY
     assert build_request(PROMPT, priority=_bounds.MAX_PRIORITY).priority == _bounds.MAX_PRIORITY

@@ -30,6 +30,7 @@ def test_the_sdk_table_holds_the_server_s_bounds() -> None:
         "max_min_p": 1.0,
         "min_priority": validation.MIN_PRIORITY,
         "max_priority": validation.MAX_PRIORITY,
+        "max_n": sampling_params.MAX_SEQUENCES_PER_REQUEST,
     }
     assert {name: value for name, value in table.items() if not name.startswith("_")} == server
 

@@ -42,7 +42,7 @@ def test_unset_sampling_kwargs_stay_unset() -> None:
 
 
 # Fields whose zero the server refuses (test_sdk_validation.py): the SDK refuses it too.
-ZERO_REFUSED = {"max_new_tokens", "top_p", "repetition_penalty"}
+ZERO_REFUSED = {"max_new_tokens", "top_p", "repetition_penalty", "n"}
 
 
 @pytest.mark.parametrize("name", [name for name in OPTIONAL_NUMBER_FIELDS if name not in ZERO_REFUSED])

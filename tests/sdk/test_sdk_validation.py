@@ -57,6 +57,8 @@ PAST_THE_BOUNDS: list[dict[str, Any]] = [
     {"stop": [""]},
     {"request_id": "r" * (_bounds.MAX_REQUEST_ID_BYTES + 1)},
     {"request_id": "has space"},
+    {"n": 0},
+    {"n": _bounds.MAX_N + 1},
 ]
 
 AT_THE_BOUNDS: list[dict[str, Any]] = [
@@ -70,6 +72,8 @@ AT_THE_BOUNDS: list[dict[str, Any]] = [
     {"logit_bias": dict.fromkeys(range(_bounds.MAX_LOGIT_BIAS_ENTRIES), 1.0)},
     {"stop": ["x" * _bounds.MAX_STOP_STRING_CHARS] * _bounds.MAX_STOP_STRINGS},
     {"request_id": "r" * _bounds.MAX_REQUEST_ID_BYTES},
+    {"n": 1},
+    {"n": _bounds.MAX_N},
 ]
 
 

@@ -65,6 +65,29 @@ def test_a_stream_sends_token_deltas_then_a_completion(stub, client) -> None:
     assert list(last.complete.output_ids) == list(chunks[-1].chunk.token_ids)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_n_sequences_each_end_with_a_completion_carrying_their_index(stub, client, stream: bool) -> None:
+    """Sequence i of n = 3 with seed 11 is the single request seeded 11 + i: streamed, its chunks carry
+    its index and add up to it; whole, its completion does."""
+    prompt = random_prompt(20, seed=4)
+    request = _request(prompt, stream=stream, max_tokens=9, ignore_eos=True, temperature=1.0, seed=11, n=3)
+    responses = list(stub.Generate(request, timeout=TIMEOUT))
+    completes = [response.complete for response in responses if response.HasField("complete")]
+    assert sorted(complete.index for complete in completes) == [0, 1, 2]
+    assert all(complete.finish_reason == "length" for complete in completes)
+    outputs: dict[int, list[int]] = {index: [] for index in range(3)}
+    if stream:
+        for response in responses:
+            if response.HasField("chunk"):
+                outputs[response.chunk.index].extend(response.chunk.token_ids)
+    else:
+        assert len(responses) == 3
+        outputs = {complete.index: list(complete.output_ids) for complete in completes}
+    for index, tokens in outputs.items():
+        alone = client.generate(prompt, max_new_tokens=9, ignore_eos=True, temperature=1.0, seed=11 + index)
+        assert tokens == alone.token_ids, index
+
+
 def test_a_stop_token_id_ends_the_output_and_is_named_as_the_match(stub, client) -> None:
     prompt = random_prompt(20, seed=3)
     greedy = _direct(client, prompt, 12)
@@ -102,7 +125,7 @@ def test_logprobs_come_with_their_top_alternatives(stub) -> None:
 
 
 UNSUPPORTED = {
-    "n > 1": (dict(n=2), "sampling_params.n"),
+    "n above its bound": (dict(n=129), "sampling_params.n"),
     "min_p above 1": (dict(min_p=1.5), "sampling_params.min_p"),
     "a choice constraint": (dict(choice=vllm_engine_pb2.ChoiceConstraint()), "sampling_params.choice"),
     "every prompt logprob": (dict(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),

@@ -58,6 +58,7 @@ SAMPLING_KWARGS = frozenset(
         "stop_token_ids",
         "skip_special_tokens",
         "prompt_logprobs",
+        "n",
         "json_schema",
         "json_object",
         "regex",
@@ -181,6 +182,8 @@ def _check_bounds(
             _bounds.MAX_PROMPT_LOGPROBS,
             note=" (0: the prompt token's only)",
         )
+    if values.get("n") is not None:
+        _check_int_range("sampling.n", values["n"], 1, _bounds.MAX_N)
     min_new_tokens = values.get("min_new_tokens")
     if min_new_tokens is not None and max_new_tokens is not None and min_new_tokens > max_new_tokens:
         message = f" ({min_new_tokens}) must not exceed max_new_tokens ({max_new_tokens})"
@@ -355,6 +358,7 @@ def build_sampling(
     stop_token_ids: Sequence[int] | None = None,
     skip_special_tokens: bool | None = None,
     prompt_logprobs: int | None = None,
+    n: int | None = None,
     json_schema: Mapping[str, Any] | str | None = None,
     json_object: bool | None = None,
     regex: str | None = None,
@@ -382,6 +386,7 @@ def build_sampling(
         "min_p": (min_p, _check_float),
         "skip_special_tokens": (skip_special_tokens, _check_bool),
         "prompt_logprobs": (prompt_logprobs, _check_int),
+        "n": (n, _check_int),
     }
     values: dict[str, Any] = {
         name: check(name, value) for name, (value, check) in scalars.items() if value is not None
@@ -531,6 +536,7 @@ def chunk_from_proto(chunk: types_pb2.GenerationChunk) -> Chunk:
     )
     return Chunk(
         request_id=chunk.request_id,
+        index=chunk.index,
         token_index=chunk.token_index,
         token_ids=token_ids,
         text=chunk.text if chunk.HasField("text") else None,
@@ -565,8 +571,9 @@ class CompletionBuilder:
     stream) only contributes the new ones; a gap raises an error.
     """
 
-    def __init__(self, request_id: str, *, from_index: int = 0) -> None:
+    def __init__(self, request_id: str, *, from_index: int = 0, index: int = 0) -> None:
         self.request_id = request_id
+        self.index = index
         self._start = from_index
         self.token_ids: list[int] = []
         self._text: list[str] | None = None
@@ -631,6 +638,7 @@ class CompletionBuilder:
             )
         return Completion(
             request_id=self.request_id,
+            index=self.index,
             token_ids=list(self.token_ids),
             text="".join(self._text) if self._text is not None else None,
             finish_reason=self.finish_reason,
@@ -646,6 +654,57 @@ class CompletionBuilder:
                 list(self.prompt_logprobs) if (prompt_logprobs_requested or self.prompt_logprobs) else None
             ),
         )
+
+
+class CompletionsBuilder:
+    """Assembles the chunks of a request's ``n`` sequences into one :class:`Completion` each."""
+
+    def __init__(self, request_id: str, num_sequences: int, sampling: Mapping[str, Any]) -> None:
+        self.request_id = request_id
+        self._sequences = [CompletionBuilder(request_id, index=index) for index in range(num_sequences)]
+        self._sampling = sampling
+
+    def add(self, chunk: Chunk) -> None:
+        """Takes a chunk of this request's (others are ignored)."""
+        if chunk.request_id == self.request_id and chunk.index < len(self._sequences):
+            self._sequences[chunk.index].add(chunk)
+
+    @property
+    def done(self) -> bool:
+        return all(sequence.done for sequence in self._sequences)
+
+    def build(self) -> list[Completion]:
+        """The completions, by index."""
+        sampling = self._sampling
+        return [
+            sequence.build(
+                logprobs_requested=bool(sampling.get("logprobs") or sampling.get("top_logprobs")),
+                timestamps_requested=bool(sampling.get("record_timestamps")),
+                prompt_logprobs_requested=sampling.get("prompt_logprobs") is not None,
+            )
+            for sequence in self._sequences
+        ]
+
+
+def cancel_message(request_id: str, index: int | None) -> generation_pb2.CancelRequest:
+    message = generation_pb2.CancelRequest(request_id=request_id)
+    if index is not None:
+        _check_int_range("index", _check_int("index", index), 0, _bounds.MAX_N - 1)
+        message.index = index
+    return message
+
+
+def num_sequences(sampling: Mapping[str, Any], *, many: bool) -> int:
+    """The ``n`` of a call's sampling keywords: 1 unless set; a call that returns one completion
+    (``many`` False) refuses n > 1, which would drop the others."""
+    n = sampling.get("n")
+    if n is None:
+        return 1
+    n = _check_int("n", n)
+    _check_int_range("sampling.n", n, 1, _bounds.MAX_N)
+    if n > 1 and not many:
+        raise ValueError(f"n={n} samples {n} completions: call generate_n() for all of them")
+    return n
 
 
 def model_info_from_proto(info: generation_pb2.GetModelInfoResponse) -> ModelInfo:

@@ -83,7 +83,8 @@ class Chunk:
     string or stop token id), "length", "cancelled" or "error". With "stop", ``stop_reason`` is what
     stopped it: the stop token id (an int) or the stop string (a str). ``prompt_logprobs`` (with the
     ``prompt_logprobs`` keyword) has one entry per prompt token after the first, on the chunk that
-    carries the first generated token.
+    carries the first generated token. With ``n`` > 1, ``index`` says which of the request's
+    sequences the chunk belongs to (0 to n - 1), and ``finished`` ends that sequence only.
     """
 
     request_id: str
@@ -101,10 +102,12 @@ class Chunk:
     token_timestamps: tuple[float, ...] = ()
     stop_reason: int | str | None = None
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    index: int = 0
 
     @property
     def finished(self) -> bool:
-        """True when this chunk ends its request (finished, cancelled or failed)."""
+        """True when this chunk ends its request, or its sequence of it (``index``) with ``n`` > 1
+        (finished, cancelled or failed)."""
         return self.status in ("finished", "cancelled", "failed")
 
 
@@ -119,6 +122,7 @@ class Completion:
     ``prompt_logprobs`` (one entry per prompt token after the first) unless prompt logprobs were.
     ``weight_version`` is the version of the weights that produced the last token
     (``weight_versions`` lists every version seen, when a weight update happened mid-request).
+    ``index`` is the sequence's among the request's ``n`` (0 for n = 1).
     """
 
     request_id: str
@@ -134,6 +138,7 @@ class Completion:
     token_timestamps: list[float] | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[PromptLogprob] | None = None
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,11 +40,13 @@ from cbserve_client._connection import (
     describe_target,
 )
 from cbserve_client._convert import (
-    CompletionBuilder,
+    CompletionsBuilder,
     Prompt,
     build_request,
+    cancel_message,
     chunk_from_proto,
     model_info_from_proto,
+    num_sequences,
     rejection_error,
     with_request_id,
 )
@@ -171,19 +173,27 @@ class AsyncClient:
         self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
     ) -> Completion:
         """Generates a completion for ``prompt`` and returns it whole (see ``Client.generate``)."""
+        num_sequences(sampling, many=False)
+        [completion] = await self._generate(prompt, 1, timeout, sampling)
+        return completion
+
+    async def generate_n(
+        self, prompt: Prompt, n: int, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
+    ) -> list[Completion]:
+        """Samples ``n`` completions of ``prompt`` in one request (see ``Client.generate_n``)."""
+        sampling = {**sampling, "n": n}
+        return await self._generate(prompt, num_sequences(sampling, many=True), timeout, sampling)
+
+    async def _generate(
+        self, prompt: Prompt, n: int, timeout: Timeout, sampling: dict[str, Any]
+    ) -> list[Completion]:
         async with self.stream(prompt, timeout=timeout, **sampling) as stream:
-            builder = CompletionBuilder(stream.request_id)
+            builder = CompletionsBuilder(stream.request_id, n, sampling)
             async for chunk in stream:
-                if chunk.request_id != stream.request_id:
-                    continue
                 builder.add(chunk)
                 if builder.done:
                     break
-        return builder.build(
-            logprobs_requested=bool(sampling.get("logprobs") or sampling.get("top_logprobs")),
-            timestamps_requested=bool(sampling.get("record_timestamps")),
-            prompt_logprobs_requested=sampling.get("prompt_logprobs") is not None,
-        )
+        return builder.build()
 
     def stream(
         self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
@@ -229,9 +239,12 @@ class AsyncClient:
         call = self._stub.StreamResults(message, timeout=deadline, metadata=self._metadata())
         return AsyncChunkStream(call, _results_chunk, request_id, timeout=deadline)
 
-    async def cancel(self, request_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
-        """Cancels a request. Returns True if it was live, False if it had already ended."""
-        message = generation_pb2.CancelRequest(request_id=request_id)
+    async def cancel(
+        self, request_id: str, *, index: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> bool:
+        """Cancels a request, or with ``index`` only that sequence of it (``n`` > 1). Returns True if it
+        was live, False if it had already ended."""
+        message = cancel_message(request_id, index)
         response = await acall_once(
             lambda: self._stub.Cancel(
                 message, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()

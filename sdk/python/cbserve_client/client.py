@@ -26,11 +26,13 @@ from cbserve_client._connection import (
     ChannelSettings,
 )
 from cbserve_client._convert import (
-    CompletionBuilder,
+    CompletionsBuilder,
     Prompt,
     build_request,
+    cancel_message,
     chunk_from_proto,
     model_info_from_proto,
+    num_sequences,
     rejection_error,
     with_request_id,
 )
@@ -165,21 +167,33 @@ class Client(ChannelOwner):
         ``{"role": ..., "content": ...}``). A request rejected by the server raises the matching
         :class:`~cbserve_client.errors.CbserveError`; a request that fails while running returns a
         Completion with ``finish_reason == "error"`` and ``error`` set. ``timeout`` bounds the whole
-        call (default: the client's ``stream_timeout``; None for no deadline).
+        call (default: the client's ``stream_timeout``; None for no deadline). ``n`` > 1 is refused
+        (ValueError): :meth:`generate_n` returns every completion.
         """
+        num_sequences(sampling, many=False)
+        [completion] = self._generate(prompt, 1, timeout, sampling)
+        return completion
+
+    def generate_n(
+        self, prompt: Prompt, n: int, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
+    ) -> list[Completion]:
+        """Samples ``n`` completions of ``prompt`` in one request (``SamplingParams.n``): the server
+        computes the prompt once and shares its KV cache between the sequences. Returns them by
+        ``index``; with a ``seed``, completion i is the one a single request seeded with seed + i
+        gives. Otherwise as :meth:`generate`."""
+        sampling = {**sampling, "n": n}
+        return self._generate(prompt, num_sequences(sampling, many=True), timeout, sampling)
+
+    def _generate(
+        self, prompt: Prompt, n: int, timeout: Timeout, sampling: dict[str, Any]
+    ) -> list[Completion]:
         with self.stream(prompt, timeout=timeout, **sampling) as stream:
-            builder = CompletionBuilder(stream.request_id)
+            builder = CompletionsBuilder(stream.request_id, n, sampling)
             for chunk in stream:
-                if chunk.request_id != stream.request_id:
-                    continue
                 builder.add(chunk)
                 if builder.done:
                     break
-        return builder.build(
-            logprobs_requested=bool(sampling.get("logprobs") or sampling.get("top_logprobs")),
-            timestamps_requested=bool(sampling.get("record_timestamps")),
-            prompt_logprobs_requested=sampling.get("prompt_logprobs") is not None,
-        )
+        return builder.build()
 
     def stream(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> ChunkStream:
         """Starts generating and returns an iterator over the output chunks, as they come.
@@ -234,10 +248,13 @@ class Client(ChannelOwner):
         call = call_once(lambda: self._stub.StreamResults(message, timeout=deadline, metadata=metadata))
         return ChunkStream(call, _results_chunk, request_id, timeout=deadline)
 
-    def cancel(self, request_id: str, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
-        """Cancels a request. Returns True if it was live, False if it had already ended (also when a
-        retry follows a first try whose answer was lost). Retried on UNAVAILABLE (``retry_attempts``)."""
-        message = generation_pb2.CancelRequest(request_id=request_id)
+    def cancel(
+        self, request_id: str, *, index: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> bool:
+        """Cancels a request, or with ``index`` only that sequence of it (``n`` > 1). Returns True if it
+        was live, False if it had already ended (also when a retry follows a first try whose answer was
+        lost). Retried on UNAVAILABLE (``retry_attempts``)."""
+        message = cancel_message(request_id, index)
         response = call_once(
             lambda: self._stub.Cancel(message, timeout=self._timeout(timeout), metadata=self._metadata())
         )

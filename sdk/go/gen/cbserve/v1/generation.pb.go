@@ -135,7 +135,8 @@ type StreamResultsRequest struct {
 	// so far waits for them; past the last token of a request that has ended, only a final chunk
 	// (status, finish reason, usage) is sent. Text is attributed to the token that completes each
 	// character, so a resumed stream's text continues exactly where the text of the tokens already
-	// received ended.
+	// received ended. With n > 1 it applies to every sequence: each streams its tokens from this
+	// index on (GenerationChunk.index says whose).
 	FromTokenIndex uint32 `protobuf:"varint,2,opt,name=from_token_index,json=fromTokenIndex,proto3" json:"from_token_index,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache
@@ -235,7 +236,9 @@ func (x *StreamResultsResponse) GetChunk() *GenerationChunk {
 type CancelRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The request to cancel.
-	RequestId     string `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	RequestId string `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// With n > 1 (SamplingParams.n): cancel only this sequence of the request. Unset: all of them.
+	Index         *uint32 `protobuf:"varint,2,opt,name=index,proto3,oneof" json:"index,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -275,6 +278,13 @@ func (x *CancelRequest) GetRequestId() string {
 		return x.RequestId
 	}
 	return ""
+}
+
+func (x *CancelRequest) GetIndex() uint32 {
+	if x != nil && x.Index != nil {
+		return *x.Index
+	}
+	return 0
 }
 
 // Response of GenerationService.Cancel.
@@ -416,7 +426,9 @@ func (*GenerateRequest_Cancel) isGenerateRequest_Action() {}
 type GenerateCancel struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The request to cancel.
-	RequestId     string `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	RequestId string `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
+	// With n > 1 (SamplingParams.n): cancel only this sequence of the request. Unset: all of them.
+	Index         *uint32 `protobuf:"varint,2,opt,name=index,proto3,oneof" json:"index,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -456,6 +468,13 @@ func (x *GenerateCancel) GetRequestId() string {
 		return x.RequestId
 	}
 	return ""
+}
+
+func (x *GenerateCancel) GetIndex() uint32 {
+	if x != nil && x.Index != nil {
+		return *x.Index
+	}
+	return 0
 }
 
 // A message from the server on a Generate stream.
@@ -659,19 +678,23 @@ const file_cbserve_v1_generation_proto_rawDesc = "" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12(\n" +
 	"\x10from_token_index\x18\x02 \x01(\rR\x0efromTokenIndex\"J\n" +
 	"\x15StreamResultsResponse\x121\n" +
-	"\x05chunk\x18\x01 \x01(\v2\x1b.cbserve.v1.GenerationChunkR\x05chunk\".\n" +
+	"\x05chunk\x18\x01 \x01(\v2\x1b.cbserve.v1.GenerationChunkR\x05chunk\"S\n" +
 	"\rCancelRequest\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\x01 \x01(\tR\trequestId\".\n" +
+	"request_id\x18\x01 \x01(\tR\trequestId\x12\x19\n" +
+	"\x05index\x18\x02 \x01(\rH\x00R\x05index\x88\x01\x01B\b\n" +
+	"\x06_index\".\n" +
 	"\x0eCancelResponse\x12\x1c\n" +
 	"\tcancelled\x18\x01 \x01(\bR\tcancelled\"\x84\x01\n" +
 	"\x0fGenerateRequest\x121\n" +
 	"\x03add\x18\x01 \x01(\v2\x1d.cbserve.v1.GenerationRequestH\x00R\x03add\x124\n" +
 	"\x06cancel\x18\x02 \x01(\v2\x1a.cbserve.v1.GenerateCancelH\x00R\x06cancelB\b\n" +
-	"\x06action\"/\n" +
+	"\x06action\"T\n" +
 	"\x0eGenerateCancel\x12\x1d\n" +
 	"\n" +
-	"request_id\x18\x01 \x01(\tR\trequestId\"E\n" +
+	"request_id\x18\x01 \x01(\tR\trequestId\x12\x19\n" +
+	"\x05index\x18\x02 \x01(\rH\x00R\x05index\x88\x01\x01B\b\n" +
+	"\x06_index\"E\n" +
 	"\x10GenerateResponse\x121\n" +
 	"\x05chunk\x18\x01 \x01(\v2\x1b.cbserve.v1.GenerationChunkR\x05chunk\"\x15\n" +
 	"\x13GetModelInfoRequest\"\x9e\x02\n" +
@@ -750,10 +773,12 @@ func file_cbserve_v1_generation_proto_init() {
 		return
 	}
 	file_cbserve_v1_types_proto_init()
+	file_cbserve_v1_generation_proto_msgTypes[4].OneofWrappers = []any{}
 	file_cbserve_v1_generation_proto_msgTypes[6].OneofWrappers = []any{
 		(*GenerateRequest_Add)(nil),
 		(*GenerateRequest_Cancel)(nil),
 	}
+	file_cbserve_v1_generation_proto_msgTypes[7].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{

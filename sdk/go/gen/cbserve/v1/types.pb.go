@@ -405,8 +405,14 @@ type SamplingParams struct {
 	// valid prefix, and the request ends once the grammar is complete. A constraint that does not
 	// compile fails the request with INVALID_ARGUMENT quoting the compiler. Unset: unconstrained.
 	StructuredOutput *StructuredOutput `protobuf:"bytes,20,opt,name=structured_output,json=structuredOutput,proto3" json:"structured_output,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Completions to sample from the prompt (vLLM's and OpenAI's n). The prompt is computed once and
+	// its KV cache shared by the n sequences; each samples on its own (penalties, stop conditions,
+	// logprobs, structured output per sequence) and streams its own chunks (GenerationChunk.index).
+	// With a seed, sequence i samples with seed + i (mod 2^64), so it equals a request of n = 1 with
+	// that seed. In [1, 128]. Unset: 1.
+	N             *uint32 `protobuf:"varint,21,opt,name=n,proto3,oneof" json:"n,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SamplingParams) Reset() {
@@ -577,6 +583,13 @@ func (x *SamplingParams) GetStructuredOutput() *StructuredOutput {
 		return x.StructuredOutput
 	}
 	return nil
+}
+
+func (x *SamplingParams) GetN() uint32 {
+	if x != nil && x.N != nil {
+		return *x.N
+	}
+	return 0
 }
 
 // What a structured output must match. Exactly one is set.
@@ -1234,8 +1247,13 @@ type GenerationChunk struct {
 	// has nothing before it), on the chunk that carries the first generated token (token_index 0).
 	// Empty otherwise.
 	PromptLogprobs []*PromptLogprob `protobuf:"bytes,16,rep,name=prompt_logprobs,json=promptLogprobs,proto3" json:"prompt_logprobs,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Which of the request's n sequences (SamplingParams.n) this chunk belongs to: 0 to n - 1; 0 when
+	// n = 1. token_index, token_ids, text, logprobs, status, finish reason and usage.generated_tokens
+	// are that sequence's; each sequence ends with its own terminal chunk, and the request is over
+	// once all n have.
+	Index         uint32 `protobuf:"varint,17,opt,name=index,proto3" json:"index,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerationChunk) Reset() {
@@ -1391,6 +1409,13 @@ func (x *GenerationChunk) GetPromptLogprobs() []*PromptLogprob {
 	return nil
 }
 
+func (x *GenerationChunk) GetIndex() uint32 {
+	if x != nil {
+		return x.Index
+	}
+	return 0
+}
+
 type isGenerationChunk_StopReason interface {
 	isGenerationChunk_StopReason()
 }
@@ -1423,7 +1448,7 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\fChatMessages\x123\n" +
 	"\bmessages\x18\x01 \x03(\v2\x17.cbserve.v1.ChatMessageR\bmessages\x127\n" +
 	"\x15add_generation_prompt\x18\x02 \x01(\bH\x00R\x13addGenerationPrompt\x88\x01\x01B\x18\n" +
-	"\x16_add_generation_prompt\"\xdd\b\n" +
+	"\x16_add_generation_prompt\"\xf6\b\n" +
 	"\x0eSamplingParams\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12%\n" +
 	"\vtemperature\x18\x02 \x01(\x02H\x01R\vtemperature\x88\x01\x01\x12\x18\n" +
@@ -1448,7 +1473,8 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x0estop_token_ids\x18\x11 \x03(\rR\fstopTokenIds\x123\n" +
 	"\x13skip_special_tokens\x18\x12 \x01(\bH\vR\x11skipSpecialTokens\x88\x01\x01\x12,\n" +
 	"\x0fprompt_logprobs\x18\x13 \x01(\rH\fR\x0epromptLogprobs\x88\x01\x01\x12I\n" +
-	"\x11structured_output\x18\x14 \x01(\v2\x1c.cbserve.v1.StructuredOutputR\x10structuredOutput\x1a<\n" +
+	"\x11structured_output\x18\x14 \x01(\v2\x1c.cbserve.v1.StructuredOutputR\x10structuredOutput\x12\x11\n" +
+	"\x01n\x18\x15 \x01(\rH\rR\x01n\x88\x01\x01\x1a<\n" +
 	"\x0eLogitBiasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x11\n" +
@@ -1464,7 +1490,8 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x0f_min_new_tokensB\b\n" +
 	"\x06_min_pB\x16\n" +
 	"\x14_skip_special_tokensB\x12\n" +
-	"\x10_prompt_logprobs\"\x9a\x01\n" +
+	"\x10_prompt_logprobsB\x04\n" +
+	"\x02_n\"\x9a\x01\n" +
 	"\x10StructuredOutput\x12!\n" +
 	"\vjson_schema\x18\x01 \x01(\tH\x00R\n" +
 	"jsonSchema\x12!\n" +
@@ -1509,7 +1536,7 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"queueTimeS\x88\x01\x01\x125\n" +
 	"\x15time_to_first_token_s\x18\x06 \x01(\x01H\x01R\x11timeToFirstTokenS\x88\x01\x01B\x0f\n" +
 	"\r_queue_time_sB\x18\n" +
-	"\x16_time_to_first_token_s\"\xb3\x05\n" +
+	"\x16_time_to_first_token_s\"\xc9\x05\n" +
 	"\x0fGenerationChunk\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x1f\n" +
@@ -1531,7 +1558,8 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\rstop_token_id\x18\x0e \x01(\rH\x00R\vstopTokenId\x12!\n" +
 	"\vstop_string\x18\x0f \x01(\tH\x00R\n" +
 	"stopString\x12B\n" +
-	"\x0fprompt_logprobs\x18\x10 \x03(\v2\x19.cbserve.v1.PromptLogprobR\x0epromptLogprobsB\r\n" +
+	"\x0fprompt_logprobs\x18\x10 \x03(\v2\x19.cbserve.v1.PromptLogprobR\x0epromptLogprobs\x12\x14\n" +
+	"\x05index\x18\x11 \x01(\rR\x05indexB\r\n" +
 	"\vstop_reasonB\a\n" +
 	"\x05_text*\xdc\x01\n" +
 	"\rRequestStatus\x12\x1e\n" +

@@ -93,7 +93,8 @@ class StreamResultsRequest(_message.Message):
     so far waits for them; past the last token of a request that has ended, only a final chunk
     (status, finish reason, usage) is sent. Text is attributed to the token that completes each
     character, so a resumed stream's text continues exactly where the text of the tokens already
-    received ended.
+    received ended. With n > 1 it applies to every sequence: each streams its tokens from this
+    index on (GenerationChunk.index says whose).
     """
     def __init__(
         self,
@@ -140,18 +141,24 @@ class CancelRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request to cancel."""
+    index: _builtins.int
+    """With n > 1 (SamplingParams.n): cancel only this sequence of the request. Unset: all of them."""
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
+        index: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_index", b"_index", "index", b"index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_index", b"_index", "index", b"index", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__index: _TypeAlias = _typing.Literal["index"]  # noqa: Y015
+    _WhichOneofArgType__index: _TypeAlias = _typing.Literal["_index", b"_index"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__index) -> _WhichOneofReturnType__index | None: ...
 
 Global___CancelRequest: _TypeAlias = CancelRequest  # noqa: Y015
 
@@ -218,18 +225,24 @@ class GenerateCancel(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request to cancel."""
+    index: _builtins.int
+    """With n > 1 (SamplingParams.n): cancel only this sequence of the request. Unset: all of them."""
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
+        index: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_index", b"_index", "index", b"index"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_index", b"_index", "index", b"index", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__index: _TypeAlias = _typing.Literal["index"]  # noqa: Y015
+    _WhichOneofArgType__index: _TypeAlias = _typing.Literal["_index", b"_index"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__index) -> _WhichOneofReturnType__index | None: ...
 
 Global___GenerateCancel: _TypeAlias = GenerateCancel  # noqa: Y015
 

@@ -259,6 +259,7 @@ class SamplingParams(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Maximum number of tokens to generate, EOS included. Must be >= 1. Unset: the server default.
     The request also stops when prompt + generated tokens reach the model's max context length.
@@ -316,6 +317,13 @@ class SamplingParams(_message.Message):
     prompt_logprobs), in GenerationChunk.prompt_logprobs. In [0, 20]; 0 returns the prompt tokens'
     own only. Unset: none. Such a request does not read the prefix cache for its prompt (every
     prompt position is computed).
+    """
+    n: _builtins.int
+    """Completions to sample from the prompt (vLLM's and OpenAI's n). The prompt is computed once and
+    its KV cache shared by the n sequences; each samples on its own (penalties, stop conditions,
+    logprobs, structured output per sequence) and streams its own chunks (GenerationChunk.index).
+    With a seed, sequence i samples with seed + i (mod 2^64), so it equals a request of n = 1 with
+    that seed. In [1, 128]. Unset: 1.
     """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -377,10 +385,11 @@ class SamplingParams(_message.Message):
         skip_special_tokens: _builtins.bool | None = ...,
         prompt_logprobs: _builtins.int | None = ...,
         structured_output: Global___StructuredOutput | None = ...,
+        n: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
@@ -390,6 +399,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__min_new_tokens: _TypeAlias = _typing.Literal["_min_new_tokens", b"_min_new_tokens"]  # noqa: Y015
     _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
     _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
+    _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
+    _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
     _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
     _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
     _WhichOneofReturnType__prompt_logprobs: _TypeAlias = _typing.Literal["prompt_logprobs"]  # noqa: Y015
@@ -416,6 +427,8 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_new_tokens) -> _WhichOneofReturnType__min_new_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p) -> _WhichOneofReturnType__min_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
     @_typing.overload
@@ -742,6 +755,7 @@ class GenerationChunk(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     STOP_STRING_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request this chunk belongs to."""
     token_index: _builtins.int
@@ -778,6 +792,12 @@ class GenerationChunk(_message.Message):
     """The stop token id (SamplingParams.stop_token_ids) generated last."""
     stop_string: _builtins.str
     """The stop string (SamplingParams.stop) the text matched."""
+    index: _builtins.int
+    """Which of the request's n sequences (SamplingParams.n) this chunk belongs to: 0 to n - 1; 0 when
+    n = 1. token_index, token_ids, text, logprobs, status, finish reason and usage.generated_tokens
+    are that sequence's; each sequence ends with its own terminal chunk, and the request is over
+    once all n have.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Newly generated token ids (the delta), starting at token_index."""
@@ -828,10 +848,11 @@ class GenerationChunk(_message.Message):
         stop_token_id: _builtins.int = ...,
         stop_string: _builtins.str = ...,
         prompt_logprobs: _abc.Iterable[Global___PromptLogprob] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_text", b"_text", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_text", b"_text", "error", b"error", "error_code", b"error_code", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "status", b"status", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "token_index", b"token_index", "token_timestamps", b"token_timestamps", "usage", b"usage", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_text", b"_text", "error", b"error", "error_code", b"error_code", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "prompt_logprobs", b"prompt_logprobs", "request_id", b"request_id", "status", b"status", "stop_reason", b"stop_reason", "stop_string", b"stop_string", "stop_token_id", b"stop_token_id", "text", b"text", "timings", b"timings", "token_ids", b"token_ids", "token_index", b"token_index", "token_timestamps", b"token_timestamps", "usage", b"usage", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__text: _TypeAlias = _typing.Literal["text"]  # noqa: Y015
     _WhichOneofArgType__text: _TypeAlias = _typing.Literal["_text", b"_text"]  # noqa: Y015

@@ -17,6 +17,7 @@ public final class SamplingBounds {
   public static final double MAX_MIN_P = 1.0;
   public static final int MIN_PRIORITY = -2147483648;
   public static final int MAX_PRIORITY = 2147483647;
+  public static final int MAX_N = 128;
 
   private SamplingBounds() {}
 }
