@@ -98,6 +98,9 @@ func TestClientRefusesValuesOutsideTheServersBounds(t *testing.T) {
 			[]string{"WithJSONSchema", "sampling.structured_output.json_schema", "not valid JSON"}, cbserve.WithJSONSchema(`{"type": "object"}`)},
 		{"json schema that does not marshal", cbserve.WithJSONSchema(map[string]any{"type": func() {}}),
 			[]string{"WithJSONSchema", "does not marshal"}, cbserve.WithJSONSchema(map[string]any{"type": "object"})},
+		{"n above", cbserve.WithN(cbserve.MaxN + 1), []string{"WithN(129)", "sampling.n", "[1, 128]"}, cbserve.WithN(cbserve.MaxN)},
+		{"n below", cbserve.WithN(0), []string{"WithN(0)", "sampling.n", "[1, 128]"}, cbserve.WithN(1)},
+		{"n negative", cbserve.WithN(-1), []string{"WithN(-1)", "sampling.n", "[1, 128]"}, cbserve.WithN(2)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			calls := fake.callCount()
@@ -112,8 +115,12 @@ func TestClientRefusesValuesOutsideTheServersBounds(t *testing.T) {
 			if made := fake.callCount() - calls; made != 0 {
 				t.Errorf("a refused value made %d calls; want none", made)
 			}
-			if _, err := client.Generate(testContext(t), cbserve.Text("hi"), tc.bound); err != nil {
-				t.Errorf("the bound itself: %v; want it sent", err)
+			// The bound goes through Stream, which takes every option Generate does and also WithN(n > 1)
+			// (Generate, which returns one completion, refuses that).
+			for _, err := range client.Stream(testContext(t), cbserve.Text("hi"), tc.bound) {
+				if err != nil {
+					t.Errorf("the bound itself: %v; want it sent", err)
+				}
 			}
 		})
 	}

@@ -6,6 +6,7 @@ import (
 	"io"
 	"iter"
 	"math/rand/v2"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -62,7 +63,17 @@ func (c *Client) Conn() *grpc.ClientConn { return c.conn }
 // FinishError and Error set. Cancelling ctx cancels the request on the server and returns
 // ErrCanceled (which also matches context.Canceled); past ctx's deadline, or the client's
 // stream timeout when ctx has none (WithStreamTimeout), it returns ErrDeadlineExceeded.
+//
+// Generate returns one completion, so WithN(n) with n > 1 fails with ErrInvalidArgument before
+// anything is sent: call GenerateN for the n completions of one prompt.
 func (c *Client) Generate(ctx context.Context, prompt Prompt, opts ...GenerateOption) (*Completion, error) {
+	if cfg := applyGenerateOptions(opts); cfg.n != nil && *cfg.n > 1 {
+		if err := cfg.check(); err != nil { // a bad n says what is wrong with it first
+			return nil, err
+		}
+		return nil, newError(codes.InvalidArgument,
+			"WithN(%d): Generate returns one completion; call GenerateN for n > 1 (or Stream, whose chunks carry their sequence's Index)", *cfg.n)
+	}
 	var b completionBuilder
 	for chunk, err := range c.Stream(ctx, prompt, opts...) {
 		if err != nil {
@@ -84,10 +95,61 @@ func (c *Client) Generate(ctx context.Context, prompt Prompt, opts ...GenerateOp
 	return b.build(), nil
 }
 
+// GenerateN samples n completions from prompt (WithN(n): the prompt is computed once, then each
+// sequence samples on its own) and returns them whole, ordered by sequence: completions[i].Index
+// is i. With WithSeed(s), completions[i] is what Generate gives with WithSeed(s + i). n is in
+// [1, MaxN]; a WithN among opts must agree with it. Each sequence ends on its own: one that fails
+// while the request runs is a Completion with FinishReason FinishError and Error set, one
+// cancelled with CancelSequence has FinishCancelled, and the others are unaffected. Errors are
+// Generate's: a refused request, a cancelled ctx (which cancels every sequence on the server),
+// a deadline.
+func (c *Client) GenerateN(ctx context.Context, prompt Prompt, n int, opts ...GenerateOption) ([]*Completion, error) {
+	if n < 1 || n > MaxN {
+		return nil, newError(codes.InvalidArgument, "GenerateN(n = %d): sampling.n must be in [1, %d] (MaxN)", n, MaxN)
+	}
+	if cfg := applyGenerateOptions(opts); cfg.n != nil && *cfg.n != n {
+		return nil, newError(codes.InvalidArgument, "GenerateN(n = %d) with WithN(%d): give n once", n, *cfg.n)
+	}
+	builders := make([]completionBuilder, n)
+	for i := range builders {
+		builders[i].c.Index, builders[i].sequence = i, n > 1
+	}
+	requestID := ""
+	for chunk, err := range c.Stream(ctx, prompt, append(slices.Clip(opts), WithN(n))...) {
+		if err != nil {
+			return nil, err
+		}
+		if requestID == "" {
+			requestID = chunk.RequestID
+		}
+		if chunk.RequestID != requestID {
+			continue
+		}
+		b := &builders[chunk.Index] // Stream yields no chunk of its request outside [0, n)
+		if b.done {
+			continue
+		}
+		b.c.RequestID = requestID
+		if err := b.add(chunk); err != nil {
+			return nil, err
+		}
+	}
+	completions := make([]*Completion, n)
+	for i := range builders {
+		if !builders[i].done { // Stream reports a stream that ends early; this is a safety net.
+			return nil, newError(codes.Internal, "the stream of request %s ended before its sequence %d finished", requestID, i)
+		}
+		completions[i] = builders[i].build()
+	}
+	return completions, nil
+}
+
 // Stream generates from prompt and yields the output chunks as they come, on the bidirectional
 // Generate RPC: first a chunk with status RequestQueued, then the token deltas, the last with a
 // terminal status and a FinishReason. An error ends the sequence (it is yielded with a nil
-// chunk): a refused request yields its *Error, as Generate returns it.
+// chunk): a refused request yields its *Error, as Generate returns it. With WithN(n > 1), each
+// of the n sequences has such chunks, marked with its Chunk.Index and interleaved as they come;
+// the range ends once every sequence has yielded its terminal chunk.
 //
 // The sequence is single-use: its first range sends the request (with a fresh random id unless
 // WithRequestID), and a second range yields ErrFailedPrecondition without sending anything; call
@@ -125,12 +187,16 @@ func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 		}
 		// Half-close: the server ends the call with OK once the request has ended.
 		_ = stream.CloseSend()
-		finished := false
+		// The request has ended once each of its n sequences has sent its terminal chunk.
+		n := int(max(1, request.GetSampling().GetN()))
+		ended := make([]bool, n)
+		running := n
 		for {
 			message, err := stream.Recv()
 			if errors.Is(err, io.EOF) {
-				if !finished {
-					yield(nil, newError(codes.Internal, "the Generate stream ended before request %s finished", request.RequestId))
+				if running > 0 {
+					yield(nil, newError(codes.Internal, "the Generate stream ended before request %s finished (%d of its %d sequences had not)",
+						request.RequestId, running, n))
 				}
 				return
 			}
@@ -143,11 +209,19 @@ func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 				yield(nil, err)
 				return
 			}
-			if finished && chunk.RequestID == request.RequestId {
-				continue // never from a conforming server: nothing follows the terminal chunk
-			}
-			if chunk.RequestID == request.RequestId && chunk.Finished() {
-				finished = true
+			if chunk.RequestID == request.RequestId {
+				if chunk.Index >= n { // never from a conforming server
+					yield(nil, newError(codes.Internal, "request %s has %d sequences; got a chunk of sequence %d",
+						request.RequestId, n, chunk.Index))
+					return
+				}
+				if ended[chunk.Index] {
+					continue // never from a conforming server: nothing follows a sequence's terminal chunk
+				}
+				if chunk.Finished() {
+					ended[chunk.Index] = true
+					running--
+				}
 			}
 			if !yield(chunk, nil) {
 				return
@@ -204,10 +278,13 @@ func (c *Client) Submit(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 // Results streams the outputs of a request (StreamResults) from token index fromIndex on: pass
 // 0 for everything, or the number of tokens already received to resume after a broken
 // connection. The first chunk's TokenIndex is fromIndex. The sequence ends after the chunk with
-// the terminal status; an unknown or expired id yields ErrNotFound. Breaking out of the loop
-// stops reading but does not cancel the request (use Cancel). The call ends at ctx's deadline,
-// or after the client's stream timeout when ctx has none (WithStreamTimeout). Each range reads
-// the outputs again from fromIndex (reading changes nothing on the server).
+// the terminal status; an unknown or expired id yields ErrNotFound. For a request of
+// WithN(n > 1), it yields every sequence's chunks, interleaved (Chunk.Index says whose), each
+// from its own token fromIndex on, and ends once every sequence has sent its terminal chunk.
+// Breaking out of the loop stops reading but does not cancel the request (use Cancel). The call
+// ends at ctx's deadline, or after the client's stream timeout when ctx has none
+// (WithStreamTimeout). Each range reads the outputs again from fromIndex (reading changes
+// nothing on the server).
 func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) iter.Seq2[*Chunk, error] {
 	return func(yield func(*Chunk, error) bool) {
 		from, err := nonNegativeUint32("fromIndex", fromIndex)
@@ -238,7 +315,8 @@ func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) i
 	}
 }
 
-// Cancel cancels a request: it stops at the next engine step and frees its KV cache. It
+// Cancel cancels a request (all its sequences, with WithN(n > 1); CancelSequence cancels one):
+// it stops at the next engine step and frees its KV cache. It
 // returns true if the request was live, false if it had already ended or is unknown (Cancel is
 // idempotent, so it is retried on ErrUnavailable: see WithRetryAttempts; a retry after a lost
 // answer returns false for the request it cancelled).
@@ -246,6 +324,25 @@ func (c *Client) Cancel(ctx context.Context, requestID string) (bool, error) {
 	callCtx, cancel := withTimeout(ctx, c.timeout)
 	defer cancel()
 	response, err := c.gen.Cancel(callCtx, &pb.CancelRequest{RequestId: requestID})
+	if err != nil {
+		return false, convertError(ctx, err)
+	}
+	return response.GetCancelled(), nil
+}
+
+// CancelSequence cancels one sequence of a request of WithN(n > 1), index 0 to n - 1: that
+// sequence ends with RequestCancelled (FinishCancelled) at the next engine step, and the others
+// run on; the request ends once they have. Cancel cancels every sequence. It returns true if the
+// sequence was live, false if it had already ended or the request or the index is unknown (it is
+// retried on ErrUnavailable, as Cancel is).
+func (c *Client) CancelSequence(ctx context.Context, requestID string, index int) (bool, error) {
+	i, err := nonNegativeUint32("CancelSequence: index", index)
+	if err != nil {
+		return false, err
+	}
+	callCtx, cancel := withTimeout(ctx, c.timeout)
+	defer cancel()
+	response, err := c.gen.Cancel(callCtx, &pb.CancelRequest{RequestId: requestID, Index: &i})
 	if err != nil {
 		return false, convertError(ctx, err)
 	}

@@ -3,6 +3,7 @@ package cbserve
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"fmt"
 	"strings"
 	"time"
 
@@ -71,6 +72,7 @@ func chunkFromProto(c *pb.GenerationChunk) *Chunk {
 	}
 	chunk := &Chunk{
 		RequestID:     c.GetRequestId(),
+		Index:         int(c.GetIndex()),
 		TokenIndex:    int(c.GetTokenIndex()),
 		TokenIDs:      c.GetTokenIds(),
 		Text:          c.GetText(),
@@ -143,13 +145,18 @@ type completionBuilder struct {
 	c    Completion
 	text strings.Builder
 	done bool
+	// sequence names the sequence (c.Index) in errors: set for the sequences of WithN(n > 1).
+	sequence bool
 }
 
 func (b *completionBuilder) add(chunk *Chunk) error {
 	have := len(b.c.TokenIDs)
 	if chunk.TokenIndex > have && len(chunk.TokenIDs) > 0 {
-		return newError(codes.DataLoss, "request %s: got tokens from index %d, expected %d",
-			b.c.RequestID, chunk.TokenIndex, have)
+		name := "request " + b.c.RequestID
+		if b.sequence {
+			name += fmt.Sprintf(", sequence %d,", b.c.Index)
+		}
+		return newError(codes.DataLoss, "%s: got tokens from index %d, expected %d", name, chunk.TokenIndex, have)
 	}
 	skip := max(0, have-chunk.TokenIndex)
 	if skip < len(chunk.TokenIDs) {

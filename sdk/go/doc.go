@@ -16,6 +16,10 @@
 // structured-output option ([WithJSONSchema], [WithJSONObject], [WithRegex], [WithGrammar])
 // constrains the output.
 //
+// [WithN] samples n completions from one prompt (parallel sampling): [Client.GenerateN] returns
+// them ordered by sequence, Stream and Results interleave the sequences' chunks ([Chunk].Index
+// says whose), and [Client.CancelSequence] cancels one sequence while the others run on.
+//
 // A target may list several replicas ("10.0.0.1:50051,10.0.0.2:50051") or name them all
 // ("dns:///cbserve-headless.ns.svc.cluster.local:50051"): calls are spread over them with gRPC's
 // round_robin load balancing, and an unreachable replica is skipped. Streaming calls get a

@@ -104,6 +104,61 @@ func ExampleClient_Submit() {
 	// Output: 6 tokens from index 4
 }
 
+func ExampleClient_GenerateN() {
+	ctx := context.Background()
+	client, err := cbserve.Dial(ctx, serverAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	// Three completions of one prompt, computed once: with a seed, completion i is what Generate
+	// gives with seed 42 + i.
+	completions, err := client.GenerateN(ctx, cbserve.Text("Once upon a time"), 3,
+		cbserve.WithMaxNewTokens(8), cbserve.WithTemperature(1), cbserve.WithSeed(42))
+	if err != nil {
+		log.Fatal(err)
+	}
+	for _, c := range completions {
+		fmt.Println(c.Index, len(c.TokenIDs), c.FinishReason)
+	}
+	// Output:
+	// 0 8 length
+	// 1 8 length
+	// 2 8 length
+}
+
+func ExampleClient_Stream_parallelSampling() {
+	ctx := context.Background()
+	client, err := cbserve.Dial(ctx, serverAddr)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer client.Close()
+
+	// With WithN the sequences' chunks interleave: Chunk.Index says whose. Cancel one sequence
+	// (CancelSequence); the others run on, and the range ends once every sequence has ended.
+	tokens, cancelled := make([]int, 2), false
+	for chunk, err := range client.Stream(ctx, cbserve.Text("Tell me everything"), cbserve.WithN(2),
+		cbserve.WithMaxNewTokens(200)) {
+		if err != nil {
+			log.Fatal(err)
+		}
+		if tokens[chunk.Index] += len(chunk.TokenIDs); chunk.Index == 0 && tokens[0] >= 4 && !cancelled {
+			if _, err := client.CancelSequence(ctx, chunk.RequestID, 0); err != nil {
+				log.Fatal(err)
+			}
+			cancelled = true
+		}
+		if chunk.Finished() {
+			fmt.Println(chunk.Index, chunk.FinishReason)
+		}
+	}
+	// Unordered output:
+	// 0 cancelled
+	// 1 length
+}
+
 func ExampleClient_Generate_chat() {
 	ctx := context.Background()
 	client, err := cbserve.Dial(ctx, serverAddr)

@@ -47,7 +47,12 @@ type fakeGeneration struct {
 	infoDelay    time.Duration
 	stall        bool                    // Generate and StreamResults send nothing until the call ends
 	generated    []*pb.GenerationRequest // the request added by each Generate call
-	chunks       []*pb.GenerationChunk   // what each Generate call answers, under its request's id
+	added        []*pb.GenerationRequest // the request of each AddRequest
+	cancels      []*pb.CancelRequest     // each Cancel call's request
+	// What each Generate call answers, under its request's id: for a request of n > 1 sequences,
+	// each chunk once per sequence (Index 0 to n - 1) unless some chunk has an index of its own,
+	// in which case the chunks go as they are.
+	chunks []*pb.GenerationChunk
 }
 
 func (f *fakeGeneration) callCount() int {
@@ -94,6 +99,7 @@ func (f *fakeGeneration) AddRequest(ctx context.Context, r *pb.AddRequestRequest
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.addIDs = append(f.addIDs, r.GetRequest().GetRequestId())
+	f.added = append(f.added, r.GetRequest())
 	if len(f.addErrors) > 0 {
 		err := f.addErrors[0]
 		f.addErrors = f.addErrors[1:]
@@ -104,8 +110,11 @@ func (f *fakeGeneration) AddRequest(ctx context.Context, r *pb.AddRequestRequest
 	return &pb.AddRequestResponse{RequestId: r.GetRequest().GetRequestId()}, nil
 }
 
-func (f *fakeGeneration) Cancel(ctx context.Context, _ *pb.CancelRequest) (*pb.CancelResponse, error) {
+func (f *fakeGeneration) Cancel(ctx context.Context, r *pb.CancelRequest) (*pb.CancelResponse, error) {
 	f.record(ctx)
+	f.mu.Lock()
+	f.cancels = append(f.cancels, r)
+	f.mu.Unlock()
 	if err := f.nextError(&f.cancelErrors); err != nil {
 		return nil, err
 	}
@@ -137,11 +146,20 @@ func (f *fakeGeneration) Generate(stream pb.GenerationService_GenerateServer) er
 		<-stream.Context().Done()
 		return stream.Context().Err()
 	}
-	for _, chunk := range chunks {
-		chunk = proto.CloneOf(chunk) // f.chunks is shared by every call
-		chunk.RequestId = request.GetRequestId()
-		if err := stream.Send(&pb.GenerateResponse{Chunk: chunk}); err != nil {
-			return err
+	sequences := max(1, request.GetSampling().GetN())
+	if slices.ContainsFunc(chunks, func(c *pb.GenerationChunk) bool { return c.GetIndex() != 0 }) {
+		sequences = 1 // scripted per sequence
+	}
+	for _, scripted := range chunks {
+		for index := range sequences {
+			chunk := proto.CloneOf(scripted) // f.chunks is shared by every call
+			chunk.RequestId = request.GetRequestId()
+			if sequences > 1 {
+				chunk.Index = index
+			}
+			if err := stream.Send(&pb.GenerateResponse{Chunk: chunk}); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
@@ -580,5 +598,230 @@ func TestStopReasonAndPromptLogprobsFromChunks(t *testing.T) {
 	if completion.FinishReason != cbserve.FinishStop || completion.StopTokenID != nil || completion.StopString != "!" || completion.PromptLogprobs != nil {
 		t.Errorf("Completion: finish %q, stop token %v, stop string %q, prompt logprobs %v; want stop, string \"!\", no prompt logprobs",
 			completion.FinishReason, completion.StopTokenID, completion.StopString, completion.PromptLogprobs)
+	}
+}
+
+func TestParallelSamplingOnTheWire(t *testing.T) {
+	fake, client := dialRecordingFake(t)
+	completions, err := client.GenerateN(testContext(t), cbserve.Text("hi"), 3, cbserve.WithSeed(5))
+	if err != nil {
+		t.Fatalf("GenerateN: %v", err)
+	}
+	if len(completions) != 3 {
+		t.Fatalf("GenerateN(3) returned %d completions", len(completions))
+	}
+	for i, c := range completions {
+		if c.Index != i || c.RequestID == "" || c.RequestID != completions[0].RequestID || c.Text != "ok" ||
+			!slices.Equal(c.TokenIDs, []uint32{'o', 'k'}) || c.FinishReason != cbserve.FinishLength || c.Usage == nil {
+			t.Errorf("completion %d = %+v; want index %d of one request, \"ok\", length, usage", i, c, i)
+		}
+	}
+	if _, err := client.GenerateN(testContext(t), cbserve.Text("hi"), 2, cbserve.WithN(2)); err != nil {
+		t.Errorf("GenerateN(2) with WithN(2): %v", err)
+	}
+	one, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithN(1))
+	if err != nil || one.Index != 0 || one.Text != "ok" {
+		t.Errorf("Generate with WithN(1) = %+v, %v; want one completion", one, err)
+	}
+	if _, err := client.Generate(testContext(t), cbserve.Text("hi")); err != nil {
+		t.Fatalf("Generate: %v", err)
+	}
+	var indices []int
+	terminal := map[int]int{}
+	for chunk, err := range client.Stream(testContext(t), cbserve.Text("hi"), cbserve.WithN(4)) {
+		if err != nil {
+			t.Fatalf("Stream with WithN(4): %v", err)
+		}
+		indices = append(indices, chunk.Index)
+		if chunk.Finished() {
+			terminal[chunk.Index]++
+		}
+	}
+	if want := []int{0, 1, 2, 3, 0, 1, 2, 3}; !slices.Equal(indices, want) {
+		t.Errorf("Stream with WithN(4) yielded chunks of sequences %v; want %v", indices, want)
+	}
+	if !maps.Equal(terminal, map[int]int{0: 1, 1: 1, 2: 1, 3: 1}) {
+		t.Errorf("terminal chunks per sequence %v; want one each", terminal)
+	}
+	if _, err := client.Submit(testContext(t), cbserve.Text("hi"), cbserve.WithN(5)); err != nil {
+		t.Fatalf("Submit with WithN(5): %v", err)
+	}
+
+	// Refused before any call: n > 1 on Generate, GenerateN's n out of bounds or disagreeing with WithN.
+	calls := fake.callCount()
+	for _, tc := range []struct {
+		name     string
+		call     func() error
+		mentions []string
+	}{
+		{"Generate with WithN(2)", func() error {
+			_, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithN(2))
+			return err
+		}, []string{"WithN(2)", "GenerateN"}},
+		{"Generate with WithN(129)", func() error {
+			_, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithN(129))
+			return err
+		}, []string{"WithN(129)", "sampling.n", "[1, 128]"}},
+		{"GenerateN(0)", func() error {
+			_, err := client.GenerateN(testContext(t), cbserve.Text("hi"), 0)
+			return err
+		}, []string{"GenerateN(n = 0)", "sampling.n", "[1, 128]"}},
+		{"GenerateN(129)", func() error {
+			_, err := client.GenerateN(testContext(t), cbserve.Text("hi"), cbserve.MaxN+1)
+			return err
+		}, []string{"GenerateN(n = 129)", "sampling.n", "[1, 128]"}},
+		{"GenerateN(3) with WithN(2)", func() error {
+			_, err := client.GenerateN(testContext(t), cbserve.Text("hi"), 3, cbserve.WithN(2))
+			return err
+		}, []string{"GenerateN(n = 3)", "WithN(2)"}},
+		{"GenerateN(2) with a bad option", func() error {
+			_, err := client.GenerateN(testContext(t), cbserve.Text("hi"), 2, cbserve.WithTopP(2))
+			return err
+		}, []string{"WithTopP(2)"}},
+	} {
+		if err := tc.call(); !errors.Is(err, cbserve.ErrInvalidArgument) || !containsAll(err.Error(), tc.mentions...) {
+			t.Errorf("%s: %v; want ErrInvalidArgument mentioning %q", tc.name, err, tc.mentions)
+		}
+	}
+	if made := fake.callCount() - calls; made != 0 {
+		t.Errorf("refused calls made %d calls; want none", made)
+	}
+
+	fake.mu.Lock()
+	defer fake.mu.Unlock()
+	var sent []*uint32
+	for _, r := range fake.generated {
+		sent = append(sent, r.GetSampling().N)
+	}
+	want := []*uint32{proto.Uint32(3), proto.Uint32(2), proto.Uint32(1), nil, proto.Uint32(4)}
+	if !slices.EqualFunc(sent, want, func(a, b *uint32) bool { return (a == nil) == (b == nil) && (a == nil || *a == *b) }) {
+		t.Errorf("sampling.n sent %v; want 3, 2, 1, unset, 4", derefAll(sent))
+	}
+	if seed := fake.generated[0].GetSampling().Seed; seed == nil || *seed != 5 {
+		t.Errorf("GenerateN with WithSeed(5) sent seed %v; want 5 (the server derives each sequence's)", seed)
+	}
+	if n := fake.added[0].GetSampling().N; n == nil || *n != 5 {
+		t.Errorf("Submit with WithN(5) sent n %v; want 5", n)
+	}
+}
+
+// derefAll lists optional values for messages: nil as -1.
+func derefAll(values []*uint32) []int64 {
+	out := make([]int64, len(values))
+	for i, v := range values {
+		out[i] = -1
+		if v != nil {
+			out[i] = int64(*v)
+		}
+	}
+	return out
+}
+
+// TestStreamEndsWhenEverySequenceHas: with n > 1 the chunks of the sequences interleave, each
+// sequence ends on its own, and Stream and GenerateN end once every sequence has.
+func TestStreamEndsWhenEverySequenceHas(t *testing.T) {
+	fake, client := dialRecordingFake(t)
+	decoding, finished := pb.RequestStatus_REQUEST_STATUS_DECODING, pb.RequestStatus_REQUEST_STATUS_FINISHED
+	queued := pb.RequestStatus_REQUEST_STATUS_QUEUED
+	script := []*pb.GenerationChunk{
+		{Index: 0, Status: queued}, {Index: 1, Status: queued}, {Index: 2, Status: queued},
+		{Index: 1, TokenIds: []uint32{'b'}, Text: proto.String("b"), Status: decoding},
+		{Index: 1, TokenIndex: 1, Status: finished, FinishReason: pb.FinishReason_FINISH_REASON_EOS,
+			Usage: &pb.Usage{PromptTokens: 2, GeneratedTokens: 1}},
+		{Index: 0, TokenIds: []uint32{'a', 'a'}, Text: proto.String("aa"), Status: decoding},
+		// Never from a conforming server: a chunk after its sequence's terminal one is dropped.
+		{Index: 1, TokenIndex: 1, TokenIds: []uint32{'x'}, Text: proto.String("x"), Status: decoding},
+		{Index: 2, TokenIds: []uint32{'c'}, Text: proto.String("c"), Status: pb.RequestStatus_REQUEST_STATUS_CANCELLED,
+			FinishReason: pb.FinishReason_FINISH_REASON_CANCELLED, Usage: &pb.Usage{PromptTokens: 2, GeneratedTokens: 1}},
+		{Index: 0, TokenIndex: 2, TokenIds: []uint32{'a'}, Text: proto.String("a"), Status: finished,
+			FinishReason: pb.FinishReason_FINISH_REASON_LENGTH, Usage: &pb.Usage{PromptTokens: 2, GeneratedTokens: 3}},
+	}
+	fake.mu.Lock()
+	fake.chunks = script
+	fake.mu.Unlock()
+
+	var order []int
+	for chunk, err := range client.Stream(testContext(t), cbserve.Text("hi"), cbserve.WithN(3)) {
+		if err != nil {
+			t.Fatalf("Stream: %v", err)
+		}
+		order = append(order, chunk.Index)
+		if chunk.Index == 1 && slices.Contains(chunk.TokenIDs, 'x') {
+			t.Errorf("Stream yielded a chunk of sequence 1 after its terminal chunk")
+		}
+	}
+	if want := []int{0, 1, 2, 1, 1, 0, 2, 0}; !slices.Equal(order, want) {
+		t.Errorf("Stream yielded chunks of sequences %v; want %v (every chunk up to the last sequence's end)", order, want)
+	}
+
+	completions, err := client.GenerateN(testContext(t), cbserve.Text("hi"), 3)
+	if err != nil {
+		t.Fatalf("GenerateN: %v", err)
+	}
+	for i, want := range []struct {
+		text   string
+		finish cbserve.FinishReason
+		tokens int
+	}{{"aaa", cbserve.FinishLength, 3}, {"b", cbserve.FinishEOS, 1}, {"c", cbserve.FinishCancelled, 1}} {
+		c := completions[i]
+		if c.Index != i || c.Text != want.text || c.FinishReason != want.finish || len(c.TokenIDs) != want.tokens ||
+			c.Usage == nil || c.Usage.GeneratedTokens != want.tokens {
+			t.Errorf("completion %d = %+v; want %q, %s, %d tokens", i, c, want.text, want.finish, want.tokens)
+		}
+	}
+
+	// A stream that ends before every sequence has is an error, as is a sequence past n.
+	for _, tc := range []struct {
+		name    string
+		chunks  []*pb.GenerationChunk
+		mention string
+	}{
+		{"sequence 0 never ends", script[:len(script)-1], "1 of its 3 sequences had not"},
+		{"a chunk of sequence 3", append(slices.Clip(script[:3]), &pb.GenerationChunk{Index: 3, Status: queued}), "got a chunk of sequence 3"},
+	} {
+		fake.mu.Lock()
+		fake.chunks = tc.chunks
+		fake.mu.Unlock()
+		var streamErr error
+		for _, err := range client.Stream(testContext(t), cbserve.Text("hi"), cbserve.WithN(3)) {
+			if err != nil {
+				streamErr = err
+			}
+		}
+		if !errors.Is(streamErr, cbserve.ErrInternal) || !strings.Contains(streamErr.Error(), tc.mention) {
+			t.Errorf("%s: Stream error %v; want ErrInternal mentioning %q", tc.name, streamErr, tc.mention)
+		}
+		if _, err := client.GenerateN(testContext(t), cbserve.Text("hi"), 3); !errors.Is(err, cbserve.ErrInternal) {
+			t.Errorf("%s: GenerateN error %v; want ErrInternal", tc.name, err)
+		}
+	}
+}
+
+func TestCancelSequenceOnTheWire(t *testing.T) {
+	fake, client := dialRecordingFake(t)
+	if cancelled, err := client.CancelSequence(testContext(t), "r-1", 2); err != nil || !cancelled {
+		t.Errorf("CancelSequence = %v, %v; want true", cancelled, err)
+	}
+	if cancelled, err := client.Cancel(testContext(t), "r-2"); err != nil || !cancelled {
+		t.Errorf("Cancel = %v, %v; want true", cancelled, err)
+	}
+	calls := fake.callCount()
+	if _, err := client.CancelSequence(testContext(t), "r-3", -1); !errors.Is(err, cbserve.ErrInvalidArgument) ||
+		!strings.Contains(err.Error(), "index") {
+		t.Errorf("CancelSequence(-1): %v; want ErrInvalidArgument naming the index", err)
+	}
+	if made := fake.callCount() - calls; made != 0 {
+		t.Errorf("CancelSequence(-1) made %d calls; want none", made)
+	}
+	fake.mu.Lock()
+	defer fake.mu.Unlock()
+	if len(fake.cancels) != 2 {
+		t.Fatalf("%d Cancel calls; want 2", len(fake.cancels))
+	}
+	if c := fake.cancels[0]; c.GetRequestId() != "r-1" || c.Index == nil || *c.Index != 2 {
+		t.Errorf("CancelSequence(r-1, 2) sent %v; want request r-1, index 2", c)
+	}
+	if c := fake.cancels[1]; c.GetRequestId() != "r-2" || c.Index != nil {
+		t.Errorf("Cancel(r-2) sent %v; want request r-2, no index", c)
 	}
 }

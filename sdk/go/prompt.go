@@ -84,6 +84,7 @@ type requestConfig struct {
 	skipSpecialTokens   *bool
 	promptLogprobs      *int
 	priority            *int
+	n                   *int
 	// structured holds every structured-output option given, in order: check refuses more than one.
 	structured []structuredOutput
 }
@@ -257,6 +258,17 @@ func WithPriority(p int) GenerateOption {
 	return GenerateOption{func(c *requestConfig) { c.priority = &p }}
 }
 
+// WithN samples n completions from the prompt (parallel sampling, vLLM's and OpenAI's n): the
+// prompt is computed once and its KV cache shared, and each of the n sequences then samples on its
+// own (penalties, stop conditions, logprobs and structured output apply per sequence). With
+// WithSeed(s), sequence i samples with seed s + i (mod 2^64), so it equals a request of n = 1 with
+// that seed. n is in [1, MaxN] ([1, 128]); default 1. Use it with GenerateN (which sets it), Stream
+// or Submit: their chunks carry the sequence's Chunk.Index, and the request ends once every
+// sequence has. Generate returns one completion, so it refuses n > 1.
+func WithN(n int) GenerateOption {
+	return GenerateOption{func(c *requestConfig) { c.n = &n }}
+}
+
 // WithJSONSchema constrains the output to an instance of a JSON schema: every token is sampled
 // among those that keep the output a valid prefix, and the request ends once the JSON value is
 // complete. schema is the schema's JSON text as a string, []byte or json.RawMessage, or any
@@ -350,6 +362,7 @@ func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, 
 	sampling.StopTokenIds = cfg.stopTokenIDs
 	sampling.SkipSpecialTokens = cfg.skipSpecialTokens
 	sampling.PromptLogprobs = wireUint32(cfg.promptLogprobs)
+	sampling.N = wireUint32(cfg.n)
 	if len(cfg.structured) == 1 {
 		sampling.StructuredOutput = cfg.structured[0].proto()
 	}

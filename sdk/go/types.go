@@ -71,7 +71,8 @@ type PromptLogprob struct {
 type Usage struct {
 	// PromptTokens is the number of prompt tokens (after tokenization / chat templating).
 	PromptTokens int
-	// GeneratedTokens is the number of tokens generated so far (all of them at the end).
+	// GeneratedTokens is the number of tokens generated so far (all of them at the end); with
+	// WithN(n > 1), by the chunk's or completion's own sequence.
 	GeneratedTokens int
 	// CachedTokens is the number of prompt tokens served from the prefix cache.
 	CachedTokens int
@@ -91,10 +92,15 @@ type Timings struct {
 // Chunk is a piece of one request's output: a delta. A request's chunks, in order, form its
 // whole output: their TokenIDs concatenate (TokenIndex is the index of TokenIDs[0] among the
 // request's generated tokens) and so do their Texts. A chunk may carry no token (a status
-// change, the final usage).
+// change, the final usage). With WithN(n > 1) the request has n sequences, whose chunks come
+// interleaved: Index says whose, and everything else in the chunk (tokens, text, status, finish
+// reason, Usage.GeneratedTokens) is that sequence's, so the above holds per Index. Each sequence
+// ends with its own terminal chunk; the request is over once all n have.
 type Chunk struct {
 	// RequestID is the id of the request this chunk belongs to.
 	RequestID string
+	// Index is the sequence this chunk belongs to, 0 to n - 1 with WithN(n); always 0 otherwise.
+	Index int
 	// TokenIndex is the index, among the request's generated tokens, of TokenIDs[0].
 	TokenIndex int
 	// TokenIDs are the newly generated token ids.
@@ -133,13 +139,17 @@ type Chunk struct {
 	PromptLogprobs []PromptLogprob
 }
 
-// Finished reports whether this chunk ends its request (finished, cancelled or failed).
+// Finished reports whether this chunk ends its request (finished, cancelled or failed); with
+// WithN(n > 1), its sequence (Index): the request ends once every sequence's chunks have.
 func (c *Chunk) Finished() bool { return c.Status.Terminal() }
 
-// Completion is the whole output of one request.
+// Completion is the whole output of one request, or with WithN(n > 1) of one of its sequences
+// (GenerateN returns one per sequence).
 type Completion struct {
 	// RequestID is the request's id.
 	RequestID string
+	// Index is the sequence this completion is, 0 to n - 1 (GenerateN); 0 for Generate.
+	Index int
 	// TokenIDs are the generated token ids.
 	TokenIDs []uint32
 	// Text is the decoded output, cut before a matched WithStop string (empty when the server

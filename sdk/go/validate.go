@@ -79,6 +79,11 @@ func (c *requestConfig) check() error {
 			return err
 		}
 	}
+	if c.n != nil {
+		if err := checkCount("WithN", *c.n, 1, MaxN, " (sampling.n, MaxN)"); err != nil {
+			return err
+		}
+	}
 	if p := c.priority; p != nil && (*p < MinPriority || *p > MaxPriority) {
 		return newError(codes.InvalidArgument, "WithPriority(%d): priority must be in [%d, %d] (MinPriority, MaxPriority: an int32)",
 			*p, MinPriority, MaxPriority)
