@@ -15,6 +15,7 @@ import java.util.List;
 import java.util.Objects;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.TimeUnit;
+import java.util.function.Function;
 
 /**
  * A connection to a cbserve server's {@code GenerationService}. Thread-safe; close it when done
@@ -35,15 +36,22 @@ import java.util.concurrent.TimeUnit;
  * with {@code results} ({@code StreamResults}, resumable from any token index) and stop it with
  * {@code cancel}.
  *
- * <p>Deadlines: unary calls ({@code submit}, {@code cancel}, {@code modelInfo}) get the builder's
- * {@code defaultTimeout} (60 s unless set); streaming calls ({@code generate}, {@code stream},
- * {@code results}) its {@code streamTimeout} (10 min unless set); {@link RequestOptions#timeout()}
- * or the {@code timeout} argument overrides either for one call. {@code modelInfo} and {@code
- * cancel} are retried on UNAVAILABLE with exponential backoff (gRPC's retry policy, within the
- * deadline). Several servers: {@link Builder#targets(String...)} or a {@code dns:///} name that
- * resolves to several addresses; calls are spread over them round-robin. Failures throw {@link CbserveException} subclasses (unchecked); a request rejected on
- * the Generate stream throws as if {@code AddRequest} had rejected it, while a request that fails
- * while running ends with {@link FinishReason#ERROR} and {@link Completion#error()}.
+ * <p>Parallel sampling: {@code generateN(prompt, n, params)} samples n completions of one prompt in
+ * one request ({@link SamplingParams.Builder#n(int)}: the prompt is computed once), returned in
+ * order of their index; {@code stream} with n set interleaves the sequences' chunks ({@link
+ * Chunk#index()}); {@code cancelSequence(requestId, index)} stops one sequence.
+ *
+ * <p>Deadlines: unary calls ({@code submit}, {@code cancel}, {@code cancelSequence}, {@code
+ * modelInfo}) get the builder's {@code defaultTimeout} (60 s unless set); streaming calls ({@code
+ * generate}, {@code generateN}, {@code stream}, {@code results}) its {@code streamTimeout} (10 min
+ * unless set); {@link RequestOptions#timeout()} or the {@code timeout} argument overrides either
+ * for one call. {@code modelInfo}, {@code cancel} and {@code cancelSequence} are retried on
+ * UNAVAILABLE with exponential backoff (gRPC's retry policy, within the deadline). Several
+ * servers: {@link Builder#targets(String...)} or a {@code dns:///} name that resolves to several
+ * addresses; calls are spread over them round-robin. Failures throw {@link CbserveException}
+ * subclasses (unchecked); a request rejected on the Generate stream throws as if {@code AddRequest}
+ * had rejected it, while a request that fails while running ends with {@link FinishReason#ERROR}
+ * and {@link Completion#error()}.
  */
 public final class CbserveClient implements AutoCloseable {
   private final ManagedChannel channel;
@@ -96,20 +104,55 @@ public final class CbserveClient implements AutoCloseable {
 
   /**
    * Generates a completion for {@code prompt} and returns it whole (blocks until the request
-   * ends).
+   * ends). One completion: for {@link SamplingParams.Builder#n(int) n} &gt; 1 completions of the
+   * prompt call {@link #generateN(Prompt, int, SamplingParams, RequestOptions)}.
    *
+   * @throws IllegalArgumentException when {@code params} set n &gt; 1 (use {@code generateN})
    * @throws InvalidArgumentException (and the other {@link CbserveException}s) when the server
    *     rejects the request; a request that fails while running returns a completion with {@link
    *     FinishReason#ERROR} instead
    */
   public Completion generate(Prompt prompt, SamplingParams params, RequestOptions options) {
-    try (ChunkIterator chunks = stream(prompt, params, options)) {
-      CompletionBuilder builder = new CompletionBuilder(chunks.requestId());
+    checkSingle(params, "generate");
+    return collect(stream(prompt, params, options), 1).get(0);
+  }
+
+  /**
+   * Samples {@code n} completions of the prompt; see {@link #generateN(Prompt, int,
+   * SamplingParams, RequestOptions)}.
+   */
+  public List<Completion> generateN(Prompt prompt, int n, SamplingParams params) {
+    return generateN(prompt, n, params, RequestOptions.defaults());
+  }
+
+  /**
+   * Samples {@code n} completions of {@code prompt} in one request (parallel sampling, {@link
+   * SamplingParams.Builder#n(int)}) and returns them whole, ordered by {@link Completion#index()}
+   * (blocks until every sequence has ended). The server computes the prompt once; each sequence
+   * samples and stops on its own, so their lengths and finish reasons may differ. With a seed s,
+   * completion i is the one a single request seeded with s + i would give. Cancel one sequence
+   * while it runs with {@link #cancelSequence(String, int)} (from another thread, with the id set
+   * in {@code options}); it then ends {@link FinishReason#CANCELLED} and the others run on.
+   *
+   * @param n the number of completions, 1 to {@link SamplingBounds#MAX_N}; {@code params} may set
+   *     the same n, or leave it unset
+   * @throws IllegalArgumentException when {@code n} is out of bounds, or differs from the n that
+   *     {@code params} set
+   * @throws InvalidArgumentException (and the other {@link CbserveException}s) when the server
+   *     rejects the request
+   */
+  public List<Completion> generateN(
+      Prompt prompt, int n, SamplingParams params, RequestOptions options) {
+    Types.GenerationRequest request = requestN(prompt, n, params, options);
+    return collect(startStream(request, options, n), n);
+  }
+
+  /** Reads a Generate stream until its first {@code n} sequences have ended, and closes it. */
+  private static List<Completion> collect(ChunkIterator stream, int n) {
+    try (ChunkIterator chunks = stream) {
+      SequencesBuilder builder = new SequencesBuilder(chunks.requestId(), n);
       while (!builder.done() && chunks.hasNext()) {
-        Chunk chunk = chunks.next();
-        if (chunk.requestId().equals(chunks.requestId())) {
-          builder.add(chunk);
-        }
+        builder.add(chunks.next());
       }
       return builder.build();
     }
@@ -130,13 +173,26 @@ public final class CbserveClient implements AutoCloseable {
 
   /**
    * Starts generating and returns an iterator over the output chunks as they come: first a
-   * {@link RequestStatus#QUEUED} chunk, then token deltas, then a terminal chunk. Closing the
-   * iterator before the request ended cancels the request on the server.
+   * {@link RequestStatus#QUEUED} chunk, then token deltas, then a terminal chunk. With {@link
+   * SamplingParams.Builder#n(int) n} &gt; 1 every sequence streams such chunks, interleaved with
+   * the others' ({@link Chunk#index()} says whose), and the iterator ends once all n have sent
+   * their terminal chunk. Closing the iterator before the request ended cancels the request (all
+   * its sequences) on the server.
    */
   public ChunkIterator stream(Prompt prompt, SamplingParams params, RequestOptions options) {
     Types.GenerationRequest request = request(prompt, params, options);
+    return startStream(request, options, params.n() != null ? params.n() : 0);
+  }
+
+  /**
+   * Starts a Generate call for {@code request}.
+   *
+   * @param sequences the request's n, or 0 when unset (the iterator then ends with the call)
+   */
+  private ChunkIterator startStream(
+      Types.GenerationRequest request, RequestOptions options, int sequences) {
     Duration timeout = streamTimeout(options.timeout());
-    ChunkIterator chunks = new ChunkIterator(request.getRequestId(), true, timeout);
+    ChunkIterator chunks = new ChunkIterator(request.getRequestId(), true, timeout, sequences);
     ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse> observer =
         chunks.observer(Generation.GenerateResponse::getChunk);
     startGenerate(request, timeout, options, observer);
@@ -158,13 +214,52 @@ public final class CbserveClient implements AutoCloseable {
    * completes with the completion, or exceptionally with a {@link CbserveException}. Cancelling
    * the future cancels the request on the server. Dependent stages run on gRPC's executor unless
    * given one ({@code thenApplyAsync(fn, executor)}).
+   *
+   * @throws IllegalArgumentException when {@code params} set n &gt; 1 (use {@code
+   *     generateNAsync})
    */
   public CompletableFuture<Completion> generateAsync(
       Prompt prompt, SamplingParams params, RequestOptions options) {
-    Types.GenerationRequest request = request(prompt, params, options);
+    checkSingle(params, "generateAsync");
+    // The future the caller gets is the call's own, so that cancelling it cancels the call.
+    return collectAsync(request(prompt, params, options), options, 1, list -> list.get(0));
+  }
+
+  /**
+   * {@link #generateN(Prompt, int, SamplingParams)} without blocking; see {@link
+   * #generateNAsync(Prompt, int, SamplingParams, RequestOptions)}.
+   */
+  public CompletableFuture<List<Completion>> generateNAsync(
+      Prompt prompt, int n, SamplingParams params) {
+    return generateNAsync(prompt, n, params, RequestOptions.defaults());
+  }
+
+  /**
+   * {@link #generateN(Prompt, int, SamplingParams, RequestOptions)} without blocking: the future
+   * completes with the n completions, ordered by index, once every sequence has ended, or
+   * exceptionally with a {@link CbserveException}. Cancelling the future cancels the request (all
+   * its sequences) on the server.
+   *
+   * @throws IllegalArgumentException when {@code n} is out of bounds, or differs from the n that
+   *     {@code params} set
+   */
+  public CompletableFuture<List<Completion>> generateNAsync(
+      Prompt prompt, int n, SamplingParams params, RequestOptions options) {
+    return collectAsync(requestN(prompt, n, params, options), options, n, Function.identity());
+  }
+
+  /**
+   * Starts a Generate call; the future completes with {@code result} of the completions once the
+   * first {@code n} sequences have ended. Cancelling the future cancels the call.
+   */
+  private <T> CompletableFuture<T> collectAsync(
+      Types.GenerationRequest request,
+      RequestOptions options,
+      int n,
+      Function<List<Completion>, T> result) {
     String requestId = request.getRequestId();
-    CompletableFuture<Completion> future = new CompletableFuture<>();
-    CompletionBuilder builder = new CompletionBuilder(requestId);
+    CompletableFuture<T> future = new CompletableFuture<>();
+    SequencesBuilder builder = new SequencesBuilder(requestId, n);
     Duration timeout = streamTimeout(options.timeout());
     startGenerate(
         request,
@@ -200,7 +295,7 @@ public final class CbserveClient implements AutoCloseable {
               }
               builder.add(chunk);
               if (builder.done()) {
-                future.complete(builder.build());
+                future.complete(result.apply(builder.build()));
               }
             } catch (CbserveException e) {
               future.completeExceptionally(e);
@@ -216,7 +311,7 @@ public final class CbserveClient implements AutoCloseable {
           public void onCompleted() {
             if (!future.isDone()) {
               try {
-                future.complete(builder.build());
+                future.complete(result.apply(builder.build()));
               } catch (CbserveException e) {
                 future.completeExceptionally(e);
               }
@@ -224,6 +319,34 @@ public final class CbserveClient implements AutoCloseable {
           }
         });
     return future;
+  }
+
+  /** Refuses parameters of n &gt; 1 in a call that returns one completion. */
+  private static void checkSingle(SamplingParams params, String method) {
+    Objects.requireNonNull(params, "params");
+    Integer n = params.n();
+    if (n != null && n > 1) {
+      String multi = method.equals("generate") ? "generateN" : "generateNAsync";
+      throw new IllegalArgumentException(
+          method + " returns one completion, but params set n = " + n + ": call " + multi
+              + "(prompt, " + n + ", params) for all " + n + " (or stream(prompt, params) to read"
+              + " them as they come)");
+    }
+  }
+
+  /** The GenerationRequest of a generateN call: {@code request(...)} with sampling.n set. */
+  private static Types.GenerationRequest requestN(
+      Prompt prompt, int n, SamplingParams params, RequestOptions options) {
+    SamplingParams.Builder.checkN(n);
+    Objects.requireNonNull(params, "params");
+    Integer set = params.n();
+    if (set != null && set != n) {
+      throw new IllegalArgumentException(
+          "generateN was asked for n = " + n + ", but params set n = " + set
+              + " (leave n unset in params, or pass the same value)");
+    }
+    Types.GenerationRequest request = request(prompt, params, options);
+    return request.toBuilder().setSampling(request.getSampling().toBuilder().setN(n)).build();
   }
 
   private void startGenerate(
@@ -421,7 +544,9 @@ public final class CbserveClient implements AutoCloseable {
   }
 
   /**
-   * Cancels a request: it stops at the next engine step and frees its KV cache. Idempotent.
+   * Cancels a request: it stops at the next engine step and frees its KV cache. Idempotent. With
+   * {@link SamplingParams.Builder#n(int) n} &gt; 1 it cancels every sequence; {@link
+   * #cancelSequence(String, int)} cancels one.
    *
    * @return true if the request was live, false if it had already ended (or was unknown)
    */
@@ -442,6 +567,40 @@ public final class CbserveClient implements AutoCloseable {
     return Generation.CancelRequest.newBuilder()
         .setRequestId(Objects.requireNonNull(requestId, "requestId"))
         .build();
+  }
+
+  /**
+   * Cancels one sequence of a request of {@link SamplingParams.Builder#n(int) n} &gt; 1: it stops
+   * at the next engine step, ends with {@link RequestStatus#CANCELLED} and {@link
+   * FinishReason#CANCELLED}, and frees its own KV blocks, while the request's other sequences run
+   * on. Idempotent. ({@link #cancel(String)} cancels all of them.)
+   *
+   * @param index the sequence, 0 to n - 1 ({@link Chunk#index()})
+   * @return true if that sequence was live, false if it had already ended (or the request or
+   *     sequence was unknown)
+   * @throws IllegalArgumentException when {@code index} is negative or not below {@link
+   *     SamplingBounds#MAX_N}
+   */
+  public boolean cancelSequence(String requestId, int index) {
+    Generation.CancelRequest message = cancelMessage(requestId, index);
+    var stub = Calls.withTimeout(blockingStub, defaultTimeout);
+    return Calls.blocking(() -> stub.cancel(message), defaultTimeout).getCancelled();
+  }
+
+  /** {@link #cancelSequence(String, int)} without blocking. */
+  public CompletableFuture<Boolean> cancelSequenceAsync(String requestId, int index) {
+    Generation.CancelRequest message = cancelMessage(requestId, index);
+    return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::cancel, message, defaultTimeout)
+        .thenApply(Generation.CancelResponse::getCancelled);
+  }
+
+  /** The Cancel message of one sequence (package-private for the tests). */
+  static Generation.CancelRequest cancelMessage(String requestId, int index) {
+    if (index < 0 || index >= SamplingBounds.MAX_N) {
+      throw new IllegalArgumentException(
+          "index must be in [0, " + (SamplingBounds.MAX_N - 1) + "], got " + index);
+    }
+    return cancelMessage(requestId).toBuilder().setIndex(index).build();
   }
 
   /** Describes the served model. */
@@ -618,9 +777,9 @@ public final class CbserveClient implements AutoCloseable {
     }
 
     /**
-     * Deadline of streaming calls ({@code generate}, {@code generateAsync}, {@code stream}, {@code
-     * results}; default 10 min); null for none. {@link RequestOptions#timeout()} overrides it for
-     * one call.
+     * Deadline of streaming calls ({@code generate}, {@code generateAsync}, {@code generateN},
+     * {@code generateNAsync}, {@code stream}, {@code results}; default 10 min); null for none.
+     * {@link RequestOptions#timeout()} overrides it for one call.
      */
     public Builder streamTimeout(Duration timeout) {
       options.streamTimeout(timeout);

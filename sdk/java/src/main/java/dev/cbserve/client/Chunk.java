@@ -11,6 +11,11 @@ import java.util.Optional;
  * request's generated tokens), and so do their texts. A chunk may carry no token at all (a status
  * change, the final usage).
  *
+ * <p>With {@link SamplingParams.Builder#n(int) n} &gt; 1 a request has n sequences, and each chunk
+ * belongs to one of them ({@code index}): its token index, tokens, text, logprobs, status, finish
+ * reason and generated-token count are that sequence's, and the sequences' chunks come interleaved.
+ * Each sequence ends with its own terminal chunk; the request is over once all n have.
+ *
  * @param requestId the request this chunk belongs to
  * @param tokenIndex index, among the request's generated tokens, of the first token of this chunk
  * @param tokenIds the new token ids
@@ -36,6 +41,8 @@ import java.util.Optional;
  * @param promptLogprobs with {@link SamplingParams.Builder#promptLogprobs(int)}, on the chunk of
  *     the first generated token ({@code tokenIndex} 0): one entry per prompt token after the
  *     first; empty otherwise
+ * @param index the sequence this chunk belongs to, 0 to n - 1 ({@link
+ *     SamplingParams.Builder#n(int)}); 0 when n = 1
  */
 public record Chunk(
     String requestId,
@@ -53,7 +60,8 @@ public record Chunk(
     List<Instant> tokenTimestamps,
     Optional<Integer> stopTokenId,
     Optional<String> stopString,
-    List<PromptLogprob> promptLogprobs) {
+    List<PromptLogprob> promptLogprobs,
+    int index) {
 
   /** Copies the lists into immutable ones; a null text becomes empty, a null optional empty. */
   public Chunk {
@@ -65,7 +73,10 @@ public record Chunk(
     promptLogprobs = List.copyOf(promptLogprobs);
   }
 
-  /** True when this chunk ends its request (FINISHED, CANCELLED or FAILED). */
+  /**
+   * True when this chunk ends its request (FINISHED, CANCELLED or FAILED); with n &gt; 1, when it
+   * ends its sequence ({@link #index()}).
+   */
   public boolean isFinished() {
     return status.isTerminal();
   }

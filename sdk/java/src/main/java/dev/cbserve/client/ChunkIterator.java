@@ -4,6 +4,7 @@ import cbserve.v1.Types;
 import io.grpc.stub.ClientCallStreamObserver;
 import io.grpc.stub.ClientResponseObserver;
 import java.time.Duration;
+import java.util.BitSet;
 import java.util.Iterator;
 import java.util.NoSuchElementException;
 import java.util.concurrent.BlockingQueue;
@@ -14,6 +15,9 @@ import java.util.function.Function;
  * The chunks of one streaming call ({@link CbserveClient#stream} or {@link
  * CbserveClient#results}), in order, as they come. {@link #hasNext()} blocks until the next chunk
  * arrives or the call ends; a failed call throws the matching {@link CbserveException} from it.
+ * With {@link SamplingParams.Builder#n(int) n} &gt; 1 the chunks of the n sequences come
+ * interleaved ({@link Chunk#index()}), and the iterator ends once every sequence has sent its
+ * terminal chunk, not after the first.
  *
  * <p>{@link #close()} cancels the call. For {@code stream} that cancels the request on the server
  * too (and frees its KV cache); for {@code results} it only stops reading (cancel the request with
@@ -41,6 +45,8 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
   private final String requestId;
   private final boolean raiseRejections;
   private final Duration timeout;
+  private final int sequences;
+  private final BitSet endedSequences = new BitSet();
   private final BlockingQueue<Object> events = new LinkedBlockingQueue<>();
   private volatile ClientCallStreamObserver<?> call;
   private volatile boolean closed;
@@ -49,14 +55,28 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
   private boolean iterated;
 
   /**
-   * An iterator fed by {@link #observer}.
+   * An iterator fed by {@link #observer}, of a request whose number of sequences is not known here:
+   * it ends when the call completes (the server completes it once every sequence has ended).
    *
    * @param timeout the call's deadline (named in a {@link DeadlineExceededException}), or null
    */
   ChunkIterator(String requestId, boolean raiseRejections, Duration timeout) {
+    this(requestId, raiseRejections, timeout, 0);
+  }
+
+  /**
+   * An iterator fed by {@link #observer}.
+   *
+   * @param timeout the call's deadline (named in a {@link DeadlineExceededException}), or null
+   * @param sequences the request's number of sequences (n): the iterator ends once that many
+   *     distinct sequences have sent their terminal chunk, or when the call completes; 0 when
+   *     unknown (then only the call's completion ends it)
+   */
+  ChunkIterator(String requestId, boolean raiseRejections, Duration timeout, int sequences) {
     this.requestId = requestId;
     this.raiseRejections = raiseRejections;
     this.timeout = timeout;
+    this.sequences = sequences;
   }
 
   /** The observer to start the call with; it feeds this iterator. */
@@ -109,8 +129,9 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
   }
 
   /**
-   * Waits for the next chunk. Returns false once the call has completed (after the request's
-   * terminal chunk) or after {@link #close()}.
+   * Waits for the next chunk. Returns false once the request has ended and the stream has nothing
+   * more (after the request's terminal chunk; with n &gt; 1, after the terminal chunks of all n
+   * sequences, one per index), or after {@link #close()}.
    *
    * @throws CbserveException when the call failed (e.g. {@link NotFoundException} for an unknown
    *     id, {@link InvalidArgumentException} for a rejected prompt, {@link
@@ -123,7 +144,7 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
       return true;
     }
     while (!ended) {
-      if (closed) {
+      if (closed || (sequences > 0 && endedSequences.cardinality() >= sequences)) {
         ended = true;
         break;
       }
@@ -143,6 +164,9 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
           close();
           ended = true;
           throw rejected;
+        }
+        if (chunk.isFinished() && chunk.index() >= 0 && requestId.equals(chunk.requestId())) {
+          endedSequences.set(chunk.index()); // counted per index: a sequence ends once
         }
         next = chunk;
         return true;

@@ -5,7 +5,10 @@ import java.util.List;
 import java.util.Optional;
 
 /**
- * The whole output of one request ({@link CbserveClient#generate}).
+ * The whole output of one request ({@link CbserveClient#generate}), or of one of its sequences
+ * ({@link CbserveClient#generateN}, with {@link SamplingParams.Builder#n(int) n} &gt; 1: then its
+ * tokens, text, logprobs, finish reason, timings and generated-token count are that sequence's own,
+ * and {@code requestId} the request's, shared by the n).
  *
  * @param requestId the request's id
  * @param tokenIds every generated token id
@@ -28,6 +31,8 @@ import java.util.Optional;
  *     before it); empty otherwise
  * @param promptLogprobs with {@link SamplingParams.Builder#promptLogprobs(int)}: one entry per
  *     prompt token after the first (the first has nothing before it); empty otherwise
+ * @param index which of the request's sequences this is, 0 to n - 1 ({@link
+ *     SamplingParams.Builder#n(int)}); 0 when n = 1
  */
 public record Completion(
     String requestId,
@@ -43,7 +48,8 @@ public record Completion(
     List<Instant> tokenTimestamps,
     Optional<Integer> stopTokenId,
     Optional<String> stopString,
-    List<PromptLogprob> promptLogprobs) {
+    List<PromptLogprob> promptLogprobs,
+    int index) {
 
   /** Copies the lists into immutable ones; a null text becomes empty, a null optional empty. */
   public Completion {

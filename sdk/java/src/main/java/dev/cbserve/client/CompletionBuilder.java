@@ -8,11 +8,13 @@ import java.util.List;
 import java.util.Optional;
 
 /**
- * Assembles a request's chunks, in order, into a {@link Completion}. Tokens are placed by their
- * index: a chunk overlapping tokens already received only adds the new ones; a gap is an error.
+ * Assembles a request's chunks (with n &gt; 1, one sequence's), in order, into a {@link Completion}.
+ * Tokens are placed by their index: a chunk overlapping tokens already received only adds the new
+ * ones; a gap is an error.
  */
 final class CompletionBuilder {
   private final String requestId;
+  private final int index;
   private final int start;
   private int[] tokenIds = new int[16];
   private int tokenCount;
@@ -29,11 +31,13 @@ final class CompletionBuilder {
   private List<PromptLogprob> promptLogprobs = List.of();
 
   CompletionBuilder(String requestId) {
-    this(requestId, 0);
+    this(requestId, 0, 0);
   }
 
-  CompletionBuilder(String requestId, int fromIndex) {
+  /** The builder of sequence {@code index} of a request, from token {@code fromIndex} on. */
+  CompletionBuilder(String requestId, int index, int fromIndex) {
     this.requestId = requestId;
+    this.index = index;
     this.start = fromIndex;
   }
 
@@ -43,7 +47,7 @@ final class CompletionBuilder {
     if (chunk.tokenIndex() > have && count > 0) {
       throw new InternalException(
           Status.Code.DATA_LOSS,
-          "request " + requestId + ": got tokens from index " + chunk.tokenIndex()
+          describe() + ": got tokens from index " + chunk.tokenIndex()
               + ", expected " + have,
           null);
     }
@@ -99,7 +103,8 @@ final class CompletionBuilder {
     if (finishReason == null) {
       throw new InternalException(
           Status.Code.UNKNOWN,
-          "the stream of request " + requestId + " ended before the request finished",
+          "the stream of request " + requestId + " ended before "
+              + (index == 0 ? "the request" : "its sequence " + index) + " finished",
           null);
     }
     return new Completion(
@@ -116,6 +121,12 @@ final class CompletionBuilder {
         timestamps,
         stopTokenId,
         stopString,
-        promptLogprobs);
+        promptLogprobs,
+        index);
+  }
+
+  /** "request ID", or "request ID (sequence I)" past the first sequence. */
+  private String describe() {
+    return "request " + requestId + (index == 0 ? "" : " (sequence " + index + ")");
   }
 }

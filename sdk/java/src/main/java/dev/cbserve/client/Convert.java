@@ -135,7 +135,8 @@ final class Convert {
         c.getStopReasonCase() == Types.GenerationChunk.StopReasonCase.STOP_STRING
             ? Optional.of(c.getStopString())
             : Optional.empty(),
-        promptLogprobs);
+        promptLogprobs,
+        c.getIndex());
   }
 
   private static List<TopLogprob> top(List<Types.TopLogprob> top) {

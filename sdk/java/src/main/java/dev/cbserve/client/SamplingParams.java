@@ -48,6 +48,7 @@ public final class SamplingParams {
   private final int[] stopTokenIds;
   private final Boolean skipSpecialTokens;
   private final Integer promptLogprobs;
+  private final Integer n;
   private final Constraint constraint;
   private final String constraintSpec;
 
@@ -85,6 +86,7 @@ public final class SamplingParams {
     this.stopTokenIds = b.stopTokenIds.clone();
     this.skipSpecialTokens = b.skipSpecialTokens;
     this.promptLogprobs = b.promptLogprobs;
+    this.n = b.n;
     this.constraint = b.constraint;
     this.constraintSpec = b.constraintSpec;
   }
@@ -97,6 +99,11 @@ public final class SamplingParams {
   /** A new builder with every field unset. */
   public static Builder builder() {
     return new Builder();
+  }
+
+  /** The number of sequences set with {@link Builder#n(int)}, or null when unset (the server's 1). */
+  Integer n() {
+    return n;
   }
 
   /** Whether these parameters ask for logprobs (logprobs, or top logprobs above 0). */
@@ -154,6 +161,9 @@ public final class SamplingParams {
     }
     if (promptLogprobs != null) {
       p.setPromptLogprobs(promptLogprobs);
+    }
+    if (n != null) {
+      p.setN(n);
     }
     if (constraint != null) {
       Types.StructuredOutput.Builder so = Types.StructuredOutput.newBuilder();
@@ -256,6 +266,10 @@ public final class SamplingParams {
       s.append(sep).append("promptLogprobs=").append(promptLogprobs);
       sep = ", ";
     }
+    if (n != null) {
+      s.append(sep).append("n=").append(n);
+      sep = ", ";
+    }
     if (constraint == Constraint.JSON_OBJECT) {
       s.append(sep).append("jsonObject");
     } else if (constraint != null) {
@@ -293,6 +307,7 @@ public final class SamplingParams {
     private int[] stopTokenIds = new int[0];
     private Boolean skipSpecialTokens;
     private Integer promptLogprobs;
+    private Integer n;
     private Constraint constraint;
     private String constraintSpec;
 
@@ -539,6 +554,24 @@ public final class SamplingParams {
     }
 
     /**
+     * Parallel sampling: the number of completions to sample from the prompt (OpenAI's and vLLM's
+     * {@code n}). The server computes the prompt once and shares its KV cache; each sequence then
+     * samples, stops and streams on its own ({@link Chunk#index()} says whose a chunk is). With a
+     * {@link #seed(long) seed} s, sequence i samples with seed s + i (mod 2<sup>64</sup>), so it
+     * equals a request of n = 1 seeded with s + i. 1 to {@link SamplingBounds#MAX_N}. Unset: 1.
+     *
+     * <p>Read all n with {@link CbserveClient#generateN(Prompt, int, SamplingParams)} or {@link
+     * CbserveClient#stream(Prompt, SamplingParams)} (the chunks of the sequences interleaved); {@link
+     * CbserveClient#generate(Prompt, SamplingParams)} returns one completion and refuses n &gt; 1.
+     *
+     * @throws IllegalArgumentException when {@code n} is outside [1, {@link SamplingBounds#MAX_N}]
+     */
+    public Builder n(int n) {
+      this.n = checkN(n);
+      return this;
+    }
+
+    /**
      * Constrains the output to instances of this JSON schema (a JSON document, e.g. {@code
      * {"type": "object", "required": ["name"]}}): every token is sampled among those that keep the
      * output a valid prefix, and the request ends once the value is complete. The server compiles
@@ -618,6 +651,15 @@ public final class SamplingParams {
                 + ")");
       }
       return new SamplingParams(this);
+    }
+
+    /** {@code n} when it is a valid number of sequences, else an IllegalArgumentException. */
+    static int checkN(int n) {
+      if (n < 1 || n > SamplingBounds.MAX_N) {
+        throw new IllegalArgumentException(
+            "n (sampling.n) must be in [1, " + SamplingBounds.MAX_N + "], got " + n);
+      }
+      return n;
     }
 
     private static float penalty(String name, double value) {

@@ -548,4 +548,67 @@ class SamplingParamsTest {
     assertTrue(done.stopString().isEmpty());
     assertEquals(Convert.chunk(withPrompt).promptLogprobs(), done.promptLogprobs());
   }
+
+  // -- n (parallel sampling) --
+
+  @Test
+  void nGoesInTheMessageAndUnsetIsNotSent() {
+    SamplingParams params = SamplingParams.builder().maxNewTokens(4).n(3).seed(7).build();
+    Types.SamplingParams proto = params.toProto();
+    assertTrue(proto.hasN());
+    assertEquals(3, proto.getN());
+    assertEquals(7L, proto.getSeed());
+    assertEquals("SamplingParams{maxNewTokens=4, seed=7, n=3}", params.toString());
+    // 1 is a value the caller gave: sent as set.
+    assertTrue(SamplingParams.builder().n(1).build().toProto().hasN());
+    assertFalse(SamplingParams.defaults().toProto().hasN());
+    assertFalse(SamplingParams.builder().maxNewTokens(4).build().toProto().hasN());
+    // The last setting wins.
+    assertEquals(5, SamplingParams.builder().n(2).n(5).build().toProto().getN());
+  }
+
+  @Test
+  void nOutsideTheBoundIsRefused() {
+    int max = SamplingBounds.MAX_N;
+    assertEquals(128, max);
+    assertEquals(
+        "n (sampling.n) must be in [1, " + max + "], got 0",
+        refused(() -> SamplingParams.builder().n(0)));
+    assertEquals(
+        "n (sampling.n) must be in [1, 128], got " + (max + 1),
+        refused(() -> SamplingParams.builder().n(max + 1)));
+    refused(() -> SamplingParams.builder().n(-1));
+    refused(() -> SamplingParams.builder().n(Integer.MIN_VALUE));
+    // A refused setting leaves the earlier one in place.
+    SamplingParams.Builder builder = SamplingParams.builder().n(2);
+    refused(() -> builder.n(max + 1));
+    assertEquals(2, builder.build().toProto().getN());
+    assertEquals(max, SamplingParams.builder().n(max).build().toProto().getN());
+    assertEquals(1, SamplingParams.builder().n(1).build().toProto().getN());
+  }
+
+  @Test
+  void theSequenceIndexIsReadFromTheChunk() {
+    Types.GenerationChunk.Builder base =
+        Types.GenerationChunk.newBuilder()
+            .setRequestId("r")
+            .setStatus(Types.RequestStatus.REQUEST_STATUS_DECODING)
+            .addTokenIds(3);
+    assertEquals(0, Convert.chunk(base.build()).index());
+    Chunk second = Convert.chunk(base.clone().setIndex(2).build());
+    assertEquals(2, second.index());
+    CompletionBuilder completion = new CompletionBuilder("r", 2, 0);
+    completion.add(second);
+    completion.add(
+        Convert.chunk(
+            base.clone()
+                .setIndex(2)
+                .setTokenIndex(1)
+                .setStatus(Types.RequestStatus.REQUEST_STATUS_FINISHED)
+                .setFinishReason(Types.FinishReason.FINISH_REASON_LENGTH)
+                .build()));
+    Completion done = completion.build();
+    assertEquals(2, done.index());
+    assertEquals(List.of(3, 3), done.tokenIds());
+  }
 }
