@@ -42,7 +42,7 @@ from engine.commands import (
     WeightUpdate,
     caller_futures,
 )
-from engine.engine_core import EngineCore, StepResult
+from engine.engine_core import EngineCore, StepResult, run_steps_thread
 from engine.errors import QueueFullError, WeightTransferError
 from engine.kv.events import KVCacheEvent
 from engine.output_router import OutputRouter
@@ -126,8 +126,7 @@ class GenerationLoop:
             self._accepting = True
             self._stop_requested = False
             self._hard_stop_requested = False
-        self._thread = threading.Thread(target=self._run, name="cbserve-engine", daemon=True)
-        self._thread.start()
+        self._thread = run_steps_thread(self._run, self.engine.num_threads, "cbserve-engine")
 
     def request_stop(self, hard: bool) -> None:
         """Refuses new requests; the loop exits once nothing is left, or at once, failing the rest, if

@@ -34,6 +34,7 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "drop_unsupported_processors": True,
     "disable_nccl_graph_mixing": True,
     "cpu_group_timeout": 300.0,
+    "num_threads": None,
     "use_default_compile_configs": None,
     "max_cached_graphs": None,
     "block_size": None,
@@ -100,6 +101,8 @@ INVALID_VALUES: list[tuple[str, Any]] = [
     ("cpu_group_timeout", 0),
     ("cpu_group_timeout", -5.0),
     ("cpu_group_timeout", float("nan")),
+    ("num_threads", 0),
+    ("num_threads", 1.5),
 ]
 
 

@@ -377,3 +377,34 @@ def test_generate_batch_progress_bar_counts_finished_requests(model, capsys):
         continuous_batching_config=ContinuousBatchingConfig(num_blocks=32),
     )
     assert "3/3" in capsys.readouterr().err
+
+
+def test_steps_run_only_on_engine_threads_with_the_configured_thread_count(monkeypatch) -> None:
+    """Warmup and the loop step on threads of their own, each with `num_threads` intra-op threads; the
+    caller's thread never runs a step (its OpenMP team would slow the loop's on the CPU)."""
+    import torch
+
+    model = tiny_model("llama")
+    callers_threads = torch.get_num_threads()
+    config = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=64, num_threads=1)
+    manager = ContinuousBatchingManager(model, continuous_batching_config=config)
+    engine = manager._ensure_engine()
+    seen: list[tuple[str, int]] = []
+    original_step = engine.step
+
+    def step():
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return original_step()
+
+    monkeypatch.setattr(engine, "step", step)
+    try:
+        manager.warmup()
+        manager.start()
+        request_id = manager.add_request(random_prompt(5, 1), max_new_tokens=3)
+        assert manager.get_result(request_id, timeout=60).status == RequestStatus.FINISHED
+    finally:
+        manager.destroy()
+    names = {name for name, _ in seen}
+    assert names == {"cbserve-warmup", "cbserve-engine"}, names
+    assert {threads for _, threads in seen} == {1}
+    assert torch.get_num_threads() == callers_threads
