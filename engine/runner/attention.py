@@ -252,6 +252,8 @@ def _decode_attention(
 ) -> torch.Tensor:
     """A decode-only step on the gather path: one batch covering every packed row in order."""
     rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
+    if len(meta.batches) > 1:  # rows batched by length (engine.runner.inputs.decode_buckets)
+        return _attend_batches(kernel, meta, group, rows, key_cache, value_cache, scale, softcap)
     return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap)[None]
 
 
@@ -270,6 +272,20 @@ def _varlen_attention(
     any compiled graph (which would otherwise recompile for every new count); the projections and MLP
     around it still compile."""
     rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
+    return _attend_batches(kernel, meta, group, rows, key_cache, value_cache, scale, softcap)
+
+
+def _attend_batches(
+    kernel: Kernel,
+    meta: PagedAttentionMetadata,
+    group: int,
+    rows: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Every batch of the step, each filling the rows it names."""
     output = torch.zeros_like(rows)
     for batch in meta.batches:
         attended = attend(kernel, batch, group, rows, key_cache, value_cache, scale, softcap)

@@ -295,6 +295,11 @@ class ForwardPaths:
             else None
         )
 
+    @property
+    def decode_runs_eagerly(self) -> bool:
+        """Whether decode steps run the model as it is: neither compiled nor replayed from a graph."""
+        return self.decode_graphs is None and self.compile_configs["decode"] is None
+
     def drop_cuda_graphs(self) -> None:
         """Forgets every captured graph: they hold raw addresses of the KV cache and the weights, which
         change when sleep frees their memory. Graphs are captured again on first use."""

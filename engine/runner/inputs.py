@@ -117,6 +117,31 @@ class _PackedStep:
         self.tokens.pad_decode_rows(num_rows)
 
 
+# Decode rows are batched together while the longest row's keys are at most this many times the shortest
+# row's, so padding costs at most that factor; a batch of fewer than MIN_DECODE_BUCKET_ROWS rows joins the
+# next (one more attention call costs more than a little padding).
+DECODE_BUCKET_SPREAD = 1.5
+MIN_DECODE_BUCKET_ROWS = 8
+
+
+def decode_buckets(chunks: list[_Chunk]) -> list[list[_Chunk]]:
+    """Decode chunks grouped by key length (their `end`), shortest group first; within a group, in
+    packed-row order (a single group then covers the rows in order, as one unsplit batch does)."""
+    ordered = sorted(chunks, key=lambda chunk: chunk.end)
+    buckets: list[list[_Chunk]] = []
+    for chunk in ordered:
+        bucket = buckets[-1] if buckets else None
+        if bucket is None or (
+            chunk.end > DECODE_BUCKET_SPREAD * bucket[0].end and len(bucket) >= MIN_DECODE_BUCKET_ROWS
+        ):
+            buckets.append([chunk])
+        else:
+            bucket.append(chunk)
+    if len(buckets) > 1 and len(buckets[-1]) < MIN_DECODE_BUCKET_ROWS:
+        buckets[-2].extend(buckets.pop())
+    return [sorted(bucket, key=lambda chunk: chunk.row) for bucket in buckets]
+
+
 class InputBuilder:
     def __init__(
         self,
@@ -131,9 +156,14 @@ class InputBuilder:
         device: torch.device,
         attention_kernel: Callable[..., torch.Tensor] | None = None,
         max_blocks_per_request: int = 0,
+        split_decode_rows: bool = False,
     ) -> None:
         """With `attention_kernel`, steps whose requests hold at most `max_blocks_per_request` blocks take
-        the kernel path (block tables, no gathered keys or masks); other steps gather."""
+        the kernel path (block tables, no gathered keys or masks); other steps gather.
+
+        `split_decode_rows`: on the gather path, an unpadded decode-only step attends its rows in batches of
+        similar lengths (`decode_buckets`) instead of one batch padded to the longest; only for a decode
+        forward that runs eagerly (a compiled or captured one expects one batch)."""
         self.groups = list(groups)
         self.key_caches = key_caches
         self.value_caches = value_caches
@@ -145,6 +175,7 @@ class InputBuilder:
         self.device = device
         self.attention_kernel = attention_kernel
         self.max_blocks_per_request = max_blocks_per_request
+        self.split_decode_rows = split_decode_rows
         # Block tables read during the step being built, by (request id, group); callers never mutate them.
         self._step_tables: dict[tuple[str, int], list[int]] = {}
 
@@ -244,9 +275,13 @@ class InputBuilder:
     def _metadata(
         self, step: _PackedStep, kernel_inputs: KernelInputs | None, keys_interval: int | None
     ) -> PagedAttentionMetadata:
-        batches = []
+        batches: list[AttentionBatch] = []
         if kernel_inputs is None:
-            if step.decode:
+            if step.decode and self.split_decode_rows and keys_interval is None:
+                buckets = decode_buckets(step.decode)
+                covers_all_rows = step.is_decode_only and len(buckets) == 1
+                batches.extend(self._batch(bucket, None, covers_all_rows) for bucket in buckets)
+            elif step.decode:
                 batches.append(self._batch(step.decode, keys_interval, covers_all_rows=step.is_decode_only))
             batches.extend(self._batch([chunk], None, covers_all_rows=False) for chunk in step.prefill)
         num_rows = len(step.tokens.input_ids)

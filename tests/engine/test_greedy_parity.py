@@ -122,3 +122,31 @@ def test_generate_batch_returns_outputs_in_input_order_equal_to_generate(full_at
     for prompt, output in zip(prompts, outputs.values(), strict=True):
         assert output.prompt_ids == prompt
         assert output.generated_tokens == reference_greedy(full_attention_model, prompt, 10)
+
+
+def test_decode_rows_batched_by_length_keep_parity(full_attention_model, monkeypatch):
+    """Decode rows of very different lengths are attended in batches of similar lengths (eager decode on
+    the gather path); the tokens stay `generate`'s."""
+    from engine.runner import inputs
+
+    batch_counts: list[int] = []
+    split = inputs.decode_buckets
+
+    def counted(chunks):
+        buckets = split(chunks)
+        batch_counts.append(len(buckets))
+        assert sorted(chunk.row for bucket in buckets for chunk in bucket) == sorted(
+            chunk.row for chunk in chunks
+        )
+        for bucket in buckets:
+            assert [chunk.row for chunk in bucket] == sorted(chunk.row for chunk in bucket)
+        return buckets
+
+    monkeypatch.setattr(inputs, "decode_buckets", counted)
+    lengths = (2, 3, 5, 8, 11, 14, 18, 23, 30, 40, 52, 66, 85, 110, 140, 180, 230, 290, 350, 420)
+    prompts = [random_prompt(length, seed=2000 + length) for length in lengths]
+    new_tokens = [6] * len(prompts)
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=4096)
+    generated, _ = _run(full_attention_model, prompts, new_tokens, config)
+    _assert_parity(full_attention_model, prompts, new_tokens, generated)
+    assert max(batch_counts) >= 2, batch_counts
