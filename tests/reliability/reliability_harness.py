@@ -122,6 +122,16 @@ def final_outcome(client: Client, request_id: str) -> Outcome:
     return read_to_end(client.results(request_id, timeout=REQUEST_TIMEOUT_S))
 
 
+def final_outcomes(client: Client, request_id: str) -> dict[int, Outcome]:
+    """Every sequence of a request (one unless it has n > 1), by index, read back with StreamResults
+    until the call ends, which it does once every sequence has ended."""
+    outcomes: dict[int, Outcome] = {}
+    with client.results(request_id, timeout=REQUEST_TIMEOUT_S) as stream:
+        for chunk in stream:
+            outcomes.setdefault(chunk.index, Outcome(request_id)).add(chunk)
+    return outcomes
+
+
 def mismatch(entry: PoolEntry, outcome: Outcome) -> str | None:
     """Why `outcome` is not the completed greedy output of `entry` run alone, or None when it is."""
     want = ("finished", "length", entry.expected, len(entry.prompt))

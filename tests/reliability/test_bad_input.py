@@ -18,7 +18,7 @@ from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
-from reliability_harness import PoolEntry, final_outcome, mismatch, read_to_end, report
+from reliability_harness import PoolEntry, final_outcomes, mismatch, read_to_end, report
 
 from tests.conftest import VOCAB_SIZE, tiny_model
 from tests.service.service_harness import (
@@ -461,8 +461,9 @@ def test_a_thousand_bad_requests_each_get_their_status_code_and_the_server_stays
 
         assert tally.examples >= MIN_EXAMPLES
         unfinished = [
-            (outcome.request_id, outcome.status, outcome.error)
-            for outcome in (final_outcome(client, request_id) for request_id in sorted(tally.running_to_end))
+            (request_id, index, outcome.status, outcome.error)
+            for request_id in sorted(tally.running_to_end)
+            for index, outcome in final_outcomes(client, request_id).items()
             if outcome.status != "finished"
         ]
         assert not unfinished, f"accepted requests that did not finish: {unfinished[:5]}"
