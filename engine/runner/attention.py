@@ -250,11 +250,10 @@ def _decode_attention(
     scaling: float | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """A decode-only step on the gather path: one batch covering every packed row in order."""
+    """A decode-only step on the gather path: its rows in one batch, or in batches of similar length
+    (engine.runner.inputs.decode_buckets) when the step runs eagerly."""
     rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
-    if len(meta.batches) > 1:  # rows batched by length (engine.runner.inputs.decode_buckets)
-        return _attend_batches(kernel, meta, group, rows, key_cache, value_cache, scale, softcap)
-    return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap)[None]
+    return _attend_batches(kernel, meta, group, rows, key_cache, value_cache, scale, softcap)
 
 
 @torch.compiler.disable
@@ -285,7 +284,10 @@ def _attend_batches(
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """Every batch of the step, each filling the rows it names."""
+    """Every batch of the step, each filling the rows it names; a lone batch covering every row in order
+    (`output_rows` None) is the output itself."""
+    if len(meta.batches) == 1 and meta.batches[0].output_rows is None:
+        return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap)[None]
     output = torch.zeros_like(rows)
     for batch in meta.batches:
         attended = attend(kernel, batch, group, rows, key_cache, value_cache, scale, softcap)

@@ -7,6 +7,7 @@ import static org.junit.jupiter.api.Assertions.assertTrue;
 
 import java.util.ArrayList;
 import java.util.List;
+import java.util.Optional;
 import java.util.concurrent.TimeUnit;
 import org.junit.jupiter.api.Test;
 
@@ -82,6 +83,8 @@ class GenerateTest extends ServerTest {
     Completion cut = client.generate(Prompt.text("Hello"), params);
     assertEquals(FinishReason.STOP, cut.finishReason(), "full output: " + text);
     assertEquals(expected, cut.text(), "stop " + stop + " in " + text);
+    assertEquals(Optional.of(stop), cut.stopString());
+    assertEquals(Optional.empty(), cut.stopTokenId());
     assertTrue(cut.tokenIds().size() < 24, cut.tokenIds().toString());
     assertEquals(full.tokenIds().subList(0, cut.tokenIds().size()), cut.tokenIds());
 
@@ -97,6 +100,8 @@ class GenerateTest extends ServerTest {
     }
     assertEquals(expected, streamed.toString());
     assertEquals(FinishReason.STOP, last.finishReason());
+    assertEquals(Optional.of(stop), last.stopString());
+    assertEquals(Optional.empty(), last.stopTokenId());
   }
 
   @Test

@@ -81,33 +81,6 @@ class SamplingFieldsTest extends ServerTest {
   }
 
   @Test
-  void aStopStringIsReportedAsTheStopString() {
-    assertTrue(client.modelInfo().hasTokenizer(), "the test model has a tokenizer");
-    Completion full = client.generate(Prompt.text("Hello"), greedy(24));
-    String text = full.text();
-    int middle = text.offsetByCodePoints(0, text.codePointCount(0, text.length()) / 2);
-    String stop = text.substring(middle, text.offsetByCodePoints(middle, 1));
-    SamplingParams params =
-        SamplingParams.builder()
-            .maxNewTokens(24)
-            .temperature(0)
-            .ignoreEos(true)
-            .stop("not in the output", stop)
-            .build();
-
-    Completion cut = client.generate(Prompt.text("Hello"), params);
-    assertEquals(FinishReason.STOP, cut.finishReason(), "full output: " + text);
-    assertEquals(text.substring(0, text.indexOf(stop)), cut.text());
-    assertEquals(Optional.of(stop), cut.stopString());
-    assertEquals(Optional.empty(), cut.stopTokenId());
-
-    Chunk last = lastChunk(client.stream(Prompt.text("Hello"), params));
-    assertEquals(FinishReason.STOP, last.finishReason());
-    assertEquals(Optional.of(stop), last.stopString());
-    assertEquals(Optional.empty(), last.stopTokenId());
-  }
-
-  @Test
   void stopTokenIdsAtOrAboveTheVocabularyAreRefusedByTheServer() {
     SamplingParams params =
         SamplingParams.builder().maxNewTokens(4).stopTokenIds(CbserveServer.VOCAB_SIZE).build();
