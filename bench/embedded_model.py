@@ -15,6 +15,12 @@ Run from the repository root (the first run converts the embedded model, about a
 
 from __future__ import annotations
 
+# isort: off
+# First, before torch loads libgomp: importing the server package sets its OpenMP defaults
+# (service/openmp.py), so the in-process engines here run as the server's does.
+import service  # noqa: F401
+
+# isort: on
 import argparse
 import json
 import os
@@ -27,7 +33,7 @@ import torch
 from transformers import GenerationConfig
 
 import engine
-from bench.offline_throughput import EngineOptions, transformers_cb_config
+from bench.offline_throughput import EngineOptions, on_own_thread, transformers_cb_config
 from service.default_model import ensure_default_model
 from service.engine_host import load_pretrained
 
@@ -134,19 +140,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     load_at_start = os.getloadavg()[0]
-    model, tokenizer = load_pretrained(ensure_default_model(), "cpu", args.dtype)
+    model, tokenizer = on_own_thread(load_pretrained, ensure_default_model(), "cpu", args.dtype)
     model.eval()
     prompts = chat_prompts(tokenizer, args.requests)
     config = greedy_config(model, args.max_new_tokens)
-    expected = reference(model, prompts, config)
+    # Every torch call runs on a thread that ends with it (see `on_own_thread`).
+    expected = on_own_thread(reference, model, prompts, config)
     for name in args.engines:  # untimed warmup on a few prompts
-        run_engine(name, model, prompts[:4], config)
+        on_own_thread(run_engine, name, model, prompts[:4], config)
     wall: dict[str, list[float]] = {name: [] for name in args.engines}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
         for name in args.engines:
             start = time.perf_counter()
-            tokens = run_engine(name, model, prompts, config)
+            tokens = on_own_thread(run_engine, name, model, prompts, config)
             wall[name].append(time.perf_counter() - start)
             outputs.setdefault(name, tokens)
     records: list[dict[str, Any]] = []

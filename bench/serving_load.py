@@ -23,6 +23,12 @@ not pass/fail.
 
 from __future__ import annotations
 
+# isort: off
+# First, before torch loads libgomp: importing the server package sets its OpenMP defaults
+# (service/openmp.py), so the in-process engines here run as the server's does.
+import service  # noqa: F401
+
+# isort: on
 import argparse
 import asyncio
 import contextlib
