@@ -155,12 +155,11 @@ def on_own_thread(function: Callable[..., Result], *args: Any, **kwargs: Any) ->
     """`function(*args, **kwargs)` run on a thread that ends with it; its exception is raised here.
 
     libgomp (torch's OpenMP on Linux) keeps a team of worker threads for every thread that ran a parallel
-    region, for as long as that thread lives. Once the process holds more OpenMP threads than cores, each
-    team stops spinning between regions and sleeps, so every one of a step's hundreds of small parallel
-    regions pays a wake-up: measured here, a small elementwise op on the engine thread took 80-120 us
-    instead of 9 us, and SmolLM2 generation ran at about 100 tokens/s instead of 150. Model building,
-    the matmul probe and the static peer would leave the main thread's team behind and slow every engine
-    timed after them; a thread that exits takes its team with it, as a server's idle main thread does.
+    region, for as long as that thread lives, and a team left on the main thread (by model building, the
+    matmul probe, the static peer or a reference `generate`) slowed every engine timed after it: SmolLM2
+    generated about 100 tokens/s instead of 150-190 here, with or without the OpenMP settings of
+    `service/openmp.py`. A thread that exits takes its team with it. (Loading a checkpoint with
+    `from_pretrained` on the main thread, as the server does, did not slow the engine.)
     """
     outcome: dict[str, Any] = {}
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from bench.offline_throughput import MODEL_PRESETS, build_model, make_prompts
+from bench.offline_throughput import MODEL_PRESETS, build_model, make_prompts, on_own_thread
 from bench.smg_gateway import SmgGateway
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager
 
@@ -395,7 +395,8 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     modes = [mode for mode in MODES if mode in args.modes]
     rates = [math.inf if rate.strip() == "inf" else float(rate) for rate in args.rates.split(",")]
     tokenizer = load_tokenizer()
-    model = build_serving_model(args.model, len(tokenizer))
+    # Torch work on threads that end (see `on_own_thread`): the in-process engine runs in this process.
+    model = on_own_thread(build_serving_model, args.model, len(tokenizer))
     prompts, texts = make_text_prompts(tokenizer, args)
     records: list[dict[str, Any]] = []
     config = ContinuousBatchingConfig(
@@ -431,7 +432,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 raise RuntimeError(f"{len(failed)} warmup requests failed through the gateway: {failed[0]}")
         manager: ContinuousBatchingManager | None = None
         if "in_process" in modes:
-            manager = ContinuousBatchingManager(model, continuous_batching_config=config)
+            manager = on_own_thread(ContinuousBatchingManager, model, continuous_batching_config=config)
             running.callback(manager.destroy)
             manager.warmup()
             manager.start()
