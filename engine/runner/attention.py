@@ -179,9 +179,8 @@ def paged_attention(
     if paged_metadata.kernel_inputs is not None:
         in_place = _kernel_attention if paged_metadata.is_decode_only else _varlen_kernel_attention
         return in_place(module, query, key, value, paged_metadata, scaling, softcap), None
-    if not paged_metadata.is_decode_only:
-        return _varlen_attention(kernel, module, query, key, value, paged_metadata, scaling, softcap), None
-    return _decode_attention(kernel, module, query, key, value, paged_metadata, scaling, softcap), None
+    gathered = _gather_attention if paged_metadata.is_decode_only else _varlen_gather_attention
+    return gathered(kernel, module, query, key, value, paged_metadata, scaling, softcap), None
 
 
 def _write_caches(
@@ -235,12 +234,13 @@ def _kernel_attention(
     )[None]
 
 
-# Steps with prefill chunks run their attention outside any compiled graph, on either path: their tile
-# count changes every step (see `_varlen_attention`).
+# Steps with prefill chunks run their attention outside any compiled graph, on either path: their chunk
+# (or tile) count changes every step, and a compiled graph would recompile for every new count; the
+# projections and MLP around it still compile.
 _varlen_kernel_attention = torch.compiler.disable(_kernel_attention)
 
 
-def _decode_attention(
+def _gather_attention(
     kernel: Kernel,
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -250,42 +250,11 @@ def _decode_attention(
     scaling: float | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """A decode-only step on the gather path: its rows in one batch, or in batches of similar length
-    (engine.runner.inputs.decode_buckets) when the step runs eagerly."""
+    """The gather path: every batch of the step, each filling the rows it names. A decode-only step has one
+    batch covering every row in order (`output_rows` None), which is the output itself, or, run eagerly,
+    batches of similar length (engine.runner.inputs.decode_buckets); a step with prefill chunks has one
+    batch per chunk besides its decode rows."""
     rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
-    return _attend_batches(kernel, meta, group, rows, key_cache, value_cache, scale, softcap)
-
-
-@torch.compiler.disable
-def _varlen_attention(
-    kernel: Kernel,
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    meta: PagedAttentionMetadata,
-    scaling: float | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """Steps with prefill chunks: one batch per chunk, a count that changes every step. It runs outside
-    any compiled graph (which would otherwise recompile for every new count); the projections and MLP
-    around it still compile."""
-    rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
-    return _attend_batches(kernel, meta, group, rows, key_cache, value_cache, scale, softcap)
-
-
-def _attend_batches(
-    kernel: Kernel,
-    meta: PagedAttentionMetadata,
-    group: int,
-    rows: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    scale: float,
-    softcap: float | None,
-) -> torch.Tensor:
-    """Every batch of the step, each filling the rows it names; a lone batch covering every row in order
-    (`output_rows` None) is the output itself."""
     if len(meta.batches) == 1 and meta.batches[0].output_rows is None:
         return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap)[None]
     output = torch.zeros_like(rows)
@@ -293,6 +262,9 @@ def _attend_batches(
         attended = attend(kernel, batch, group, rows, key_cache, value_cache, scale, softcap)
         output.index_copy_(0, batch.output_rows, attended)  # type: ignore[arg-type]
     return output[None]
+
+
+_varlen_gather_attention = torch.compiler.disable(_gather_attention)
 
 
 def attend(

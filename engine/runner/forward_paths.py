@@ -6,7 +6,7 @@ Steps take one of two paths, as in transformers' continuous batching:
   whole forward compiles as one graph and can be captured in a CUDA graph. When graphs or static
   shapes are on, the step is padded (`engine.runner.inputs`) so a bounded set of shapes recurs.
 - varlen: prefill chunks, possibly mixed with decode rows. Chunk count and lengths change every step,
-  so attention runs outside any compiled graph (`attention._varlen_attention`) and only the layers
+  so attention runs outside any compiled graph (`attention._varlen_gather_attention`) and only the layers
   around it compile. On the kernel path (`max_blocks_per_request`) one launch serves any mix of chunks,
   so with varlen CUDA graphs on, the step is padded to a bounded set of (tokens, requests) shapes and
   replays a graph captured for its shape.
