@@ -24,6 +24,7 @@ import service  # noqa: F401
 # isort: on
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -31,7 +32,6 @@ import platform
 import random
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -48,6 +48,7 @@ from transformers import (
 )
 
 import engine
+from engine.engine_core import call_on_steps_thread
 
 BENCH_NAME = "offline_throughput"
 ENGINES = ("cbserve", "transformers_cb", "static", "cbserve_defaults")
@@ -161,20 +162,8 @@ def on_own_thread(function: Callable[..., Result], *args: Any, **kwargs: Any) ->
     `service/openmp.py`. A thread that exits takes its team with it. (Loading a checkpoint with
     `from_pretrained` on the main thread, as the server does, did not slow the engine.)
     """
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = function(*args, **kwargs)
-        except BaseException as error:
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, name=f"bench-{getattr(function, '__name__', 'task')}")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]  # type: ignore[no-any-return]
+    name = f"bench-{getattr(function, '__name__', 'task')}"
+    return call_on_steps_thread(functools.partial(function, *args, **kwargs), torch.get_num_threads(), name)
 
 
 def build_model(

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +30,8 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import GrammarCompiler, accept_token, is_complete
 
 logger = logging.getLogger(__name__)
+
+Result = TypeVar("Result")
 
 
 @dataclass
@@ -415,6 +417,23 @@ def run_steps_thread(target: Callable[[], None], num_threads: int, name: str) ->
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     return thread
+
+
+def call_on_steps_thread(function: Callable[[], Result], num_threads: int, name: str) -> Result:
+    """`function()` on a thread of `run_steps_thread`'s, waited for: its result is returned and its
+    exception raised here. The thread ends with the call, and its OpenMP team with it."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = function()
+        except BaseException as error:
+            outcome["error"] = error
+
+    run_steps_thread(run, num_threads, name).join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 
 from engine.commands import PauseHandle, PauseMode
 from engine.config import ContinuousBatchingConfig
-from engine.engine_core import EngineCore, cb_attention_implementation, run_steps_thread
+from engine.engine_core import EngineCore, call_on_steps_thread, cb_attention_implementation
 from engine.kv.events import KVCacheEvent
 from engine.lockstep import LockstepDriverLoop, LockstepFollowerLoop
 from engine.loop import IDLE_WAIT_S, GenerationLoop
@@ -138,28 +138,19 @@ class ContinuousBatchingManager(WeightsAndMemory):
             # A step runs collectives that every rank must join, and only the loop keeps ranks in step.
             logger.info("warmup() is skipped under tensor parallelism: the first steps warm the engine")
             return
-        failures: list[BaseException] = []
 
         def warm() -> None:
             # Two requests of different lengths: a varlen step, then decode steps of two rows and of one, so
             # a compiled forward has met every shape class (dynamic compilation specialises size 1) before
             # real requests arrive.
-            try:
-                for index, num_tokens in enumerate((2, 3)):
-                    engine.add_request(
-                        Request(
-                            f"__warmup_{index}__", [0] * num_tokens, SamplingParams(max_new_tokens=num_tokens)
-                        )
-                    )
-                while engine.has_unfinished_requests():
-                    engine.step()
-                engine.runner.capture_decode_graphs(engine.max_requests_per_batch)
-            except BaseException as exc:
-                failures.append(exc)
+            for index, num_tokens in enumerate((2, 3)):
+                sampling = SamplingParams(max_new_tokens=num_tokens)
+                engine.add_request(Request(f"__warmup_{index}__", [0] * num_tokens, sampling))
+            while engine.has_unfinished_requests():
+                engine.step()
+            engine.runner.capture_decode_graphs(engine.max_requests_per_batch)
 
-        run_steps_thread(warm, engine.num_threads, "cbserve-warmup").join()
-        if failures:
-            raise failures[0]
+        call_on_steps_thread(warm, engine.num_threads, "cbserve-warmup")
         engine.kv_cache_manager.reset_prefix_cache()
         engine.kv_cache_manager.prefix_cache_stats.queried_tokens = 0
         engine.kv_cache_manager.prefix_cache_stats.hit_tokens = 0
