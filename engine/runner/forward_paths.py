@@ -43,6 +43,8 @@ DEFAULT_TOKENS_PADDING_INTERVAL = 256
 MAX_VARLEN_GRAPH_TOKENS = 512
 # Graphs each path may hold; a step of a new shape past it runs without one (its shape is not captured).
 MAX_GRAPHS_PER_PATH = 256
+# The CPU kernel's table width when the config sets none: any request's table fits.
+ANY_TABLE_WIDTH = 1 << 31
 # Compilations each path may hold (torch's default is 8): one per padded shape with static shapes.
 RECOMPILE_LIMIT = 256
 
@@ -263,8 +265,9 @@ class ForwardPaths:
             else compile_function(eager[path], compile_config, path)
             for path, compile_config in self.compile_configs.items()
         }
-        self.attention_kernel = load_attention_kernel(config, device)
-        self.max_blocks_per_request = config.max_blocks_per_request or 0
+        self.attention_kernel, self.max_blocks_per_request = load_attention_kernel(
+            config, device, next(model.parameters()).dtype
+        )
         varlen_graphs, decode_graphs = use_cuda_graphs(
             config, device, model, self.attention_kernel is not None
         )
@@ -362,25 +365,36 @@ def use_cuda_graphs(
 
 
 def load_attention_kernel(
-    config: ContinuousBatchingConfig, device: torch.device
-) -> Callable[..., torch.Tensor] | None:
-    """The paged attention kernel (`paged_attention_kernel`) when the config asks for it and it can run here.
+    config: ContinuousBatchingConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[Callable[..., torch.Tensor] | None, int]:
+    """The paged attention kernel for this device, when there is one, and the widest block table it takes.
 
-    Only a positive `max_blocks_per_request` turns it on (None means off). It runs on CUDA, or on any
-    device under TRITON_INTERPRET=1 (how the tests run it on the CPU).
+    On the CPU it is the C kernel (`paged_attention_cpu`), on unless `max_blocks_per_request` is 0, and
+    taking tables of any width unless the config gives one. Elsewhere it is the Triton kernel
+    (`paged_attention_kernel`), which only a positive `max_blocks_per_request` turns on; it runs on CUDA,
+    and on the CPU under TRITON_INTERPRET=1 when asked for by a positive width (how its tests run it).
     """
-    if not config.max_blocks_per_request:
-        return None
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    width = config.max_blocks_per_request
+    if width == 0:
+        return None, 0
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cpu" and not (interpreted and width):
+        from engine.runner import paged_attention_cpu
+
+        kernel = paged_attention_cpu.load(dtype)
+        return (kernel, width or ANY_TABLE_WIDTH) if kernel is not None else (None, 0)
+    if not width:
+        return None, 0
+    if device.type != "cuda" and not interpreted:
         logger.warning(
-            "max_blocks_per_request: the attention kernel needs CUDA (or TRITON_INTERPRET=1); the model "
-            "is on %s, so steps gather their keys",
+            "max_blocks_per_request: the Triton attention kernel needs CUDA (or TRITON_INTERPRET=1); the "
+            "model is on %s, so steps gather their keys",
             device,
         )
-        return None
+        return None, 0
     try:
         from engine.runner.paged_attention_kernel import paged_attention
     except ImportError as error:
         logger.warning("max_blocks_per_request: Triton is not usable (%s); steps gather their keys", error)
-        return None
-    return paged_attention
+        return None, 0
+    return paged_attention, width

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.runner.attention import kernel_queries_and_output
+
 # Keys per tile of the key loop. A tile may span pages: each key finds its own page in the block table.
 KEYS_PER_TILE = 32
 # Queries per tile in steps with prefill chunks; decode-only steps use one.
@@ -185,9 +187,7 @@ def paged_attention(
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     num_kv_heads = key_cache.shape[1]
     group_size = num_heads // num_kv_heads
-    if queries.stride(2) != 1:
-        queries = queries.contiguous()
-    output = torch.zeros_like(queries) if has_unowned_rows else torch.empty_like(queries)
+    queries, output = kernel_queries_and_output(queries, has_unowned_rows)
     block_group = triton.next_power_of_2(group_size)
     block_dim = triton.next_power_of_2(head_dim)
     use_dot = queries_per_tile * block_group >= MIN_DOT_SIZE and block_dim >= MIN_DOT_SIZE

@@ -6,14 +6,14 @@ import os
 
 import pytest
 
-from service import default_model
+import engine
 from service.default_model import ensure_default_model
 
 
 @pytest.fixture(scope="session")
 def cache_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     """`$CBSERVE_CACHE_DIR` when set (a model converted there before is reused), else a session folder."""
-    return os.environ.get(default_model.CACHE_DIR_ENV) or str(tmp_path_factory.mktemp("cbserve-cache"))
+    return os.environ.get(engine.CACHE_DIR_ENV) or str(tmp_path_factory.mktemp("cbserve-cache"))
 
 
 @pytest.fixture(scope="session")

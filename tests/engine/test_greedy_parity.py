@@ -45,21 +45,34 @@ def _assert_parity(model, prompts, new_tokens, generated):
         )
 
 
+# The device's default attention (on the CPU, its C kernel reading pages in place) and the gather path.
+ATTENTION_PATHS = pytest.mark.parametrize("max_blocks_per_request", [None, 0], ids=["default", "gather"])
+
+
+@ATTENTION_PATHS
 @pytest.mark.parametrize("page_size", [4, 16, 256])
-def test_greedy_parity_across_prompt_lengths_and_page_sizes(full_attention_model, page_size):
+def test_greedy_parity_across_prompt_lengths_and_page_sizes(
+    full_attention_model, page_size, max_blocks_per_request
+):
     prompts = [random_prompt(length, seed=length) for length in PROMPT_LENGTHS]
     config = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=4096 // page_size + 8, max_batch_tokens=512
+        page_size=page_size,
+        num_blocks=4096 // page_size + 8,
+        max_batch_tokens=512,
+        max_blocks_per_request=max_blocks_per_request,
     )
     generated, _ = _run(full_attention_model, prompts, list(NEW_TOKENS), config)
     _assert_parity(full_attention_model, prompts, NEW_TOKENS, generated)
 
 
-def test_greedy_parity_with_chunked_prefill(full_attention_model):
+@ATTENTION_PATHS
+def test_greedy_parity_with_chunked_prefill(full_attention_model, max_blocks_per_request):
     prompts = [random_prompt(length, seed=1000 + length) for length in (300, 97, 45, 250)]
     new_tokens = [12, 20, 30, 9]
     # A 32-token budget splits every long prompt over many steps, interleaved with decodes.
-    config = ContinuousBatchingConfig(page_size=16, num_blocks=128, max_batch_tokens=32)
+    config = ContinuousBatchingConfig(
+        page_size=16, num_blocks=128, max_batch_tokens=32, max_blocks_per_request=max_blocks_per_request
+    )
     generated, _ = _run(full_attention_model, prompts, new_tokens, config)
     _assert_parity(full_attention_model, prompts, new_tokens, generated)
 
@@ -146,7 +159,9 @@ def test_decode_rows_batched_by_length_keep_parity(full_attention_model, monkeyp
     lengths = (2, 3, 5, 8, 11, 14, 18, 23, 30, 40, 52, 66, 85, 110, 140, 180, 230, 290, 350, 420)
     prompts = [random_prompt(length, seed=2000 + length) for length in lengths]
     new_tokens = [6] * len(prompts)
-    config = ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=4096)
+    config = ContinuousBatchingConfig(
+        page_size=16, num_blocks=512, max_batch_tokens=4096, max_blocks_per_request=0
+    )
     generated, _ = _run(full_attention_model, prompts, new_tokens, config)
     _assert_parity(full_attention_model, prompts, new_tokens, generated)
     assert max(batch_counts) >= 2, batch_counts

@@ -24,6 +24,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.parallel",
         "engine.weight_transfer",
         "engine.cuda_ipc",
+        "engine.cache_root",
         # Plain records of host-resident blocks, which a request carries while preempted.
         "engine.kv.offload",
     },
@@ -44,6 +45,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.runner",
         "engine.runner.attention",
         "engine.runner.paged_attention_kernel",
+        "engine.runner.paged_attention_cpu",
         "engine.runner.padding",
         "engine.runner.inputs",
         "engine.runner.kv_cache",

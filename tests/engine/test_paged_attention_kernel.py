@@ -1,8 +1,9 @@
-"""The kernel path: cbserve's Triton kernel reading keys in place through block tables, for decode-only
-steps and steps with prefill chunks alike.
+"""The kernel path: a kernel reading keys in place through block tables, for decode-only steps and steps
+with prefill chunks alike. Every test runs for both kernels: cbserve's Triton kernel and its C kernel
+for the CPU (engine.runner.paged_attention_cpu).
 
-On the CPU the kernel runs under Triton's interpreter; with CBSERVE_TEST_DEVICE=cuda (bench/gpu_check.sh)
-it is compiled and run on the GPU.
+On the CPU the Triton kernel runs under Triton's interpreter; with CBSERVE_TEST_DEVICE=cuda
+(bench/gpu_check.sh) it is compiled and run on the GPU, and the CPU kernel's cases are skipped.
 """
 
 from __future__ import annotations
@@ -19,10 +20,20 @@ from tests.conftest import TEST_DEVICE, assert_greedy_parity, generate_greedy, r
 pytest.importorskip("triton")
 
 
-@pytest.fixture(scope="module")
-def kernel_module() -> object:
-    """The kernel module: compiled on a GPU, interpreted on the CPU (tests/conftest.py sets
-    TRITON_INTERPRET=1 before triton is first imported)."""
+@pytest.fixture(params=["triton", "cpu"])
+def kernel_module(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The kernel's module. Triton's is compiled on a GPU and interpreted on the CPU (tests/conftest.py
+    sets TRITON_INTERPRET=1 before triton is first imported); the CPU kernel is chosen for a positive
+    max_blocks_per_request once the interpreter is off."""
+    if request.param == "cpu":
+        if TEST_DEVICE.type != "cpu":
+            pytest.skip("the C kernel serves CPU tensors; this run is on " + TEST_DEVICE.type)
+        from engine.runner import paged_attention_cpu
+
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        if paged_attention_cpu.load(torch.float32) is None:
+            pytest.fail("the CPU attention kernel did not build (is a C compiler installed? see the log)")
+        return paged_attention_cpu
     if TEST_DEVICE.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.fail("on the CPU these tests need TRITON_INTERPRET=1 from tests/conftest.py")
     import engine.runner.paged_attention_kernel as module
@@ -222,17 +233,22 @@ def test_requests_wider_than_max_blocks_per_request_gather_instead(kernel_module
     assert calls == []
 
 
-@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="checks the warning on a device without CUDA")
-def test_kernel_asked_for_on_the_cpu_without_the_interpreter_warns(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+def test_triton_kernel_runs_on_the_cpu_only_interpreted_and_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Without the interpreter, or without a positive width, the CPU gets its C kernel instead (see
+    tests/engine/test_paged_attention_cpu.py); width 0 turns every kernel off."""
+    from engine.runner import paged_attention_cpu
     from engine.runner.forward_paths import load_attention_kernel
+    from engine.runner.paged_attention_kernel import paged_attention
 
+    cpu = torch.device("cpu")
+    asked = ContinuousBatchingConfig(max_blocks_per_request=16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert load_attention_kernel(asked, cpu, torch.float32) == (paged_attention, 16)
+    assert load_attention_kernel(ContinuousBatchingConfig(max_blocks_per_request=0), cpu, torch.float32) == (
+        None,
+        0,
+    )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with caplog.at_level("WARNING", logger="engine.runner.forward_paths"):
-        kernel = load_attention_kernel(
-            ContinuousBatchingConfig(max_blocks_per_request=16), torch.device("cpu")
-        )
-    assert kernel is None
-    assert "the attention kernel needs CUDA" in caplog.text
-    assert load_attention_kernel(ContinuousBatchingConfig(), torch.device("cpu")) is None
+    assert load_attention_kernel(asked, cpu, torch.float32) == (paged_attention_cpu.paged_attention, 16)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service import default_model
+import engine
 from service.default_model import ensure_default_model
 from tests.gateway.gateway_harness import Gateway, save_tiny_model_with_tokenizer
 from tests.service.service_harness import ServerProcess, serving_replicas
@@ -20,7 +20,7 @@ PAGE_SIZE = "16"
 @pytest.fixture(scope="session")
 def embedded_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The embedded SmolLM2, converted once (reused from `$CBSERVE_CACHE_DIR` when it is there)."""
-    cache_root = os.environ.get(default_model.CACHE_DIR_ENV) or str(tmp_path_factory.mktemp("cbserve-cache"))
+    cache_root = os.environ.get(engine.CACHE_DIR_ENV) or str(tmp_path_factory.mktemp("cbserve-cache"))
     return ensure_default_model(cache_root)
 
 

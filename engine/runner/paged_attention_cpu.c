@@ -1,0 +1,308 @@
+/* Paged attention on the CPU, reading keys and values in place through block tables.
+
+   The same contract as the Triton kernel (engine/runner/paged_attention_kernel.py): request r owns packed
+   query rows query_starts[r] .. query_starts[r + 1] - 1, the last of its seq_lens[r] positions, and finds
+   its keys through row r of the block table; each query attends causally, within the sliding window, to
+   its own request's keys. A tile is up to queries_per_tile consecutive queries of one request
+   (tile_requests[p] = -1: a padding tile, skipped).
+
+   One OpenMP task per tile, covering every head: a key's slot holds all KV heads side by side, so the
+   tile reads each slot it needs once, front to back, which is what keeps this memory-bound loop near the
+   machine's bandwidth. The gather path it replaces copies every key into a dense tensor, then reads the
+   copy again, and builds a mask as large as the scores.
+
+   The softmax is the online one, a chunk of keys at a time, in fp32 whatever the cache dtype. Built with
+   the process's own OpenMP runtime (torch's libgomp), so its parallel region reuses torch's worker team
+   instead of starting a second one on the same cores. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Keys per step of the online softmax: enough to amortise the rescaling, few enough for the stack. */
+#define KEYS_PER_CHUNK 32
+/* Floats per vector register on AVX-512; on narrower machines the compiler splits each such loop. */
+#define LANES 16
+
+enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
+
+static inline float bfloat16_to_float(uint16_t value) {
+    uint32_t bits = (uint32_t)value << 16;
+    float result;
+    memcpy(&result, &bits, sizeof result);
+    return result;
+}
+
+static inline uint16_t float_to_bfloat16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);                                           /* nearest, ties even */
+    return (uint16_t)(bits >> 16);
+}
+
+/* exp(x) for x <= 0, which is all the softmax needs (scores minus their running maximum):
+   2^n * 2^f, f in [-0.5, 0.5], with 2^f from its degree-7 Taylor polynomial (relative error < 2e-7).
+   Inline arithmetic rather than expf, so that the loops calling it vectorise. */
+static inline float exp_nonpositive(float x) {
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float t = clamped * 1.44269504088896341f;
+    const float n = rintf(t);
+    const float f = t - n;
+    float p = 1.52527338e-5f;
+    p = p * f + 1.54035304e-4f;
+    p = p * f + 1.33335581e-3f;
+    p = p * f + 9.61812911e-3f;
+    p = p * f + 5.55041087e-2f;
+    p = p * f + 2.40226507e-1f;
+    p = p * f + 6.93147181e-1f;
+    p = p * f + 1.0f;
+    const int32_t exponent_bits = ((int32_t)n + 127) << 23;
+    float power;
+    memcpy(&power, &exponent_bits, sizeof power);
+    return x < -87.0f ? 0.0f : p * power;
+}
+
+static inline void load_row(const void *source, int64_t offset, int dtype, float *target, int64_t count) {
+    if (dtype == DTYPE_FLOAT32) {
+        memcpy(target, (const float *)source + offset, sizeof(float) * count);
+        return;
+    }
+    const uint16_t *row = (const uint16_t *)source + offset;
+    for (int64_t d = 0; d < count; d++) target[d] = bfloat16_to_float(row[d]);
+}
+
+/* Per-thread scratch, sized for the largest tile. */
+typedef struct {
+    float *queries;       /* [rows][head_dim], pre-multiplied by the scale */
+    float *accumulators;  /* [rows][head_dim] */
+    float *running_max;   /* [rows] */
+    float *running_sum;   /* [rows] */
+    int64_t *positions;   /* [rows] position of the row's query */
+    int64_t *firsts;      /* [rows] first key position the row sees (its window start) */
+    float *keys;          /* [KEYS_PER_CHUNK][kv_heads * head_dim]: a chunk converted to fp32 (bf16 caches) */
+    float *values;
+} Scratch;
+
+static int scratch_allocate(Scratch *scratch, int64_t rows, int64_t head_dim, int64_t slot_width) {
+    scratch->queries = malloc(sizeof(float) * rows * head_dim);
+    scratch->accumulators = malloc(sizeof(float) * rows * head_dim);
+    scratch->running_max = malloc(sizeof(float) * rows);
+    scratch->running_sum = malloc(sizeof(float) * rows);
+    scratch->positions = malloc(sizeof(int64_t) * rows);
+    scratch->firsts = malloc(sizeof(int64_t) * rows);
+    scratch->keys = malloc(sizeof(float) * KEYS_PER_CHUNK * slot_width);
+    scratch->values = malloc(sizeof(float) * KEYS_PER_CHUNK * slot_width);
+    return scratch->queries && scratch->accumulators && scratch->running_max && scratch->running_sum
+           && scratch->positions && scratch->firsts && scratch->keys && scratch->values;
+}
+
+static void scratch_free(Scratch *scratch) {
+    free(scratch->queries);
+    free(scratch->accumulators);
+    free(scratch->running_max);
+    free(scratch->running_sum);
+    free(scratch->positions);
+    free(scratch->firsts);
+    free(scratch->keys);
+    free(scratch->values);
+}
+
+typedef struct {
+    int dtype;
+    const void *queries;
+    int64_t stride_query_row, stride_query_head;
+    const void *key_cache, *value_cache;
+    int64_t stride_cache_slot, stride_cache_head;
+    const int32_t *block_table;
+    int64_t stride_table_row;
+    const int32_t *query_starts, *seq_lens, *tile_requests, *tile_offsets;
+    void *output;
+    int64_t stride_output_row, stride_output_head;
+    int64_t num_kv_heads, group_size, head_dim, queries_per_tile, page_size;
+    float scale, softcap; /* softcap <= 0: none */
+    int64_t sliding_window;
+} Step;
+
+/* Folds keys chunk .. chunk + num_keys - 1 into every row's running softmax and accumulator. */
+static void attend_chunk(const Step *step, Scratch *scratch, int64_t num_rows, int64_t chunk, int64_t num_keys,
+                         const float *const *key_rows, const float *const *value_rows, int64_t head_stride) {
+    const int64_t num_heads = step->num_kv_heads * step->group_size;
+    const int64_t head_dim = step->head_dim;
+    float scores[KEYS_PER_CHUNK];
+    for (int64_t row = 0; row < num_rows; row++) {
+        /* The row's keys in this chunk: causal, and inside its window. */
+        int64_t begin = scratch->firsts[row] - chunk, end = scratch->positions[row] + 1 - chunk;
+        if (begin < 0) begin = 0;
+        if (end > num_keys) end = num_keys;
+        if (begin >= end) continue;
+        const int64_t head_offset = (row % num_heads) / step->group_size * head_stride;
+        const float *restrict query = scratch->queries + row * head_dim;
+        float chunk_max = -INFINITY;
+        for (int64_t key = begin; key < end; key++) {
+            const float *restrict key_row = key_rows[key] + head_offset;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; d++) dot += query[d] * key_row[d];
+            if (step->softcap > 0.0f) dot = step->softcap * tanhf(dot / step->softcap);
+            scores[key] = dot;
+            chunk_max = dot > chunk_max ? dot : chunk_max;
+        }
+        const float previous_max = scratch->running_max[row];
+        const float new_max = chunk_max > previous_max ? chunk_max : previous_max;
+        const float correction = exp_nonpositive(previous_max - new_max); /* 0 for the first chunk */
+        float chunk_sum = 0.0f;
+#pragma omp simd reduction(+ : chunk_sum)
+        for (int64_t key = begin; key < end; key++) {
+            const float probability = exp_nonpositive(scores[key] - new_max);
+            scores[key] = probability;
+            chunk_sum += probability;
+        }
+        scratch->running_sum[row] = scratch->running_sum[row] * correction + chunk_sum;
+        scratch->running_max[row] = new_max;
+        float *restrict accumulator = scratch->accumulators + row * head_dim;
+        /* LANES dims at a time, keys innermost: the lanes stay in one vector register across the chunk,
+           with two of them taking alternate keys so consecutive multiply-adds do not wait on each other. */
+        int64_t d0 = 0;
+        for (; d0 + LANES <= head_dim; d0 += LANES) {
+            float even[LANES], odd[LANES];
+#pragma omp simd
+            for (int64_t lane = 0; lane < LANES; lane++) {
+                even[lane] = accumulator[d0 + lane] * correction;
+                odd[lane] = 0.0f;
+            }
+            int64_t key = begin;
+            for (; key + 1 < end; key += 2) {
+                const float *restrict first = value_rows[key] + head_offset + d0;
+                const float *restrict second = value_rows[key + 1] + head_offset + d0;
+                const float first_probability = scores[key], second_probability = scores[key + 1];
+#pragma omp simd
+                for (int64_t lane = 0; lane < LANES; lane++) {
+                    even[lane] += first_probability * first[lane];
+                    odd[lane] += second_probability * second[lane];
+                }
+            }
+            if (key < end) {
+                const float *restrict last = value_rows[key] + head_offset + d0;
+#pragma omp simd
+                for (int64_t lane = 0; lane < LANES; lane++) even[lane] += scores[key] * last[lane];
+            }
+#pragma omp simd
+            for (int64_t lane = 0; lane < LANES; lane++) accumulator[d0 + lane] = even[lane] + odd[lane];
+        }
+        for (int64_t d = d0; d < head_dim; d++) {
+            float sum = accumulator[d] * correction;
+            for (int64_t key = begin; key < end; key++) sum += scores[key] * value_rows[key][head_offset + d];
+            accumulator[d] = sum;
+        }
+    }
+}
+
+static void attend_tile(const Step *step, Scratch *scratch, int64_t tile) {
+    const int64_t request = step->tile_requests[tile];
+    if (request < 0) return;
+    const int64_t num_heads = step->num_kv_heads * step->group_size;
+    const int64_t head_dim = step->head_dim;
+    const int64_t slot_width = step->num_kv_heads * head_dim;
+    const int64_t query_start = step->query_starts[request];
+    const int64_t query_len = step->query_starts[request + 1] - query_start;
+    const int64_t seq_len = step->seq_lens[request];
+    const int64_t context_len = seq_len - query_len;
+    const int64_t first_query = step->tile_offsets[tile];
+    int64_t num_queries = query_len - first_query;
+    if (num_queries > step->queries_per_tile) num_queries = step->queries_per_tile;
+    const int64_t num_rows = num_queries * num_heads;
+
+    /* Row i is query i / num_heads of the tile, head i % num_heads. */
+    int64_t lowest = seq_len, highest = 0;
+    for (int64_t row = 0; row < num_rows; row++) {
+        const int64_t query = first_query + row / num_heads, head = row % num_heads;
+        float *query_row = scratch->queries + row * head_dim;
+        load_row(step->queries, (query_start + query) * step->stride_query_row + head * step->stride_query_head,
+                 step->dtype, query_row, head_dim);
+        for (int64_t d = 0; d < head_dim; d++) query_row[d] *= step->scale;
+        const int64_t position = context_len + query;
+        const int64_t first = position - step->sliding_window + 1;
+        scratch->positions[row] = position;
+        scratch->firsts[row] = first > 0 ? first : 0;
+        if (scratch->firsts[row] < lowest) lowest = scratch->firsts[row];
+        if (position + 1 > highest) highest = position + 1;
+        scratch->running_max[row] = -INFINITY;
+        scratch->running_sum[row] = 0.0f;
+    }
+    memset(scratch->accumulators, 0, sizeof(float) * num_rows * head_dim);
+
+    const int32_t *table = step->block_table + request * step->stride_table_row;
+    const float *key_rows[KEYS_PER_CHUNK], *value_rows[KEYS_PER_CHUNK];
+    /* fp32 caches are read where they are; bf16 ones are converted a chunk at a time. */
+    const int64_t head_stride = step->dtype == DTYPE_FLOAT32 ? step->stride_cache_head : head_dim;
+    for (int64_t chunk = lowest; chunk < highest; chunk += KEYS_PER_CHUNK) {
+        const int64_t num_keys = highest - chunk < KEYS_PER_CHUNK ? highest - chunk : KEYS_PER_CHUNK;
+        for (int64_t key = 0; key < num_keys; key++) {
+            const int64_t position = chunk + key;
+            const int64_t slot = (int64_t)table[position / step->page_size] * step->page_size
+                                 + position % step->page_size;
+            const int64_t offset = slot * step->stride_cache_slot;
+            if (step->dtype == DTYPE_FLOAT32) {
+                key_rows[key] = (const float *)step->key_cache + offset;
+                value_rows[key] = (const float *)step->value_cache + offset;
+                continue;
+            }
+            float *keys = scratch->keys + key * slot_width, *values = scratch->values + key * slot_width;
+            for (int64_t kv_head = 0; kv_head < step->num_kv_heads; kv_head++) {
+                const int64_t head_offset = offset + kv_head * step->stride_cache_head;
+                load_row(step->key_cache, head_offset, step->dtype, keys + kv_head * head_dim, head_dim);
+                load_row(step->value_cache, head_offset, step->dtype, values + kv_head * head_dim, head_dim);
+            }
+            key_rows[key] = keys;
+            value_rows[key] = values;
+        }
+        attend_chunk(step, scratch, num_rows, chunk, num_keys, key_rows, value_rows, head_stride);
+    }
+
+    for (int64_t row = 0; row < num_rows; row++) {
+        const int64_t query = first_query + row / num_heads, head = row % num_heads;
+        const int64_t offset = (query_start + query) * step->stride_output_row + head * step->stride_output_head;
+        /* Every row sees at least its own key, so its sum is positive. */
+        const float inverse = 1.0f / scratch->running_sum[row];
+        const float *accumulator = scratch->accumulators + row * head_dim;
+        if (step->dtype == DTYPE_FLOAT32) {
+            float *target = (float *)step->output + offset;
+            for (int64_t d = 0; d < head_dim; d++) target[d] = accumulator[d] * inverse;
+        } else {
+            uint16_t *target = (uint16_t *)step->output + offset;
+            for (int64_t d = 0; d < head_dim; d++) target[d] = float_to_bfloat16(accumulator[d] * inverse);
+        }
+    }
+}
+
+/* Returns 0, or -1 when a thread could not allocate its scratch (the output is then incomplete). */
+int paged_attention(int dtype, const void *queries, int64_t stride_query_row, int64_t stride_query_head,
+                    const void *key_cache, const void *value_cache, int64_t stride_cache_slot,
+                    int64_t stride_cache_head, const int32_t *block_table, int64_t stride_table_row,
+                    const int32_t *query_starts, const int32_t *seq_lens, const int32_t *tile_requests,
+                    const int32_t *tile_offsets, int64_t num_tiles, void *output, int64_t stride_output_row,
+                    int64_t stride_output_head, int64_t num_kv_heads, int64_t group_size, int64_t head_dim,
+                    int64_t queries_per_tile, int64_t page_size, float scale, float softcap,
+                    int64_t sliding_window, int num_threads) {
+    const Step step = {dtype, queries, stride_query_row, stride_query_head, key_cache, value_cache,
+                       stride_cache_slot, stride_cache_head, block_table, stride_table_row, query_starts,
+                       seq_lens, tile_requests, tile_offsets, output, stride_output_row, stride_output_head,
+                       num_kv_heads, group_size, head_dim, queries_per_tile, page_size, scale, softcap,
+                       sliding_window};
+    const int64_t max_rows = queries_per_tile * num_kv_heads * group_size;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        Scratch scratch;
+        if (!scratch_allocate(&scratch, max_rows, head_dim, num_kv_heads * head_dim)) failed = 1;
+        /* Every thread takes part in the loop (a worksharing construct), allocation failed or not. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t tile = 0; tile < num_tiles; tile++) {
+            if (!failed) attend_tile(&step, &scratch, tile);
+        }
+        scratch_free(&scratch);
+    }
+    return failed ? -1 : 0;
+}

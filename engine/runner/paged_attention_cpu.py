@@ -1,0 +1,242 @@
+"""The CPU kernel for paged attention (`paged_attention_cpu.c`), built on first use and called via ctypes.
+
+On the CPU the gather path (`attention.attend`) is memory-bound three times over: it copies every key and
+value of the step into dense tensors, reads the copies again in SDPA, and builds a mask as large as the
+scores. This kernel reads each request's keys once, in place, through its block table, with the same
+contract as the Triton kernel (`paged_attention_kernel.paged_attention`), so it plugs into the kernel
+path (`attention.KernelInputs`) unchanged.
+
+It is C compiled by the machine's own compiler (`$CC`, else `cc`) with `-march=native`, once per machine:
+the library lands in `<cache root>/kernels/`, named by a hash of the source, the flags, the compiler's
+version and the CPU's feature flags, so a cache shared by different CPUs never hands one a library built
+for another. Without a working compiler, `load` returns None and steps gather their keys, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.cache_root import cache_root
+from engine.runner.attention import kernel_queries_and_output
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
+# -fopenmp links libgomp.so.1, which resolves to the copy torch has already loaded: one worker team.
+# The math flags let reductions reassociate; no -ffast-math, which would assume no infinities (the
+# softmax starts from -inf) and, linked into a shared library, set flush-to-zero for the whole process.
+# GCC's loop interchange and unroll-and-jam turn the vectorised accumulator loop into a scalar one.
+COMPILE_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-loop-interchange",
+    "-fno-loop-unroll-and-jam",
+    "-shared",
+    "-fPIC",
+)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+BUILD_TIMEOUT_S = 120
+
+_int64, _pointer = ctypes.c_int64, ctypes.c_void_p
+_ARGUMENT_TYPES: list[Any] = [
+    ctypes.c_int,  # dtype
+    _pointer, _int64, _int64,  # queries, row and head strides
+    _pointer, _pointer, _int64, _int64,  # key and value caches, slot and head strides
+    _pointer, _int64,  # block table, row stride
+    _pointer, _pointer, _pointer, _pointer, _int64,  # query starts, seq lens, tile requests, offsets, count
+    _pointer, _int64, _int64,  # output, row and head strides
+    _int64, _int64, _int64, _int64, _int64,  # kv heads, group size, head dim, queries per tile, page size
+    ctypes.c_float, ctypes.c_float, _int64,  # scale, softcap (<= 0: none), sliding window
+    ctypes.c_int,  # threads
+]  # fmt: skip
+# Stands for "no sliding window": larger than any position.
+NO_WINDOW = 1 << 62
+
+_library: ctypes.CDLL | None = None
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded here; the engine gathers keys instead."""
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or "cc"
+    path = shutil.which(compiler)
+    if path is None:
+        raise KernelUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
+    return path
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags, which decide what -march=native emits."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(compiler: str) -> Path:
+    """Where the library built by `compiler` for this CPU lives."""
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise KernelUnavailable(f"{compiler} --version failed: {error}") from error
+    digest = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        " ".join(COMPILE_FLAGS).encode(),
+        version.encode(),
+        _cpu_features().encode(),
+    ):
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_root() / "kernels" / f"paged_attention_cpu-{platform.machine()}-{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target, then renamed: a process loading the library never sees half a file.
+    handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    try:
+        result = subprocess.run(
+            [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", partial],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise KernelUnavailable(
+                f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}"
+            )
+        os.replace(partial, target)
+    except subprocess.TimeoutExpired as error:
+        raise KernelUnavailable(f"{compiler} took over {BUILD_TIMEOUT_S} s") from error
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def _load_library() -> ctypes.CDLL:
+    global _library
+    if _library is None:
+        compiler = _compiler()
+        path = library_path(compiler)
+        if not path.exists():
+            logger.info("building the CPU paged attention kernel with %s into %s", compiler, path)
+            _build(compiler, path)
+        try:
+            library = ctypes.CDLL(str(path))
+        except OSError as error:
+            raise KernelUnavailable(f"cannot load {path}: {error}") from error
+        library.paged_attention.argtypes = _ARGUMENT_TYPES
+        library.paged_attention.restype = ctypes.c_int
+        _library = library
+    return _library
+
+
+def load(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+    """The kernel for caches of `dtype`, or None (logged) when it cannot serve them here."""
+    if dtype not in DTYPE_CODES:
+        logger.info(
+            "the CPU attention kernel takes float32 and bfloat16, not %s; steps gather their keys", dtype
+        )
+        return None
+    try:
+        _load_library()
+    except (KernelUnavailable, OSError) as error:
+        logger.warning("the CPU attention kernel is unavailable (%s); steps gather their keys", error)
+        return None
+    return paged_attention
+
+
+# A custom op, so that compiled graphs (even fullgraph ones) call it as one opaque node.
+@torch.library.custom_op("cbserve::paged_attention_cpu", mutates_args=(), device_types="cpu")
+def paged_attention(
+    queries: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_starts: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tile_requests: torch.Tensor,
+    tile_offsets: torch.Tensor,
+    queries_per_tile: int,
+    page_size: int,
+    scale: float,
+    softcap: float | None,
+    sliding_window: int | None,
+    has_unowned_rows: bool = False,
+) -> torch.Tensor:
+    """queries [T, H, D] -> [T, H, D]; the contract of `paged_attention_kernel.paged_attention`.
+
+    Caches are [num_slots, H_kv, D] with unit stride along D; index tensors are int32 and contiguous.
+    """
+    library = _load_library()
+    if value_cache.stride() != key_cache.stride() or key_cache.stride(2) != 1 or block_table.stride(1) != 1:
+        raise ValueError("paged attention: caches need equal strides and unit stride along head_dim")
+    num_heads, head_dim = queries.shape[1], queries.shape[2]
+    num_kv_heads = key_cache.shape[1]
+    queries, output = kernel_queries_and_output(queries, has_unowned_rows)
+    status = library.paged_attention(
+        DTYPE_CODES[queries.dtype],
+        queries.data_ptr(),
+        queries.stride(0),
+        queries.stride(1),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        block_table.data_ptr(),
+        block_table.stride(0),
+        query_starts.data_ptr(),
+        seq_lens.data_ptr(),
+        tile_requests.data_ptr(),
+        tile_offsets.data_ptr(),
+        tile_requests.shape[0],
+        output.data_ptr(),
+        output.stride(0),
+        output.stride(1),
+        num_kv_heads,
+        num_heads // num_kv_heads,
+        head_dim,
+        queries_per_tile,
+        page_size,
+        scale,
+        softcap if softcap is not None else 0.0,
+        sliding_window if sliding_window is not None else NO_WINDOW,
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("paged attention: a worker thread could not allocate its scratch buffers")
+    return output
+
+
+@paged_attention.register_fake
+def _(queries: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.empty_like(queries, memory_format=torch.contiguous_format)
