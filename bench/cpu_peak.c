@@ -1,14 +1,15 @@
 /* Peak arithmetic of one core: fp32 fused multiply-adds against bf16 dot products (AVX-512).
 
-   Each loop runs CHAINS independent accumulators, enough to cover the instructions' latency, so it
-   measures throughput. vfmadd231ps does 16 multiply-adds (32 FLOPs); vdpbf16ps does 16 lanes of two
+   Each loop runs CHAINS independent accumulators, more than enough to cover the instructions' latency,
+   so it measures throughput; each starts from its own value, or the compiler would merge identical
+   chains into one. vfmadd231ps does 16 multiply-adds (32 FLOPs); vdpbf16ps does 16 lanes of two
    bf16 products summed into fp32 (64 FLOPs). Where bf16 runs on these instructions alone (no AMX), the
    two figures say how much bf16 can gain on arithmetic. Prints one JSON object. */
 #include <immintrin.h>
 #include <stdio.h>
 #include <time.h>
 
-#define CHAINS 10
+#define CHAINS 20
 #define ITERATIONS 100000000L
 
 static double seconds(void) {
@@ -23,20 +24,20 @@ int main(void) {
     __m512 acc[CHAINS];
     float checksum = 0.0f;
 
-    for (int chain = 0; chain < CHAINS; chain++) acc[chain] = _mm512_setzero_ps();
+    for (int chain = 0; chain < CHAINS; chain++) acc[chain] = _mm512_set1_ps((float)chain);
     double start = seconds();
     for (long i = 0; i < ITERATIONS; i++) {
-#pragma GCC unroll 10
+#pragma GCC unroll 20
         for (int chain = 0; chain < CHAINS; chain++) acc[chain] = _mm512_fmadd_ps(x, y, acc[chain]);
         __asm__ volatile("");
     }
     const double fma_seconds = seconds() - start;
     for (int chain = 0; chain < CHAINS; chain++) checksum += _mm512_reduce_add_ps(acc[chain]);
 
-    for (int chain = 0; chain < CHAINS; chain++) acc[chain] = _mm512_setzero_ps();
+    for (int chain = 0; chain < CHAINS; chain++) acc[chain] = _mm512_set1_ps((float)chain);
     start = seconds();
     for (long i = 0; i < ITERATIONS; i++) {
-#pragma GCC unroll 10
+#pragma GCC unroll 20
         for (int chain = 0; chain < CHAINS; chain++) acc[chain] = _mm512_dpbf16_ps(acc[chain], a, b);
         __asm__ volatile("");
     }

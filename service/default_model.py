@@ -29,8 +29,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine import cache_root
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -64,6 +62,9 @@ class DefaultModelUnavailable(RuntimeError):
 
 def default_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where the converted model lives: `<cache root>/SmolLM2-135M-Instruct`."""
+    # Imported here: `engine` loads torch, which `cbserve --help` (this module's constants) must not.
+    from engine import cache_root
+
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
     return root / DEFAULT_MODEL_NAME
 
