@@ -11,6 +11,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# A C compiler: on the CPU the engine builds its attention kernel with it, once per pod, into the cache
+# (engine/runner/paged_attention_cpu.py); without one, attention falls back to gathering keys, slower.
+RUN apt-get update \
+ && apt-get install --yes --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/cbserve
 COPY pyproject.toml README.md ./
 COPY engine engine

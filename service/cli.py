@@ -221,8 +221,8 @@ def _parser() -> argparse.ArgumentParser:
         "--max-blocks-per-request",
         type=int,
         metavar="N",
-        help="turn on the attention kernel (Triton, CUDA only) for requests holding up to N KV blocks "
-        "(default: off)",
+        help="attention kernel for steps whose requests hold up to N KV blocks; 0 gathers keys instead "
+        "(default: on the CPU, cbserve's C kernel for every step; on CUDA, off)",
     )
     engine.add_argument(
         "--cuda-graphs",
