@@ -38,10 +38,12 @@ SOURCE = Path(__file__).with_name("paged_attention_cpu.c")
 # The math flags let reductions reassociate; no -ffast-math, which would assume no infinities (the
 # softmax starts from -inf) and, linked into a shared library, set flush-to-zero for the whole process.
 # GCC's loop interchange and unroll-and-jam turn the vectorised accumulator loop into a scalar one.
+# On x86, GCC keeps to 256-bit vectors on some AVX-512 CPUs unless told otherwise (an x86-only flag).
+_VECTOR_WIDTH_FLAGS = ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 COMPILE_FLAGS = (
     "-O3",
     "-march=native",
-    "-mprefer-vector-width=512",
+    *_VECTOR_WIDTH_FLAGS,
     "-fopenmp",
     "-fno-math-errno",
     "-fno-trapping-math",
