@@ -255,8 +255,13 @@ class ForwardPaths:
     """
 
     def __init__(
-        self, model: torch.nn.Module, config: ContinuousBatchingConfig, device: torch.device
+        self,
+        model: torch.nn.Module,
+        config: ContinuousBatchingConfig,
+        device: torch.device,
+        cache_dtype: torch.dtype,
     ) -> None:
+        """`cache_dtype`: the KV caches', which the attention kernel reads."""
         eager = model_forward_functions(model, device)
         self.compile_configs = {path: config.compile_config_for(path) for path in ("varlen", "decode")}
         self.functions: dict[str, ForwardFunction] = {
@@ -266,7 +271,7 @@ class ForwardPaths:
             for path, compile_config in self.compile_configs.items()
         }
         self.attention_kernel, self.max_blocks_per_request = load_attention_kernel(
-            config, device, next(model.parameters()).dtype
+            config, device, cache_dtype
         )
         varlen_graphs, decode_graphs = use_cuda_graphs(
             config, device, model, self.attention_kernel is not None

@@ -192,7 +192,7 @@ class ModelRunner:
         text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
         num_heads = text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
-        self.forward_paths = ForwardPaths(model, config, self.device)
+        self.forward_paths = ForwardPaths(model, config, self.device, self._key_caches[0].dtype)
         self.input_builder = InputBuilder(
             self.groups,
             self._key_caches,
@@ -201,7 +201,7 @@ class ModelRunner:
             kv_cache_manager,
             self.page_size,
             num_heads // num_kv_heads,
-            kv_caches[0].key_caches[0].dtype,
+            self._key_caches[0].dtype,
             self.device,
             self.forward_paths.attention_kernel,
             self.forward_paths.max_blocks_per_request,

@@ -91,12 +91,10 @@ def _cpu_features() -> str:
     """The CPU's feature flags, which decide what -march=native emits."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
+            lines = cpuinfo.readlines()
+    except OSError:  # not Linux: the processor's name is the best there is
+        return platform.processor()
+    return next((line for line in lines if line.startswith(("flags", "Features"))), platform.processor())
 
 
 def library_path(compiler: str) -> Path:

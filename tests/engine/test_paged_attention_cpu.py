@@ -12,7 +12,11 @@ from engine import ContinuousBatchingConfig
 from engine.runner import paged_attention_cpu
 from tests.conftest import TEST_DEVICE, assert_greedy_parity, generate_greedy, random_prompt, tiny_model
 
-pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the C kernel serves CPU tensors")
+# The tests that go through the engine need its test models on the CPU, where the C kernel serves them;
+# the kernel's own tests take CPU tensors on any machine.
+ENGINE_ON_THE_CPU = pytest.mark.skipif(
+    TEST_DEVICE.type != "cpu", reason=f"the engine serves the test models on {TEST_DEVICE.type}"
+)
 
 PROMPT_LENGTHS = (3, 17, 40, 90)
 NEW_TOKENS = (12, 20, 7, 16)
@@ -43,12 +47,14 @@ def _generate(monkeypatch: pytest.MonkeyPatch, config: ContinuousBatchingConfig)
     return calls
 
 
+@ENGINE_ON_THE_CPU
 def test_the_cpu_attends_through_the_kernel_by_default(compiled, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _generate(monkeypatch, ContinuousBatchingConfig(page_size=8, num_blocks=64))
     assert 1 in calls, "no decode-only step ran the kernel"
     assert any(queries > 1 for queries in calls), "no step with prefill chunks ran the kernel"
 
 
+@ENGINE_ON_THE_CPU
 def test_max_blocks_per_request_zero_keeps_the_gather_path(compiled, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _generate(
         monkeypatch, ContinuousBatchingConfig(page_size=8, num_blocks=64, max_blocks_per_request=0)
@@ -56,6 +62,7 @@ def test_max_blocks_per_request_zero_keeps_the_gather_path(compiled, monkeypatch
     assert calls == []
 
 
+@ENGINE_ON_THE_CPU
 def test_without_a_compiler_steps_gather_and_say_why(
     compiled, monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
