@@ -215,13 +215,24 @@ class GenerationLoop:
                 while self.is_running() and not (self._paused and (handle.done or mode == PauseMode.KEEP)):
                     self._cond.wait(IDLE_WAIT_S)
                 handle.done = True
+                self._publish_pause_state()
             yield handle
         finally:
             with self._cond:
                 self._pause_holders -= 1
                 if handle in self._pending_waits:
                     self._pending_waits.remove(handle)
+                if self._pause_holders == 0 and not self._holds_steps():
+                    # The loop resumes as soon as it wakes; saying so now means a caller that reads the
+                    # stats right after leaving its pause never sees the loop still paused.
+                    self._paused = False
+                self._publish_pause_state()
                 self._cond.notify_all()
+
+    def _publish_pause_state(self) -> None:
+        """With `_cond` held: the snapshot carries the pause state as of now, not of the loop's last
+        refresh (the loop thread may not have run since the pause was taken or left)."""
+        self._stats = replace(self._stats, paused=self._paused, num_pause_holders=self._pause_holders)
 
     def update_weights(self, update: WeightUpdate) -> int:
         """Applies `update` between two steps under a KEEP pause; returns the new weight version.
@@ -662,7 +673,9 @@ class GenerationLoop:
             self._finish(request)
 
     def _refresh_stats(self) -> None:
-        self._stats = self._collect_stats()
+        # Under `_cond`, so a snapshot never carries a pause state older than one pause() published.
+        with self._cond:
+            self._stats = self._collect_stats()
 
     def _collect_stats(self) -> ManagerStats:
         return ManagerStats.of(

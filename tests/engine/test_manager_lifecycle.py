@@ -163,6 +163,17 @@ def test_nothing_is_generated_while_paused_and_generation_resumes_after(manager)
     manager.cancel_request(request_id)
 
 
+def test_stats_report_the_pause_as_soon_as_it_is_taken_and_as_soon_as_it_is_left(manager):
+    # A trainer pauses, pushes weights, resumes and checks the status straight away: the snapshot must
+    # not lag behind the loop thread, which may not have run between the two calls.
+    for _ in range(20):
+        with manager.pause():
+            stats = manager.stats()
+            assert stats.paused and stats.num_pause_holders == 1, stats
+        stats = manager.stats()
+        assert not stats.paused and stats.num_pause_holders == 0, stats
+
+
 def test_pause_held_by_two_threads_resumes_only_when_both_leave(manager):
     first_in, second_in, release_first = threading.Event(), threading.Event(), threading.Event()
 
