@@ -24,6 +24,11 @@
 #define KEYS_PER_CHUNK 32
 /* Floats per vector register on AVX-512; on narrower machines the compiler splits each such loop. */
 #define LANES 16
+/* Rows sharing a KV head in a tile from which the chunk's keys are transposed first. Scores then come
+   KEYS_PER_CHUNK at a time from multiply-adds over head_dim (a small matrix product), instead of one
+   dot product and one horizontal sum per key; the transposition costs about what one row's dot products
+   do, so only tiles of several queries (prefill) pay for it. */
+#define MIN_ROWS_TO_TRANSPOSE 8
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
@@ -83,6 +88,7 @@ typedef struct {
     int64_t *firsts;      /* [rows] first key position the row sees (its window start) */
     float *keys;          /* [KEYS_PER_CHUNK][kv_heads * head_dim]: a chunk converted to fp32 (bf16 caches) */
     float *values;
+    float *transposed_keys; /* [kv_heads][head_dim][KEYS_PER_CHUNK]: the chunk's keys, position innermost */
 } Scratch;
 
 static int scratch_allocate(Scratch *scratch, int64_t rows, int64_t head_dim, int64_t slot_width) {
@@ -94,8 +100,10 @@ static int scratch_allocate(Scratch *scratch, int64_t rows, int64_t head_dim, in
     scratch->firsts = malloc(sizeof(int64_t) * rows);
     scratch->keys = malloc(sizeof(float) * KEYS_PER_CHUNK * slot_width);
     scratch->values = malloc(sizeof(float) * KEYS_PER_CHUNK * slot_width);
+    scratch->transposed_keys = malloc(sizeof(float) * KEYS_PER_CHUNK * slot_width);
     return scratch->queries && scratch->accumulators && scratch->running_max && scratch->running_sum
-           && scratch->positions && scratch->firsts && scratch->keys && scratch->values;
+           && scratch->positions && scratch->firsts && scratch->keys && scratch->values
+           && scratch->transposed_keys;
 }
 
 static void scratch_free(Scratch *scratch) {
@@ -107,6 +115,7 @@ static void scratch_free(Scratch *scratch) {
     free(scratch->firsts);
     free(scratch->keys);
     free(scratch->values);
+    free(scratch->transposed_keys);
 }
 
 typedef struct {
@@ -125,9 +134,56 @@ typedef struct {
     int64_t sliding_window;
 } Step;
 
-/* Folds keys chunk .. chunk + num_keys - 1 into every row's running softmax and accumulator. */
+/* Writes the chunk's keys of every KV head into scratch->transposed_keys, position innermost; positions
+   past num_keys are zero, so the products over a whole chunk stay finite. */
+static void transpose_keys(const Step *step, Scratch *scratch, int64_t num_keys, const float *const *key_rows,
+                           int64_t head_stride) {
+    const int64_t head_dim = step->head_dim;
+    for (int64_t kv_head = 0; kv_head < step->num_kv_heads; kv_head++) {
+        float *restrict target = scratch->transposed_keys + kv_head * head_dim * KEYS_PER_CHUNK;
+        for (int64_t key = 0; key < KEYS_PER_CHUNK; key++) {
+            const float *restrict key_row = key < num_keys ? key_rows[key] + kv_head * head_stride : NULL;
+            for (int64_t d = 0; d < head_dim; d++) target[d * KEYS_PER_CHUNK + key] = key_row ? key_row[d] : 0.0f;
+        }
+    }
+}
+
+/* Independent partial sums per score in transposed_scores: a multiply-add waits for the one before it on
+   the same sum, so several sums in flight keep the FMA units busy instead of waiting on their latency. */
+#define PARTIAL_SUMS 4
+
+/* scores[key] = query . key for every key of the chunk, from its transposed keys: multiply-adds of
+   KEYS_PER_CHUNK lanes over head_dim, which stay in registers. */
+static void transposed_scores(const float *restrict query, const float *restrict transposed, int64_t head_dim,
+                              float *restrict scores) {
+    float sums[PARTIAL_SUMS][KEYS_PER_CHUNK] = {{0.0f}};
+    int64_t d = 0;
+    for (; d + PARTIAL_SUMS <= head_dim; d += PARTIAL_SUMS) {
+        for (int64_t part = 0; part < PARTIAL_SUMS; part++) {
+            const float component = query[d + part];
+            const float *restrict column = transposed + (d + part) * KEYS_PER_CHUNK;
+#pragma omp simd
+            for (int64_t key = 0; key < KEYS_PER_CHUNK; key++) sums[part][key] += component * column[key];
+        }
+    }
+    for (; d < head_dim; d++) {
+        const float component = query[d];
+        const float *restrict column = transposed + d * KEYS_PER_CHUNK;
+#pragma omp simd
+        for (int64_t key = 0; key < KEYS_PER_CHUNK; key++) sums[0][key] += component * column[key];
+    }
+    for (int64_t part = 1; part < PARTIAL_SUMS; part++) {
+#pragma omp simd
+        for (int64_t key = 0; key < KEYS_PER_CHUNK; key++) sums[0][key] += sums[part][key];
+    }
+    memcpy(scores, sums[0], sizeof sums[0]);
+}
+
+/* Folds keys chunk .. chunk + num_keys - 1 into every row's running softmax and accumulator. With
+   `transposed` set, scratch->transposed_keys holds the chunk's keys (transpose_keys). */
 static void attend_chunk(const Step *step, Scratch *scratch, int64_t num_rows, int64_t chunk, int64_t num_keys,
-                         const float *const *key_rows, const float *const *value_rows, int64_t head_stride) {
+                         const float *const *key_rows, const float *const *value_rows, int64_t head_stride,
+                         int transposed) {
     const int64_t num_heads = step->num_kv_heads * step->group_size;
     const int64_t head_dim = step->head_dim;
     float scores[KEYS_PER_CHUNK];
@@ -137,18 +193,27 @@ static void attend_chunk(const Step *step, Scratch *scratch, int64_t num_rows, i
         if (begin < 0) begin = 0;
         if (end > num_keys) end = num_keys;
         if (begin >= end) continue;
-        const int64_t head_offset = (row % num_heads) / step->group_size * head_stride;
+        const int64_t kv_head = (row % num_heads) / step->group_size;
+        const int64_t head_offset = kv_head * head_stride;
         const float *restrict query = scratch->queries + row * head_dim;
-        float chunk_max = -INFINITY;
-        for (int64_t key = begin; key < end; key++) {
-            const float *restrict key_row = key_rows[key] + head_offset;
-            float dot = 0.0f;
+        if (transposed)
+            transposed_scores(query, scratch->transposed_keys + kv_head * head_dim * KEYS_PER_CHUNK, head_dim,
+                              scores);
+        else
+            for (int64_t key = begin; key < end; key++) {
+                const float *restrict key_row = key_rows[key] + head_offset;
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; d++) dot += query[d] * key_row[d];
-            if (step->softcap > 0.0f) dot = step->softcap * tanhf(dot / step->softcap);
-            scores[key] = dot;
-            chunk_max = dot > chunk_max ? dot : chunk_max;
-        }
+                for (int64_t d = 0; d < head_dim; d++) dot += query[d] * key_row[d];
+                scores[key] = dot;
+            }
+        if (step->softcap > 0.0f)
+            for (int64_t key = begin; key < end; key++)
+                scores[key] = step->softcap * tanhf(scores[key] / step->softcap);
+        /* Its own loop, so the maximum is taken a vector at a time rather than one key after another. */
+        float chunk_max = -INFINITY;
+#pragma omp simd reduction(max : chunk_max)
+        for (int64_t key = begin; key < end; key++) chunk_max = scores[key] > chunk_max ? scores[key] : chunk_max;
         const float previous_max = scratch->running_max[row];
         const float new_max = chunk_max > previous_max ? chunk_max : previous_max;
         const float correction = exp_nonpositive(previous_max - new_max); /* 0 for the first chunk */
@@ -234,6 +299,7 @@ static void attend_tile(const Step *step, Scratch *scratch, int64_t tile) {
     memset(scratch->accumulators, 0, sizeof(float) * num_rows * head_dim);
 
     const int32_t *table = step->block_table + request * step->stride_table_row;
+    const int transposed = num_queries * step->group_size >= MIN_ROWS_TO_TRANSPOSE;
     const float *key_rows[KEYS_PER_CHUNK], *value_rows[KEYS_PER_CHUNK];
     /* fp32 caches are read where they are; bf16 ones are converted a chunk at a time. */
     const int64_t head_stride = step->dtype == DTYPE_FLOAT32 ? step->stride_cache_head : head_dim;
@@ -258,7 +324,8 @@ static void attend_tile(const Step *step, Scratch *scratch, int64_t tile) {
             key_rows[key] = keys;
             value_rows[key] = values;
         }
-        attend_chunk(step, scratch, num_rows, chunk, num_keys, key_rows, value_rows, head_stride);
+        if (transposed) transpose_keys(step, scratch, num_keys, key_rows, head_stride);
+        attend_chunk(step, scratch, num_rows, chunk, num_keys, key_rows, value_rows, head_stride, transposed);
     }
 
     for (int64_t row = 0; row < num_rows; row++) {

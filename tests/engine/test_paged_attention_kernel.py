@@ -80,6 +80,7 @@ DECODE_STEP = [(0, 1), (6, 1), (32, 1), (63, 1), (149, 1)]
         (6, 2, 24, 16, None, 10),  # head_dim not a power of two; windows shorter than a chunk
         (4, 2, 16, 8, 50.0, 24),  # Gemma 2's softcapping with its sliding window
         (4, 2, 32, 64, None, None),  # pages larger than a key tile
+        (4, 2, 18, 16, None, None),  # head_dim not a multiple of the CPU kernel's vector or partial sums
     ],
 )
 @pytest.mark.parametrize("step", ["mixed", "decode"])
