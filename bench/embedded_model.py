@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +34,12 @@ import torch
 from transformers import GenerationConfig
 
 import engine
-from bench.offline_throughput import EngineOptions, on_own_thread, transformers_cb_config
+from bench.offline_throughput import (
+    EngineOptions,
+    add_compile_level_argument,
+    on_own_thread,
+    transformers_cb_config,
+)
 from service.default_model import ensure_default_model
 from service.engine_host import load_pretrained
 
@@ -96,14 +102,18 @@ def greedy_config(model: Any, max_new_tokens: int) -> GenerationConfig:
     )
 
 
-def run_engine(name: str, model: Any, prompts: list[list[int]], config: GenerationConfig) -> list[list[int]]:
+def run_engine(
+    name: str, model: Any, prompts: list[list[int]], config: GenerationConfig, compile_level: int = 0
+) -> list[list[int]]:
     model.set_attn_implementation("sdpa")
     if name == "cbserve":
         outputs = engine.generate_batch(
             model,
             prompts,
             generation_config=config,
-            continuous_batching_config=engine.ContinuousBatchingConfig(page_size=16, max_batch_tokens=2048),
+            continuous_batching_config=engine.ContinuousBatchingConfig(
+                page_size=16, max_batch_tokens=2048, default_compile_level=compile_level
+            ),
         )
     else:
         outputs = model.generate_batch(
@@ -146,14 +156,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = greedy_config(model, args.max_new_tokens)
     # Every torch call runs on a thread that ends with it (see `on_own_thread`).
     expected = on_own_thread(reference, model, prompts, config)
-    for name in args.engines:  # untimed warmup on a few prompts
-        on_own_thread(run_engine, name, model, prompts[:4], config)
+    for name in args.engines:  # untimed warmup on a few prompts (compilation included)
+        start = time.perf_counter()
+        on_own_thread(run_engine, name, model, prompts[:4], config, args.compile_level)
+        print(f"warmup {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     wall: dict[str, list[float]] = {name: [] for name in args.engines}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
         for name in args.engines:
             start = time.perf_counter()
-            tokens = on_own_thread(run_engine, name, model, prompts, config)
+            tokens = on_own_thread(run_engine, name, model, prompts, config, args.compile_level)
             wall[name].append(time.perf_counter() - start)
             outputs.setdefault(name, tokens)
     records: list[dict[str, Any]] = []
@@ -186,6 +198,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "bench": BENCH_NAME,
             "summary": True,
             "dtype": args.dtype,
+            "cbserve_compile_level": args.compile_level,
             "cbserve_vs_transformers_cb": ratio,
             "max_new_tokens": args.max_new_tokens,
             "reference": "one-at-a-time model.generate, greedy, the model's EOS",
@@ -205,6 +218,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
+    add_compile_level_argument(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.max_new_tokens < 1 or args.repeats < 1:

@@ -630,6 +630,16 @@ def plot_throughput(records: Sequence[Mapping[str, Any]], path: str) -> None:
     plt.close(figure)
 
 
+def add_compile_level_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile-level",
+        type=int,
+        choices=range(4),
+        default=0,
+        help="cbserve's default_compile_level (torch.compile; the untimed warmup run compiles)",
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="tiny")
@@ -660,13 +670,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--num-blocks", type=int, default=None, help="cbserve only; default sizes from memory"
     )
-    parser.add_argument(
-        "--compile-level",
-        type=int,
-        choices=range(4),
-        default=0,
-        help="cbserve's default_compile_level (torch.compile; the untimed warmup run compiles)",
-    )
+    add_compile_level_argument(parser)
     parser.add_argument(
         "--cuda-graphs",
         action="store_true",
