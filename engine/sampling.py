@@ -18,6 +18,27 @@ from engine.penalties import LogitsPenalties
 from engine.request import Request, SamplingParams
 from engine.structured_output import apply_grammar_masks, constrained_rows
 
+# Columns per block in the CPU's two-stage greedy pick (greedy_tokens).
+GREEDY_BLOCK_COLUMNS = 128
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The column of each row's maximum, the first of tied maxima: argmax's tokens.
+
+    On the CPU, `max(dim).indices` (itself 1.5x faster than argmax) walks a row one element at a time:
+    1.5-1.8 ms for 64 rows of 32,000 logits, where the maximum alone (`amax`) is vectorised and takes
+    0.2 ms. So there the pick takes two stages: the first block of columns that holds the row's maximum,
+    then the first column inside it that does (0.4 ms). The first block holding the maximum holds its
+    first occurrence, so ties resolve as argmax resolves them.
+    """
+    num_rows, vocab_size = logits.shape
+    if logits.device.type != "cpu" or vocab_size % GREEDY_BLOCK_COLUMNS or not logits.is_contiguous():
+        return logits.max(dim=-1).indices
+    blocks = logits.view(num_rows, vocab_size // GREEDY_BLOCK_COLUMNS, GREEDY_BLOCK_COLUMNS)
+    best_blocks = blocks.amax(dim=-1).max(dim=-1).indices
+    rows = torch.arange(num_rows, device=logits.device)
+    return best_blocks * GREEDY_BLOCK_COLUMNS + blocks[rows, best_blocks].max(dim=-1).indices
+
 
 @dataclass
 class SamplerOutput:
@@ -97,8 +118,7 @@ class Sampler:
             processed = logits.clone(memory_format=torch.contiguous_format)
         penalized = self.penalties.apply(processed, requests)
         apply_grammar_masks(processed, requests, grammar_rows)
-        # max(dim).indices: argmax's tokens (the first of tied maxima, too), 2.3x faster on the CPU.
-        token_ids = processed.max(dim=-1).indices
+        token_ids = greedy_tokens(processed)
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             rows = to_device(sampled_rows, torch.long, logits.device)

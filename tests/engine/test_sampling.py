@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, RequestStatus, continuous_batching_context_manager
+from engine.sampling import GREEDY_BLOCK_COLUMNS, greedy_tokens
 from tests.conftest import random_prompt, reference_greedy, tiny_model
 
 TIMEOUT = 60
@@ -139,3 +140,27 @@ def test_a_stop_token_ends_the_output_with_its_id_as_stop_reason(model):
     assert output.generated_tokens == expected[:cut], (output.generated_tokens, expected)
     assert output.finish_reason == "stop" and output.stop_reason == stop
     assert stop not in held.generated_tokens and held.finish_reason == "length" and held.stop_reason is None
+
+
+def test_greedy_tokens_are_argmaxs_first_of_tied_maxima_on_every_path():
+    """The CPU's two-stage pick agrees with argmax: ties (inside a block and across blocks), -inf rows
+    and masks, NaN, a vocabulary that is not a whole number of blocks, and a non-contiguous view."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 32000, generator=generator)
+    logits[0, [5, 77, 4000]] = 50.0  # tied inside the first block and across blocks
+    logits[1, [GREEDY_BLOCK_COLUMNS - 1, GREEDY_BLOCK_COLUMNS]] = 50.0  # tied across a block edge
+    logits[2] = float("-inf")
+    logits[3, :31000] = float("-inf")  # a grammar mask leaving the last columns
+    logits[4, 31999] = 60.0  # the very last column
+    logits[5, 1234] = float("nan")
+    logits[6] = 1.0  # every column tied
+    cases = {
+        "blocks": logits,
+        "ragged vocabulary": logits[:, :31999].contiguous(),
+        "non-contiguous": logits[:, ::2],
+        "one row": logits[4:5],
+    }
+    for name, case in cases.items():
+        expected = case.argmax(dim=-1)
+        got = greedy_tokens(case)
+        assert torch.equal(got, expected), f"{name}: greedy_tokens {got.tolist()}, argmax {expected.tolist()}"
