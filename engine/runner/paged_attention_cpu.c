@@ -141,10 +141,12 @@ static void transpose_keys(const Step *step, Scratch *scratch, int64_t num_keys,
     const int64_t head_dim = step->head_dim;
     for (int64_t kv_head = 0; kv_head < step->num_kv_heads; kv_head++) {
         float *restrict target = scratch->transposed_keys + kv_head * head_dim * KEYS_PER_CHUNK;
-        for (int64_t key = 0; key < KEYS_PER_CHUNK; key++) {
-            const float *restrict key_row = key < num_keys ? key_rows[key] + kv_head * head_stride : NULL;
-            for (int64_t d = 0; d < head_dim; d++) target[d * KEYS_PER_CHUNK + key] = key_row ? key_row[d] : 0.0f;
+        for (int64_t key = 0; key < num_keys; key++) {
+            const float *restrict key_row = key_rows[key] + kv_head * head_stride;
+            for (int64_t d = 0; d < head_dim; d++) target[d * KEYS_PER_CHUNK + key] = key_row[d];
         }
+        for (int64_t key = num_keys; key < KEYS_PER_CHUNK; key++)
+            for (int64_t d = 0; d < head_dim; d++) target[d * KEYS_PER_CHUNK + key] = 0.0f;
     }
 }
 
