@@ -139,13 +139,16 @@ class ContinuousBatchingManager(WeightsAndMemory):
             logger.info("warmup() is skipped under tensor parallelism: the first steps warm the engine")
             return
 
+        prompt_length = self._warmup_prompt_length()
+
         def warm() -> None:
-            # Two requests of different lengths: a varlen step, then decode steps of two rows and of one, so
-            # a compiled forward has met every shape class (dynamic compilation specialises size 1) before
-            # real requests arrive.
+            # Two requests: a varlen step, then decode steps of two rows and of one, so a compiled forward
+            # has met every shape class before real requests arrive. Dynamic compilation specialises sizes
+            # 0 and 1, rows and block-table widths alike: with tables one page wide, the first request past
+            # its first page would compile again in the middle of serving.
             for index, num_tokens in enumerate((2, 3)):
                 sampling = SamplingParams(max_new_tokens=num_tokens)
-                engine.add_request(Request(f"__warmup_{index}__", [0] * num_tokens, sampling))
+                engine.add_request(Request(f"__warmup_{index}__", [0] * prompt_length, sampling))
             while engine.has_unfinished_requests():
                 engine.step()
             engine.runner.capture_decode_graphs(engine.max_requests_per_batch)
@@ -155,6 +158,14 @@ class ContinuousBatchingManager(WeightsAndMemory):
         engine.kv_cache_manager.prefix_cache_stats.queried_tokens = 0
         engine.kv_cache_manager.prefix_cache_stats.hit_tokens = 0
         self.warmed_up = True
+
+    def _warmup_prompt_length(self) -> int:
+        """Long enough that warmup's decode steps read block tables two pages wide, short enough that each
+        warmup request (3 new tokens at most) fits the cache and the model's positions."""
+        engine = self._ensure_engine()
+        wanted = engine.config.page_size + 1
+        longest = self.max_tokens_per_request()
+        return wanted if longest is None else max(1, min(wanted, longest - 3))
 
     def start(self) -> None:
         """Starts the background loop; works again after `stop()`.

@@ -139,17 +139,24 @@ def generate_greedy(
         manager.warmup()
     manager.start()
     try:
-        ids = [
-            manager.add_request(prompt, max_new_tokens=count, eos_token_id=[])
-            for prompt, count in zip(prompts, new_tokens, strict=True)
-        ]
-        outputs = [manager.get_result(request_id, timeout=600) for request_id in ids]
+        generated = run_greedy(manager, prompts, new_tokens)
         engine = manager._engine
     finally:
         manager.destroy()
+    return generated, engine
+
+
+def run_greedy(manager: Any, prompts: list[list[int]], new_tokens: Sequence[int]) -> list[list[int]]:
+    """Greedy tokens of every prompt (EOS ignored), all added at once to a started manager; asserts that
+    none failed."""
+    ids = [
+        manager.add_request(prompt, max_new_tokens=count, eos_token_id=[])
+        for prompt, count in zip(prompts, new_tokens, strict=True)
+    ]
+    outputs = [manager.get_result(request_id, timeout=600) for request_id in ids]
     for output in outputs:
         assert output is not None and output.error is None, output
-    return [list(output.generated_tokens) for output in outputs], engine
+    return [list(output.generated_tokens) for output in outputs]
 
 
 def assert_greedy_parity(

@@ -188,8 +188,7 @@ def paged_attention(
             **kwargs,
         )
     if paged_metadata.kernel_inputs is not None:
-        in_place = _kernel_attention if paged_metadata.is_decode_only else _varlen_kernel_attention
-        return in_place(module, query, key, value, paged_metadata, scaling, softcap), None
+        return _kernel_attention(module, query, key, value, paged_metadata, scaling, softcap), None
     gathered = _gather_attention if paged_metadata.is_decode_only else _varlen_gather_attention
     return gathered(kernel, module, query, key, value, paged_metadata, scaling, softcap), None
 
@@ -223,7 +222,11 @@ def _kernel_attention(
     scaling: float | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """The kernel path: one launch for the whole step, keys read in place."""
+    """The kernel path: one launch for the whole step, keys read in place.
+
+    It stays inside compiled graphs on both paths: the step's shape (requests, tiles, table width) is in
+    its tensors' sizes, which dynamic compilation keeps symbolic, so a varlen step compiles as one graph
+    instead of breaking around every layer's attention."""
     rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
     inputs = meta.kernel_inputs
     assert inputs is not None and meta.attention_kernel is not None
@@ -243,12 +246,6 @@ def _kernel_attention(
         meta.sliding_windows[group],
         inputs.has_unowned_rows,
     )[None]
-
-
-# Steps with prefill chunks run their attention outside any compiled graph, on either path: their chunk
-# (or tile) count changes every step, and a compiled graph would recompile for every new count; the
-# projections and MLP around it still compile.
-_varlen_kernel_attention = torch.compiler.disable(_kernel_attention)
 
 
 def _gather_attention(
@@ -275,6 +272,9 @@ def _gather_attention(
     return output[None]
 
 
+# On the gather path, steps with prefill chunks run their attention outside any compiled graph: their
+# batches are a Python list whose length and masks follow each step's chunks, and a compiled graph would
+# recompile for every new count; the projections and MLP around it still compile.
 _varlen_gather_attention = torch.compiler.disable(_gather_attention)
 
 

@@ -5,10 +5,11 @@ Steps take one of two paths, as in transformers' continuous batching:
 - decode: every scheduled request adds one token. Its attention is tensor operations only, so the
   whole forward compiles as one graph and can be captured in a CUDA graph. When graphs or static
   shapes are on, the step is padded (`engine.runner.inputs`) so a bounded set of shapes recurs.
-- varlen: prefill chunks, possibly mixed with decode rows. Chunk count and lengths change every step,
-  so attention runs outside any compiled graph (`attention._varlen_gather_attention`) and only the layers
-  around it compile. On the kernel path (`max_blocks_per_request`) one launch serves any mix of chunks,
-  so with varlen CUDA graphs on, the step is padded to a bounded set of (tokens, requests) shapes and
+- varlen: prefill chunks, possibly mixed with decode rows. On the gather path chunk count and lengths
+  change every step, so attention runs outside any compiled graph (`attention._varlen_gather_attention`)
+  and only the layers around it compile. On the kernel path (`max_blocks_per_request`, the CPU's default)
+  one launch serves any mix of chunks, so the whole step compiles as one graph with dynamic shapes, and
+  with varlen CUDA graphs on, the step is padded to a bounded set of (tokens, requests) shapes and
   replays a graph captured for its shape.
 """
 
@@ -99,13 +100,15 @@ def compile_function(function: ForwardFunction, config: CompileConfig, path: str
     """`torch.compile` with a transformers `CompileConfig`.
 
     torch.compile takes `mode` or `options`, not both: explicit options win. The varlen path always
-    allows graph breaks, because its attention runs outside the graph, and always compiles with dynamic
-    shapes: its token count is not padded, so static shapes would compile once per count.
+    allows graph breaks, because on the gather path its attention runs outside the graph, and always
+    compiles with dynamic shapes: its token count is not padded, so static shapes would compile once per
+    count.
     """
     fullgraph, dynamic = config.fullgraph, config.dynamic
     if path == "varlen" and (fullgraph or dynamic is False):
         logger.info(
-            "varlen path: compiling with fullgraph=False, dynamic=True (its attention runs outside the graph)"
+            "varlen path: compiling with fullgraph=False, dynamic=True (on the gather path its attention "
+            "runs outside the graph)"
         )
         fullgraph, dynamic = False, True
     kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": config.backend}
@@ -124,7 +127,13 @@ def compile_function(function: ForwardFunction, config: CompileConfig, path: str
         # Dynamo caches compilations per code object, so every engine in the process (and, with static
         # shapes, every padded shape) draws on one budget of recompilations. Its config is per thread, so
         # the budget is raised where the forward runs.
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        # Without duck sizing: by default, sizes equal when first traced share one symbol, so a decode
+        # step of two rows on a model with two KV heads made the row count as static as the head count
+        # (and a block table as wide as the batch is large tied the two), and later steps compiled again.
+        with (
+            torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
+            torch.fx.experimental._config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
+        ):
             return compiled(input_ids, position_ids, logits_indices, metadata)
 
     return with_recompile_budget

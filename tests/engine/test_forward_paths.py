@@ -16,7 +16,14 @@ from transformers import CompileConfig
 from engine import ContinuousBatchingConfig
 from engine.runner.forward_paths import MAX_VARLEN_GRAPH_TOKENS, StepGraphs
 from engine.runner.padding import Padding, padded_size, padded_sizes
-from tests.conftest import TEST_DEVICE, assert_greedy_parity, generate_greedy, random_prompt, tiny_model
+from tests.conftest import (
+    TEST_DEVICE,
+    assert_greedy_parity,
+    generate_greedy,
+    random_prompt,
+    run_greedy,
+    tiny_model,
+)
 
 PROMPT_LENGTHS = (1, 3, 16, 17, 40, 90, 130)
 NEW_TOKENS = (20, 9, 33, 1, 25, 12, 18)
@@ -105,6 +112,53 @@ def test_compile_level_one_through_inductor_keeps_parity() -> None:
 
 
 @pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="checks the warning on a device without CUDA")
+class CountingBackend:
+    """A torch.compile backend that runs graphs eagerly and counts how many it was given to compile."""
+
+    def __init__(self) -> None:
+        self.compilations = 0
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor], **options: object):
+        self.compilations += 1
+        return graph.forward
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_after_warmup_dynamic_decode_steps_never_compile_again(family: str) -> None:
+    """A compile in the middle of serving stalls every request for as long as it takes (tens of seconds
+    through inductor on a CPU), so warmup must leave the decode path a graph for every shape class: one
+    row and several, block tables of any width. Requests here span one to nine pages, alone and together."""
+    decode, varlen = CountingBackend(), CountingBackend()
+    model = tiny_model(family)
+    config = ContinuousBatchingConfig(
+        page_size=16,
+        num_blocks=96,
+        max_batch_tokens=64,
+        decode_compile_config=CompileConfig(fullgraph=True, dynamic=True, backend=decode),
+        varlen_compile_config=CompileConfig(dynamic=True, backend=varlen),
+    )
+    from engine import init_continuous_batching
+
+    manager = init_continuous_batching(model, continuous_batching_config=config)
+    manager.warmup()
+    after_warmup = decode.compilations
+    assert after_warmup >= 1, "warmup ran no compiled decode step"
+    manager.start()
+    try:
+        lengths = (130, 3, 40, 1, 17, 90)
+        prompts = [random_prompt(length, seed=700 + length) for length in lengths]
+        new_tokens = (12, 30, 5, 20, 9, 14)
+        # One request alone first (decode steps of one row with a wide table), then all of them together.
+        run_greedy(manager, prompts[:1], new_tokens[:1])
+        generated = run_greedy(manager, prompts, new_tokens)
+    finally:
+        manager.destroy()
+    assert decode.compilations == after_warmup, (
+        f"{decode.compilations - after_warmup} decode compilations after warmup's {after_warmup}"
+    )
+    assert_greedy_parity(model, prompts, new_tokens, generated, f"{family}, compiled after warmup")
+
+
 def test_cuda_graphs_requested_on_the_cpu_warn_and_run_without(caplog: pytest.LogCaptureFixture) -> None:
     model = tiny_model("llama")
     config = ContinuousBatchingConfig(

@@ -15,7 +15,14 @@ import torch
 
 from engine import ContinuousBatchingConfig
 from engine.runner.attention import PREFILL_QUERIES_PER_TILE
-from tests.conftest import TEST_DEVICE, assert_greedy_parity, generate_greedy, random_prompt, tiny_model
+from tests.conftest import (
+    TEST_DEVICE,
+    assert_greedy_parity,
+    generate_greedy,
+    random_prompt,
+    run_greedy,
+    tiny_model,
+)
 
 pytest.importorskip("triton")
 
@@ -208,11 +215,7 @@ def test_padded_steps_with_prefill_chunks_keep_parity(kernel_module, family: str
 
         runner.forward = forward
         manager.start()
-        ids = [
-            manager.add_request(prompt, max_new_tokens=count, eos_token_id=[])
-            for prompt, count in zip(prompts, new_tokens, strict=True)
-        ]
-        outputs = [manager.get_result(request_id, timeout=600) for request_id in ids]
+        generated = run_greedy(manager, prompts, new_tokens)
     finally:
         manager.destroy()
     # Steps of up to MAX_PADDED_TOKENS tokens are padded, larger ones (up to the 48-token budget) are not.
@@ -221,7 +224,6 @@ def test_padded_steps_with_prefill_chunks_keep_parity(kernel_module, family: str
     )
     assert any(padding > 0 for _, _, padding in padded_steps), "no step needed padding"
     assert any(not is_padded for _, is_padded, _ in padded_steps), "no step was too large to pad"
-    generated = [list(output.generated_tokens) for output in outputs]
     assert_greedy_parity(model, prompts, new_tokens, generated, f"{family}, padded varlen steps")
 
 
