@@ -118,7 +118,7 @@ def compile_function(function: ForwardFunction, config: CompileConfig, path: str
         kwargs["mode"] = config.mode
     compiled = torch.compile(function, **kwargs)
 
-    def with_recompile_budget(
+    def with_compile_settings(
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         logits_indices: torch.Tensor,
@@ -127,16 +127,18 @@ def compile_function(function: ForwardFunction, config: CompileConfig, path: str
         # Dynamo caches compilations per code object, so every engine in the process (and, with static
         # shapes, every padded shape) draws on one budget of recompilations. Its config is per thread, so
         # the budget is raised where the forward runs.
+        # Python floats (norm epsilons, softmax scales) as constants: traced as symbols, they sent dynamo
+        # back to restart its analysis once per compilation (a third of the tiny model's warmup).
         # Without duck sizing: by default, sizes equal when first traced share one symbol, so a decode
         # step of two rows on a model with two KV heads made the row count as static as the head count
         # (and a block table as wide as the batch is large tied the two), and later steps compiled again.
         with (
-            torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
+            torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True),
             torch.fx.experimental._config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
         ):
             return compiled(input_ids, position_ids, logits_indices, metadata)
 
-    return with_recompile_budget
+    return with_compile_settings
 
 
 @dataclass
