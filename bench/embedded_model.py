@@ -44,7 +44,10 @@ from service.default_model import ensure_default_model
 from service.engine_host import load_pretrained
 
 BENCH_NAME = "embedded_model"
-ENGINES = ("cbserve", "transformers_cb")
+ENGINES = ("cbserve", "transformers_cb", "cbserve_eager")
+# What a run compares unless --engines says otherwise; cbserve_eager (cbserve never compiled) is for runs
+# with --compile-level, to measure compilation against eager steps in the same alternating rounds.
+DEFAULT_ENGINES = ("cbserve", "transformers_cb")
 QUESTIONS = (
     "What is the capital of France?",
     "Explain photosynthesis in two sentences.",
@@ -106,13 +109,15 @@ def run_engine(
     name: str, model: Any, prompts: list[list[int]], config: GenerationConfig, compile_level: int = 0
 ) -> list[list[int]]:
     model.set_attn_implementation("sdpa")
-    if name == "cbserve":
+    if name in ("cbserve", "cbserve_eager"):
         outputs = engine.generate_batch(
             model,
             prompts,
             generation_config=config,
             continuous_batching_config=engine.ContinuousBatchingConfig(
-                page_size=16, max_batch_tokens=2048, default_compile_level=compile_level
+                page_size=16,
+                max_batch_tokens=2048,
+                default_compile_level=compile_level if name == "cbserve" else 0,
             ),
         )
     else:
@@ -190,16 +195,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "tokens_equal_to_generate": round(equal_fraction(outputs[name], expected), 4),
             }
         )
-    ratio = None
-    if "cbserve" in throughput and "transformers_cb" in throughput:
-        ratio = round(throughput["cbserve"] / throughput["transformers_cb"], 3)
+
+    def ratio_to(peer: str) -> float | None:
+        if "cbserve" in throughput and peer in throughput:
+            return round(throughput["cbserve"] / throughput[peer], 3)
+        return None
+
     records.append(
         {
             "bench": BENCH_NAME,
             "summary": True,
             "dtype": args.dtype,
             "cbserve_compile_level": args.compile_level,
-            "cbserve_vs_transformers_cb": ratio,
+            "cbserve_vs_transformers_cb": ratio_to("transformers_cb"),
+            "cbserve_vs_cbserve_eager": ratio_to("cbserve_eager"),
             "max_new_tokens": args.max_new_tokens,
             "reference": "one-at-a-time model.generate, greedy, the model's EOS",
             "threads": torch.get_num_threads(),
@@ -214,7 +223,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(DEFAULT_ENGINES))
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)

@@ -124,7 +124,7 @@ class CountingBackend:
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_after_warmup_dynamic_decode_steps_never_compile_again(family: str) -> None:
+def test_dynamic_decode_compiles_nothing_once_warmed_up(family: str) -> None:
     """A compile in the middle of serving stalls every request for as long as it takes (tens of seconds
     through inductor on a CPU), so warmup must leave the decode path a graph for every shape class: one
     row and several, block tables of any width. Requests here span one to nine pages, alone and together."""
