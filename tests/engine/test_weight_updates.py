@@ -99,15 +99,17 @@ def test_safetensors_file_and_folder(manager: ContinuousBatchingManager, tmp_pat
 
 def test_in_flight_request_continues_with_new_weights(manager: ContinuousBatchingManager) -> None:
     prompt = random_prompt(10, 2)
-    request_id = manager.add_request(prompt, max_new_tokens=40, streaming=True)
     new_weights = seeded_tiny_llama(9).state_dict()
+    request_id = manager.add_request(prompt, max_new_tokens=120, streaming=True, eos_token_id=[])
+    # In flight: it has generated a token. (A pause taken before the loop first schedules it holds it
+    # queued, with nothing generated yet.) 120 tokens outlast the moment the pause takes to hold.
+    first = manager.get_result(request_id, timeout=60)
+    assert first is not None and first.weight_version == 1
     with manager.pause():
-        first = manager.get_result(request_id, timeout=60)
-        assert first is not None and first.weight_version == 1
         manager.update_weights(new_weights)
-    outputs = list(manager.request_id_iter(request_id))
+    outputs = [first, *manager.request_id_iter(request_id)]
     last = outputs[-1]
-    assert last.status == RequestStatus.FINISHED and len(last.generated_tokens) == 40
+    assert last.status == RequestStatus.FINISHED and len(last.generated_tokens) == 120
     assert last.weight_version == 2
     assert [output.weight_version for output in outputs] == sorted(
         output.weight_version for output in outputs
