@@ -142,13 +142,19 @@ class ContinuousBatchingManager(WeightsAndMemory):
         prompt_length = self._warmup_prompt_length()
 
         def warm() -> None:
-            # Two requests: a varlen step, then decode steps of two rows and of one, so a compiled forward
-            # has met every shape class before real requests arrive. Dynamic compilation specialises sizes
-            # 0 and 1, rows and block-table widths alike: with tables one page wide, the first request past
-            # its first page would compile again in the middle of serving.
-            for index, num_tokens in enumerate((2, 3)):
-                sampling = SamplingParams(max_new_tokens=num_tokens)
-                engine.add_request(Request(f"__warmup_{index}__", [0] * prompt_length, sampling))
+            # Two requests, so that a compiled forward meets every shape class before real requests
+            # arrive: the first alone (a varlen step sampling one row), then the second joins it (a varlen
+            # step sampling two), then decode steps of two rows and of one. Dynamic compilation specialises
+            # sizes 0 and 1, rows and block-table widths alike: with tables one page wide, the first request
+            # past its first page would compile again in the middle of serving.
+            # Different prompts, so that the second's prefill is not a prefix-cache hit of one token.
+            first, second = (
+                Request(f"__warmup_{index}__", [index] * prompt_length, SamplingParams(max_new_tokens=3))
+                for index in range(2)
+            )
+            engine.add_request(first)
+            engine.step()
+            engine.add_request(second)
             while engine.has_unfinished_requests():
                 engine.step()
             engine.runner.capture_decode_graphs(engine.max_requests_per_batch)
