@@ -111,7 +111,6 @@ def test_compile_level_one_through_inductor_keeps_parity() -> None:
     _assert_parity(model, prompts, generated, "compile level 1")
 
 
-@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="checks the warning on a device without CUDA")
 class CountingBackend:
     """A torch.compile backend that runs graphs eagerly and counts how many it was given to compile."""
 
@@ -160,6 +159,7 @@ def test_dynamic_compilation_compiles_nothing_once_warmed_up(family: str) -> Non
     assert_greedy_parity(model, prompts, new_tokens, generated, f"{family}, compiled after warmup")
 
 
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="checks the warning on a device without CUDA")
 def test_cuda_graphs_requested_on_the_cpu_warn_and_run_without(caplog: pytest.LogCaptureFixture) -> None:
     model = tiny_model("llama")
     config = ContinuousBatchingConfig(
