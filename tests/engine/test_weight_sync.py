@@ -8,7 +8,6 @@ helper and `cbserve serve --tp 2` are tested through the service, tests/service/
 from __future__ import annotations
 
 import copy
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,18 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bench.ports import free_port
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
 from engine.errors import WeightTransferError
 from engine.weight_transfer import BUCKET_ALIGNMENT, BucketPlan, BucketTensor, JoinedGroup, WeightBucket
 from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama, tiny_model
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _plan(groups: list[list[tuple[str, torch.Tensor]]]) -> BucketPlan:
@@ -58,7 +52,7 @@ class Trainer:
     """Rank 0 of a weight-update group: hosts the rendezvous and broadcasts."""
 
     def __init__(self, world_size: int = 2, timeout_s: float = 20.0) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.world_size = world_size
         self.timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(

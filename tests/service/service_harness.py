@@ -9,7 +9,6 @@ import datetime
 import ipaddress
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
+from bench.ports import free_ports
 from engine import ContinuousBatchingConfig
 from service.engine_host import EngineHost
 from service.server import CbserveServer, ServerOptions
@@ -148,13 +148,6 @@ def loaded_server(model: torch.nn.Module, **options: Any) -> RunningServer:
     return running
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now (for servers whose port 0 means "off")."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def wait_until(condition: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -188,16 +181,20 @@ def probe_health(target: str) -> int | None:
 class ServerProcess:
     """`cbserve serve` in a subprocess on free loopback ports, serving the model saved in `model_dir`.
 
-    Its log goes to `log_path` (`log_tail()` shows it when a test fails). `close()` kills it if it still
-    runs; always call it, e.g. in a `finally`.
+    In float32 unless `extra_args` name a `--dtype`: `auto` is bfloat16 on CPUs with AMX, whose outputs
+    depend on the batch's shape, and tests compare outputs exactly. Its log goes to `log_path`
+    (`log_tail()` shows it when a test fails). `close()` kills it if it still runs; always call it, e.g.
+    in a `finally`.
     """
 
     def __init__(
         self, model_dir: str | Path, log_path: str | Path, *extra_args: str, admin_token: str = ADMIN_TOKEN
     ) -> None:
-        self.port, self.admin_port = free_port(), free_port()
+        self.port, self.admin_port = free_ports(2)
         command = [sys.executable, "-m", "service", "serve", "--model", str(model_dir)]
         command += ["--port", str(self.port), "--admin-port", str(self.admin_port), *extra_args]
+        if "--dtype" not in extra_args:
+            command += ["--dtype", "float32"]
         self.log_path = Path(log_path)
         environment = {**os.environ, "CBSERVE_ADMIN_TOKEN": admin_token}
         with open(self.log_path, "wb") as log:  # the child keeps its own handle

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from cbserve_client import AdminClient
-from service_harness import ADMIN_TOKEN, REPO_ROOT, ByteTokenizer, RunningServer, free_port, loaded_server
+from service_harness import ADMIN_TOKEN, REPO_ROOT, ByteTokenizer, RunningServer, loaded_server
 
+from bench.ports import free_port
 from service import cli
 from tests.conftest import fresh_tiny_model
 

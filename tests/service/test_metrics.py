@@ -13,11 +13,11 @@ from service_harness import (
     ADMIN_TOKEN,
     ByteTokenizer,
     RunningServer,
-    free_port,
     wait_all_blocks_free,
     wait_until,
 )
 
+from bench.ports import free_port
 from tests.conftest import random_prompt
 
 LONG = 900

@@ -7,12 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from service import engine_host
 from service.engine_host import load_pretrained, resolve_placement
 from tests.conftest import tiny_model
 
 
-def test_auto_is_float32_on_the_cpu_and_bfloat16_on_a_gpu() -> None:
-    assert resolve_placement("cpu", "auto") == (torch.device("cpu"), torch.float32)
+@pytest.mark.parametrize("has_amx", [False, True])
+def test_auto_is_bfloat16_on_a_gpu_and_on_a_cpu_with_amx(
+    monkeypatch: pytest.MonkeyPatch, has_amx: bool
+) -> None:
+    monkeypatch.setattr(engine_host, "cpu_has_bf16_matrix_units", lambda: has_amx)
+    cpu_dtype = torch.bfloat16 if has_amx else torch.float32
+    assert resolve_placement("cpu", "auto") == (torch.device("cpu"), cpu_dtype)
     assert resolve_placement("cuda:1", "auto") == (torch.device("cuda", 1), torch.bfloat16)
     expected_device = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_placement("auto", "auto")[0].type == expected_device

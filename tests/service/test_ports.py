@@ -7,8 +7,8 @@ import asyncio
 import socket
 
 import pytest
-from service_harness import free_port
 
+from bench.ports import free_port, free_ports
 from service.ports import PortError, check_port_free
 from service.server import CbserveServer, ServerOptions
 
@@ -41,7 +41,7 @@ def test_a_second_server_on_the_same_admin_port_is_refused_naming_the_flag() -> 
 
 
 def test_servers_that_ask_for_it_share_a_port() -> None:
-    port, admin_port = free_port(), free_port()
+    port, admin_port = free_ports(2)
     shared = ServerOptions(port=port, admin_port=admin_port, reuse_port=True)
     asyncio.run(_start_and_stop(shared, shared))
 

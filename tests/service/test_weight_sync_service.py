@@ -25,12 +25,12 @@ from service_harness import (
     REPO_ROOT,
     SERVING,
     ServerProcess,
-    free_port,
     probe_health,
     serving_replicas,
     wait_until,
 )
 
+from bench.ports import free_port
 from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama
 
 ENGINE_FLAGS = ("--num-blocks", "64", "--page-size", "16")
