@@ -48,7 +48,7 @@ from transformers import (
 )
 
 import engine
-from engine.engine_core import call_on_steps_thread
+from engine import call_on_steps_thread
 
 BENCH_NAME = "offline_throughput"
 ENGINES = ("cbserve", "transformers_cb", "static", "cbserve_defaults")

@@ -14,6 +14,7 @@ from engine.cache_root import CACHE_DIR_ENV, cache_root
 from engine.commands import PauseHandle, PauseMode, SleepOutcome
 from engine.config import ContinuousBatchingConfig
 from engine.cuda_ipc import CudaIpcHandle
+from engine.engine_core import call_on_steps_thread
 from engine.errors import QueueFullError, WeightTransferError, WeightTransferTimeout
 from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from engine.manager import ContinuousBatchingManager
@@ -76,6 +77,7 @@ __all__ = [
     "WeightTransferTimeout",
     "build_sampling_params",
     "cache_root",
+    "call_on_steps_thread",
     "check_tensor_parallel_size",
     "check_token_ids",
     "continuous_batching_context_manager",

@@ -421,7 +421,13 @@ def run_steps_thread(target: Callable[[], None], num_threads: int, name: str) ->
 
 def call_on_steps_thread(function: Callable[[], Result], num_threads: int, name: str) -> Result:
     """`function()` on a thread of `run_steps_thread`'s, waited for: its result is returned and its
-    exception raised here. The thread ends with the call, and its OpenMP team with it."""
+    exception raised here. The thread ends with the call, and its OpenMP team with it.
+
+    For any torch work beside a running engine on the CPU (loading a model, converting weights): a torch
+    op large enough to run in parallel leaves the thread that ran it an OpenMP team for as long as that
+    thread lives, and once the process holds more OpenMP threads than cores libgomp stops its workers
+    spinning, so each of a step's parallel regions waits for them to wake (1.7x slower steps measured).
+    """
     outcome: dict[str, Any] = {}
 
     def run() -> None:

@@ -42,7 +42,7 @@ from engine.commands import (
     WeightUpdate,
     caller_futures,
 )
-from engine.engine_core import EngineCore, StepResult, run_steps_thread
+from engine.engine_core import EngineCore, StepResult, call_on_steps_thread, run_steps_thread
 from engine.errors import QueueFullError, WeightTransferError
 from engine.kv.events import KVCacheEvent
 from engine.output_router import OutputRouter
@@ -296,9 +296,16 @@ class GenerationLoop:
                 self._post(command)
         else:
             self._check_can_apply_stopped()
-            self._apply(command)
-            self._refresh_stats()
-            self._publish_kv_events()
+
+            def apply_while_stopped() -> None:
+                self._apply(command)
+                self._refresh_stats()
+                self._publish_kv_events()
+
+            # On a thread that ends, as a step would run: commands copy weights and caches, and a copy
+            # large enough to go parallel would leave the caller's thread an OpenMP team, which slows
+            # every later step (`ContinuousBatchingManager._ensure_engine` says how).
+            call_on_steps_thread(apply_while_stopped, self.engine.num_threads, "cbserve-command")
         return result.result()
 
     def stats(self) -> ManagerStats:

@@ -95,7 +95,15 @@ class ContinuousBatchingManager(WeightsAndMemory):
         if self._engine is None:
             self.switch_to_cb_friendly_attn(self.model, self.config.auto_switch_to_flash)
             group = TensorParallelGroup.for_model(self.model, self.config.cpu_group_timeout)
-            engine = EngineCore(self.model, self.config, group)
+            # Built on a thread that ends, like every step: building runs torch ops (zeroing the null
+            # block), and one large enough to go parallel would leave the caller's thread an OpenMP team
+            # for good. With more OpenMP threads than cores, libgomp's workers stop spinning between
+            # parallel regions, and every step waits for them to wake: 1.7x slower on SmolLM2.
+            engine = call_on_steps_thread(
+                lambda: EngineCore(self.model, self.config, group),
+                self.config.num_threads or torch.get_num_threads(),
+                "cbserve-build",
+            )
             engine.set_tokenizer(self._tokenizer)
             self._loop = self._make_loop(engine, group)
             self._engine = engine

@@ -9,12 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+import torch
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from engine import call_on_steps_thread
 from service.admin_servicer import AdminServicer
 from service.auth import BearerTokenInterceptor
 from service.engine_host import EngineHost
@@ -124,9 +126,16 @@ class CbserveServer:
         )
 
     async def load(self, make_host: Callable[[], EngineHost]) -> EngineHost:
-        """Builds the engine host off the event loop, starts it, hands it to the servicers, turns SERVING."""
+        """Builds the engine host off the event loop, starts it, hands it to the servicers, turns SERVING.
+
+        `make_host` runs on a thread that ends with it, not on one of the executor's, which live on:
+        loading (and the embedded model's first conversion) runs torch ops that leave the thread running
+        them an OpenMP team, and one more team than cores makes every engine step wait for its workers to
+        wake (`engine.call_on_steps_thread`)."""
         loop = asyncio.get_running_loop()
-        host = await loop.run_in_executor(None, make_host)
+        host = await loop.run_in_executor(
+            None, call_on_steps_thread, make_host, torch.get_num_threads(), "cbserve-load"
+        )
         host.add_state_listener(lambda: self._watch_host(host))
         host.add_request_end_listener(self.metrics.observe_request_end)
         await host.start_async()

@@ -22,7 +22,14 @@ import subprocess
 import sys
 import time
 
-from engine import ContinuousBatchingConfig, ContinuousBatchingManager, torchrun_environment
+import torch
+
+from engine import (
+    ContinuousBatchingConfig,
+    ContinuousBatchingManager,
+    call_on_steps_thread,
+    torchrun_environment,
+)
 from service.engine_host import load_pretrained
 
 logger = logging.getLogger(__name__)
@@ -94,7 +101,10 @@ def follow(model_path: str, config: ContinuousBatchingConfig, dtype: str = "auto
     # Signals are rank 0's to handle: it drains, then its stop ends this rank's loop too.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    model, tokenizer = load_pretrained(model_path, dtype=dtype)
+    # On a thread that ends, as the driver's loading does (`CbserveServer.load` says why).
+    model, tokenizer = call_on_steps_thread(
+        lambda: load_pretrained(model_path, dtype=dtype), torch.get_num_threads(), "cbserve-load"
+    )
     # Every rank masks structured-output logits alike, so each needs the grammars and their tokenizer.
     manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
     manager.start()

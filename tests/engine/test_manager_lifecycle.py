@@ -18,7 +18,14 @@ from engine import (
     generate_batch,
     init_continuous_batching,
 )
-from tests.conftest import VOCAB_SIZE, fail_forward_once, random_prompt, reference_greedy, tiny_model
+from tests.conftest import (
+    VOCAB_SIZE,
+    fail_forward_once,
+    random_prompt,
+    reference_greedy,
+    tiny_config,
+    tiny_model,
+)
 
 TIMEOUT = 60
 
@@ -419,3 +426,51 @@ def test_steps_run_only_on_engine_threads_with_the_configured_thread_count(monke
     assert names == {"cbserve-warmup", "cbserve-engine"}, names
     assert {threads for _, threads in seen} == {1}
     assert torch.get_num_threads() == callers_threads
+
+
+def test_building_warming_and_updating_a_stopped_engine_leave_the_callers_thread_without_an_openmp_team() -> (
+    None
+):
+    """A torch op large enough to run in parallel gives the thread that runs it an OpenMP team for the
+    thread's lifetime; with more OpenMP threads than cores libgomp stops spinning, and every step then
+    waits for its workers to wake (SmolLM2 served 1.7x slower after the caller's thread had zeroed the
+    cache's null block). Building, warmup and commands applied while the loop is stopped (here a weight
+    update) run on threads that end, so the caller keeps no team."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def num_os_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    # Sizes past torch's grain for running an op in parallel (32,768 elements): the null block zeroed at
+    # build (page_size slots of 2 KV heads x 16 dims) and the embedding an update copies (2,048 x 64).
+    model_config = tiny_config("llama")
+    model_config.vocab_size = 2048
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa").eval()
+    new_embedding = torch.randn_like(model.get_input_embeddings().weight)
+    config = ContinuousBatchingConfig(page_size=2048, num_blocks=2, max_batch_tokens=64, num_threads=2)
+    counts: dict[str, int] = {}
+
+    def callers_thread() -> None:
+        torch.set_num_threads(2)
+        counts["before"] = num_os_threads()
+        manager = ContinuousBatchingManager(model, continuous_batching_config=config)
+        try:
+            manager.warmup()
+            manager.update_weights({"model.embed_tokens.weight": new_embedding})
+            # Threads that ended take their teams with them, a moment later.
+            deadline = time.monotonic() + 10
+            while num_os_threads() > counts["before"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            counts["after"] = num_os_threads()
+        finally:
+            manager.destroy()
+
+    thread = threading.Thread(target=callers_thread, name="callers-thread")
+    thread.start()
+    thread.join()
+    assert torch.equal(model.get_input_embeddings().weight, new_embedding)
+    assert counts["after"] <= counts["before"], counts
