@@ -19,6 +19,7 @@ from engine.runner.padding import Padding, padded_size, padded_sizes
 from tests.conftest import (
     TEST_DEVICE,
     assert_greedy_parity,
+    fresh_tiny_model,
     generate_greedy,
     random_prompt,
     run_greedy,
@@ -159,9 +160,9 @@ def test_dynamic_compilation_compiles_nothing_once_warmed_up(family: str) -> Non
     assert_greedy_parity(model, prompts, new_tokens, generated, f"{family}, compiled after warmup")
 
 
-@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="checks the warning on a device without CUDA")
 def test_cuda_graphs_requested_on_the_cpu_warn_and_run_without(caplog: pytest.LogCaptureFixture) -> None:
-    model = tiny_model("llama")
+    # On the CPU whatever the test device: the warning is for a model that is not on a CUDA device.
+    model = fresh_tiny_model("llama").to("cpu")
     config = ContinuousBatchingConfig(
         page_size=16, num_blocks=80, max_batch_tokens=64, use_cuda_graph=(False, True)
     )
