@@ -37,6 +37,7 @@ import engine
 from bench.offline_throughput import (
     EngineOptions,
     add_compile_level_argument,
+    add_no_pack_cpu_weights_argument,
     on_own_thread,
     transformers_cb_config,
 )
@@ -45,8 +46,9 @@ from service.engine_host import load_pretrained
 
 BENCH_NAME = "embedded_model"
 ENGINES = ("cbserve", "transformers_cb", "cbserve_eager")
-# What a run compares unless --engines says otherwise; cbserve_eager (cbserve never compiled) is for runs
-# with --compile-level, to measure compilation against eager steps in the same alternating rounds.
+# What a run compares unless --engines says otherwise; cbserve_eager (cbserve on its defaults, never
+# compiled) is for runs with --compile-level or --no-pack-cpu-weights, to measure either against the
+# defaults in the same alternating rounds.
 DEFAULT_ENGINES = ("cbserve", "transformers_cb")
 QUESTIONS = (
     "What is the capital of France?",
@@ -106,8 +108,15 @@ def greedy_config(model: Any, max_new_tokens: int) -> GenerationConfig:
 
 
 def run_engine(
-    name: str, model: Any, prompts: list[list[int]], config: GenerationConfig, compile_level: int = 0
+    name: str,
+    model: Any,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    compile_level: int = 0,
+    pack_cpu_weights: bool = True,
 ) -> list[list[int]]:
+    """`compile_level` and `pack_cpu_weights` apply to the engine named cbserve; cbserve_eager keeps the
+    engine's defaults."""
     model.set_attn_implementation("sdpa")
     if name in ("cbserve", "cbserve_eager"):
         outputs = engine.generate_batch(
@@ -118,6 +127,7 @@ def run_engine(
                 page_size=16,
                 max_batch_tokens=2048,
                 default_compile_level=compile_level if name == "cbserve" else 0,
+                pack_cpu_weights=pack_cpu_weights or name != "cbserve",
             ),
         )
     else:
@@ -163,14 +173,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     expected = on_own_thread(reference, model, prompts, config)
     for name in args.engines:  # untimed warmup on a few prompts (compilation included)
         start = time.perf_counter()
-        on_own_thread(run_engine, name, model, prompts[:4], config, args.compile_level)
+        on_own_thread(run_engine, name, model, prompts[:4], config, args.compile_level, args.pack_cpu_weights)
         print(f"warmup {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     wall: dict[str, list[float]] = {name: [] for name in args.engines}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
         for name in args.engines:
             start = time.perf_counter()
-            tokens = on_own_thread(run_engine, name, model, prompts, config, args.compile_level)
+            tokens = on_own_thread(
+                run_engine, name, model, prompts, config, args.compile_level, args.pack_cpu_weights
+            )
             wall[name].append(time.perf_counter() - start)
             outputs.setdefault(name, tokens)
     records: list[dict[str, Any]] = []
@@ -207,6 +219,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "summary": True,
             "dtype": args.dtype,
             "cbserve_compile_level": args.compile_level,
+            "cbserve_pack_cpu_weights": args.pack_cpu_weights,
             "cbserve_vs_transformers_cb": ratio_to("transformers_cb"),
             "cbserve_vs_cbserve_eager": ratio_to("cbserve_eager"),
             "max_new_tokens": args.max_new_tokens,
@@ -228,8 +241,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
     add_compile_level_argument(parser)
+    add_no_pack_cpu_weights_argument(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
+    args.pack_cpu_weights = not args.no_pack_cpu_weights
     if args.requests < 1 or args.max_new_tokens < 1 or args.repeats < 1:
         parser.error("--requests, --max-new-tokens and --repeats must be at least 1")
     args.engines = list(dict.fromkeys(args.engines))

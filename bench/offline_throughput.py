@@ -140,6 +140,7 @@ class EngineOptions:
     cuda_graphs: bool = False
     async_batching: bool = False
     max_blocks_per_request: int | None = None
+    pack_cpu_weights: bool = True
     static_batch_size: int = 16
     transformers_cb_page_size: int = TRANSFORMERS_CB_PAGE_SIZE
     transformers_cb_num_blocks: int | None = TRANSFORMERS_CB_NUM_BLOCKS
@@ -223,6 +224,7 @@ def cbserve_config(options: EngineOptions) -> engine.ContinuousBatchingConfig:
         use_cuda_graph=options.cuda_graphs,
         use_async_batching=options.async_batching,
         max_blocks_per_request=options.max_blocks_per_request,
+        pack_cpu_weights=options.pack_cpu_weights,
     )
 
 
@@ -247,10 +249,15 @@ def run_cbserve_defaults(
     generation_config: GenerationConfig,
     options: EngineOptions,
 ) -> list[list[int]]:
-    """cbserve with none of its opt-in paths (compilation, CUDA graphs, async batching) and its default
-    attention (the C kernel on the CPU, the gather path on CUDA)."""
+    """cbserve with none of its opt-in paths (compilation, CUDA graphs, async batching), its default
+    attention (the C kernel on the CPU, the gather path on CUDA) and its packed CPU weights."""
     defaults = dataclasses.replace(
-        options, compile_level=0, cuda_graphs=False, async_batching=False, max_blocks_per_request=None
+        options,
+        compile_level=0,
+        cuda_graphs=False,
+        async_batching=False,
+        max_blocks_per_request=None,
+        pack_cpu_weights=True,
     )
     return run_cbserve(model, prompts, generation_config, defaults)
 
@@ -446,6 +453,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
         cuda_graphs=args.cuda_graphs,
         async_batching=args.async_batching,
         max_blocks_per_request=args.max_blocks_per_request,
+        pack_cpu_weights=not args.no_pack_cpu_weights,
         static_batch_size=args.static_batch_size,
         **gpu_peer_options,
     )
@@ -589,6 +597,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "use_cuda_graph": options.cuda_graphs,
                 "use_async_batching": options.async_batching,
                 "max_blocks_per_request": options.max_blocks_per_request,
+                "pack_cpu_weights": options.pack_cpu_weights,
             },
             "transformers_cb_config": {
                 "page_size": options.transformers_cb_page_size,
@@ -640,6 +649,14 @@ def add_compile_level_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_no_pack_cpu_weights_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-pack-cpu-weights",
+        action="store_true",
+        help="cbserve's linear layers use the BLAS on the model's own weights (pack_cpu_weights=False)",
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="tiny")
@@ -688,6 +705,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="cbserve's attention kernel: widest block table it reads; 0 turns it off (the gather path)."
         " Default: the C kernel on the CPU, any width; off on cuda (the Triton kernel needs a width)",
     )
+    add_no_pack_cpu_weights_argument(parser)
     parser.add_argument("--static-batch-size", type=int, default=16)
     parser.add_argument(
         "--threads",

@@ -140,6 +140,12 @@ class ContinuousBatchingConfig:
     thread (warmup included): on the CPU, a caller's thread that had run them kept an OpenMP team whose
     idle workers slowed the loop thread's own (measured 1.5x slower steps on 2 cores).
 
+    pack_cpu_weights: on the CPU, run the large linear layers (weights of 2**18 elements and more) on
+    copies of their weights packed once for oneDNN, instead of letting the BLAS repack them on every call
+    (engine.runner.packed_linear). Applies to eager steps of an unsharded fp32 or bf16 model (bf16 where
+    oneDNN can pack it: CPUs with AVX-512 or AVX-NE-CONVERT); the copies cost those layers' weight memory
+    a second time, which False saves. A layer repacks by itself after an in-place write to its weight.
+
     Deprecated fields, accepted at construction only and reset to None once applied:
     `use_default_compile_configs` (since transformers 5.11, use `default_compile_level`; True raises a level
     of 0 to 1), `max_cached_graphs` (since 5.13, ignored) and `block_size` (since 5.17, copied into
@@ -173,6 +179,7 @@ class ContinuousBatchingConfig:
     disable_nccl_graph_mixing: bool = True
     cpu_group_timeout: float | None = 300.0
     num_threads: int | None = None
+    pack_cpu_weights: bool = True
     use_default_compile_configs: bool | None = None
     max_cached_graphs: int | None = None
     block_size: int | None = None
@@ -268,6 +275,7 @@ class ContinuousBatchingConfig:
         _check_int("max_queue_size", self.max_queue_size, minimum=0)
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, minimum=1)
+        _check_bool("pack_cpu_weights", self.pack_cpu_weights)
         _check_bool("per_request_processors", self.per_request_processors)
         _check_bool("drop_unsupported_processors", self.drop_unsupported_processors)
         _check_bool("disable_nccl_graph_mixing", self.disable_nccl_graph_mixing)

@@ -25,6 +25,7 @@ from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.runner.model_runner import LaunchedStep, ModelRunner
+from engine.runner.packed_linear import PackedLinears
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import GrammarCompiler, accept_token, is_complete
@@ -81,6 +82,21 @@ def cb_attention_implementation(current: str | None) -> str:
     supported = ", ".join(repr(name) for name in ("sdpa", "eager", *_STANDS_IN_FOR_SDPA))
     raise ValueError(
         f"attn_implementation {current!r} is not supported by cbserve's engine; supported: {supported}"
+    )
+
+
+def packs_linear_weights(
+    model: torch.nn.Module, config: ContinuousBatchingConfig, device: torch.device
+) -> bool:
+    """Whether the engine runs the model's large linear layers on packed weights (`pack_cpu_weights`):
+    on the CPU, when no path compiles (torch.compile traces the model's own layers) and the model is not
+    sharded (its layers' forwards are tensor-parallel ones)."""
+    return (
+        config.pack_cpu_weights
+        and device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and all(config.compile_config_for(path) is None for path in ("varlen", "decode"))
+        and tensor_parallel_size(model) == 1
     )
 
 
@@ -143,6 +159,10 @@ class EngineCore:
         self.config = config
         self.device = model_device(model)
         self.vocab_size: int = model.config.get_text_config().vocab_size  # type: ignore[operator, union-attr]
+        # Packed before the cache is sized, so that free memory is measured with the packed copies.
+        self.packed_linears = (
+            PackedLinears(model) if packs_linear_weights(model, config, self.device) else None
+        )
         plan = plan_cache(model, config, tensor_parallel_size(model), parallel)
         self.max_model_len = plan.max_model_len
         self.max_requests_per_batch = plan.max_requests_per_batch
@@ -249,6 +269,12 @@ class EngineCore:
         self.requests.clear()
         self.scheduler.remove_finished_running()
         return failed
+
+    def release_model(self) -> None:
+        """Gives the model its own linear forwards back (the engine is done with it)."""
+        if self.packed_linears is not None:
+            self.packed_linears.restore()
+            self.packed_linears = None
 
     def _release_host_blocks(self) -> None:
         if self.scheduler.host_block_pool is not None:

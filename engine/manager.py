@@ -234,7 +234,8 @@ class ContinuousBatchingManager(WeightsAndMemory):
             logger.debug("the generation loop stopped %.3f s after stop()", elapsed)
 
     def destroy(self) -> None:
-        """Stops the loop, frees the cache and restores the model's attention. Idempotent and final."""
+        """Stops the loop, frees the cache and gives the model its own attention and linear layers back.
+        Idempotent and final."""
         if self._destroyed:
             return
         if self.is_running():
@@ -246,6 +247,8 @@ class ContinuousBatchingManager(WeightsAndMemory):
             del self.model._cbserve_cached_manager
         if self._loop is not None:
             self._loop.close()
+        if self._engine is not None:
+            self._engine.release_model()
         self._loop = None
         self._engine = None
         self._destroyed = True

@@ -6,7 +6,8 @@ to host memory. The tensors themselves stay (only their storage goes), so everyt
 the runner's per-layer lists included, sees the memory again after `wake_up`; CUDA graphs, which hold
 raw addresses, are dropped and captured again.
 
-On the CPU the weights already live in host memory: level 2 moves nothing more than level 1.
+On the CPU the weights already live in host memory: level 2 only frees the copies of them packed for
+oneDNN (engine.runner.packed_linear), which the layers make again on their first step after waking.
 """
 
 from __future__ import annotations
@@ -109,9 +110,13 @@ def move_weights(model: torch.nn.Module, device: torch.device) -> int:
 
 
 def offload_weights(engine: EngineCore) -> int:
-    """Level 2: the weights to host memory; returns the device bytes freed (0 on the CPU)."""
+    """Level 2: the weights to host memory, or on the CPU their packed copies freed; returns the bytes
+    freed."""
     if engine.device.type == "cpu":
-        return 0
+        freed = engine.packed_linears.drop_copies() if engine.packed_linears is not None else 0
+        _return_freed_memory(engine.device)
+        logger.info("packed copies of the weights freed: %.1f MiB", freed / 2**20)
+        return freed
     moved = move_weights(engine.model, HOST)
     engine.runner.forward_paths.drop_cuda_graphs()
     _return_freed_memory(engine.device)

@@ -321,7 +321,7 @@ def receive_buckets(
                 if isinstance(target, DTensor):  # this rank's shard, cut from the full tensor
                     apply_weights([StagedTensor(tensor.name, target, cast_for_target(value, target))])
                 else:  # straight from the bucket, converted on the way: no intermediate copy
-                    target.data.copy_(value)
+                    target.copy_(value)  # not `.data`: the version counter must move (`apply_weights`)
         progress.num_buckets_applied += 1
         num_tensors += len(bucket.tensors)
     return num_tensors

@@ -177,8 +177,12 @@ def _stage_safetensors(targets: Mapping[str, torch.Tensor], path: str) -> list[S
 
 
 def apply_weights(staged: list[StagedTensor]) -> None:
-    """Copies validated tensors in place (tied parameters see the new value through their alias)."""
+    """Copies validated tensors in place (tied parameters see the new value through their alias).
+
+    The copy goes to the tensor itself, not its `.data`, so that its version counter moves: layers that
+    keep a derived copy of a weight (engine.runner.packed_linear) see the write and redo it.
+    """
     with torch.no_grad():
         for item in staged:
-            target = item.target.to_local() if isinstance(item.target, DTensor) else item.target.data
+            target = item.target.to_local() if isinstance(item.target, DTensor) else item.target
             target.copy_(item.value)

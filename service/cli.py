@@ -238,6 +238,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="prepare each step while the previous one runs on the GPU (use_async_batching; default: off)",
     )
+    engine.add_argument(
+        "--no-pack-cpu-weights",
+        action="store_true",
+        help="on the CPU, run linear layers on the model's own weights instead of copies packed once for "
+        "oneDNN: slower steps, but the large layers' weight memory is not held twice (pack_cpu_weights; "
+        "default: packed)",
+    )
 
     generate = commands.add_parser(
         "generate",
@@ -296,6 +303,8 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
         values["use_cuda_graph"] = True
     if args.async_batching:
         values["use_async_batching"] = True
+    if args.no_pack_cpu_weights:
+        values["pack_cpu_weights"] = False
     return ContinuousBatchingConfig(**values)
 
 

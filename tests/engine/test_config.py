@@ -35,6 +35,7 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "disable_nccl_graph_mixing": True,
     "cpu_group_timeout": 300.0,
     "num_threads": None,
+    "pack_cpu_weights": True,
     "use_default_compile_configs": None,
     "max_cached_graphs": None,
     "block_size": None,
@@ -103,6 +104,7 @@ INVALID_VALUES: list[tuple[str, Any]] = [
     ("cpu_group_timeout", float("nan")),
     ("num_threads", 0),
     ("num_threads", 1.5),
+    ("pack_cpu_weights", "yes"),
 ]
 
 

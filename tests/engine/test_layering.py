@@ -50,6 +50,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.runner.inputs",
         "engine.runner.kv_cache",
         "engine.runner.forward_paths",
+        "engine.runner.packed_linear",
         "engine.runner.model_runner",
     },
     {"engine.cache_plan"},

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from bench.ports import free_port
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
 from engine.errors import WeightTransferError
+from engine.runner import packed_linear
 from engine.weight_transfer import BUCKET_ALIGNMENT, BucketPlan, BucketTensor, JoinedGroup, WeightBucket
 from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama, tiny_model
 
@@ -126,6 +127,26 @@ def _generate(manager: ContinuousBatchingManager, prompt: list[int], n: int, tim
 
 
 def test_pushed_weights_serve_the_new_model(manager: ContinuousBatchingManager) -> None:
+    _assert_pushed_weights_serve_the_new_model(manager)
+
+
+def test_pushed_weights_reach_layers_running_on_packed_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU, large linear layers run on copies of their weights packed for oneDNN
+    (engine.runner.packed_linear), which a push must reach too. The tiny model's layers are below the
+    size that is packed, so here every one is."""
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT_ELEMENTS", 0)
+    model = copy.deepcopy(tiny_model("llama")).to("cpu")
+    config = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=64)
+    running = ContinuousBatchingManager(model, continuous_batching_config=config)
+    running.start()
+    try:
+        assert "forward" in model.lm_head.__dict__, "the LM head should run on packed weights"
+        _assert_pushed_weights_serve_the_new_model(running)
+    finally:
+        running.destroy()
+
+
+def _assert_pushed_weights_serve_the_new_model(manager: ContinuousBatchingManager) -> None:
     trainer = Trainer()
     try:
         assert _join(manager, trainer).ranks == (1,)

@@ -1,0 +1,158 @@
+"""On the CPU, the engine runs large linear layers on weights packed once for oneDNN
+(engine.runner.packed_linear): outputs stay exact, the packed copies follow every weight change, and the
+model gets its own layers back when the engine is done.
+
+The tiny test models' weights are far below the size where packing pays, so these tests pack every
+linear layer (`pack_every_linear`); they run on the CPU whatever CBSERVE_TEST_DEVICE says, since packing
+is a CPU path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
+from engine.engine_core import packs_linear_weights
+from engine.runner import packed_linear
+from engine.runner.packed_linear import PackedLinears
+from tests.conftest import fresh_tiny_model, random_prompt, reference_greedy, seeded_tiny_llama
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def pack_every_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT_ELEMENTS", 0)
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+
+
+def _packed_layers(model: torch.nn.Module) -> int:
+    return sum("forward" in module.__dict__ for module in _linears(model))
+
+
+def _manager(model: torch.nn.Module) -> ContinuousBatchingManager:
+    config = ContinuousBatchingConfig(page_size=8, num_blocks=128, max_batch_tokens=128)
+    manager = ContinuousBatchingManager(model, continuous_batching_config=config)
+    manager.start()
+    return manager
+
+
+def _generate(manager: ContinuousBatchingManager, prompt: list[int], count: int) -> list[int]:
+    request_id = manager.add_request(prompt, max_new_tokens=count, eos_token_id=[])
+    output = manager.get_result(request_id, timeout=120)
+    assert output is not None and output.status == RequestStatus.FINISHED, output
+    return output.generated_tokens
+
+
+def _assert_equal(engine_tokens: list[int], expected: list[int], what: str) -> None:
+    assert engine_tokens == expected, f"{what}\n  engine:   {engine_tokens}\n  generate: {expected}"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma2"])
+def test_greedy_outputs_on_packed_weights_equal_generate(family: str) -> None:
+    model = fresh_tiny_model(family).to(CPU)
+    prompts = [random_prompt(length, seed=length) for length in (5, 40, 120)]
+    manager = _manager(model)
+    try:
+        assert _packed_layers(model) == len(_linears(model)), "every linear layer should run packed"
+        generated = [_generate(manager, prompt, 24) for prompt in prompts]
+    finally:
+        manager.destroy()
+    assert _packed_layers(model) == 0, "destroy should give every layer its own forward back"
+    for index, (prompt, tokens) in enumerate(zip(prompts, generated, strict=True)):
+        _assert_equal(tokens, reference_greedy(model, prompt, 24), f"{family} request {index}")
+
+
+def test_packed_layers_follow_update_weights() -> None:
+    model = fresh_tiny_model("llama").to(CPU)
+    prompt = random_prompt(30, seed=3)
+    other = seeded_tiny_llama(123)
+    manager = _manager(model)
+    try:
+        before = _generate(manager, prompt, 12)
+        manager.update_weights(other.state_dict())
+        after = _generate(manager, prompt, 12)
+    finally:
+        manager.destroy()
+    _assert_equal(after, reference_greedy(other, prompt, 12), "after update_weights")
+    assert after != before
+
+
+def test_packed_layers_follow_in_place_writes_by_the_caller() -> None:
+    """A colocated trainer's optimizer writes the parameters in place between requests. (Written this way,
+    the prefix cache is not reset, so the request after the write has a prompt of its own.)"""
+    model = fresh_tiny_model("llama").to(CPU)
+    first, second = random_prompt(30, seed=4), random_prompt(30, seed=5)
+    other = seeded_tiny_llama(321)
+    manager = _manager(model)
+    try:
+        _generate(manager, first, 12)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                parameter.copy_(other.get_parameter(name))
+        after = _generate(manager, second, 12)
+    finally:
+        manager.destroy()
+    _assert_equal(after, reference_greedy(other, second, 12), "after writing the parameters in place")
+
+
+def test_a_packed_layer_computes_what_linear_does_and_keeps_gradients() -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 96)
+    packed = PackedLinears(layer)
+    inputs = torch.randn(2, 5, 48, requires_grad=True)
+    try:
+        assert packed.num_packed == 1
+        with torch.inference_mode():
+            torch.testing.assert_close(
+                layer(inputs.detach()), F.linear(inputs.detach(), layer.weight, layer.bias)
+            )
+        # With gradients wanted the layer takes the differentiable path.
+        layer(inputs).sum().backward()
+        assert layer.weight.grad is not None and inputs.grad is not None
+    finally:
+        packed.restore()
+    assert "forward" not in layer.__dict__
+
+
+def test_bf16_layers_compute_what_linear_does_whether_or_not_this_cpu_packs_them() -> None:
+    """oneDNN packs bf16 only on some CPUs; elsewhere the layers stay on the BLAS."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 128, dtype=torch.bfloat16)
+    packed = PackedLinears(layer)
+    inputs = torch.randn(7, 64, dtype=torch.bfloat16)
+    try:
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(inputs), F.linear(inputs, layer.weight, layer.bias))
+    finally:
+        packed.restore()
+
+
+def test_weights_are_packed_only_for_eager_cpu_steps_when_turned_on() -> None:
+    model = fresh_tiny_model("llama").to(CPU)
+    assert packs_linear_weights(model, ContinuousBatchingConfig(), CPU)
+    assert not packs_linear_weights(model, ContinuousBatchingConfig(pack_cpu_weights=False), CPU)
+    assert not packs_linear_weights(model, ContinuousBatchingConfig(default_compile_level=1), CPU)
+    assert not packs_linear_weights(model, ContinuousBatchingConfig(), torch.device("cuda"))
+
+
+def test_sleep_level_2_frees_the_packed_copies_and_the_layers_pack_again_after_waking() -> None:
+    model = fresh_tiny_model("llama").to(CPU)
+    prompt = random_prompt(20, seed=6)
+    manager = _manager(model)
+    try:
+        kv_cache_only = manager.sleep(level=1).released_bytes
+        manager.wake_up()
+        with_weights = manager.sleep(level=2).released_bytes
+        manager.wake_up()
+        tokens = _generate(manager, prompt, 16)
+        assert _packed_layers(model) == len(_linears(model))
+    finally:
+        manager.destroy()
+    assert with_weights - kv_cache_only == sum(linear.weight.nbytes for linear in _linears(model))
+    _assert_equal(tokens, reference_greedy(model, prompt, 16), "after sleeping at level 2")
