@@ -163,6 +163,28 @@ class EngineCore:
         self.packed_linears = (
             PackedLinears(model) if packs_linear_weights(model, config, self.device) else None
         )
+        try:
+            self._build_cache_and_runner(model, config, parallel)
+        except BaseException:
+            self.release_model()  # a failed build leaves the model as it was
+            raise
+        self.async_batching = use_async_batching(config, self.device)
+        # Intra-op threads of whichever thread runs the steps (`run_steps_thread`).
+        self.num_threads = config.num_threads or torch.get_num_threads()
+        # The step launched but not yet resolved (async batching only).
+        self._in_flight: _StepInFlight | None = None
+        self.requests: dict[str, Request] = {}
+        self.num_failed_steps = 0
+        # Version of the weights in the model, stamped on every token (the manager bumps it on updates).
+        self.weight_version = 1
+        # Structured output's grammars, for the tokenizer's vocabulary (set_tokenizer); None: no tokenizer.
+        self.grammars: GrammarCompiler | None = None
+        register_paged_attention()
+
+    def _build_cache_and_runner(
+        self, model: torch.nn.Module, config: ContinuousBatchingConfig, parallel: TensorParallelGroup | None
+    ) -> None:
+        """The cache plan, the caches, their manager, the scheduler and the runner."""
         plan = plan_cache(model, config, tensor_parallel_size(model), parallel)
         self.max_model_len = plan.max_model_len
         self.max_requests_per_batch = plan.max_requests_per_batch
@@ -189,18 +211,6 @@ class EngineCore:
             config,
             self.host_kv_caches,
         )
-        self.async_batching = use_async_batching(config, self.device)
-        # Intra-op threads of whichever thread runs the steps (`run_steps_thread`).
-        self.num_threads = config.num_threads or torch.get_num_threads()
-        # The step launched but not yet resolved (async batching only).
-        self._in_flight: _StepInFlight | None = None
-        self.requests: dict[str, Request] = {}
-        self.num_failed_steps = 0
-        # Version of the weights in the model, stamped on every token (the manager bumps it on updates).
-        self.weight_version = 1
-        # Structured output's grammars, for the tokenizer's vocabulary (set_tokenizer); None: no tokenizer.
-        self.grammars: GrammarCompiler | None = None
-        register_paged_attention()
 
     @property
     def hold_admission(self) -> bool:

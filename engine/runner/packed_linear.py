@@ -83,9 +83,9 @@ class PackedLinears:
         for module in packable_linears(model):
             try:
                 self._packed[module] = _pack(module.weight)
-            except (RuntimeError, AttributeError) as exc:
-                # oneDNN packs bf16 only on CPUs with AVX-512 (or AVX-NE-CONVERT); torch builds without
-                # oneDNN have no packing at all. The BLAS serves every layer then.
+            except RuntimeError as exc:
+                # oneDNN packs bf16 only on CPUs with AVX-512 (or AVX-NE-CONVERT): the BLAS serves every
+                # layer then. (Builds without oneDNN never get here: `packs_linear_weights`.)
                 logger.info("linear layers run on the BLAS: oneDNN cannot pack their weights here (%s)", exc)
                 self.restore()
                 return

@@ -156,3 +156,18 @@ def test_sleep_level_2_frees_the_packed_copies_and_the_layers_pack_again_after_w
         manager.destroy()
     assert with_weights - kv_cache_only == sum(linear.weight.nbytes for linear in _linears(model))
     _assert_equal(tokens, reference_greedy(model, prompt, 16), "after sleeping at level 2")
+
+
+def test_an_engine_that_fails_to_build_leaves_the_model_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packing comes first (free memory is measured with the copies), so a failure after it, here in
+    sizing the cache, must give the layers back."""
+    from engine import engine_core
+
+    def no_memory(*args: object, **kwargs: object) -> None:
+        raise MemoryError("no room for the cache")
+
+    monkeypatch.setattr(engine_core, "plan_cache", no_memory)
+    model = fresh_tiny_model("llama").to(CPU)
+    with pytest.raises(MemoryError, match="no room for the cache"):
+        engine_core.EngineCore(model, ContinuousBatchingConfig(page_size=8, num_blocks=16))
+    assert _packed_layers(model) == 0
