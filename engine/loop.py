@@ -243,6 +243,11 @@ class GenerationLoop:
     def join_weights_update_group(self, spec: GroupSpec) -> JoinedGroup:
         """Joins a trainer's weight-update group (blocking the loop until every member joined)."""
         with self._update_lock:
+            stale = self._weights_update_group
+            if stale is not None and not stale.trainer_alive():
+                # The trainer died between pushes: nothing noticed, since nothing was being received.
+                logger.warning("the trainer of the weight-update group this server is in is gone: leaving it")
+                self._call(LeaveWeightsUpdateGroup)
             if self._weights_update_group_ranks:
                 raise RuntimeError(
                     f"already in a weight-update group (ranks {list(self._weights_update_group_ranks)}); "
@@ -543,7 +548,21 @@ class GenerationLoop:
         with self._cond:
             self._weights_update_group = group
             self._weights_update_group_ranks = ranks
+        if self._tensor_parallel_rank() == 0:  # the driver leaves; the other ranks follow its command
+            group.watch_trainer(self._leave_group_of_dead_trainer)
         return JoinedGroup(ranks, group.backend)
+
+    def _leave_group_of_dead_trainer(self, group: WeightsUpdateGroup) -> None:
+        """On the group's watch thread: leaves `group` if it is still this server's (a transfer holds
+        `_update_lock` and leaves by itself when it fails)."""
+        with self._update_lock:
+            if self._weights_update_group is not group:
+                return
+            logger.warning("the trainer of the weight-update group is gone: leaving the group")
+            try:
+                self._call(LeaveWeightsUpdateGroup)
+            except Exception as exc:  # the loop stopped meanwhile: it leaves the group as it ends
+                logger.info("could not leave the group of a trainer that is gone: %s", exc)
 
     def _leave_weights_update_group(self) -> bool:
         group = self._weights_update_group

@@ -9,14 +9,25 @@ which tensor parallelism may already own.
 An update travels as buckets: flat uint8 broadcasts of at most about `MAX_BUCKET_BYTES`, each holding
 whole tensors at 16-byte-aligned offsets, as the trainer announced them. `check_bucket_plan` checks the
 whole announcement against the model before a byte moves; `receive_buckets` then copies each bucket into
-the weights as it lands (each rank keeping its own shard of each tensor), so memory holds one bucket,
-never a second copy of the model.
+the weights as it lands (each rank keeping its own shard of each tensor) while the next bucket arrives in
+a second buffer, so memory holds two buckets, never a second copy of the model.
+
+A gloo receive does not notice a peer that died while its bytes were arriving (the socket's close is not
+seen until the group's timeout, minutes later), and neither `abort()` nor `shutdown()` interrupts it. So
+this rank never blocks on the receive alone: it waits in slices, and between slices it ends the wait
+when the caller gave up (`abort()`, the trainer's gRPC call ended) or when nothing listens any more at
+the trainer's rendezvous store (the trainer process is gone). A group left with a receive still
+pending is retired to a thread of its own: the receive ends at the group's timeout, and only then may
+the group be destroyed (its destructor waits for its worker threads).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import socket
+import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +50,11 @@ DEFAULT_GROUP_TIMEOUT_S = 120.0
 MAX_BUCKET_BYTES = 1 << 30
 BUCKET_ALIGNMENT = 16
 BACKENDS = ("auto", "gloo", "nccl")
+# How often a rank waiting for a bucket checks that the trainer is still there: about the longest a
+# dead trainer goes unnoticed, at the cost of one TCP connection to its rendezvous store each time.
+LIVENESS_INTERVAL_S = 0.25
+# How often a rank in a group but not receiving checks on the trainer (`watch_trainer`).
+WATCH_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -198,9 +214,15 @@ class WeightsUpdateGroup:
         """Joins: returns once every member joined and took part in the warm-up broadcast; raises
         WeightTransferError (WeightTransferTimeout) when that does not happen within `spec.timeout_s`."""
         self._group: Any = None  # ProcessGroupGloo or ProcessGroupNCCL (no common public base)
-        # Where buckets land, kept from one push to the next: a fresh buffer would be paged in (or
-        # allocated on the device) again on every push, which costs as much as the transfer on a CPU.
-        self._buffer: torch.Tensor | None = None
+        # Where buckets land, two buffers used in turn (one receives while the other is copied into the
+        # weights), kept from one push to the next: a fresh buffer would be paged in (or allocated on
+        # the device) again on every push, which costs as much as the transfer on a CPU.
+        self._buffers: list[torch.Tensor] = []
+        # Set by `abort()`: the receive in progress, and every later one, fail at once.
+        self._aborted = threading.Event()
+        # Receives posted but not known to have ended; a group closed with any of them is retired.
+        self._pending: list[Any] = []
+        self._closed = threading.Event()
         try:
             self._join(spec, rank, device)
         except Exception as exc:
@@ -247,40 +269,135 @@ class WeightsUpdateGroup:
             self.backend,
         )
 
-    def receive(self, buffer: torch.Tensor) -> None:
-        """Fills `buffer` with rank 0's broadcast; raises when it does not come within the timeout."""
+    def start_receive(self, buffer: torch.Tensor) -> Any:
+        """Posts a receive of rank 0's next broadcast into `buffer`; returns the work to `wait` for."""
         if self._group is None:
             raise RuntimeError("the weight-update group was closed")
         work = self._group.broadcast(buffer, TRAINER_RANK)
-        if not work.wait(self.timeout):
-            raise WeightTransferTimeout(f"no broadcast from the trainer within {self.spec.timeout_s:g} s")
+        self._pending.append(work)
+        return work
 
-    def bucket_buffer(self, num_bytes: int) -> torch.Tensor:
-        """A buffer of at least `num_bytes` on the group's device, the same one push after push."""
-        if self._buffer is None or self._buffer.numel() < num_bytes:
-            self._buffer = None  # freed before its larger successor is allocated
-            self._buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.buffer_device)
-        return self._buffer
+    def wait(self, work: Any) -> None:
+        """Returns once `work` (from `start_receive`) filled its buffer; raises WeightTransferTimeout when
+        it did not within the group's timeout, WeightTransferError as soon as the caller aborted or the
+        trainer is gone, and the backend's error when the receive failed."""
+        if self.backend == "nccl":  # NCCL's own abort interrupts a pending operation
+            if not work.wait(self.timeout):
+                raise WeightTransferTimeout(f"no broadcast from the trainer within {self.spec.timeout_s:g} s")
+        else:
+            self._watch(work)
+        self._pending.remove(work)
+
+    def _watch(self, work: Any) -> None:
+        finished = threading.Event()
+        work.get_future().add_done_callback(lambda _: finished.set())
+        deadline = time.monotonic() + self.spec.timeout_s
+        while not finished.wait(LIVENESS_INTERVAL_S):
+            if self._aborted.is_set():
+                raise WeightTransferError("the transfer was abandoned: the trainer's call ended")
+            self._check_trainer_alive()
+            if time.monotonic() >= deadline:
+                raise WeightTransferTimeout(f"no broadcast from the trainer within {self.spec.timeout_s:g} s")
+        work.wait()  # raises the receive's own error, if it ended with one
+
+    def _check_trainer_alive(self) -> None:
+        """Raises WeightTransferError when nothing listens any more at the trainer's rendezvous store
+        (the process hosting it, the trainer with the group's usual rendezvous, died: its host refuses
+        the connection at once). A stopped trainer's host still accepts connections, so a stopped
+        trainer counts as alive and the group's timeout applies to it, as to a slow one."""
+        address = (self.spec.master_address, self.spec.master_port)
+        try:
+            with socket.create_connection(address, timeout=LIVENESS_INTERVAL_S):
+                pass
+        except (ConnectionRefusedError, ConnectionResetError) as exc:
+            raise WeightTransferError(
+                f"the trainer is gone: nothing listens at its rendezvous store "
+                f"{self.spec.master_address}:{self.spec.master_port} any more ({exc.strerror})"
+            ) from None
+        except OSError:  # no answer in time, or no route: not known to be gone
+            return
+
+    def trainer_alive(self) -> bool:
+        """Whether the trainer's rendezvous store still answers (within the group's timeout)."""
+        try:
+            self._check_trainer_alive()
+        except WeightTransferError:
+            return False
+        return True
+
+    def watch_trainer(self, on_gone: Callable[[WeightsUpdateGroup], None]) -> None:
+        """Checks on the trainer every `WATCH_INTERVAL_S` from a daemon thread while the group is open
+        and nothing is being received (a receive checks for itself); calls `on_gone(self)` once, from
+        that thread, when the trainer no longer answers. A trainer that dies after its last push, or
+        between two, is then noticed too, and the server does not stay in the group of a dead one."""
+
+        def watch() -> None:
+            while not self._closed.wait(WATCH_INTERVAL_S):
+                if not self._pending and not self.trainer_alive() and not self._closed.is_set():
+                    on_gone(self)
+                    return
+
+        threading.Thread(target=watch, name="cbserve-trainer-watch", daemon=True).start()
+
+    def receive(self, buffer: torch.Tensor) -> None:
+        """Fills `buffer` with rank 0's broadcast (`start_receive`, then `wait`)."""
+        self.wait(self.start_receive(buffer))
+
+    def bucket_buffers(self, num_bytes: int) -> list[torch.Tensor]:
+        """Two buffers of at least `num_bytes` on the group's device, the same ones push after push."""
+        if not self._buffers or self._buffers[0].numel() < num_bytes:
+            self._buffers = []  # freed before their larger successors are allocated
+            self._buffers = [
+                torch.empty(num_bytes, dtype=torch.uint8, device=self.buffer_device) for _ in range(2)
+            ]
+        return self._buffers
 
     def release_buffer(self) -> int:
-        """Frees the bucket buffer (sleep gives its memory back too); returns its bytes."""
-        buffer, self._buffer = self._buffer, None
-        return 0 if buffer is None else buffer.numel()
+        """Frees the bucket buffers (sleep gives their memory back too); returns their bytes."""
+        buffers, self._buffers = self._buffers, []
+        return sum(buffer.numel() for buffer in buffers)
 
     def abort(self) -> None:
         """Ends a receive in progress from another thread (the caller gave up on the transfer)."""
+        self._aborted.set()
         group = self._group
-        if group is not None and hasattr(group, "abort"):
+        if group is not None and self.backend == "nccl":
             group.abort()
 
     def close(self) -> None:
-        self.release_buffer()
+        self._closed.set()
+        buffers, self._buffers = self._buffers, []
         group, self._group = self._group, None
-        if group is not None and hasattr(group, "shutdown"):
+        pending, self._pending = self._pending, []
+        if group is None:
+            return
+        if pending:
+            _retire(group, pending, buffers)
+            return
+        if hasattr(group, "shutdown"):
             try:
                 group.shutdown()
             except Exception as exc:  # a group whose peer died may fail to shut down cleanly
                 logger.debug("weight-update group shutdown: %s", exc)
+
+
+def _retire(group: Any, pending: list[Any], buffers: list[torch.Tensor]) -> None:
+    """Keeps a group whose receives may still be writing into `buffers` until they end (at the group's
+    timeout at the latest), then drops it, on a daemon thread: destroying the group waits for them."""
+
+    held: list[Any] = [group, buffers]  # the thread's references: the last ones, once the caller's end
+
+    def wait_then_release() -> None:
+        for work in pending:
+            try:
+                work.wait()
+            except Exception as exc:  # the expected end: the trainer is gone
+                logger.debug("retired weight-update group: %s", exc)
+        pending.clear()
+        held.clear()  # the group's destructor runs here, its receives ended
+
+    logger.info("a receive is still pending on the weight-update group left; it is released at its timeout")
+    threading.Thread(target=wait_then_release, name="cbserve-retired-weight-group", daemon=True).start()
 
 
 @dataclass
@@ -299,29 +416,43 @@ def receive_buckets(
 ) -> int:
     """Receives `plan`'s buckets and copies each into the weights as it lands; returns the number of
     tensors updated. Raises when a broadcast fails or times out; `progress` then says how many
-    buckets were already applied (the weights are a mix of two versions when it is not 0)."""
-    # One buffer for every bucket: the transfer holds one bucket of memory, never a copy of the model.
-    buffer = group.bucket_buffer(max(bucket.num_bytes for bucket in plan.buckets))
+    buckets were already applied (the weights are a mix of two versions when it is not 0).
+
+    Two buffers take turns: bucket k+1 is already arriving (on the group's own thread) while bucket k
+    is copied into the weights, so a push of several buckets costs about its transfer, not the
+    transfer plus the copies."""
+    buffers = group.bucket_buffers(max(bucket.num_bytes for bucket in plan.buckets))
+
+    def post(index: int) -> Any:
+        return group.start_receive(buffers[index % 2][: plan.buckets[index].num_bytes])
+
+    incoming = post(0)
     if on_ready is not None:
         on_ready()
     num_tensors = 0
     for index, bucket in enumerate(plan.buckets):
-        received = buffer[: bucket.num_bytes]
         try:
-            group.receive(received)
+            group.wait(incoming)
+            if index + 1 < len(plan.buckets):
+                incoming = post(index + 1)
         except Exception as exc:
             raise transfer_error(
                 f"bucket {index + 1} of {len(plan.buckets)} not received", exc, group.spec.timeout_s
             ) from exc
-        with torch.no_grad():
-            for tensor in bucket.tensors:
-                data = received[tensor.byte_offset : tensor.byte_offset + tensor.num_bytes]
-                value = data.view(dtype_from_name(tensor.dtype)).reshape(tensor.shape)
-                target = targets[tensor.name]
-                if isinstance(target, DTensor):  # this rank's shard, cut from the full tensor
-                    apply_weights([StagedTensor(tensor.name, target, cast_for_target(value, target))])
-                else:  # straight from the bucket, converted on the way: no intermediate copy
-                    target.copy_(value)  # not `.data`: the version counter must move (`apply_weights`)
+        copy_bucket(buffers[index % 2][: bucket.num_bytes], bucket, targets)
         progress.num_buckets_applied += 1
         num_tensors += len(bucket.tensors)
     return num_tensors
+
+
+def copy_bucket(received: torch.Tensor, bucket: WeightBucket, targets: Mapping[str, torch.Tensor]) -> None:
+    """Copies a received bucket's tensors into the weights (this rank's shard of each)."""
+    with torch.no_grad():
+        for tensor in bucket.tensors:
+            data = received[tensor.byte_offset : tensor.byte_offset + tensor.num_bytes]
+            value = data.view(dtype_from_name(tensor.dtype)).reshape(tensor.shape)
+            target = targets[tensor.name]
+            if isinstance(target, DTensor):  # this rank's shard, cut from the full tensor
+                apply_weights([StagedTensor(tensor.name, target, cast_for_target(value, target))])
+            else:  # straight from the bucket, converted on the way: no intermediate copy
+                target.copy_(value)  # not `.data`: the version counter must move (`apply_weights`)

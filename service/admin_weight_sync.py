@@ -68,11 +68,26 @@ async def outcome(context: grpc.aio.ServicerContext, running: asyncio.Future[T])
     transfer's end is what health waits for)."""
     try:
         return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        # The RPC ended first: the call's own end is still taken and logged when it comes, so asyncio
+        # never reports its exception as "never retrieved".
+        running.add_done_callback(_log_late_failure)
+        raise
     except Exception as exc:
         code = status_code_of(exc)
         if code is None:
             raise
         await abort(context, code, str(exc))
+
+
+def _taken(done: asyncio.Future[Any]) -> BaseException | None:
+    """A finished future's exception, marked as retrieved."""
+    return None if done.cancelled() else done.exception()
+
+
+def _log_late_failure(running: asyncio.Future[Any]) -> None:
+    if not running.cancelled() and running.exception() is not None:
+        logger.info("a call whose RPC had already ended failed: %s", running.exception())
 
 
 def bucket_plan(request: admin_pb2.UpdateWeightsFromDistributedRequest) -> BucketPlan:
@@ -152,7 +167,9 @@ class WeightSyncRpcs:
         update = loop.run_in_executor(
             None, lambda: host.manager.update_weights_from_distributed(plan, version=label, on_ready=on_ready)
         )
-        # Health follows the outcome when the transfer ends, which may be after this call was cancelled.
+        # Health follows the outcome when the transfer ends, which may be after this call was cancelled
+        # (its error is then taken here, not left for asyncio to report as never retrieved).
+        update.add_done_callback(_taken)
         update.add_done_callback(lambda _: host.state_changed())
         try:
             waits: list[asyncio.Future[Any]] = [update, ready]

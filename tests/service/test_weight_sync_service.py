@@ -4,9 +4,6 @@ with two tensor-parallel ranks or as two replicas sharing one broadcast (issue 1
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,6 @@ from cbserve_client import (
 from service_harness import (
     ADMIN_TOKEN,
     NOT_SERVING,
-    REPO_ROOT,
     SERVING,
     ServerProcess,
     probe_health,
@@ -30,7 +26,6 @@ from service_harness import (
     wait_until,
 )
 
-from bench.ports import free_port
 from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama
 
 ENGINE_FLAGS = ("--num-blocks", "64", "--page-size", "16")
@@ -107,39 +102,3 @@ def test_one_broadcast_updates_two_replicas(model_dir: Path, tmp_path: Path) -> 
                 assert [update.weight_version for update in updates] == [2, 2]
             for replica in replicas:
                 _assert_serves(replica.target, trained)
-
-
-def test_trainer_killed_midway_holds_requests_until_a_complete_push(model_dir: Path, tmp_path: Path) -> None:
-    server = ServerProcess(model_dir, tmp_path / "server.log", *ENGINE_FLAGS)
-    trainer: subprocess.Popen[str] | None = None
-    try:
-        server.wait_serving()
-        environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        script = str(Path(__file__).with_name("dying_trainer.py"))
-        command = [sys.executable, script, server.admin_target, ADMIN_TOKEN, str(free_port()), "21"]
-        trainer = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-        assert trainer.stdout is not None
-        line = trainer.stdout.readline()
-        assert line.startswith("sent 1 of"), f"the trainer did not send its first bucket: {line!r}"
-        trainer.kill()
-        trainer.wait()
-        with AdminClient(server.admin_target, token=ADMIN_TOKEN) as admin:
-            # Within the group's timeout (5 s), and at once here: the trainer's call ended with it.
-            wait_until(lambda: admin.status().weights_incomplete != "", timeout=15, what="weights_incomplete")
-            status = admin.status()
-            assert status.weight_version == 1 and status.weights_update_group_ranks == ()
-            wait_until(lambda: probe_health(server.target) == NOT_SERVING, what="NOT_SERVING")
-            with Client(server.target) as client, pytest.raises(UnavailableError, match="incomplete"):
-                client.generate([5, 6, 7], max_new_tokens=2)
-            # A complete push over a new group makes the weights whole and the server serves again.
-            with WeightSyncGroup.create(admin, master_address="127.0.0.1", backend="gloo") as group:
-                trained = seeded_tiny_llama(21)
-                assert group.push(trained.state_dict())[0].weight_version == 2
-            assert admin.status().weights_incomplete == ""
-            wait_until(lambda: probe_health(server.target) == SERVING, what="SERVING after a complete push")
-            _assert_serves(server.target, trained)
-    finally:
-        if trainer is not None and trainer.poll() is None:
-            trainer.kill()
-            trainer.wait()
-        server.close()
