@@ -13,6 +13,7 @@ from engine.api import (
 from engine.cache_root import CACHE_DIR_ENV, cache_root
 from engine.commands import PauseHandle, PauseMode, SleepOutcome
 from engine.config import ContinuousBatchingConfig
+from engine.container_limits import default_num_threads
 from engine.cuda_ipc import CudaIpcHandle
 from engine.engine_core import call_on_steps_thread
 from engine.errors import QueueFullError, WeightTransferError, WeightTransferTimeout
@@ -82,6 +83,7 @@ __all__ = [
     "check_token_ids",
     "continuous_batching_context_manager",
     "default_max_new_tokens",
+    "default_num_threads",
     "destroy_cached_continuous_batching_manager",
     "dtype_from_name",
     "generate_batch",

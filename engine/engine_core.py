@@ -18,6 +18,7 @@ import torch
 
 from engine.cache_plan import CachePlan, plan_cache
 from engine.config import ContinuousBatchingConfig
+from engine.container_limits import default_num_threads
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.offload import HostBlockPool
 from engine.parallel import TensorParallelGroup, tensor_parallel_size
@@ -170,7 +171,7 @@ class EngineCore:
             raise
         self.async_batching = use_async_batching(config, self.device)
         # Intra-op threads of whichever thread runs the steps (`run_steps_thread`).
-        self.num_threads = config.num_threads or torch.get_num_threads()
+        self.num_threads = config.num_threads or default_num_threads(torch.get_num_threads())
         # The step launched but not yet resolved (async batching only).
         self._in_flight: _StepInFlight | None = None
         self.requests: dict[str, Request] = {}

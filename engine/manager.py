@@ -24,6 +24,7 @@ import torch
 
 from engine.commands import PauseHandle, PauseMode
 from engine.config import ContinuousBatchingConfig
+from engine.container_limits import default_num_threads
 from engine.engine_core import EngineCore, call_on_steps_thread, cb_attention_implementation
 from engine.kv.events import KVCacheEvent
 from engine.lockstep import LockstepDriverLoop, LockstepFollowerLoop
@@ -101,7 +102,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
             # parallel regions, and every step waits for them to wake: 1.7x slower on SmolLM2.
             engine = call_on_steps_thread(
                 lambda: EngineCore(self.model, self.config, group),
-                self.config.num_threads or torch.get_num_threads(),
+                self.config.num_threads or default_num_threads(torch.get_num_threads()),
                 "cbserve-build",
             )
             engine.set_tokenizer(self._tokenizer)

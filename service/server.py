@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from engine import call_on_steps_thread
+from engine import call_on_steps_thread, default_num_threads
 from service.admin_servicer import AdminServicer
 from service.auth import BearerTokenInterceptor
 from service.engine_host import EngineHost
@@ -134,7 +134,11 @@ class CbserveServer:
         wake (`engine.call_on_steps_thread`)."""
         loop = asyncio.get_running_loop()
         host = await loop.run_in_executor(
-            None, call_on_steps_thread, make_host, torch.get_num_threads(), "cbserve-load"
+            None,
+            call_on_steps_thread,
+            make_host,
+            default_num_threads(torch.get_num_threads()),
+            "cbserve-load",
         )
         host.add_state_listener(lambda: self._watch_host(host))
         host.add_request_end_listener(self.metrics.observe_request_end)

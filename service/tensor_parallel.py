@@ -28,6 +28,7 @@ from engine import (
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
     call_on_steps_thread,
+    default_num_threads,
     torchrun_environment,
 )
 from service.engine_host import load_pretrained
@@ -103,7 +104,9 @@ def follow(model_path: str, config: ContinuousBatchingConfig, dtype: str = "auto
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # On a thread that ends, as the driver's loading does (`CbserveServer.load` says why).
     model, tokenizer = call_on_steps_thread(
-        lambda: load_pretrained(model_path, dtype=dtype), torch.get_num_threads(), "cbserve-load"
+        lambda: load_pretrained(model_path, dtype=dtype),
+        default_num_threads(torch.get_num_threads()),
+        "cbserve-load",
     )
     # Every rank masks structured-output logits alike, so each needs the grammars and their tokenizer.
     manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from engine.container_limits import read_container_limits
 from engine.device_copies import HostCopies, to_device
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.full_attention import blocks_for_tokens
@@ -69,12 +70,23 @@ class KVCacheShape:
 
 
 def free_memory_bytes(device: torch.device) -> int:
+    """Bytes free for the cache on `device`: on the CPU, the host's available memory or, when it is
+    smaller, the headroom left under this process's cgroup memory limit (a pod's limit)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    host_available = int(psutil.virtual_memory().available)
+    cgroup_available = read_container_limits().memory_available_bytes
+    if cgroup_available is not None and cgroup_available < host_available:
+        logger.info(
+            "sizing from the cgroup's memory headroom, %.2f GiB, not the host's %.2f GiB available",
+            cgroup_available / 2**30,
+            host_available / 2**30,
+        )
+        return cgroup_available
+    return host_available
 
 
 def blocks_needed_by_group(
@@ -276,13 +288,15 @@ class HostKVCache:
 def resolve_offload_blocks(
     cpu_offload_space_gib: float | None, safety_threshold: float, bytes_per_block: int
 ) -> int:
-    """Host blocks for CPU offload: `cpu_offload_space` GiB, capped at `safety_threshold` of total RAM
-    (None: that cap itself). 0 disables offload."""
+    """Host blocks for CPU offload: `cpu_offload_space` GiB, capped at `safety_threshold` of total RAM,
+    or of the cgroup's memory limit when that is smaller (None: that cap itself). 0 disables offload."""
     if cpu_offload_space_gib == 0:
         return 0
     import psutil
 
-    cap = int(psutil.virtual_memory().total * safety_threshold)
+    memory = int(psutil.virtual_memory().total)
+    cgroup_limit = read_container_limits().memory_limit_bytes
+    cap = int(min(memory, cgroup_limit or memory) * safety_threshold)
     requested = cap if cpu_offload_space_gib is None else int(cpu_offload_space_gib * 2**30)
     if requested > cap:
         logger.warning(

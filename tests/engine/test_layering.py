@@ -25,6 +25,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.weight_transfer",
         "engine.cuda_ipc",
         "engine.cache_root",
+        "engine.container_limits",
         # Plain records of host-resident blocks, which a request carries while preempted.
         "engine.kv.offload",
     },

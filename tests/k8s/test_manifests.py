@@ -120,6 +120,13 @@ def test_termination_grace_outlasts_prestop_and_drain(rendered: tuple[str, list[
     assert pod["terminationGracePeriodSeconds"] > grace + float(pre_stop[1])
 
 
+def test_cpu_limit_equals_the_request(rendered: tuple[str, list[Doc]]) -> None:
+    """The server takes its thread count from the CPU limit (its cgroup's quota): one equal to the
+    request gives a thread per reserved core, and without one it would run a thread per node core."""
+    resources = container(rendered[1])["resources"]
+    assert resources["limits"]["cpu"] == resources["requests"]["cpu"], resources
+
+
 def test_pod_hardening_and_volumes(rendered: tuple[str, list[Doc]]) -> None:
     _, docs = rendered
     pod = one(docs, "Deployment", "cbserve")["spec"]["template"]["spec"]
