@@ -11,12 +11,12 @@ from engine.api import (
     init_continuous_batching,
 )
 from engine.cache_root import CACHE_DIR_ENV, cache_root
-from engine.commands import PauseHandle, PauseMode, SleepOutcome
+from engine.commands import PauseHandle, PauseMode, PrefixCacheReset, SleepOutcome
 from engine.config import ContinuousBatchingConfig
 from engine.container_limits import default_num_threads
 from engine.cuda_ipc import CudaIpcHandle
 from engine.engine_core import call_on_steps_thread
-from engine.errors import QueueFullError, WeightTransferError, WeightTransferTimeout
+from engine.errors import EngineBusyError, QueueFullError, WeightTransferError, WeightTransferTimeout
 from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from engine.manager import ContinuousBatchingManager
 from engine.parallel import (
@@ -31,6 +31,7 @@ from engine.request import FinishReason, GenerationOutput, RequestStatus, sequen
 from engine.sampling_params import (
     MAX_SEQUENCES_PER_REQUEST,
     InvalidParameterError,
+    LogprobsMode,
     SamplingParams,
     StructuredOutput,
     build_sampling_params,
@@ -47,6 +48,7 @@ from engine.weight_transfer import (
     WeightBucket,
 )
 from engine.weights import dtype_from_name, safetensors_files
+from engine.weights_checksum import TensorChecksum, WeightsChecksum
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -61,21 +63,26 @@ __all__ = [
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "CudaIpcHandle",
+    "EngineBusyError",
     "FinishReason",
     "GenerationOutput",
     "InvalidParameterError",
     "KVCacheEvent",
+    "LogprobsMode",
     "ManagerStats",
     "PauseHandle",
     "PauseMode",
+    "PrefixCacheReset",
     "QueueFullError",
     "RequestStatus",
     "SamplingParams",
     "SleepOutcome",
     "StructuredOutput",
+    "TensorChecksum",
     "WeightBucket",
     "WeightTransferError",
     "WeightTransferTimeout",
+    "WeightsChecksum",
     "build_sampling_params",
     "cache_root",
     "call_on_steps_thread",

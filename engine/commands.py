@@ -15,6 +15,7 @@ from typing import Any
 from engine.request import Request
 from engine.sleep import SleepLevel, SleepTag
 from engine.weight_transfer import BucketPlan, GroupSpec, JoinedGroup
+from engine.weights_checksum import WeightsChecksum
 
 
 class LoopAction(Enum):
@@ -78,11 +79,31 @@ class UpdateWeights:
 
 
 @dataclass(frozen=True)
-class ResetPrefixCache:
-    """Forget every reusable prefix block (requests in flight keep theirs and run on)."""
+class PrefixCacheReset:
+    """What a prefix-cache reset did."""
 
-    # The caller waiting for how many blocks were dropped; None where nobody waits.
-    result: Future[int] | None
+    # Reusable prefix blocks forgotten.
+    num_blocks: int
+    # Requests cancelled first (a reset with abort).
+    num_aborted: int = 0
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Forget every reusable prefix block, once no request is in flight: with `abort`, after cancelling
+    them; without, EngineBusyError while there are some."""
+
+    abort: bool
+    # The caller waiting for the outcome; None where nobody waits.
+    result: Future[PrefixCacheReset] | None
+
+
+@dataclass(frozen=True)
+class ChecksumWeights:
+    """Digest the weights (engine.weights_checksum; every tensor-parallel rank at once: collective, since a
+    sharded tensor is gathered whole)."""
+
+    result: Future[WeightsChecksum] | None
 
 
 @dataclass(frozen=True)
@@ -112,11 +133,15 @@ class UpdateWeightsFromGroup:
 
 @dataclass(frozen=True)
 class SleepOutcome:
+    # The size of what was released (cache tensors, and weights at level 2), allocated or not.
     released_bytes: int
     # Requests put back in the queue to be recomputed after the wake-up (mode "keep").
     requeued_requests: int
     # Requests the sleep's pause cancelled (mode "abort").
     cancelled_requests: int = 0
+    # How much the memory in use fell, as the system counts it (engine.sleep.resident_memory): less than
+    # `released_bytes` where the cache was never written in full. None where it cannot be measured.
+    resident_bytes_released: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +163,7 @@ LoopCommand = (
     | AbortAll
     | UpdateWeights
     | ResetPrefixCache
+    | ChecksumWeights
     | JoinWeightsUpdateGroup
     | LeaveWeightsUpdateGroup
     | UpdateWeightsFromGroup
@@ -145,9 +171,10 @@ LoopCommand = (
     | WakeUp
 )
 
-# Commands every tensor-parallel rank carries out at the same time, talking to the trainer: each rank
-# applies them only once the iteration's tick is shared (engine.lockstep), never before.
-COLLECTIVE_COMMANDS = (JoinWeightsUpdateGroup, UpdateWeightsFromGroup)
+# Commands every tensor-parallel rank carries out at the same time, since they run collectives (with the
+# trainer, or among the ranks to gather sharded weights): each rank applies them only once the iteration's
+# tick is shared (engine.lockstep), never before.
+COLLECTIVE_COMMANDS = (JoinWeightsUpdateGroup, UpdateWeightsFromGroup, ChecksumWeights)
 
 _CALLER_FIELDS = ("result", "ready")
 

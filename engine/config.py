@@ -13,6 +13,8 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.sampling_params import check_logprobs_mode
+
 if TYPE_CHECKING:
     from transformers import CompileConfig
 
@@ -103,7 +105,12 @@ class ContinuousBatchingConfig:
     once free blocks fall below it, no new prefill is admitted. None resolves per scheduler: 0.15 for fifo
     and priority, 0.0 for prefill_first (see `resolved_safety_margin`).
 
-    return_logprobs: return the log-probability of each generated token, taken from the processed logits.
+    return_logprobs: return the log-probability of each generated token, of the distribution `logprobs_mode`
+    names.
+
+    logprobs_mode: the default of requests that set none (engine.sampling_params.LogprobsMode; vLLM's
+    names): "raw_logprobs", log_softmax of the model's logits, or "processed_logprobs", of the distribution
+    the token was drawn from (after logit bias, penalties, temperature, top-k, top-p and min-p).
 
     seed: seed of the sampling generator; None draws a random one.
 
@@ -169,6 +176,7 @@ class ContinuousBatchingConfig:
     scheduler_type: str = "fifo"
     safety_margin: float | None = None
     return_logprobs: bool = False
+    logprobs_mode: str = "raw_logprobs"
     seed: int | None = None
     auto_switch_to_flash: bool = True
     cpu_offload_space: float | None = 0.0
@@ -265,6 +273,7 @@ class ContinuousBatchingConfig:
         if self.safety_margin is not None:
             _check_fraction("safety_margin", self.safety_margin, low_inclusive=True)
         _check_bool("return_logprobs", self.return_logprobs)
+        check_logprobs_mode(self.logprobs_mode)
         _check_optional_int("seed", self.seed, minimum=None)
         _check_bool("auto_switch_to_flash", self.auto_switch_to_flash)
         if self.cpu_offload_space is not None:

@@ -5,6 +5,10 @@ class QueueFullError(RuntimeError):
     """`add_request` found `max_queue_size` requests already waiting; nothing was queued."""
 
 
+class EngineBusyError(RuntimeError):
+    """A call that needs an idle engine found requests in flight (queued or running); nothing was done."""
+
+
 class WeightTransferError(RuntimeError):
     """A weight-update group could not be joined, or a transfer over it failed (engine.weight_transfer)."""
 

@@ -27,12 +27,14 @@ from engine.commands import (
     AbortAll,
     AddRequest,
     CancelRequest,
+    ChecksumWeights,
     JoinWeightsUpdateGroup,
     LeaveWeightsUpdateGroup,
     LoopAction,
     LoopCommand,
     PauseHandle,
     PauseMode,
+    PrefixCacheReset,
     ResetPrefixCache,
     Sleep,
     SleepOutcome,
@@ -43,7 +45,7 @@ from engine.commands import (
     caller_futures,
 )
 from engine.engine_core import EngineCore, StepResult, call_on_steps_thread, run_steps_thread
-from engine.errors import QueueFullError, WeightTransferError
+from engine.errors import EngineBusyError, QueueFullError, WeightTransferError
 from engine.kv.events import KVCacheEvent
 from engine.output_router import OutputRouter
 from engine.request import FinishReason, Request, RequestStatus
@@ -53,6 +55,7 @@ from engine.sleep import (
     offload_weights,
     release_kv_cache,
     reload_weights,
+    resident_memory,
     restore_kv_cache,
 )
 from engine.stats import ManagerStats
@@ -66,6 +69,7 @@ from engine.weight_transfer import (
     receive_buckets,
 )
 from engine.weights import apply_weights, model_tensors, stage_weights
+from engine.weights_checksum import WeightsChecksum, model_weights, weights_checksum
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -158,9 +162,13 @@ class GenerationLoop:
         self._kv_event_listeners.append(listener)
         self.engine.kv_cache_manager.record_kv_events()
 
-    def reset_prefix_cache(self) -> int:
-        """Drops every reusable prefix block between two steps; returns how many there were."""
-        return self._call(ResetPrefixCache)
+    def reset_prefix_cache(self, abort: bool) -> PrefixCacheReset:
+        """Drops every reusable prefix block between two steps (see ContinuousBatchingManager)."""
+        return self._call(lambda result: ResetPrefixCache(abort, result))
+
+    def weights_checksum(self) -> WeightsChecksum:
+        """The digest of the weights between two steps, with the version it is of."""
+        return self._call(ChecksumWeights)
 
     def submit(self, request: Request) -> bool:
         """Queues a validated request and its `pending_forks` (n > 1: each sequence counts as one queued
@@ -457,7 +465,9 @@ class GenerationLoop:
         elif isinstance(command, AbortAll):
             self._abort_all(command.handle)
         elif isinstance(command, ResetPrefixCache):
-            self._settle(command.result, engine.kv_cache_manager.reset_prefix_cache)
+            self._settle(command.result, lambda: self._reset_prefix_cache(command.abort))
+        elif isinstance(command, ChecksumWeights):
+            self._settle(command.result, self._weights_checksum)
         elif isinstance(command, UpdateWeights):
             self._settle(command.result, lambda: self._apply_update(command.update))
         elif isinstance(command, JoinWeightsUpdateGroup):
@@ -489,12 +499,33 @@ class GenerationLoop:
                 result.set_result(value)
 
     def _abort_all(self, handle: PauseHandle) -> None:
+        handle.cancelled += self._cancel_all()
+        handle.done = True
+
+    def _cancel_all(self) -> int:
+        """Cancels every queued and running request; returns how many."""
+        cancelled_count = 0
         for request_id in list(self.engine.requests):
             cancelled = self.engine.cancel_request(request_id)
             if cancelled is not None:
-                handle.cancelled += 1
+                cancelled_count += 1
                 self._finish(cancelled)
-        handle.done = True
+        return cancelled_count
+
+    def _reset_prefix_cache(self, abort: bool) -> PrefixCacheReset:
+        """SGLang's flush_cache: a reset only of an idle engine, so that no request runs on after it with
+        a prefix computed before it (typically by the weights a sync just replaced)."""
+        engine = self.engine
+        num_live = len(engine.requests)
+        if num_live and not abort:
+            raise EngineBusyError(
+                f"cannot reset the prefix cache with requests in flight ({num_live} queued or running): "
+                "retry once they finish, or reset with abort to cancel them first"
+            )
+        if engine.has_step_in_flight:
+            self._flush()
+        aborted = self._cancel_all() if abort else 0
+        return PrefixCacheReset(engine.kv_cache_manager.reset_prefix_cache(), aborted)
 
     def _apply_update(self, update: WeightUpdate) -> int:
         engine = self.engine
@@ -504,6 +535,10 @@ class GenerationLoop:
         staged = stage_weights(engine.model, update.source)
         apply_weights(staged)
         return self._new_weight_version(frozenset(item.name for item in staged), update.label)
+
+    def _weights_checksum(self) -> WeightsChecksum:
+        checksum = weights_checksum(model_weights(self.engine.model))
+        return replace(checksum, weight_version=self.weight_version)
 
     def _new_weight_version(self, names: frozenset[str], label: str | None) -> int:
         """After new weights were written: the prefix cache (the old weights' KV) goes, the version
@@ -615,6 +650,7 @@ class GenerationLoop:
         if engine.has_step_in_flight:
             self._flush()
         released = requeued = 0
+        resident_before = resident_memory(engine.device)
         if self._weights_update_group is not None:
             released += self._weights_update_group.release_buffer()
         if SleepTag.KV_CACHE not in self._asleep:
@@ -624,7 +660,11 @@ class GenerationLoop:
         if level >= SleepLevel.WEIGHTS and SleepTag.WEIGHTS not in self._asleep:
             released += offload_weights(engine)
             self._asleep.add(SleepTag.WEIGHTS)
-        return SleepOutcome(released, requeued)
+        resident_after = resident_memory(engine.device)
+        resident_released = None
+        if resident_before is not None and resident_after is not None:
+            resident_released = max(0, resident_before - resident_after)
+        return SleepOutcome(released, requeued, resident_bytes_released=resident_released)
 
     def _wake_up(self, tags: frozenset[SleepTag]) -> int:
         if SleepTag.WEIGHTS in tags and SleepTag.WEIGHTS in self._asleep:

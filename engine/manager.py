@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.commands import PauseHandle, PauseMode
+from engine.commands import PauseHandle, PauseMode, PrefixCacheReset
 from engine.config import ContinuousBatchingConfig
 from engine.container_limits import default_num_threads
 from engine.engine_core import EngineCore, call_on_steps_thread, cb_attention_implementation
@@ -356,6 +356,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
             return_logprobs=self.config.return_logprobs,
             drop_unsupported=self.config.drop_unsupported_processors,
             field_prefix=field_prefix,
+            default_logprobs_mode=self.config.logprobs_mode,
         )
 
     @staticmethod
@@ -448,10 +449,15 @@ class ContinuousBatchingManager(WeightsAndMemory):
         if self._loop is not None:
             self._loop.add_kv_event_listener(listener)
 
-    def reset_prefix_cache(self) -> int:
-        """Drops every reusable prefix block and returns how many there were. Requests in flight keep
-        the blocks they hold and run on; only later requests stop finding the dropped prefixes."""
-        return self._running_loop.reset_prefix_cache()
+    def reset_prefix_cache(self, abort: bool = False) -> PrefixCacheReset:
+        """Drops every reusable prefix block (SGLang's flush_cache, vLLM's reset_prefix_cache), so that no
+        later request reuses KV computed before: after a weight update that kept the cache, for instance.
+
+        Only an idle engine is reset: with requests in flight (queued or running) it raises
+        EngineBusyError and changes nothing, unless `abort`, which cancels them first (each ends
+        CANCELLED). Returns how many blocks were dropped and requests cancelled.
+        """
+        return self._running_loop.reset_prefix_cache(abort)
 
     @property
     def max_requests_per_batch(self) -> int:

@@ -28,6 +28,7 @@ from engine.weight_transfer import (
     check_bucket_plan,
 )
 from engine.weights import check_tensor, model_tensors
+from engine.weights_checksum import WeightsChecksum
 
 
 class WeightsAndMemory:
@@ -56,6 +57,13 @@ class WeightsAndMemory:
     @property
     def weight_version_label(self) -> str | None:
         return self._loop.weight_version_label if self._loop is not None else None
+
+    def weights_checksum(self) -> WeightsChecksum:
+        """A digest of every tensor of the model's state dict and of them all, computed on the device
+        that holds them, between two steps, with the weight version it is of (engine.weights_checksum
+        defines it; a trainer computes the same of its own tensors with `cbserve_client.weights_checksum`).
+        Equal weights give equal digests, on any device."""
+        return self._require_driver("weights_checksum").weights_checksum()
 
     def update_weights(self, state_dict_or_path: Any, version: str | None = None) -> int:
         """Replaces model weights in place and returns the new `weight_version`.

@@ -5,10 +5,14 @@ grammar masks of structured output (engine.structured_output); then temperature,
 are applied to all sampled rows in one pass. The random draw uses the exponential race (`argmax(p / E)`,
 E ~ Exp(1)), which samples from `p` without a cumulative sum; each seeded request draws its noise from its
 own generator, so its tokens depend on its seed alone, never on which requests share its batch.
+
+Logprobs are of the raw logits, or, for a request in `processed_logprobs` mode
+(engine.sampling_params.LogprobsMode), of the very logits its token was drawn from.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +47,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float] | None  # log_softmax of the model's logits at the chosen token
+    logprobs: list[float] | None  # the chosen token's, as its request's logprobs_mode says
     top_logprobs: list[dict[int, float]] | None
 
 
@@ -78,8 +82,15 @@ class SampledTokens:
         top_logprobs = None
         if self._has_top:
             values, indices = rest
+            # Processed logprobs are -inf for the tokens the sampling filters removed: those are left out.
             top_logprobs = [
-                dict(zip(indices[row, :count].tolist(), values[row, :count].tolist(), strict=True))
+                {
+                    token: value
+                    for token, value in zip(
+                        indices[row, :count].tolist(), values[row, :count].tolist(), strict=True
+                    )
+                    if value != -math.inf
+                }
                 for row, count in enumerate(self._top_logprob_counts)
             ]
         return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
@@ -102,63 +113,107 @@ class Sampler:
         """logits [R, V] (any float dtype) for the R requests that sample a token this step, in order.
         Queues the work and the copies back to the host; never waits for the device.
 
-        Log-probabilities are those of the raw logits, before penalties and sampling parameters.
+        Log-probabilities follow each request's `logprobs_mode` (engine.sampling_params.LogprobsMode):
+        of the raw logits, or of the logits its token was drawn from.
         """
         logits = logits.float()
         params = [request.sampling for request in requests]
         want_logprobs = any(p.logprobs or p.top_logprobs for p in params)
+        want_raw = any((p.logprobs or p.top_logprobs) and not p.wants_processed_logprobs for p in params)
         # Penalties work in place, through flat indices: a step that has them works on a contiguous copy
         # when the raw logits are still needed for logprobs or are not contiguous. Others copy nothing.
         # Rows a grammar constrains (engine.structured_output) are masked after the penalties.
         grammar_rows = constrained_rows(requests)
         processed = logits
         if (any(p.processes_logits for p in params) or grammar_rows) and (
-            want_logprobs or not logits.is_contiguous()
+            want_raw or not logits.is_contiguous()
         ):
             processed = logits.clone(memory_format=torch.contiguous_format)
         penalized = self.penalties.apply(processed, requests)
         apply_grammar_masks(processed, requests, grammar_rows)
         token_ids = greedy_tokens(processed)
-        sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
-        if sampled_rows:
-            rows = to_device(sampled_rows, torch.long, logits.device)
-            chosen = self._sample(
-                processed.index_select(0, rows),
-                [params[r] for r in sampled_rows],
-                [generators[r] for r in sampled_rows],
-            )
-            token_ids.index_copy_(0, rows, chosen)
+        # Rows drawn at a temperature, and greedy ones at a temperature (top_k=1) whose processed logprobs
+        # come from the same filtered logits.
+        scaled_rows = [
+            row
+            for row, p in enumerate(params)
+            if not p.is_greedy or (p.samples and p.wants_processed_logprobs)
+        ]
+        scaled: torch.Tensor | None = None
+        if scaled_rows:
+            rows = to_device(scaled_rows, torch.long, logits.device)
+            scaled = sampling_logits(processed.index_select(0, rows), [params[r] for r in scaled_rows])
+            drawn = [index for index, row in enumerate(scaled_rows) if not params[row].is_greedy]
+            if len(drawn) == len(scaled_rows):
+                token_ids.index_copy_(0, rows, self._draw(scaled, [generators[row] for row in scaled_rows]))
+            elif drawn:
+                picks = to_device(drawn, torch.long, logits.device)
+                chosen = self._draw(
+                    scaled.index_select(0, picks), [generators[scaled_rows[index]] for index in drawn]
+                )
+                token_ids.index_copy_(0, rows.index_select(0, picks), chosen)
         if penalized is not None:
             self.penalties.record(penalized, token_ids)
 
         logprobs: torch.Tensor | None = None
         top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
         if want_logprobs:
-            log_probs = torch.log_softmax(logits, dim=-1)
+            source = _logprobs_source(logits, processed, scaled, scaled_rows, params)
+            log_probs = torch.log_softmax(source, dim=-1)
             logprobs = log_probs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
             max_top = max(p.top_logprobs for p in params)
             if max_top:
                 top_logprobs = log_probs.topk(max_top, dim=-1)
         return SampledTokens(token_ids, logprobs, top_logprobs, [p.top_logprobs for p in params])
 
-    def _sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> torch.Tensor:
-        temperatures = to_device([p.temperature or 1.0 for p in params], logits.dtype, logits.device)
-        logits = logits / temperatures.unsqueeze(1)
-        vocab_size = logits.shape[1]
-        top_ks = [p.top_k if p.top_k else vocab_size for p in params]
-        top_ps = [p.top_p if p.top_p is not None else 1.0 for p in params]
-        if min(top_ks) < vocab_size or min(top_ps) < 1.0:
-            logits = _apply_top_k_top_p(logits, top_ks, top_ps)
-        min_ps = [p.min_p or 0.0 for p in params]
-        if max(min_ps) > 0.0:
-            logits = _apply_min_p(logits, min_ps)
+    def _draw(self, logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row of the (temperature-scaled, filtered) `logits`, by the exponential race."""
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
         for row, generator in enumerate(generators):
             noise[row].exponential_(generator=generator or self._default_generator)
         return probs.div_(noise).max(dim=-1).indices
+
+
+def _logprobs_source(
+    raw: torch.Tensor,
+    processed: torch.Tensor,
+    scaled: torch.Tensor | None,
+    scaled_rows: list[int],
+    params: list[SamplingParams],
+) -> torch.Tensor:
+    """The logits each row's logprobs are taken from: the raw ones, or for a request in processed mode
+    those its token was drawn from (`scaled` for the rows in `scaled_rows`, else the penalised ones)."""
+    processed_rows = [row for row, p in enumerate(params) if p.wants_processed_logprobs]
+    if not processed_rows:
+        return raw
+    source = processed
+    if len(processed_rows) < len(params) and processed is not raw:
+        source = raw.clone()
+        rows = to_device(processed_rows, torch.long, raw.device)
+        source.index_copy_(0, rows, processed.index_select(0, rows))
+    wanted = [index for index, row in enumerate(scaled_rows) if params[row].wants_processed_logprobs]
+    if scaled is not None and wanted:
+        rows = to_device([scaled_rows[index] for index in wanted], torch.long, raw.device)
+        source = source.index_copy(0, rows, scaled.index_select(0, to_device(wanted, torch.long, raw.device)))
+    return source
+
+
+def sampling_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`logits` (one row per request, penalised) divided by each request's temperature, with top-k, top-p
+    and min-p applied: the tokens they remove are at -inf. Softmax of the result is what a token is drawn
+    from."""
+    temperatures = to_device([p.temperature or 1.0 for p in params], logits.dtype, logits.device)
+    logits = logits / temperatures.unsqueeze(1)
+    vocab_size = logits.shape[1]
+    top_ks = [p.top_k if p.top_k else vocab_size for p in params]
+    top_ps = [p.top_p if p.top_p is not None else 1.0 for p in params]
+    if min(top_ks) < vocab_size or min(top_ps) < 1.0:
+        logits = _apply_top_k_top_p(logits, top_ks, top_ps)
+    min_ps = [p.min_p or 0.0 for p in params]
+    if max(min_ps) > 0.0:
+        logits = _apply_min_p(logits, min_ps)
+    return logits
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -11,6 +11,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -29,6 +30,9 @@ MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 # A JSON schema, regex or grammar longer than this is refused before it reaches the grammar compiler.
 MAX_STRUCTURED_OUTPUT_CHARS = 65536
 STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "grammar")
+# What transformers' continuous batching writes into a GenerationConfig without an EOS ("Setting to -1
+# (disabled)"), in place, so the config a user hands both engines in turn carries it: it means no EOS.
+DISABLED_EOS_TOKEN_ID = -1
 # The generate() keyword arguments a request may carry besides max_new_tokens and eos_token_id.
 SAMPLING_KWARGS = (
     "temperature",
@@ -49,7 +53,35 @@ SAMPLING_KWARGS = (
     "structured_output",
     "num_return_sequences",
     "n",
+    "logprobs_mode",
 )
+
+
+class LogprobsMode(StrEnum):
+    """Which distribution a generated token's logprobs (and top logprobs) are taken from; the names are
+    vLLM's `logprobs_mode` values.
+
+    RAW: log_softmax of the model's logits, before anything else touches them.
+    PROCESSED: log_softmax of the logits the token was drawn from: after logit bias, penalties,
+    `min_new_tokens` and grammar masks, then, for a request that samples (temperature > 0), temperature,
+    top-k, top-p and min-p. A greedy request's are after the penalties only (temperature is not applied).
+    Tokens the filters removed have logprob -inf and are left out of the top logprobs. This is the
+    sampler's own probability of each token, what an importance ratio between trainer and sampler needs.
+    """
+
+    RAW = "raw_logprobs"
+    PROCESSED = "processed_logprobs"
+
+
+def check_logprobs_mode(value: Any, field: str = "logprobs_mode") -> LogprobsMode:
+    """`value` ("raw_logprobs" or "processed_logprobs") as a LogprobsMode; InvalidParameterError
+    naming `field` otherwise."""
+    try:
+        return LogprobsMode(value)
+    except ValueError:
+        raise InvalidParameterError(
+            field, f" must be one of {[str(mode) for mode in LogprobsMode]}, got {value!r}"
+        ) from None
 
 
 class InvalidParameterError(ValueError):
@@ -99,6 +131,8 @@ class SamplingParams:
     # Completions sampled from the prompt (generate's num_return_sequences, vLLM's n); see
     # `sequence_seed` for the seed of each.
     n: int = 1
+    # What `logprobs` and `top_logprobs` are the logprobs of (prompt logprobs are always raw).
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
 
     @property
     def is_greedy(self) -> bool:
@@ -114,6 +148,15 @@ class SamplingParams:
             or self.min_new_tokens > 0
             or bool(self.logit_bias)
         )
+
+    @property
+    def samples(self) -> bool:
+        """Whether tokens are drawn at a temperature (top_k=1 draws from a single token, like greedy)."""
+        return self.temperature is not None and self.temperature > 0.0
+
+    @property
+    def wants_processed_logprobs(self) -> bool:
+        return (self.logprobs or self.top_logprobs > 0) and self.logprobs_mode == LogprobsMode.PROCESSED
 
 
 def sequence_seed(seed: int | None, index: int) -> int | None:
@@ -150,10 +193,12 @@ def build_sampling_params(
     return_logprobs: bool = False,
     drop_unsupported: bool = False,
     field_prefix: str = "",
+    default_logprobs_mode: LogprobsMode | str = LogprobsMode.RAW,
 ) -> SamplingParams:
     """The `SamplingParams` of one request from the parameters its caller set (generate's keyword
     arguments: `max_new_tokens`, `eos_token_id` and `SAMPLING_KWARGS`), with the model's generation
-    config supplying the rest as `generate` does.
+    config supplying the rest as `generate` does, and `default_logprobs_mode` (the server's) the
+    `logprobs_mode` of a request that sets none.
 
     Unknown parameters raise, or are dropped with a warning when `drop_unsupported`.
     """
@@ -186,7 +231,12 @@ def build_sampling_params(
         prompt_logprobs=_prompt_logprobs(settings.get("prompt_logprobs"), fields),
         structured_output=_structured_output(settings.get("structured_output"), fields),
         n=_num_sequences(settings, generation_config, fields),
+        logprobs_mode=_logprobs_mode(settings.get("logprobs_mode"), default_logprobs_mode, fields),
     )
+
+
+def _logprobs_mode(value: Any, default: LogprobsMode | str, fields: _Fields) -> LogprobsMode:
+    return check_logprobs_mode(default if value is None else value, fields.name("logprobs_mode"))
 
 
 def _num_sequences(settings: Mapping[str, Any], generation_config: Any, fields: _Fields) -> int:
@@ -384,10 +434,13 @@ class _Fields:
 
 
 def _as_ids(eos_token_id: Any) -> list[Any]:
+    """EOS ids as a list, without transformers' "disabled" marker: an empty list is no EOS too."""
     if eos_token_id is None:
         return []
     if isinstance(eos_token_id, torch.Tensor):
-        return list(eos_token_id.flatten().tolist())
-    if isinstance(eos_token_id, int):
-        return [eos_token_id]
-    return list(eos_token_id)
+        ids = list(eos_token_id.flatten().tolist())
+    elif isinstance(eos_token_id, int):
+        ids = [eos_token_id]
+    else:
+        ids = list(eos_token_id)
+    return [token for token in ids if not (type(token) is int and token == DISABLED_EOS_TOKEN_ID)]

@@ -18,6 +18,7 @@ import logging
 import sys
 from enum import IntEnum, StrEnum
 
+import psutil
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -60,6 +61,18 @@ def check_wake_tags(tags: list[str] | tuple[str, ...] | None) -> frozenset[Sleep
         if tag not in known:
             raise ValueError(f"tags: unknown tag {tag!r}; expected some of {sorted(known)}")
     return frozenset(SleepTag(tag) for tag in tags)
+
+
+def resident_memory(device: torch.device) -> int | None:
+    """Memory in use as the system counts it: on a CUDA device, what torch's allocator reserves there;
+    elsewhere the process's resident set size, where memory allocated but never written does not count
+    (an idle server's KV cache, mostly). None where it cannot be read."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_reserved(device))
+    try:
+        return int(psutil.Process().memory_info().rss)
+    except psutil.Error:
+        return None
 
 
 def _cache_tensors(engine: EngineCore) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
-"""The AdminService: pause (held while the call is open), stop, start, status and weight updates (the
-trainer's weight-update group, CUDA IPC, sleep and wake are in service.admin_weight_sync)."""
+"""The AdminService: pause (held while the call is open), stop, start, status, weight updates, the
+weights' checksum and prefix-cache resets (the trainer's weight-update group, CUDA IPC, sleep and wake are
+in service.admin_weight_sync)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from cbserve_client.proto import admin_pb2, admin_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from engine import dtype_from_name
-from service.admin_weight_sync import PAUSE_MODES, WeightSyncRpcs, weight_sync_status
+from service.admin_weight_sync import PAUSE_MODES, WeightSyncRpcs, call_manager, weight_sync_status
 from service.host_slot import HostSlot
 from service.metrics import NO_METRICS, MetricsObserver
 
@@ -162,6 +163,39 @@ class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.UpdateWeightsResponse(
             weight_version=version, tensors_updated=count, version_label=label or ""
         )
+
+    async def ResetPrefixCache(
+        self, request: admin_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ResetPrefixCacheResponse:
+        host = await self.slot.require(context)
+        # EngineBusyError (requests in flight, no abort) is a RuntimeError: FAILED_PRECONDITION.
+        reset = await call_manager(context, lambda: host.manager.reset_prefix_cache(abort=request.abort))
+        logger.info(
+            "ResetPrefixCache: %d blocks dropped, %d requests aborted", reset.num_blocks, reset.num_aborted
+        )
+        return admin_pb2.ResetPrefixCacheResponse(
+            dropped_blocks=reset.num_blocks, aborted_requests=reset.num_aborted
+        )
+
+    async def GetWeightsChecksum(
+        self, request: admin_pb2.GetWeightsChecksumRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.GetWeightsChecksumResponse:
+        host = await self.slot.require(context)
+        checksum = await call_manager(context, host.manager.weights_checksum)
+        response = admin_pb2.GetWeightsChecksumResponse(
+            digest=checksum.digest,
+            algorithm=checksum.algorithm,
+            weight_version=checksum.weight_version,
+            num_tensors=len(checksum.tensors),
+        )
+        if request.per_tensor:
+            response.tensors.extend(
+                admin_pb2.TensorChecksum(
+                    name=tensor.name, digest=tensor.digest, dtype=tensor.dtype, shape=tensor.shape
+                )
+                for tensor in checksum.tensors
+            )
+        return response
 
 
 class _PendingTensor:

@@ -230,8 +230,18 @@ class WeightSyncRpcs:
         finally:
             host.state_changed()
         affected = outcome.cancelled_requests if mode == "abort" else outcome.requeued_requests
-        logger.info("asleep at level %d: %.1f MiB released", request.level, outcome.released_bytes / 2**20)
-        return admin_pb2.SleepResponse(released_bytes=outcome.released_bytes, affected_requests=affected)
+        resident = outcome.resident_bytes_released
+        logger.info(
+            "asleep at level %d: %.1f MiB released, of which %s resident",
+            request.level,
+            outcome.released_bytes / 2**20,
+            "unknown" if resident is None else f"{resident / 2**20:.1f} MiB",
+        )
+        return admin_pb2.SleepResponse(
+            released_bytes=outcome.released_bytes,
+            affected_requests=affected,
+            resident_bytes_released=resident,
+        )
 
     async def WakeUp(
         self, request: admin_pb2.WakeUpRequest, context: grpc.aio.ServicerContext

@@ -36,6 +36,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "max_queue_size": 0,
     "scheduler_type": "fifo",
     "default_compile_level": 0,
+    "logprobs_mode": "raw_logprobs",
 }
 # The precisions of --dtype (service.engine_host.DTYPES, checked by the same test).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -211,6 +212,14 @@ def _parser() -> argparse.ArgumentParser:
         f"preempted first (default {ENGINE_DEFAULTS['scheduler_type']})",
     )
     engine.add_argument(
+        "--logprobs-mode",
+        choices=("raw_logprobs", "processed_logprobs"),
+        help="what a request's logprobs are of when it does not say (vLLM's --logprobs-mode): "
+        "raw_logprobs, log_softmax of the model's logits; processed_logprobs, of the distribution each "
+        "token was drawn from, after logit bias, penalties, temperature, top-k, top-p and min-p "
+        f"(default {ENGINE_DEFAULTS['logprobs_mode']})",
+    )
+    engine.add_argument(
         "--compile-level",
         type=int,
         choices=range(4),
@@ -294,7 +303,7 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
 
     values = {
         name: getattr(args, name)
-        for name in (*ENGINE_KNOBS, "scheduler_type")
+        for name in (*ENGINE_KNOBS, "scheduler_type", "logprobs_mode")
         if getattr(args, name) is not None
     }
     if args.compile_level is not None:

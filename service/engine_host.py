@@ -141,6 +141,7 @@ class EngineHost:
             max_context_length=int(getattr(text_config, "max_position_embeddings", 0) or 2**31 - 1),
             default_max_new_tokens=default_max_new_tokens(generation_config),
             generation_config=generation_config,
+            default_logprobs_mode=self.manager.config.logprobs_mode,
         )
         self._generation_rate = GenerationRate()
         # The prefix cache's events for gateways (SubscribeKvEvents), recorded from the start so that a

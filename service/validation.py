@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from cbserve_client.proto import types_pb2
 
-from engine import SamplingParams, StructuredOutput, build_sampling_params, check_token_ids
+from engine import LogprobsMode, SamplingParams, StructuredOutput, build_sampling_params, check_token_ids
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_STOP_STRINGS = 16
@@ -47,6 +47,8 @@ class ModelLimits:
     default_max_new_tokens: int
     # Supplies the defaults of the sampling fields a request leaves unset, as in `generate`.
     generation_config: Any = None
+    # The logprobs_mode of a request that leaves it unset (`cbserve serve --logprobs-mode`).
+    default_logprobs_mode: str = LogprobsMode.RAW
 
 
 @dataclass
@@ -93,6 +95,7 @@ def prepare(
             limits.generation_config,
             limits.vocab_size,
             field_prefix="sampling.",
+            default_logprobs_mode=limits.default_logprobs_mode,
         )
     except ValueError as exc:
         raise invalid(str(exc)) from exc
@@ -196,6 +199,14 @@ def _sampling_settings(
             settings[name] = getattr(params, name)
     if params.logprobs:
         settings["logprobs"] = True
+    if params.logprobs_mode != types_pb2.LOGPROBS_MODE_UNSPECIFIED:
+        mode = _LOGPROBS_MODES.get(params.logprobs_mode)
+        if mode is None:
+            raise invalid(
+                f"sampling.logprobs_mode: unknown value {params.logprobs_mode}; expected LOGPROBS_MODE_RAW "
+                "or LOGPROBS_MODE_PROCESSED (or unset for the server's default)"
+            )
+        settings["logprobs_mode"] = mode
     if params.logit_bias:
         if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
             raise invalid(
@@ -221,6 +232,11 @@ def _structured_output(message: types_pb2.StructuredOutput) -> StructuredOutput:
         return StructuredOutput("json_object")
     return StructuredOutput(kind, getattr(message, kind))
 
+
+_LOGPROBS_MODES = {
+    types_pb2.LOGPROBS_MODE_RAW: LogprobsMode.RAW,
+    types_pb2.LOGPROBS_MODE_PROCESSED: LogprobsMode.PROCESSED,
+}
 
 # Wire fields with presence whose name and meaning are generate's keyword argument of the same name.
 _OPTIONAL_SAMPLING_FIELDS = (

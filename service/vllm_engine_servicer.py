@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -20,7 +21,7 @@ import grpc
 from cbserve_client.proto import types_pb2
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from engine import FinishReason, RequestStatus
+from engine import EngineBusyError, FinishReason, RequestStatus
 from service.generation_servicer import submit
 from service.host_slot import HostSlot
 from service.kv_event_stream import StreamAborted
@@ -43,6 +44,8 @@ _FINISH_REASONS = {
     FinishReason.ERROR: "error",
 }
 SERVER_TYPE = "cbserve-grpc"
+# How often FlushCache looks again for an idle engine while its timeout_s lasts.
+FLUSH_RETRY_INTERVAL_S = 0.05
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -230,10 +233,25 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.FlushCacheResponse:
         host = await self.slot.require(context)
-        # Requests in flight keep their blocks and run on: the flush only forgets what may be reused, so
-        # it never has to wait for the engine to go idle, whatever `timeout_s` allows.
-        dropped = await asyncio.get_running_loop().run_in_executor(None, host.manager.reset_prefix_cache)
-        return common_pb2.FlushCacheResponse(success=True, message=f"dropped {dropped} cached blocks")
+        # The protocol's contract: wait up to timeout_s for the engine to go idle, then flush; with 0, a
+        # flush with requests in flight fails at once. A refusal is an answer (success false, saying
+        # why), not an error status.
+        if not math.isfinite(request.timeout_s) or request.timeout_s < 0:
+            message = f"timeout_s must be finite and >= 0, got {request.timeout_s}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        deadline = time.monotonic() + request.timeout_s
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                reset = await loop.run_in_executor(None, host.manager.reset_prefix_cache)
+            except EngineBusyError as exc:
+                if time.monotonic() >= deadline:
+                    return common_pb2.FlushCacheResponse(success=False, message=str(exc))
+                await asyncio.sleep(FLUSH_RETRY_INTERVAL_S)
+                continue
+            return common_pb2.FlushCacheResponse(
+                success=True, message=f"dropped {reset.num_blocks} cached blocks"
+            )
 
     async def StartProfile(
         self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext

@@ -14,7 +14,9 @@ from engine import (
     BlockRemoved,
     BlockStored,
     ContinuousBatchingConfig,
+    EngineBusyError,
     KVCacheEvent,
+    PrefixCacheReset,
     RequestStatus,
     init_continuous_batching,
 )
@@ -120,8 +122,24 @@ def test_reset_prefix_cache_returns_the_number_of_blocks_dropped(manager) -> Non
     with manager.pause():
         num_cached = len(cached_blocks(manager._engine.kv_cache_manager.block_pool))
     assert num_cached >= 4
-    assert manager.reset_prefix_cache() == num_cached
-    assert manager.reset_prefix_cache() == 0
+    assert manager.reset_prefix_cache().num_blocks == num_cached
+    assert manager.reset_prefix_cache().num_blocks == 0
+
+
+def test_reset_prefix_cache_is_refused_with_a_request_in_flight_unless_it_aborts_them(manager) -> None:
+    manager.start()
+    _run(manager, [random_prompt(4 * PAGE_SIZE, seed=5)])
+    pool = manager._engine.kv_cache_manager.block_pool
+    with manager.pause():  # the request below stays queued while the pause holds
+        num_cached = len(cached_blocks(pool))
+        request_id = manager.add_request(random_prompt(8, seed=6), max_new_tokens=3, eos_token_id=[])
+        with pytest.raises(EngineBusyError, match=r"requests in flight \(1 queued or running\).*abort"):
+            manager.reset_prefix_cache()
+        assert len(cached_blocks(pool)) == num_cached, "a refused reset drops nothing"
+        reset = manager.reset_prefix_cache(abort=True)
+    assert reset == PrefixCacheReset(num_blocks=num_cached, num_aborted=1)
+    assert manager.get_result(request_id, timeout=TIMEOUT).status == RequestStatus.CANCELLED
+    _run(manager, [random_prompt(8, seed=7)])  # and the engine serves on
 
 
 def test_without_a_listener_nothing_is_recorded(manager) -> None:

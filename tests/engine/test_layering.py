@@ -21,6 +21,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.sampling_params",
         "engine.device_copies",
         "engine.weights",
+        "engine.weights_checksum",
         "engine.parallel",
         "engine.weight_transfer",
         "engine.cuda_ipc",

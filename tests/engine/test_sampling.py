@@ -164,3 +164,104 @@ def test_greedy_tokens_are_argmaxs_first_of_tied_maxima_on_every_path():
         expected = case.argmax(dim=-1)
         got = greedy_tokens(case)
         assert torch.equal(got, expected), f"{name}: greedy_tokens {got.tolist()}, argmax {expected.tolist()}"
+
+
+def _sample_rows(logits, params, seed=0):
+    from engine.request import Request
+    from engine.sampling import Sampler
+
+    requests = [Request(f"r{row}", [1], each) for row, each in enumerate(params)]
+    sampler = Sampler(torch.device("cpu"), seed=seed)
+    return sampler.sample(logits.clone(), requests, [None] * len(requests)).to_output()
+
+
+def test_each_row_of_a_batch_gets_the_logprobs_of_its_own_mode():
+    from engine.sampling_params import LogprobsMode, SamplingParams
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    processed = LogprobsMode.PROCESSED
+    params = [
+        SamplingParams(max_new_tokens=1, temperature=0.5, logprobs=True, top_logprobs=3),
+        SamplingParams(
+            max_new_tokens=1, temperature=0.5, logprobs=True, top_logprobs=3, logprobs_mode=processed
+        ),
+        SamplingParams(
+            max_new_tokens=1, temperature=1.0, top_k=2, logprobs=True, top_logprobs=5, logprobs_mode=processed
+        ),
+        SamplingParams(
+            max_new_tokens=1, logprobs=True, top_logprobs=3, logit_bias=((7, 3.0),), logprobs_mode=processed
+        ),
+    ]
+    output = _sample_rows(logits, params)
+    biased = logits[3].clone()
+    biased[7] += 3.0
+    expected_rows = {
+        0: torch.log_softmax(logits[0], dim=-1),  # raw: the temperature does not count
+        1: torch.log_softmax(logits[1] / 0.5, dim=-1),
+        3: torch.log_softmax(biased, dim=-1),  # greedy: after the bias, no temperature
+    }
+    for row, expected in expected_rows.items():
+        token = output.token_ids[row]
+        assert output.logprobs[row] == pytest.approx(expected[token].item(), abs=1e-5), (row, token)
+        values, indices = expected.topk(3)
+        assert list(output.top_logprobs[row]) == indices.tolist(), row
+        assert list(output.top_logprobs[row].values()) == pytest.approx(values.tolist(), abs=1e-5), row
+    assert output.token_ids[3] == int(biased.argmax())
+    top_two = logits[2].topk(2)
+    kept = torch.log_softmax(top_two.values, dim=-1)
+    expected_top = dict(zip(top_two.indices.tolist(), kept.tolist(), strict=True))
+    assert output.top_logprobs[2] == pytest.approx(expected_top), (
+        "top_k=2: the three other alternatives asked for have logprob -inf and are left out"
+    )
+    assert output.token_ids[2] in top_two.indices.tolist()
+    assert output.logprobs[2] == pytest.approx(output.top_logprobs[2][output.token_ids[2]])
+
+
+def test_processed_logprobs_of_a_single_token_top_k_are_certain():
+    from engine.sampling_params import LogprobsMode, SamplingParams
+
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(
+        max_new_tokens=1,
+        temperature=0.7,
+        top_k=1,
+        logprobs=True,
+        top_logprobs=2,
+        logprobs_mode=LogprobsMode.PROCESSED,
+    )
+    output = _sample_rows(logits, [params])
+    assert output.token_ids == [int(logits[0].argmax())]
+    assert output.logprobs == [0.0] and output.top_logprobs == [{output.token_ids[0]: 0.0}]
+
+
+def test_processed_logprobs_equal_log_softmax_of_the_scaled_logits_of_a_reference_forward(model):
+    prompt = random_prompt(30, seed=5)
+    config = ContinuousBatchingConfig(**CONFIG, logprobs_mode="processed_logprobs")
+    with continuous_batching_context_manager(model, continuous_batching_config=config) as m:
+        processed = _generate(m, prompt, max_new_tokens=8, temperature=0.5, seed=7, top_logprobs=2)
+        raw = _generate(
+            m, prompt, max_new_tokens=8, temperature=0.5, seed=7, top_logprobs=2, logprobs_mode="raw_logprobs"
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"logprobs_mode must be one of \['raw_logprobs', 'processed_logprobs'\], got 'raw'",
+        ):
+            m.add_request(prompt, max_new_tokens=2, logprobs_mode="raw")
+    assert processed.generated_tokens == raw.generated_tokens, (
+        "the mode changes what is reported, not what is drawn"
+    )
+    sequence = torch.tensor([prompt + processed.generated_tokens])
+    with torch.no_grad():
+        logits = model(sequence).logits[0, len(prompt) - 1 : -1].float()
+    chosen = torch.tensor(processed.generated_tokens).unsqueeze(1)
+    for name, output, expected in (
+        ("processed (the server's default)", processed, torch.log_softmax(logits / 0.5, dim=-1)),
+        ("raw", raw, torch.log_softmax(logits, dim=-1)),
+    ):
+        want = expected.gather(1, chosen).squeeze(1)
+        assert torch.allclose(torch.tensor(output.logprobs), want, atol=1e-4), (
+            name,
+            output.logprobs,
+            want.tolist(),
+        )
+        assert [list(top) for top in output.top_logprobs] == expected.topk(2).indices.tolist(), name

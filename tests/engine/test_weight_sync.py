@@ -286,6 +286,8 @@ def test_sleep_frees_the_kv_cache_and_requests_resume_after_wake_up() -> None:
         after = _rss()
         assert outcome.released_bytes == 4096 * 16 * 512
         assert before - after >= 0.8 * outcome.released_bytes, f"RSS {before} -> {after}"
+        assert outcome.resident_bytes_released is not None
+        assert outcome.resident_bytes_released >= 0.8 * outcome.released_bytes, outcome
         stats = manager.stats()
         assert stats.sleep_level == 1 and not stats.serving
         assert manager.get_result(ids[0], timeout=0.5) is None  # requests wait while asleep
@@ -299,6 +301,23 @@ def test_sleep_frees_the_kv_cache_and_requests_resume_after_wake_up() -> None:
             assert output.generated_tokens == expected, (
                 f"engine {output.generated_tokens} != generate {expected}"
             )
+    finally:
+        manager.destroy()
+
+
+def test_sleep_of_an_idle_server_reports_the_cache_memory_it_never_held() -> None:
+    """A cache allocated and never written costs no resident memory: released_bytes is its size, and
+    resident_bytes_released what the process gave back (a few pages, not 32 MiB)."""
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=4096, max_batch_tokens=128)
+    manager = ContinuousBatchingManager(copy.deepcopy(tiny_model("llama")), continuous_batching_config=config)
+    manager.start()
+    try:
+        _generate(manager, random_prompt(20, 1), 4)
+        outcome = manager.sleep(level=1)
+        assert outcome.released_bytes == 4096 * 16 * 512
+        assert outcome.resident_bytes_released is not None
+        assert outcome.resident_bytes_released < 0.25 * outcome.released_bytes, outcome
+        assert manager.wake_up() == 0
     finally:
         manager.destroy()
 

@@ -22,6 +22,7 @@ EXPECTED = {
     grpc.StatusCode.UNAUTHENTICATED: errors.UnauthenticatedError,
     grpc.StatusCode.CANCELLED: errors.CancelledError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
     grpc.StatusCode.INTERNAL: errors.InternalError,
     grpc.StatusCode.UNKNOWN: errors.InternalError,
     grpc.StatusCode.DATA_LOSS: errors.InternalError,

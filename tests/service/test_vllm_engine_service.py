@@ -211,6 +211,24 @@ def test_flush_cache_drops_the_prefix_cache_and_says_how_much(stub, client) -> N
     )
 
 
+def test_flush_cache_with_a_request_in_flight_fails_at_once_or_waits_up_to_its_timeout(
+    stub, client, served
+) -> None:
+    with AdminClient(served.admin_target, ADMIN_TOKEN) as admin:
+        with admin.paused():  # the request below stays queued while the pause holds
+            request_id = client.submit(random_prompt(10, seed=12), max_new_tokens=4, ignore_eos=True)
+            refused = stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=TIMEOUT)
+            assert not refused.success
+            assert "requests in flight (1 queued or running)" in refused.message, refused.message
+            waiting = stub.FlushCache.future(common_pb2.FlushCacheRequest(timeout_s=TIMEOUT), timeout=TIMEOUT)
+        assert list(client.results(request_id))[-1].finish_reason == "length"
+        flushed = waiting.result()
+        assert flushed.success and flushed.message.startswith("dropped "), flushed.message
+    with pytest.raises(grpc.RpcError) as refused_timeout:
+        stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=-1), timeout=TIMEOUT)
+    assert refused_timeout.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_the_kv_event_stream_answers_at_once_and_carries_a_prompt_s_blocks(served, client) -> None:
     prompt = random_prompt(3 * 16 + 5, seed=10)
     pages = [tuple(prompt[index * 16 : (index + 1) * 16]) for index in range(3)]

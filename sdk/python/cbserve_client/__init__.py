@@ -6,8 +6,10 @@
         print(client.generate("The capital of France is", max_new_tokens=8).text)
 
 Public API: :class:`Client` (sync), :class:`AsyncClient` (asyncio), :class:`AdminClient` (pause,
-stop/start, status, weight updates, sleep/wake-up), :class:`AdminFleet` (the same on every replica of a
-deployment at once), :class:`WeightSyncGroup` (a trainer's weight push over NCCL or gloo), the result
+stop/start, status, weight updates, sleep/wake-up, prefix-cache reset, weight checksum), :class:`AdminFleet`
+(the same on every replica of a deployment at once, and :meth:`AdminFleet.check_weights`),
+:class:`WeightSyncGroup` (a trainer's weight push over NCCL or gloo), :func:`weights_checksum` (a trainer's
+own digest of what it pushed), the result
 dataclasses, and the exceptions of :mod:`cbserve_client.errors`. The raw protobuf modules are in
 :mod:`cbserve_client.proto`. Importing the package never imports torch: the weight-sync and CUDA IPC
 calls import it when they run.
@@ -20,14 +22,17 @@ from cbserve_client._types import (
     Completion,
     ModelInfo,
     PauseInfo,
+    PrefixCacheReset,
     PromptLogprob,
     SleepResult,
     Status,
     StopResult,
+    TensorChecksum,
     Timings,
     TokenLogprob,
     TopLogprob,
     Usage,
+    WeightsChecksum,
     WeightsTransferReady,
     WeightsUpdate,
     WeightsUpdateGroupInfo,
@@ -35,12 +40,14 @@ from cbserve_client._types import (
 from cbserve_client._weights_transfer import WeightsTransfer
 from cbserve_client.admin import AdminClient
 from cbserve_client.aio import AsyncChunkStream, AsyncClient
+from cbserve_client.checksum import weights_checksum
 from cbserve_client.client import ChunkStream, Client
 from cbserve_client.errors import (
     AlreadyExistsError,
     CancelledError,
     CbserveError,
     DeadlineExceededError,
+    FailedPreconditionError,
     FleetError,
     InternalError,
     InvalidArgumentError,
@@ -48,6 +55,7 @@ from cbserve_client.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    WeightsMismatchError,
 )
 from cbserve_client.fleet import AdminFleet, replica_targets
 from cbserve_client.weight_sync import WeightSyncGroup
@@ -68,18 +76,21 @@ __all__ = [
     "Client",
     "Completion",
     "DeadlineExceededError",
+    "FailedPreconditionError",
     "FleetError",
     "InternalError",
     "InvalidArgumentError",
     "ModelInfo",
     "NotFoundError",
     "PauseInfo",
+    "PrefixCacheReset",
     "Prompt",
     "PromptLogprob",
     "ResourceExhaustedError",
     "SleepResult",
     "Status",
     "StopResult",
+    "TensorChecksum",
     "Timings",
     "TokenLogprob",
     "TopLogprob",
@@ -88,6 +99,8 @@ __all__ = [
     "Usage",
     "WeightBucket",
     "WeightSyncGroup",
+    "WeightsChecksum",
+    "WeightsMismatchError",
     "WeightsTransfer",
     "WeightsTransferReady",
     "WeightsUpdate",
@@ -95,4 +108,5 @@ __all__ = [
     "__version__",
     "plan_buckets",
     "replica_targets",
+    "weights_checksum",
 ]

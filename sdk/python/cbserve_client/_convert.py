@@ -20,14 +20,17 @@ from cbserve_client._types import (
     Completion,
     ModelInfo,
     PauseInfo,
+    PrefixCacheReset,
     PromptLogprob,
     SleepResult,
     Status,
     StopResult,
+    TensorChecksum,
     Timings,
     TokenLogprob,
     TopLogprob,
     Usage,
+    WeightsChecksum,
     WeightsTransferReady,
     WeightsUpdate,
     WeightsUpdateGroupInfo,
@@ -58,6 +61,7 @@ SAMPLING_KWARGS = frozenset(
         "stop_token_ids",
         "skip_special_tokens",
         "prompt_logprobs",
+        "logprobs_mode",
         "n",
         "json_schema",
         "json_object",
@@ -88,6 +92,11 @@ _FINISH_NAMES = {
     types_pb2.FINISH_REASON_CANCELLED: "cancelled",
     types_pb2.FINISH_REASON_ERROR: "error",
     types_pb2.FINISH_REASON_STOP: "stop",
+}
+#: SamplingParams.logprobs_mode by vLLM's names.
+LOGPROBS_MODES = {
+    "raw_logprobs": types_pb2.LOGPROBS_MODE_RAW,
+    "processed_logprobs": types_pb2.LOGPROBS_MODE_PROCESSED,
 }
 _PAUSE_MODES = {
     "keep": admin_pb2.PAUSE_MODE_KEEP,
@@ -358,6 +367,7 @@ def build_sampling(
     stop_token_ids: Sequence[int] | None = None,
     skip_special_tokens: bool | None = None,
     prompt_logprobs: int | None = None,
+    logprobs_mode: str | None = None,
     n: int | None = None,
     json_schema: Mapping[str, Any] | str | None = None,
     json_object: bool | None = None,
@@ -409,9 +419,19 @@ def build_sampling(
     )
     for token, bias in biases.items():
         params.logit_bias[token] = bias
+    if logprobs_mode is not None:
+        params.logprobs_mode = _logprobs_mode(logprobs_mode)
     if constraint is not None:
         params.structured_output.CopyFrom(constraint)
     return params
+
+
+def _logprobs_mode(mode: object) -> types_pb2.LogprobsMode.ValueType:
+    if not isinstance(mode, str):
+        raise TypeError(f"logprobs_mode must be a str, got {type(mode).__name__}")
+    if mode not in LOGPROBS_MODES:
+        raise _refuse("sampling.logprobs_mode", f" must be one of {list(LOGPROBS_MODES)}, got {mode!r}")
+    return LOGPROBS_MODES[mode]
 
 
 def build_request(
@@ -853,7 +873,30 @@ def sleep_request(level: int, mode: str) -> admin_pb2.SleepRequest:
 
 
 def sleep_result_from_proto(message: admin_pb2.SleepResponse) -> SleepResult:
-    return SleepResult(released_bytes=message.released_bytes, affected_requests=message.affected_requests)
+    return SleepResult(
+        released_bytes=message.released_bytes,
+        affected_requests=message.affected_requests,
+        resident_bytes_released=(
+            message.resident_bytes_released if message.HasField("resident_bytes_released") else None
+        ),
+    )
+
+
+def prefix_cache_reset_from_proto(message: admin_pb2.ResetPrefixCacheResponse) -> PrefixCacheReset:
+    return PrefixCacheReset(dropped_blocks=message.dropped_blocks, aborted_requests=message.aborted_requests)
+
+
+def weights_checksum_from_proto(message: admin_pb2.GetWeightsChecksumResponse) -> WeightsChecksum:
+    return WeightsChecksum(
+        digest=message.digest,
+        algorithm=message.algorithm,
+        weight_version=message.weight_version,
+        num_tensors=message.num_tensors,
+        tensors={
+            tensor.name: TensorChecksum(tensor.name, tensor.digest, tensor.dtype, tuple(tensor.shape))
+            for tensor in message.tensors
+        },
+    )
 
 
 def wake_up_request(tags: Sequence[str] | None) -> admin_pb2.WakeUpRequest:

@@ -10,14 +10,17 @@ __all__ = [
     "Completion",
     "ModelInfo",
     "PauseInfo",
+    "PrefixCacheReset",
     "PromptLogprob",
     "SleepResult",
     "Status",
     "StopResult",
+    "TensorChecksum",
     "Timings",
     "TokenLogprob",
     "TopLogprob",
     "Usage",
+    "WeightsChecksum",
     "WeightsTransferReady",
     "WeightsUpdate",
     "WeightsUpdateGroupInfo",
@@ -237,8 +240,49 @@ class WeightsTransferReady:
 
 @dataclass(frozen=True, slots=True)
 class SleepResult:
-    """What AdminService.Sleep did: bytes of device memory released, and the in-flight requests put
-    back in the queue (mode "keep") or cancelled (mode "abort")."""
+    """What AdminService.Sleep did.
+
+    ``released_bytes`` is the size of what was released, allocated or not (the KV cache, and the weights
+    at level 2 on a GPU); ``resident_bytes_released`` how much the memory in use fell, as the system
+    counts it (on a GPU the device memory torch reserves, on the CPU the server process's RSS): lower
+    where part of the cache was never written, None where the server cannot measure it.
+    ``affected_requests``: the in-flight requests put back in the queue (mode "keep") or cancelled (mode
+    "abort")."""
 
     released_bytes: int
     affected_requests: int
+    resident_bytes_released: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheReset:
+    """What AdminService.ResetPrefixCache did: the reusable prefix blocks dropped, and the requests
+    cancelled first (with ``abort``)."""
+
+    dropped_blocks: int
+    aborted_requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class TensorChecksum:
+    """The digest of one tensor: its name in the model's state dict, the dtype it is held in (as
+    safetensors names it: "F32", "BF16", ...) and its (whole) shape."""
+
+    name: str
+    digest: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsChecksum:
+    """A digest of a model's weights: of them all (``digest``), and of each tensor by name when asked for
+    (``tensors``, empty otherwise). ``algorithm`` names how it is computed ("cbserve-wsum-v1");
+    ``weight_version`` is the server's version of the weights it is of (0 for a digest computed by
+    :func:`~cbserve_client.weights_checksum`)."""
+
+    digest: str
+    algorithm: str
+    weight_version: int
+    num_tensors: int
+    tensors: dict[str, TensorChecksum] = field(default_factory=dict)

@@ -21,11 +21,13 @@ from cbserve_client._convert import (
     init_weights_update_group_request,
     pause_info_from_proto,
     pause_request,
+    prefix_cache_reset_from_proto,
     sleep_request,
     sleep_result_from_proto,
     status_from_proto,
     stop_result_from_proto,
     wake_up_request,
+    weights_checksum_from_proto,
     weights_update_from_proto,
     weights_update_group_info_from_proto,
 )
@@ -33,9 +35,11 @@ from cbserve_client._cuda_ipc import cuda_ipc_request
 from cbserve_client._generated.cbserve.v1 import admin_pb2, admin_pb2_grpc
 from cbserve_client._types import (
     PauseInfo,
+    PrefixCacheReset,
     SleepResult,
     Status,
     StopResult,
+    WeightsChecksum,
     WeightsUpdate,
     WeightsUpdateGroupInfo,
 )
@@ -340,6 +344,41 @@ class AdminClient(ChannelOwner):
             )
         )
         return int(response.sleep_level)
+
+    def reset_prefix_cache(
+        self, abort: bool = False, *, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> PrefixCacheReset:
+        """Drops every reusable prefix block (TRL's /reset_prefix_cache, verl's clear_kv_cache, slime's
+        flush_cache), so that no later request reuses KV computed before: by weights just replaced, say.
+
+        Only an idle server is reset: with requests in flight (queued or running) it raises
+        :class:`~cbserve_client.errors.FailedPreconditionError` and drops nothing, unless ``abort``,
+        which cancels them first (each ends "cancelled"). Returns the blocks dropped and the requests
+        cancelled."""
+        request = admin_pb2.ResetPrefixCacheRequest(abort=bool(abort))
+        response = self._call(
+            lambda: self._stub.ResetPrefixCache(
+                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+            )
+        )
+        return prefix_cache_reset_from_proto(response)
+
+    def weights_checksum(
+        self, per_tensor: bool = False, *, timeout: Timeout = DEFAULT_TIMEOUT
+    ) -> WeightsChecksum:
+        """A digest of the weights the server holds (slime's check_weights), computed on its device
+        between two steps, with the weight version it is of; with ``per_tensor``, each tensor's digest
+        too (to find which differ). Equal weights give equal digests on any device:
+        :func:`~cbserve_client.weights_checksum` computes the same of a trainer's tensors, and
+        :meth:`AdminFleet.check_weights` compares every replica. The call takes as long as reading the
+        whole model once on the server's device (seconds for a large model on a CPU)."""
+        request = admin_pb2.GetWeightsChecksumRequest(per_tensor=bool(per_tensor))
+        response = self._call(
+            lambda: self._stub.GetWeightsChecksum(
+                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+            )
+        )
+        return weights_checksum_from_proto(response)
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Calls ``fn()``, mapping a grpc.RpcError to the matching CbserveError (see ``_error``)."""

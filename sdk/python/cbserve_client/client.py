@@ -126,9 +126,11 @@ class Client(ChannelOwner):
 
     Sampling keyword arguments accepted by :meth:`generate`, :meth:`stream` and :meth:`submit`:
     ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``eos_token_ids``,
-    ``ignore_eos``, ``logprobs``, ``top_logprobs``, ``prompt_logprobs``, ``stop`` (strings that end
-    the output, which stops before the first one), ``stop_token_ids`` (token ids that end it,
-    included), ``skip_special_tokens``, ``repetition_penalty``, ``presence_penalty``,
+    ``ignore_eos``, ``logprobs``, ``top_logprobs``, ``logprobs_mode`` ("raw_logprobs": of the model's
+    logits; "processed_logprobs": of the distribution each token was drawn from, after penalties,
+    temperature and top-k/top-p/min-p; unset: the server's default), ``prompt_logprobs``, ``stop``
+    (strings that end the output, which stops before the first one), ``stop_token_ids`` (token ids that
+    end it, included), ``skip_special_tokens``, ``repetition_penalty``, ``presence_penalty``,
     ``frequency_penalty``, ``min_new_tokens``, ``logit_bias`` ({token id: bias}), at most one
     structured-output constraint (``json_schema`` (a dict or its JSON text), ``json_object=True``,
     ``regex`` or ``grammar``), ``request_id``, ``priority`` (smaller first under the server's

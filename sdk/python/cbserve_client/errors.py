@@ -16,6 +16,7 @@ __all__ = [
     "CancelledError",
     "CbserveError",
     "DeadlineExceededError",
+    "FailedPreconditionError",
     "FleetError",
     "InternalError",
     "InvalidArgumentError",
@@ -23,6 +24,7 @@ __all__ = [
     "ResourceExhaustedError",
     "UnauthenticatedError",
     "UnavailableError",
+    "WeightsMismatchError",
     "error_from_code",
     "from_rpc_error",
 ]
@@ -74,6 +76,12 @@ class DeadlineExceededError(CbserveError):
     """DEADLINE_EXCEEDED: the call's deadline (timeout) passed before it completed."""
 
 
+class FailedPreconditionError(CbserveError):
+    """FAILED_PRECONDITION: the server's state does not allow the call now (a prefix-cache reset with
+    requests in flight, a weight update over a group the server is not in, ...); the message says what
+    to do."""
+
+
 class InternalError(CbserveError):
     """INTERNAL, UNKNOWN or DATA_LOSS: a server-side failure."""
 
@@ -87,6 +95,7 @@ _BY_CODE: dict[grpc.StatusCode, type[CbserveError]] = {
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.CANCELLED: CancelledError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
     grpc.StatusCode.INTERNAL: InternalError,
     grpc.StatusCode.UNKNOWN: InternalError,
     grpc.StatusCode.DATA_LOSS: InternalError,
@@ -131,4 +140,36 @@ class FleetError(CbserveError):
         listed = "; ".join(f"{target}: {error}" for target, error in failures.items())
         super().__init__(
             first.code, f"{len(failures)} of {len(failures) + len(results)} replicas failed: {listed}"
+        )
+
+
+class WeightsMismatchError(Exception):
+    """:meth:`~cbserve_client.AdminFleet.check_weights` found replicas whose weights differ from the
+    reference (the expected digest, or else the first replica's).
+
+    Attributes:
+        reference: what the others were compared with: "expected" or a replica's target.
+        checksums: each replica's :class:`~cbserve_client.WeightsChecksum`, by target.
+        differing: for each replica that differs, the names of the tensors whose digests differ from
+            the reference's (a name held by one side only included), in name order.
+    """
+
+    def __init__(
+        self, reference: str, checksums: dict[str, Any], differing: dict[str, tuple[str, ...]]
+    ) -> None:
+        self.reference = reference
+        self.checksums = checksums
+        self.differing = differing
+        shown = 5
+        parts = []
+        for target, names in differing.items():
+            listed = ", ".join(names[:shown]) + (
+                f" and {len(names) - shown} more" if len(names) > shown else ""
+            )
+            version = checksums[target].weight_version
+            parts.append(f"{target} (weight_version {version}) in {len(names)} tensors: {listed}")
+        against = "the expected weights" if reference == "expected" else reference
+        super().__init__(
+            f"{len(differing)} of {len(checksums)} replicas hold other weights than {against}: "
+            + "; ".join(parts)
         )

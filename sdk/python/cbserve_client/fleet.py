@@ -22,10 +22,17 @@ import grpc
 
 from cbserve_client._channel import Closeable
 from cbserve_client._connection import replica_targets, split_host_port
-from cbserve_client._types import PauseInfo, SleepResult, Status, WeightsUpdate
+from cbserve_client._types import (
+    PauseInfo,
+    PrefixCacheReset,
+    SleepResult,
+    Status,
+    WeightsChecksum,
+    WeightsUpdate,
+)
 from cbserve_client._weights import WeightsSource
 from cbserve_client.admin import DEFAULT_TIMEOUT_S, AdminClient
-from cbserve_client.errors import CbserveError, FleetError
+from cbserve_client.errors import CbserveError, FleetError, WeightsMismatchError
 
 __all__ = ["AdminFleet", "replica_targets", "run_on_all"]
 
@@ -154,7 +161,53 @@ class AdminFleet(Closeable):
         target order."""
         return self._on_all(lambda client: client.wake_up(tags))
 
+    def reset_prefix_cache(self, abort: bool = False) -> list[PrefixCacheReset]:
+        """:meth:`AdminClient.reset_prefix_cache` on every replica at once; results in target order. A
+        replica with requests in flight (without ``abort``) fails with FAILED_PRECONDITION in the
+        FleetError, while the others are reset."""
+        return self._on_all(lambda client: client.reset_prefix_cache(abort))
+
+    def weights_checksum(self, per_tensor: bool = False) -> list[WeightsChecksum]:
+        """:meth:`AdminClient.weights_checksum` of every replica at once; results in target order."""
+        return self._on_all(lambda client: client.weights_checksum(per_tensor))
+
+    def check_weights(self, expected: WeightsChecksum | None = None) -> WeightsChecksum:
+        """Checks in one call that every replica holds the same weights (slime's check_weights after a
+        sync): each computes its digest, with per-tensor digests, and each is compared with
+        ``expected`` (the trainer's own, from :func:`~cbserve_client.weights_checksum`), or without it
+        with the first replica's. Returns the common checksum; raises
+        :class:`~cbserve_client.errors.WeightsMismatchError` naming every replica that differs and the
+        tensors it differs in (FleetError when a replica cannot answer)."""
+        checksums = dict(zip(self.targets, self.weights_checksum(per_tensor=True), strict=True))
+        reference_name, reference = (
+            ("expected", expected) if expected is not None else next(iter(checksums.items()))
+        )
+        differing: dict[str, tuple[str, ...]] = {}
+        for target, checksum in checksums.items():
+            if (checksum.algorithm, checksum.digest) != (reference.algorithm, reference.digest):
+                differing[target] = _differing_tensors(reference, checksum)
+        if differing:
+            raise WeightsMismatchError(reference_name, checksums, differing)
+        return reference
+
     def close(self) -> None:
         for client in self.clients:
             client.close()
         self._executor.shutdown(wait=False)
+
+
+def _differing_tensors(reference: WeightsChecksum, checksum: WeightsChecksum) -> tuple[str, ...]:
+    """The names whose digests differ between two checksums (either side's names), in name order; all
+    of them when the algorithms differ."""
+    names = set(reference.tensors) | set(checksum.tensors)
+    if reference.algorithm != checksum.algorithm:
+        return tuple(sorted(names))
+    return tuple(
+        sorted(
+            name
+            for name in names
+            if name not in reference.tensors
+            or name not in checksum.tensors
+            or reference.tensors[name].digest != checksum.tensors[name].digest
+        )
+    )

@@ -1901,13 +1901,20 @@ func (x *SleepRequest) GetMode() PauseMode {
 // Response of AdminService.Sleep.
 type SleepResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Bytes of device memory released (KV cache, and weights at level 2); on the CPU, KV cache
-	// bytes only, since the weights already live in host memory.
+	// The size of what was released, allocated or not: the KV cache tensors (and the weights at
+	// level 2, on a GPU) on the device; on the CPU, the KV cache tensors and at level 2 the copies of
+	// the weights packed for oneDNN (the weights themselves already live in host memory).
 	ReleasedBytes uint64 `protobuf:"varint,1,opt,name=released_bytes,json=releasedBytes,proto3" json:"released_bytes,omitempty"`
 	// With PAUSE_MODE_ABORT: requests cancelled; with PAUSE_MODE_KEEP: requests put back in the queue.
 	AffectedRequests uint32 `protobuf:"varint,2,opt,name=affected_requests,json=affectedRequests,proto3" json:"affected_requests,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// How much the memory in use fell, as the system counts it: on a GPU, the device memory torch's
+	// allocator reserves; on the CPU, the server process's resident set size (RSS). Below
+	// released_bytes where part of what was released was never resident: on the CPU, cache pages
+	// allocated and never written (an idle server's cache, mostly). 0 when it did not fall; unset
+	// where the server cannot measure it.
+	ResidentBytesReleased *uint64 `protobuf:"varint,3,opt,name=resident_bytes_released,json=residentBytesReleased,proto3,oneof" json:"resident_bytes_released,omitempty"`
+	unknownFields         protoimpl.UnknownFields
+	sizeCache             protoimpl.SizeCache
 }
 
 func (x *SleepResponse) Reset() {
@@ -1954,6 +1961,316 @@ func (x *SleepResponse) GetAffectedRequests() uint32 {
 	return 0
 }
 
+func (x *SleepResponse) GetResidentBytesReleased() uint64 {
+	if x != nil && x.ResidentBytesReleased != nil {
+		return *x.ResidentBytesReleased
+	}
+	return 0
+}
+
+// Request of AdminService.ResetPrefixCache.
+type ResetPrefixCacheRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Cancel the requests in flight first, rather than refuse to reset while there are some.
+	Abort         bool `protobuf:"varint,1,opt,name=abort,proto3" json:"abort,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResetPrefixCacheRequest) Reset() {
+	*x = ResetPrefixCacheRequest{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResetPrefixCacheRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResetPrefixCacheRequest) ProtoMessage() {}
+
+func (x *ResetPrefixCacheRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResetPrefixCacheRequest.ProtoReflect.Descriptor instead.
+func (*ResetPrefixCacheRequest) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *ResetPrefixCacheRequest) GetAbort() bool {
+	if x != nil {
+		return x.Abort
+	}
+	return false
+}
+
+// Response of AdminService.ResetPrefixCache.
+type ResetPrefixCacheResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Reusable prefix blocks forgotten.
+	DroppedBlocks uint32 `protobuf:"varint,1,opt,name=dropped_blocks,json=droppedBlocks,proto3" json:"dropped_blocks,omitempty"`
+	// Requests cancelled first (with abort).
+	AbortedRequests uint32 `protobuf:"varint,2,opt,name=aborted_requests,json=abortedRequests,proto3" json:"aborted_requests,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
+}
+
+func (x *ResetPrefixCacheResponse) Reset() {
+	*x = ResetPrefixCacheResponse{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResetPrefixCacheResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResetPrefixCacheResponse) ProtoMessage() {}
+
+func (x *ResetPrefixCacheResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResetPrefixCacheResponse.ProtoReflect.Descriptor instead.
+func (*ResetPrefixCacheResponse) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *ResetPrefixCacheResponse) GetDroppedBlocks() uint32 {
+	if x != nil {
+		return x.DroppedBlocks
+	}
+	return 0
+}
+
+func (x *ResetPrefixCacheResponse) GetAbortedRequests() uint32 {
+	if x != nil {
+		return x.AbortedRequests
+	}
+	return 0
+}
+
+// Request of AdminService.GetWeightsChecksum.
+type GetWeightsChecksumRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Also return the digest of each tensor, to find which ones differ.
+	PerTensor     bool `protobuf:"varint,1,opt,name=per_tensor,json=perTensor,proto3" json:"per_tensor,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetWeightsChecksumRequest) Reset() {
+	*x = GetWeightsChecksumRequest{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetWeightsChecksumRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetWeightsChecksumRequest) ProtoMessage() {}
+
+func (x *GetWeightsChecksumRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetWeightsChecksumRequest.ProtoReflect.Descriptor instead.
+func (*GetWeightsChecksumRequest) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *GetWeightsChecksumRequest) GetPerTensor() bool {
+	if x != nil {
+		return x.PerTensor
+	}
+	return false
+}
+
+// The digest of one tensor of the model's state dict.
+type TensorChecksum struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The tensor's name in the model's state dict.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Lowercase hex digest of the tensor's bytes, shape and dtype.
+	Digest string `protobuf:"bytes,2,opt,name=digest,proto3" json:"digest,omitempty"`
+	// The dtype the server holds it in, as TensorChunk.dtype names it ("F32", "BF16", ...).
+	Dtype string `protobuf:"bytes,3,opt,name=dtype,proto3" json:"dtype,omitempty"`
+	// The tensor's shape (the whole tensor, under tensor parallelism too).
+	Shape         []int64 `protobuf:"varint,4,rep,packed,name=shape,proto3" json:"shape,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TensorChecksum) Reset() {
+	*x = TensorChecksum{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TensorChecksum) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TensorChecksum) ProtoMessage() {}
+
+func (x *TensorChecksum) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TensorChecksum.ProtoReflect.Descriptor instead.
+func (*TensorChecksum) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{28}
+}
+
+func (x *TensorChecksum) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *TensorChecksum) GetDigest() string {
+	if x != nil {
+		return x.Digest
+	}
+	return ""
+}
+
+func (x *TensorChecksum) GetDtype() string {
+	if x != nil {
+		return x.Dtype
+	}
+	return ""
+}
+
+func (x *TensorChecksum) GetShape() []int64 {
+	if x != nil {
+		return x.Shape
+	}
+	return nil
+}
+
+// Response of AdminService.GetWeightsChecksum.
+type GetWeightsChecksumResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Lowercase hex digest of every tensor of the model's state dict (parameters and persistent
+	// buffers, tied names included) together.
+	Digest string `protobuf:"bytes,1,opt,name=digest,proto3" json:"digest,omitempty"`
+	// The algorithm the digests are computed with, e.g. "cbserve-wsum-v1".
+	Algorithm string `protobuf:"bytes,2,opt,name=algorithm,proto3" json:"algorithm,omitempty"`
+	// Version of the weights the digest is of.
+	WeightVersion uint64 `protobuf:"varint,3,opt,name=weight_version,json=weightVersion,proto3" json:"weight_version,omitempty"`
+	// With per_tensor: each tensor's digest, by name in code-point order.
+	Tensors []*TensorChecksum `protobuf:"bytes,4,rep,name=tensors,proto3" json:"tensors,omitempty"`
+	// Number of tensors the digest covers.
+	NumTensors    uint32 `protobuf:"varint,5,opt,name=num_tensors,json=numTensors,proto3" json:"num_tensors,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetWeightsChecksumResponse) Reset() {
+	*x = GetWeightsChecksumResponse{}
+	mi := &file_cbserve_v1_admin_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetWeightsChecksumResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetWeightsChecksumResponse) ProtoMessage() {}
+
+func (x *GetWeightsChecksumResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_admin_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetWeightsChecksumResponse.ProtoReflect.Descriptor instead.
+func (*GetWeightsChecksumResponse) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *GetWeightsChecksumResponse) GetDigest() string {
+	if x != nil {
+		return x.Digest
+	}
+	return ""
+}
+
+func (x *GetWeightsChecksumResponse) GetAlgorithm() string {
+	if x != nil {
+		return x.Algorithm
+	}
+	return ""
+}
+
+func (x *GetWeightsChecksumResponse) GetWeightVersion() uint64 {
+	if x != nil {
+		return x.WeightVersion
+	}
+	return 0
+}
+
+func (x *GetWeightsChecksumResponse) GetTensors() []*TensorChecksum {
+	if x != nil {
+		return x.Tensors
+	}
+	return nil
+}
+
+func (x *GetWeightsChecksumResponse) GetNumTensors() uint32 {
+	if x != nil {
+		return x.NumTensors
+	}
+	return 0
+}
+
 // Request of AdminService.WakeUp.
 type WakeUpRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1965,7 +2282,7 @@ type WakeUpRequest struct {
 
 func (x *WakeUpRequest) Reset() {
 	*x = WakeUpRequest{}
-	mi := &file_cbserve_v1_admin_proto_msgTypes[25]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1977,7 +2294,7 @@ func (x *WakeUpRequest) String() string {
 func (*WakeUpRequest) ProtoMessage() {}
 
 func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_admin_proto_msgTypes[25]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1990,7 +2307,7 @@ func (x *WakeUpRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpRequest.ProtoReflect.Descriptor instead.
 func (*WakeUpRequest) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{25}
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *WakeUpRequest) GetTags() []string {
@@ -2011,7 +2328,7 @@ type WakeUpResponse struct {
 
 func (x *WakeUpResponse) Reset() {
 	*x = WakeUpResponse{}
-	mi := &file_cbserve_v1_admin_proto_msgTypes[26]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2023,7 +2340,7 @@ func (x *WakeUpResponse) String() string {
 func (*WakeUpResponse) ProtoMessage() {}
 
 func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_admin_proto_msgTypes[26]
+	mi := &file_cbserve_v1_admin_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2036,7 +2353,7 @@ func (x *WakeUpResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WakeUpResponse.ProtoReflect.Descriptor instead.
 func (*WakeUpResponse) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{26}
+	return file_cbserve_v1_admin_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *WakeUpResponse) GetSleepLevel() uint32 {
@@ -2187,10 +2504,32 @@ const file_cbserve_v1_admin_proto_rawDesc = "" +
 	"\rversion_label\x18\x03 \x01(\tR\fversionLabel\"O\n" +
 	"\fSleepRequest\x12\x14\n" +
 	"\x05level\x18\x01 \x01(\rR\x05level\x12)\n" +
-	"\x04mode\x18\x02 \x01(\x0e2\x15.cbserve.v1.PauseModeR\x04mode\"c\n" +
+	"\x04mode\x18\x02 \x01(\x0e2\x15.cbserve.v1.PauseModeR\x04mode\"\xbc\x01\n" +
 	"\rSleepResponse\x12%\n" +
 	"\x0ereleased_bytes\x18\x01 \x01(\x04R\rreleasedBytes\x12+\n" +
-	"\x11affected_requests\x18\x02 \x01(\rR\x10affectedRequests\"#\n" +
+	"\x11affected_requests\x18\x02 \x01(\rR\x10affectedRequests\x12;\n" +
+	"\x17resident_bytes_released\x18\x03 \x01(\x04H\x00R\x15residentBytesReleased\x88\x01\x01B\x1a\n" +
+	"\x18_resident_bytes_released\"/\n" +
+	"\x17ResetPrefixCacheRequest\x12\x14\n" +
+	"\x05abort\x18\x01 \x01(\bR\x05abort\"l\n" +
+	"\x18ResetPrefixCacheResponse\x12%\n" +
+	"\x0edropped_blocks\x18\x01 \x01(\rR\rdroppedBlocks\x12)\n" +
+	"\x10aborted_requests\x18\x02 \x01(\rR\x0fabortedRequests\":\n" +
+	"\x19GetWeightsChecksumRequest\x12\x1d\n" +
+	"\n" +
+	"per_tensor\x18\x01 \x01(\bR\tperTensor\"h\n" +
+	"\x0eTensorChecksum\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
+	"\x06digest\x18\x02 \x01(\tR\x06digest\x12\x14\n" +
+	"\x05dtype\x18\x03 \x01(\tR\x05dtype\x12\x14\n" +
+	"\x05shape\x18\x04 \x03(\x03R\x05shape\"\xd0\x01\n" +
+	"\x1aGetWeightsChecksumResponse\x12\x16\n" +
+	"\x06digest\x18\x01 \x01(\tR\x06digest\x12\x1c\n" +
+	"\talgorithm\x18\x02 \x01(\tR\talgorithm\x12%\n" +
+	"\x0eweight_version\x18\x03 \x01(\x04R\rweightVersion\x124\n" +
+	"\atensors\x18\x04 \x03(\v2\x1a.cbserve.v1.TensorChecksumR\atensors\x12\x1f\n" +
+	"\vnum_tensors\x18\x05 \x01(\rR\n" +
+	"numTensors\"#\n" +
 	"\rWakeUpRequest\x12\x12\n" +
 	"\x04tags\x18\x01 \x03(\tR\x04tags\"1\n" +
 	"\x0eWakeUpResponse\x12\x1f\n" +
@@ -2200,7 +2539,7 @@ const file_cbserve_v1_admin_proto_rawDesc = "" +
 	"\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n" +
 	"\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n" +
 	"\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n" +
-	"\x10PAUSE_MODE_ABORT\x10\x032\xc4\a\n" +
+	"\x10PAUSE_MODE_ABORT\x10\x032\x88\t\n" +
 	"\fAdminService\x12>\n" +
 	"\x05Pause\x12\x18.cbserve.v1.PauseRequest\x1a\x19.cbserve.v1.PauseResponse0\x01\x129\n" +
 	"\x04Stop\x12\x17.cbserve.v1.StopRequest\x1a\x18.cbserve.v1.StopResponse\x12<\n" +
@@ -2212,7 +2551,9 @@ const file_cbserve_v1_admin_proto_rawDesc = "" +
 	"\x19DestroyWeightsUpdateGroup\x12,.cbserve.v1.DestroyWeightsUpdateGroupRequest\x1a-.cbserve.v1.DestroyWeightsUpdateGroupResponse\x12i\n" +
 	"\x14UpdateWeightsFromIpc\x12'.cbserve.v1.UpdateWeightsFromIpcRequest\x1a(.cbserve.v1.UpdateWeightsFromIpcResponse\x12<\n" +
 	"\x05Sleep\x12\x18.cbserve.v1.SleepRequest\x1a\x19.cbserve.v1.SleepResponse\x12?\n" +
-	"\x06WakeUp\x12\x19.cbserve.v1.WakeUpRequest\x1a\x1a.cbserve.v1.WakeUpResponseb\x06proto3"
+	"\x06WakeUp\x12\x19.cbserve.v1.WakeUpRequest\x1a\x1a.cbserve.v1.WakeUpResponse\x12]\n" +
+	"\x10ResetPrefixCache\x12#.cbserve.v1.ResetPrefixCacheRequest\x1a$.cbserve.v1.ResetPrefixCacheResponse\x12c\n" +
+	"\x12GetWeightsChecksum\x12%.cbserve.v1.GetWeightsChecksumRequest\x1a&.cbserve.v1.GetWeightsChecksumResponseb\x06proto3"
 
 var (
 	file_cbserve_v1_admin_proto_rawDescOnce sync.Once
@@ -2227,7 +2568,7 @@ func file_cbserve_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_cbserve_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_cbserve_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
+var file_cbserve_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_cbserve_v1_admin_proto_goTypes = []any{
 	(PauseMode)(0),                               // 0: cbserve.v1.PauseMode
 	(*PauseRequest)(nil),                         // 1: cbserve.v1.PauseRequest
@@ -2255,15 +2596,20 @@ var file_cbserve_v1_admin_proto_goTypes = []any{
 	(*UpdateWeightsFromIpcResponse)(nil),         // 23: cbserve.v1.UpdateWeightsFromIpcResponse
 	(*SleepRequest)(nil),                         // 24: cbserve.v1.SleepRequest
 	(*SleepResponse)(nil),                        // 25: cbserve.v1.SleepResponse
-	(*WakeUpRequest)(nil),                        // 26: cbserve.v1.WakeUpRequest
-	(*WakeUpResponse)(nil),                       // 27: cbserve.v1.WakeUpResponse
-	nil,                                          // 28: cbserve.v1.GetStatusResponse.CountersEntry
-	(*timestamppb.Timestamp)(nil),                // 29: google.protobuf.Timestamp
+	(*ResetPrefixCacheRequest)(nil),              // 26: cbserve.v1.ResetPrefixCacheRequest
+	(*ResetPrefixCacheResponse)(nil),             // 27: cbserve.v1.ResetPrefixCacheResponse
+	(*GetWeightsChecksumRequest)(nil),            // 28: cbserve.v1.GetWeightsChecksumRequest
+	(*TensorChecksum)(nil),                       // 29: cbserve.v1.TensorChecksum
+	(*GetWeightsChecksumResponse)(nil),           // 30: cbserve.v1.GetWeightsChecksumResponse
+	(*WakeUpRequest)(nil),                        // 31: cbserve.v1.WakeUpRequest
+	(*WakeUpResponse)(nil),                       // 32: cbserve.v1.WakeUpResponse
+	nil,                                          // 33: cbserve.v1.GetStatusResponse.CountersEntry
+	(*timestamppb.Timestamp)(nil),                // 34: google.protobuf.Timestamp
 }
 var file_cbserve_v1_admin_proto_depIdxs = []int32{
 	0,  // 0: cbserve.v1.PauseRequest.mode:type_name -> cbserve.v1.PauseMode
-	29, // 1: cbserve.v1.PauseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
-	28, // 2: cbserve.v1.GetStatusResponse.counters:type_name -> cbserve.v1.GetStatusResponse.CountersEntry
+	34, // 1: cbserve.v1.PauseResponse.lease_expires_at:type_name -> google.protobuf.Timestamp
+	33, // 2: cbserve.v1.GetStatusResponse.counters:type_name -> cbserve.v1.GetStatusResponse.CountersEntry
 	9,  // 3: cbserve.v1.UpdateWeightsRequest.chunk:type_name -> cbserve.v1.TensorChunk
 	14, // 4: cbserve.v1.WeightBucket.tensors:type_name -> cbserve.v1.BucketTensor
 	15, // 5: cbserve.v1.UpdateWeightsFromDistributedRequest.buckets:type_name -> cbserve.v1.WeightBucket
@@ -2271,33 +2617,38 @@ var file_cbserve_v1_admin_proto_depIdxs = []int32{
 	11, // 7: cbserve.v1.UpdateWeightsFromDistributedResponse.done:type_name -> cbserve.v1.UpdateWeightsResponse
 	21, // 8: cbserve.v1.UpdateWeightsFromIpcRequest.tensors:type_name -> cbserve.v1.CudaIpcTensor
 	0,  // 9: cbserve.v1.SleepRequest.mode:type_name -> cbserve.v1.PauseMode
-	1,  // 10: cbserve.v1.AdminService.Pause:input_type -> cbserve.v1.PauseRequest
-	3,  // 11: cbserve.v1.AdminService.Stop:input_type -> cbserve.v1.StopRequest
-	5,  // 12: cbserve.v1.AdminService.Start:input_type -> cbserve.v1.StartRequest
-	7,  // 13: cbserve.v1.AdminService.GetStatus:input_type -> cbserve.v1.GetStatusRequest
-	10, // 14: cbserve.v1.AdminService.UpdateWeights:input_type -> cbserve.v1.UpdateWeightsRequest
-	12, // 15: cbserve.v1.AdminService.InitWeightsUpdateGroup:input_type -> cbserve.v1.InitWeightsUpdateGroupRequest
-	16, // 16: cbserve.v1.AdminService.UpdateWeightsFromDistributed:input_type -> cbserve.v1.UpdateWeightsFromDistributedRequest
-	19, // 17: cbserve.v1.AdminService.DestroyWeightsUpdateGroup:input_type -> cbserve.v1.DestroyWeightsUpdateGroupRequest
-	22, // 18: cbserve.v1.AdminService.UpdateWeightsFromIpc:input_type -> cbserve.v1.UpdateWeightsFromIpcRequest
-	24, // 19: cbserve.v1.AdminService.Sleep:input_type -> cbserve.v1.SleepRequest
-	26, // 20: cbserve.v1.AdminService.WakeUp:input_type -> cbserve.v1.WakeUpRequest
-	2,  // 21: cbserve.v1.AdminService.Pause:output_type -> cbserve.v1.PauseResponse
-	4,  // 22: cbserve.v1.AdminService.Stop:output_type -> cbserve.v1.StopResponse
-	6,  // 23: cbserve.v1.AdminService.Start:output_type -> cbserve.v1.StartResponse
-	8,  // 24: cbserve.v1.AdminService.GetStatus:output_type -> cbserve.v1.GetStatusResponse
-	11, // 25: cbserve.v1.AdminService.UpdateWeights:output_type -> cbserve.v1.UpdateWeightsResponse
-	13, // 26: cbserve.v1.AdminService.InitWeightsUpdateGroup:output_type -> cbserve.v1.InitWeightsUpdateGroupResponse
-	18, // 27: cbserve.v1.AdminService.UpdateWeightsFromDistributed:output_type -> cbserve.v1.UpdateWeightsFromDistributedResponse
-	20, // 28: cbserve.v1.AdminService.DestroyWeightsUpdateGroup:output_type -> cbserve.v1.DestroyWeightsUpdateGroupResponse
-	23, // 29: cbserve.v1.AdminService.UpdateWeightsFromIpc:output_type -> cbserve.v1.UpdateWeightsFromIpcResponse
-	25, // 30: cbserve.v1.AdminService.Sleep:output_type -> cbserve.v1.SleepResponse
-	27, // 31: cbserve.v1.AdminService.WakeUp:output_type -> cbserve.v1.WakeUpResponse
-	21, // [21:32] is the sub-list for method output_type
-	10, // [10:21] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	29, // 10: cbserve.v1.GetWeightsChecksumResponse.tensors:type_name -> cbserve.v1.TensorChecksum
+	1,  // 11: cbserve.v1.AdminService.Pause:input_type -> cbserve.v1.PauseRequest
+	3,  // 12: cbserve.v1.AdminService.Stop:input_type -> cbserve.v1.StopRequest
+	5,  // 13: cbserve.v1.AdminService.Start:input_type -> cbserve.v1.StartRequest
+	7,  // 14: cbserve.v1.AdminService.GetStatus:input_type -> cbserve.v1.GetStatusRequest
+	10, // 15: cbserve.v1.AdminService.UpdateWeights:input_type -> cbserve.v1.UpdateWeightsRequest
+	12, // 16: cbserve.v1.AdminService.InitWeightsUpdateGroup:input_type -> cbserve.v1.InitWeightsUpdateGroupRequest
+	16, // 17: cbserve.v1.AdminService.UpdateWeightsFromDistributed:input_type -> cbserve.v1.UpdateWeightsFromDistributedRequest
+	19, // 18: cbserve.v1.AdminService.DestroyWeightsUpdateGroup:input_type -> cbserve.v1.DestroyWeightsUpdateGroupRequest
+	22, // 19: cbserve.v1.AdminService.UpdateWeightsFromIpc:input_type -> cbserve.v1.UpdateWeightsFromIpcRequest
+	24, // 20: cbserve.v1.AdminService.Sleep:input_type -> cbserve.v1.SleepRequest
+	31, // 21: cbserve.v1.AdminService.WakeUp:input_type -> cbserve.v1.WakeUpRequest
+	26, // 22: cbserve.v1.AdminService.ResetPrefixCache:input_type -> cbserve.v1.ResetPrefixCacheRequest
+	28, // 23: cbserve.v1.AdminService.GetWeightsChecksum:input_type -> cbserve.v1.GetWeightsChecksumRequest
+	2,  // 24: cbserve.v1.AdminService.Pause:output_type -> cbserve.v1.PauseResponse
+	4,  // 25: cbserve.v1.AdminService.Stop:output_type -> cbserve.v1.StopResponse
+	6,  // 26: cbserve.v1.AdminService.Start:output_type -> cbserve.v1.StartResponse
+	8,  // 27: cbserve.v1.AdminService.GetStatus:output_type -> cbserve.v1.GetStatusResponse
+	11, // 28: cbserve.v1.AdminService.UpdateWeights:output_type -> cbserve.v1.UpdateWeightsResponse
+	13, // 29: cbserve.v1.AdminService.InitWeightsUpdateGroup:output_type -> cbserve.v1.InitWeightsUpdateGroupResponse
+	18, // 30: cbserve.v1.AdminService.UpdateWeightsFromDistributed:output_type -> cbserve.v1.UpdateWeightsFromDistributedResponse
+	20, // 31: cbserve.v1.AdminService.DestroyWeightsUpdateGroup:output_type -> cbserve.v1.DestroyWeightsUpdateGroupResponse
+	23, // 32: cbserve.v1.AdminService.UpdateWeightsFromIpc:output_type -> cbserve.v1.UpdateWeightsFromIpcResponse
+	25, // 33: cbserve.v1.AdminService.Sleep:output_type -> cbserve.v1.SleepResponse
+	32, // 34: cbserve.v1.AdminService.WakeUp:output_type -> cbserve.v1.WakeUpResponse
+	27, // 35: cbserve.v1.AdminService.ResetPrefixCache:output_type -> cbserve.v1.ResetPrefixCacheResponse
+	30, // 36: cbserve.v1.AdminService.GetWeightsChecksum:output_type -> cbserve.v1.GetWeightsChecksumResponse
+	24, // [24:37] is the sub-list for method output_type
+	11, // [11:24] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_cbserve_v1_admin_proto_init() }
@@ -2317,13 +2668,14 @@ func file_cbserve_v1_admin_proto_init() {
 		(*UpdateWeightsFromDistributedResponse_Ready)(nil),
 		(*UpdateWeightsFromDistributedResponse_Done)(nil),
 	}
+	file_cbserve_v1_admin_proto_msgTypes[24].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cbserve_v1_admin_proto_rawDesc), len(file_cbserve_v1_admin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   28,
+			NumMessages:   33,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

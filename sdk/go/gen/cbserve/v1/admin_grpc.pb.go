@@ -36,6 +36,8 @@ const (
 	AdminService_UpdateWeightsFromIpc_FullMethodName         = "/cbserve.v1.AdminService/UpdateWeightsFromIpc"
 	AdminService_Sleep_FullMethodName                        = "/cbserve.v1.AdminService/Sleep"
 	AdminService_WakeUp_FullMethodName                       = "/cbserve.v1.AdminService/WakeUp"
+	AdminService_ResetPrefixCache_FullMethodName             = "/cbserve.v1.AdminService/ResetPrefixCache"
+	AdminService_GetWeightsChecksum_FullMethodName           = "/cbserve.v1.AdminService/GetWeightsChecksum"
 )
 
 // AdminServiceClient is the client API for AdminService service.
@@ -108,6 +110,18 @@ type AdminServiceClient interface {
 	// Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
 	// none is given. The engine serves again once both are back.
 	WakeUp(ctx context.Context, in *WakeUpRequest, opts ...grpc.CallOption) (*WakeUpResponse, error)
+	// Forgets every reusable prefix block (SGLang's flush_cache, vLLM's reset_prefix_cache), so that
+	// no later request reuses KV computed before the call: by the weights a sync replaced, say.
+	// Only an idle engine is reset: with requests in flight (queued or running) the call fails with
+	// FAILED_PRECONDITION and changes nothing, unless `abort` is set, which cancels them first (each
+	// ends CANCELLED).
+	ResetPrefixCache(ctx context.Context, in *ResetPrefixCacheRequest, opts ...grpc.CallOption) (*ResetPrefixCacheResponse, error)
+	// A digest of the weights the server holds (slime's check_weights), computed on the device that
+	// holds them, between two engine steps: equal weights give equal digests, on any device, so a
+	// trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
+	// with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
+	// defined in the README ("Weight checksum").
+	GetWeightsChecksum(ctx context.Context, in *GetWeightsChecksumRequest, opts ...grpc.CallOption) (*GetWeightsChecksumResponse, error)
 }
 
 type adminServiceClient struct {
@@ -249,6 +263,26 @@ func (c *adminServiceClient) WakeUp(ctx context.Context, in *WakeUpRequest, opts
 	return out, nil
 }
 
+func (c *adminServiceClient) ResetPrefixCache(ctx context.Context, in *ResetPrefixCacheRequest, opts ...grpc.CallOption) (*ResetPrefixCacheResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ResetPrefixCacheResponse)
+	err := c.cc.Invoke(ctx, AdminService_ResetPrefixCache_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) GetWeightsChecksum(ctx context.Context, in *GetWeightsChecksumRequest, opts ...grpc.CallOption) (*GetWeightsChecksumResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(GetWeightsChecksumResponse)
+	err := c.cc.Invoke(ctx, AdminService_GetWeightsChecksum_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServiceServer is the server API for AdminService service.
 // All implementations must embed UnimplementedAdminServiceServer
 // for forward compatibility.
@@ -319,6 +353,18 @@ type AdminServiceServer interface {
 	// Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
 	// none is given. The engine serves again once both are back.
 	WakeUp(context.Context, *WakeUpRequest) (*WakeUpResponse, error)
+	// Forgets every reusable prefix block (SGLang's flush_cache, vLLM's reset_prefix_cache), so that
+	// no later request reuses KV computed before the call: by the weights a sync replaced, say.
+	// Only an idle engine is reset: with requests in flight (queued or running) the call fails with
+	// FAILED_PRECONDITION and changes nothing, unless `abort` is set, which cancels them first (each
+	// ends CANCELLED).
+	ResetPrefixCache(context.Context, *ResetPrefixCacheRequest) (*ResetPrefixCacheResponse, error)
+	// A digest of the weights the server holds (slime's check_weights), computed on the device that
+	// holds them, between two engine steps: equal weights give equal digests, on any device, so a
+	// trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
+	// with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
+	// defined in the README ("Weight checksum").
+	GetWeightsChecksum(context.Context, *GetWeightsChecksumRequest) (*GetWeightsChecksumResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
 
@@ -361,6 +407,12 @@ func (UnimplementedAdminServiceServer) Sleep(context.Context, *SleepRequest) (*S
 }
 func (UnimplementedAdminServiceServer) WakeUp(context.Context, *WakeUpRequest) (*WakeUpResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method WakeUp not implemented")
+}
+func (UnimplementedAdminServiceServer) ResetPrefixCache(context.Context, *ResetPrefixCacheRequest) (*ResetPrefixCacheResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ResetPrefixCache not implemented")
+}
+func (UnimplementedAdminServiceServer) GetWeightsChecksum(context.Context, *GetWeightsChecksumRequest) (*GetWeightsChecksumResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method GetWeightsChecksum not implemented")
 }
 func (UnimplementedAdminServiceServer) mustEmbedUnimplementedAdminServiceServer() {}
 func (UnimplementedAdminServiceServer) testEmbeddedByValue()                      {}
@@ -556,6 +608,42 @@ func _AdminService_WakeUp_Handler(srv interface{}, ctx context.Context, dec func
 	return interceptor(ctx, in, info, handler)
 }
 
+func _AdminService_ResetPrefixCache_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ResetPrefixCacheRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).ResetPrefixCache(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_ResetPrefixCache_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).ResetPrefixCache(ctx, req.(*ResetPrefixCacheRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_GetWeightsChecksum_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetWeightsChecksumRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).GetWeightsChecksum(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_GetWeightsChecksum_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).GetWeightsChecksum(ctx, req.(*GetWeightsChecksumRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // AdminService_ServiceDesc is the grpc.ServiceDesc for AdminService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -594,6 +682,14 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "WakeUp",
 			Handler:    _AdminService_WakeUp_Handler,
+		},
+		{
+			MethodName: "ResetPrefixCache",
+			Handler:    _AdminService_ResetPrefixCache_Handler,
+		},
+		{
+			MethodName: "GetWeightsChecksum",
+			Handler:    _AdminService_GetWeightsChecksum_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

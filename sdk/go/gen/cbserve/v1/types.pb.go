@@ -31,6 +31,63 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// Which distribution a generated token's logprobs are taken from.
+type LogprobsMode int32
+
+const (
+	// The server's default.
+	LogprobsMode_LOGPROBS_MODE_UNSPECIFIED LogprobsMode = 0
+	// log_softmax of the model's logits, before anything touches them (vLLM's raw_logprobs).
+	LogprobsMode_LOGPROBS_MODE_RAW LogprobsMode = 1
+	// log_softmax of the logits the token was drawn from (vLLM's processed_logprobs): after logit
+	// bias, penalties, min_new_tokens and structured-output masks, then, for a request that samples
+	// (temperature > 0), temperature, top-k, top-p and min-p; a greedy request's after the penalties
+	// only. The sampler's own probability of each token, which an importance ratio between trainer and
+	// sampler needs. Tokens the filters removed have logprob -inf and are left out of top_logprobs.
+	LogprobsMode_LOGPROBS_MODE_PROCESSED LogprobsMode = 2
+)
+
+// Enum value maps for LogprobsMode.
+var (
+	LogprobsMode_name = map[int32]string{
+		0: "LOGPROBS_MODE_UNSPECIFIED",
+		1: "LOGPROBS_MODE_RAW",
+		2: "LOGPROBS_MODE_PROCESSED",
+	}
+	LogprobsMode_value = map[string]int32{
+		"LOGPROBS_MODE_UNSPECIFIED": 0,
+		"LOGPROBS_MODE_RAW":         1,
+		"LOGPROBS_MODE_PROCESSED":   2,
+	}
+)
+
+func (x LogprobsMode) Enum() *LogprobsMode {
+	p := new(LogprobsMode)
+	*p = x
+	return p
+}
+
+func (x LogprobsMode) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (LogprobsMode) Descriptor() protoreflect.EnumDescriptor {
+	return file_cbserve_v1_types_proto_enumTypes[0].Descriptor()
+}
+
+func (LogprobsMode) Type() protoreflect.EnumType {
+	return &file_cbserve_v1_types_proto_enumTypes[0]
+}
+
+func (x LogprobsMode) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use LogprobsMode.Descriptor instead.
+func (LogprobsMode) EnumDescriptor() ([]byte, []int) {
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{0}
+}
+
 // The lifecycle state of a request. A request moves QUEUED -> PREFILLING -> DECODING and ends in
 // exactly one of FINISHED, CANCELLED or FAILED. A request preempted by the scheduler may go back
 // to QUEUED or PREFILLING, but it never loses or repeats tokens already streamed.
@@ -87,11 +144,11 @@ func (x RequestStatus) String() string {
 }
 
 func (RequestStatus) Descriptor() protoreflect.EnumDescriptor {
-	return file_cbserve_v1_types_proto_enumTypes[0].Descriptor()
+	return file_cbserve_v1_types_proto_enumTypes[1].Descriptor()
 }
 
 func (RequestStatus) Type() protoreflect.EnumType {
-	return &file_cbserve_v1_types_proto_enumTypes[0]
+	return &file_cbserve_v1_types_proto_enumTypes[1]
 }
 
 func (x RequestStatus) Number() protoreflect.EnumNumber {
@@ -100,7 +157,7 @@ func (x RequestStatus) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use RequestStatus.Descriptor instead.
 func (RequestStatus) EnumDescriptor() ([]byte, []int) {
-	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{0}
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{1}
 }
 
 // Why a request ended. Set only on the chunk that carries a terminal status.
@@ -155,11 +212,11 @@ func (x FinishReason) String() string {
 }
 
 func (FinishReason) Descriptor() protoreflect.EnumDescriptor {
-	return file_cbserve_v1_types_proto_enumTypes[1].Descriptor()
+	return file_cbserve_v1_types_proto_enumTypes[2].Descriptor()
 }
 
 func (FinishReason) Type() protoreflect.EnumType {
-	return &file_cbserve_v1_types_proto_enumTypes[1]
+	return &file_cbserve_v1_types_proto_enumTypes[2]
 }
 
 func (x FinishReason) Number() protoreflect.EnumNumber {
@@ -168,7 +225,7 @@ func (x FinishReason) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use FinishReason.Descriptor instead.
 func (FinishReason) EnumDescriptor() ([]byte, []int) {
-	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{1}
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{2}
 }
 
 // A prompt given as token ids, passed to the model unchanged (no BOS or special tokens are added).
@@ -357,8 +414,9 @@ type SamplingParams struct {
 	// When true, EOS tokens do not stop generation: the request runs to max_new_tokens (useful for
 	// benchmarks). Default false.
 	IgnoreEos bool `protobuf:"varint,7,opt,name=ignore_eos,json=ignoreEos,proto3" json:"ignore_eos,omitempty"`
-	// When true, each generated token carries its log-probability under the model: log_softmax
-	// of the raw logits, before penalties, temperature, top-k and top-p. Default false.
+	// When true, each generated token carries its log-probability: of the distribution logprobs_mode
+	// names (by default log_softmax of the raw logits, before penalties, temperature, top-k and
+	// top-p). Default false.
 	Logprobs bool `protobuf:"varint,8,opt,name=logprobs,proto3" json:"logprobs,omitempty"`
 	// Number of most likely alternatives (token id + logprob) to return per generated token; 0 for
 	// none. Values > 0 imply logprobs. The server caps it (INVALID_ARGUMENT above its maximum).
@@ -410,7 +468,11 @@ type SamplingParams struct {
 	// logprobs, structured output per sequence) and streams its own chunks (GenerationChunk.index).
 	// With a seed, sequence i samples with seed + i (mod 2^64), so it equals a request of n = 1 with
 	// that seed. In [1, 128]. Unset: 1.
-	N             *uint32 `protobuf:"varint,21,opt,name=n,proto3,oneof" json:"n,omitempty"`
+	N *uint32 `protobuf:"varint,21,opt,name=n,proto3,oneof" json:"n,omitempty"`
+	// Which distribution logprobs and top_logprobs are taken from (vLLM's logprobs_mode). Prompt
+	// logprobs are always raw. Unset: the server's default (`cbserve serve --logprobs-mode`, raw
+	// unless set).
+	LogprobsMode  LogprobsMode `protobuf:"varint,22,opt,name=logprobs_mode,json=logprobsMode,proto3,enum=cbserve.v1.LogprobsMode" json:"logprobs_mode,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -590,6 +652,13 @@ func (x *SamplingParams) GetN() uint32 {
 		return *x.N
 	}
 	return 0
+}
+
+func (x *SamplingParams) GetLogprobsMode() LogprobsMode {
+	if x != nil {
+		return x.LogprobsMode
+	}
+	return LogprobsMode_LOGPROBS_MODE_UNSPECIFIED
 }
 
 // What a structured output must match. Exactly one is set.
@@ -1448,7 +1517,7 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\fChatMessages\x123\n" +
 	"\bmessages\x18\x01 \x03(\v2\x17.cbserve.v1.ChatMessageR\bmessages\x127\n" +
 	"\x15add_generation_prompt\x18\x02 \x01(\bH\x00R\x13addGenerationPrompt\x88\x01\x01B\x18\n" +
-	"\x16_add_generation_prompt\"\xf6\b\n" +
+	"\x16_add_generation_prompt\"\xb5\t\n" +
 	"\x0eSamplingParams\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12%\n" +
 	"\vtemperature\x18\x02 \x01(\x02H\x01R\vtemperature\x88\x01\x01\x12\x18\n" +
@@ -1474,7 +1543,8 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x13skip_special_tokens\x18\x12 \x01(\bH\vR\x11skipSpecialTokens\x88\x01\x01\x12,\n" +
 	"\x0fprompt_logprobs\x18\x13 \x01(\rH\fR\x0epromptLogprobs\x88\x01\x01\x12I\n" +
 	"\x11structured_output\x18\x14 \x01(\v2\x1c.cbserve.v1.StructuredOutputR\x10structuredOutput\x12\x11\n" +
-	"\x01n\x18\x15 \x01(\rH\rR\x01n\x88\x01\x01\x1a<\n" +
+	"\x01n\x18\x15 \x01(\rH\rR\x01n\x88\x01\x01\x12=\n" +
+	"\rlogprobs_mode\x18\x16 \x01(\x0e2\x18.cbserve.v1.LogprobsModeR\flogprobsMode\x1a<\n" +
 	"\x0eLogitBiasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x11\n" +
@@ -1561,7 +1631,11 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x0fprompt_logprobs\x18\x10 \x03(\v2\x19.cbserve.v1.PromptLogprobR\x0epromptLogprobs\x12\x14\n" +
 	"\x05index\x18\x11 \x01(\rR\x05indexB\r\n" +
 	"\vstop_reasonB\a\n" +
-	"\x05_text*\xdc\x01\n" +
+	"\x05_text*a\n" +
+	"\fLogprobsMode\x12\x1d\n" +
+	"\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x15\n" +
+	"\x11LOGPROBS_MODE_RAW\x10\x01\x12\x1b\n" +
+	"\x17LOGPROBS_MODE_PROCESSED\x10\x02*\xdc\x01\n" +
 	"\rRequestStatus\x12\x1e\n" +
 	"\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15REQUEST_STATUS_QUEUED\x10\x01\x12\x1d\n" +
@@ -1590,50 +1664,52 @@ func file_cbserve_v1_types_proto_rawDescGZIP() []byte {
 	return file_cbserve_v1_types_proto_rawDescData
 }
 
-var file_cbserve_v1_types_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
+var file_cbserve_v1_types_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
 var file_cbserve_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_cbserve_v1_types_proto_goTypes = []any{
-	(RequestStatus)(0),            // 0: cbserve.v1.RequestStatus
-	(FinishReason)(0),             // 1: cbserve.v1.FinishReason
-	(*TokenIds)(nil),              // 2: cbserve.v1.TokenIds
-	(*ChatMessage)(nil),           // 3: cbserve.v1.ChatMessage
-	(*ChatMessages)(nil),          // 4: cbserve.v1.ChatMessages
-	(*SamplingParams)(nil),        // 5: cbserve.v1.SamplingParams
-	(*StructuredOutput)(nil),      // 6: cbserve.v1.StructuredOutput
-	(*GenerationRequest)(nil),     // 7: cbserve.v1.GenerationRequest
-	(*TopLogprob)(nil),            // 8: cbserve.v1.TopLogprob
-	(*TokenLogprob)(nil),          // 9: cbserve.v1.TokenLogprob
-	(*PromptLogprob)(nil),         // 10: cbserve.v1.PromptLogprob
-	(*Usage)(nil),                 // 11: cbserve.v1.Usage
-	(*Timings)(nil),               // 12: cbserve.v1.Timings
-	(*GenerationChunk)(nil),       // 13: cbserve.v1.GenerationChunk
-	nil,                           // 14: cbserve.v1.SamplingParams.LogitBiasEntry
-	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
+	(LogprobsMode)(0),             // 0: cbserve.v1.LogprobsMode
+	(RequestStatus)(0),            // 1: cbserve.v1.RequestStatus
+	(FinishReason)(0),             // 2: cbserve.v1.FinishReason
+	(*TokenIds)(nil),              // 3: cbserve.v1.TokenIds
+	(*ChatMessage)(nil),           // 4: cbserve.v1.ChatMessage
+	(*ChatMessages)(nil),          // 5: cbserve.v1.ChatMessages
+	(*SamplingParams)(nil),        // 6: cbserve.v1.SamplingParams
+	(*StructuredOutput)(nil),      // 7: cbserve.v1.StructuredOutput
+	(*GenerationRequest)(nil),     // 8: cbserve.v1.GenerationRequest
+	(*TopLogprob)(nil),            // 9: cbserve.v1.TopLogprob
+	(*TokenLogprob)(nil),          // 10: cbserve.v1.TokenLogprob
+	(*PromptLogprob)(nil),         // 11: cbserve.v1.PromptLogprob
+	(*Usage)(nil),                 // 12: cbserve.v1.Usage
+	(*Timings)(nil),               // 13: cbserve.v1.Timings
+	(*GenerationChunk)(nil),       // 14: cbserve.v1.GenerationChunk
+	nil,                           // 15: cbserve.v1.SamplingParams.LogitBiasEntry
+	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
 }
 var file_cbserve_v1_types_proto_depIdxs = []int32{
-	3,  // 0: cbserve.v1.ChatMessages.messages:type_name -> cbserve.v1.ChatMessage
-	14, // 1: cbserve.v1.SamplingParams.logit_bias:type_name -> cbserve.v1.SamplingParams.LogitBiasEntry
-	6,  // 2: cbserve.v1.SamplingParams.structured_output:type_name -> cbserve.v1.StructuredOutput
-	2,  // 3: cbserve.v1.GenerationRequest.token_ids:type_name -> cbserve.v1.TokenIds
-	4,  // 4: cbserve.v1.GenerationRequest.messages:type_name -> cbserve.v1.ChatMessages
-	5,  // 5: cbserve.v1.GenerationRequest.sampling:type_name -> cbserve.v1.SamplingParams
-	8,  // 6: cbserve.v1.TokenLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
-	8,  // 7: cbserve.v1.PromptLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
-	15, // 8: cbserve.v1.Timings.queued_at:type_name -> google.protobuf.Timestamp
-	15, // 9: cbserve.v1.Timings.scheduled_at:type_name -> google.protobuf.Timestamp
-	15, // 10: cbserve.v1.Timings.first_token_at:type_name -> google.protobuf.Timestamp
-	15, // 11: cbserve.v1.Timings.finished_at:type_name -> google.protobuf.Timestamp
-	9,  // 12: cbserve.v1.GenerationChunk.logprobs:type_name -> cbserve.v1.TokenLogprob
-	0,  // 13: cbserve.v1.GenerationChunk.status:type_name -> cbserve.v1.RequestStatus
-	1,  // 14: cbserve.v1.GenerationChunk.finish_reason:type_name -> cbserve.v1.FinishReason
-	11, // 15: cbserve.v1.GenerationChunk.usage:type_name -> cbserve.v1.Usage
-	12, // 16: cbserve.v1.GenerationChunk.timings:type_name -> cbserve.v1.Timings
-	10, // 17: cbserve.v1.GenerationChunk.prompt_logprobs:type_name -> cbserve.v1.PromptLogprob
-	18, // [18:18] is the sub-list for method output_type
-	18, // [18:18] is the sub-list for method input_type
-	18, // [18:18] is the sub-list for extension type_name
-	18, // [18:18] is the sub-list for extension extendee
-	0,  // [0:18] is the sub-list for field type_name
+	4,  // 0: cbserve.v1.ChatMessages.messages:type_name -> cbserve.v1.ChatMessage
+	15, // 1: cbserve.v1.SamplingParams.logit_bias:type_name -> cbserve.v1.SamplingParams.LogitBiasEntry
+	7,  // 2: cbserve.v1.SamplingParams.structured_output:type_name -> cbserve.v1.StructuredOutput
+	0,  // 3: cbserve.v1.SamplingParams.logprobs_mode:type_name -> cbserve.v1.LogprobsMode
+	3,  // 4: cbserve.v1.GenerationRequest.token_ids:type_name -> cbserve.v1.TokenIds
+	5,  // 5: cbserve.v1.GenerationRequest.messages:type_name -> cbserve.v1.ChatMessages
+	6,  // 6: cbserve.v1.GenerationRequest.sampling:type_name -> cbserve.v1.SamplingParams
+	9,  // 7: cbserve.v1.TokenLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
+	9,  // 8: cbserve.v1.PromptLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
+	16, // 9: cbserve.v1.Timings.queued_at:type_name -> google.protobuf.Timestamp
+	16, // 10: cbserve.v1.Timings.scheduled_at:type_name -> google.protobuf.Timestamp
+	16, // 11: cbserve.v1.Timings.first_token_at:type_name -> google.protobuf.Timestamp
+	16, // 12: cbserve.v1.Timings.finished_at:type_name -> google.protobuf.Timestamp
+	10, // 13: cbserve.v1.GenerationChunk.logprobs:type_name -> cbserve.v1.TokenLogprob
+	1,  // 14: cbserve.v1.GenerationChunk.status:type_name -> cbserve.v1.RequestStatus
+	2,  // 15: cbserve.v1.GenerationChunk.finish_reason:type_name -> cbserve.v1.FinishReason
+	12, // 16: cbserve.v1.GenerationChunk.usage:type_name -> cbserve.v1.Usage
+	13, // 17: cbserve.v1.GenerationChunk.timings:type_name -> cbserve.v1.Timings
+	11, // 18: cbserve.v1.GenerationChunk.prompt_logprobs:type_name -> cbserve.v1.PromptLogprob
+	19, // [19:19] is the sub-list for method output_type
+	19, // [19:19] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_cbserve_v1_types_proto_init() }
@@ -1664,7 +1740,7 @@ func file_cbserve_v1_types_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cbserve_v1_types_proto_rawDesc), len(file_cbserve_v1_types_proto_rawDesc)),
-			NumEnums:      2,
+			NumEnums:      3,
 			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   0,

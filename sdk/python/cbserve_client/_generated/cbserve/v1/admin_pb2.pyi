@@ -965,25 +965,185 @@ class SleepResponse(_message.Message):
 
     RELEASED_BYTES_FIELD_NUMBER: _builtins.int
     AFFECTED_REQUESTS_FIELD_NUMBER: _builtins.int
+    RESIDENT_BYTES_RELEASED_FIELD_NUMBER: _builtins.int
     released_bytes: _builtins.int
-    """Bytes of device memory released (KV cache, and weights at level 2); on the CPU, KV cache
-    bytes only, since the weights already live in host memory.
+    """The size of what was released, allocated or not: the KV cache tensors (and the weights at
+    level 2, on a GPU) on the device; on the CPU, the KV cache tensors and at level 2 the copies of
+    the weights packed for oneDNN (the weights themselves already live in host memory).
     """
     affected_requests: _builtins.int
     """With PAUSE_MODE_ABORT: requests cancelled; with PAUSE_MODE_KEEP: requests put back in the queue."""
+    resident_bytes_released: _builtins.int
+    """How much the memory in use fell, as the system counts it: on a GPU, the device memory torch's
+    allocator reserves; on the CPU, the server process's resident set size (RSS). Below
+    released_bytes where part of what was released was never resident: on the CPU, cache pages
+    allocated and never written (an idle server's cache, mostly). 0 when it did not fall; unset
+    where the server cannot measure it.
+    """
     def __init__(
         self,
         *,
         released_bytes: _builtins.int = ...,
         affected_requests: _builtins.int = ...,
+        resident_bytes_released: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_resident_bytes_released", b"_resident_bytes_released", "resident_bytes_released", b"resident_bytes_released"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_resident_bytes_released", b"_resident_bytes_released", "affected_requests", b"affected_requests", "released_bytes", b"released_bytes", "resident_bytes_released", b"resident_bytes_released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__resident_bytes_released: _TypeAlias = _typing.Literal["resident_bytes_released"]  # noqa: Y015
+    _WhichOneofArgType__resident_bytes_released: _TypeAlias = _typing.Literal["_resident_bytes_released", b"_resident_bytes_released"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__resident_bytes_released) -> _WhichOneofReturnType__resident_bytes_released | None: ...
+
+Global___SleepResponse: _TypeAlias = SleepResponse  # noqa: Y015
+
+@_typing.final
+class ResetPrefixCacheRequest(_message.Message):
+    """Request of AdminService.ResetPrefixCache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ABORT_FIELD_NUMBER: _builtins.int
+    abort: _builtins.bool
+    """Cancel the requests in flight first, rather than refuse to reset while there are some."""
+    def __init__(
+        self,
+        *,
+        abort: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["affected_requests", b"affected_requests", "released_bytes", b"released_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SleepResponse: _TypeAlias = SleepResponse  # noqa: Y015
+Global___ResetPrefixCacheRequest: _TypeAlias = ResetPrefixCacheRequest  # noqa: Y015
+
+@_typing.final
+class ResetPrefixCacheResponse(_message.Message):
+    """Response of AdminService.ResetPrefixCache."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DROPPED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ABORTED_REQUESTS_FIELD_NUMBER: _builtins.int
+    dropped_blocks: _builtins.int
+    """Reusable prefix blocks forgotten."""
+    aborted_requests: _builtins.int
+    """Requests cancelled first (with abort)."""
+    def __init__(
+        self,
+        *,
+        dropped_blocks: _builtins.int = ...,
+        aborted_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_requests", b"aborted_requests", "dropped_blocks", b"dropped_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResetPrefixCacheResponse: _TypeAlias = ResetPrefixCacheResponse  # noqa: Y015
+
+@_typing.final
+class GetWeightsChecksumRequest(_message.Message):
+    """Request of AdminService.GetWeightsChecksum."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PER_TENSOR_FIELD_NUMBER: _builtins.int
+    per_tensor: _builtins.bool
+    """Also return the digest of each tensor, to find which ones differ."""
+    def __init__(
+        self,
+        *,
+        per_tensor: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["per_tensor", b"per_tensor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetWeightsChecksumRequest: _TypeAlias = GetWeightsChecksumRequest  # noqa: Y015
+
+@_typing.final
+class TensorChecksum(_message.Message):
+    """The digest of one tensor of the model's state dict."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The tensor's name in the model's state dict."""
+    digest: _builtins.str
+    """Lowercase hex digest of the tensor's bytes, shape and dtype."""
+    dtype: _builtins.str
+    """The dtype the server holds it in, as TensorChunk.dtype names it ("F32", "BF16", ...)."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tensor's shape (the whole tensor, under tensor parallelism too)."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        dtype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "dtype", b"dtype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorChecksum: _TypeAlias = TensorChecksum  # noqa: Y015
+
+@_typing.final
+class GetWeightsChecksumResponse(_message.Message):
+    """Response of AdminService.GetWeightsChecksum."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIGEST_FIELD_NUMBER: _builtins.int
+    ALGORITHM_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    TENSORS_FIELD_NUMBER: _builtins.int
+    NUM_TENSORS_FIELD_NUMBER: _builtins.int
+    digest: _builtins.str
+    """Lowercase hex digest of every tensor of the model's state dict (parameters and persistent
+    buffers, tied names included) together.
+    """
+    algorithm: _builtins.str
+    """The algorithm the digests are computed with, e.g. "cbserve-wsum-v1"."""
+    weight_version: _builtins.int
+    """Version of the weights the digest is of."""
+    num_tensors: _builtins.int
+    """Number of tensors the digest covers."""
+    @_builtins.property
+    def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorChecksum]:
+        """With per_tensor: each tensor's digest, by name in code-point order."""
+
+    def __init__(
+        self,
+        *,
+        digest: _builtins.str = ...,
+        algorithm: _builtins.str = ...,
+        weight_version: _builtins.int = ...,
+        tensors: _abc.Iterable[Global___TensorChecksum] | None = ...,
+        num_tensors: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "digest", b"digest", "num_tensors", b"num_tensors", "tensors", b"tensors", "weight_version", b"weight_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetWeightsChecksumResponse: _TypeAlias = GetWeightsChecksumResponse  # noqa: Y015
 
 @_typing.final
 class WakeUpRequest(_message.Message):

@@ -90,6 +90,16 @@ class AdminServiceStub:
                 request_serializer=cbserve_dot_v1_dot_admin__pb2.WakeUpRequest.SerializeToString,
                 response_deserializer=cbserve_dot_v1_dot_admin__pb2.WakeUpResponse.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/cbserve.v1.AdminService/ResetPrefixCache',
+                request_serializer=cbserve_dot_v1_dot_admin__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_admin__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+        self.GetWeightsChecksum = channel.unary_unary(
+                '/cbserve.v1.AdminService/GetWeightsChecksum',
+                request_serializer=cbserve_dot_v1_dot_admin__pb2.GetWeightsChecksumRequest.SerializeToString,
+                response_deserializer=cbserve_dot_v1_dot_admin__pb2.GetWeightsChecksumResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -215,6 +225,28 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Forgets every reusable prefix block (SGLang's flush_cache, vLLM's reset_prefix_cache), so that
+        no later request reuses KV computed before the call: by the weights a sync replaced, say.
+        Only an idle engine is reset: with requests in flight (queued or running) the call fails with
+        FAILED_PRECONDITION and changes nothing, unless `abort` is set, which cancels them first (each
+        ends CANCELLED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightsChecksum(self, request, context):
+        """A digest of the weights the server holds (slime's check_weights), computed on the device that
+        holds them, between two engine steps: equal weights give equal digests, on any device, so a
+        trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
+        with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
+        defined in the README ("Weight checksum").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -272,6 +304,16 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.WakeUp,
                     request_deserializer=cbserve_dot_v1_dot_admin__pb2.WakeUpRequest.FromString,
                     response_serializer=cbserve_dot_v1_dot_admin__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=cbserve_dot_v1_dot_admin__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_admin__pb2.ResetPrefixCacheResponse.SerializeToString,
+            ),
+            'GetWeightsChecksum': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightsChecksum,
+                    request_deserializer=cbserve_dot_v1_dot_admin__pb2.GetWeightsChecksumRequest.FromString,
+                    response_serializer=cbserve_dot_v1_dot_admin__pb2.GetWeightsChecksumResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -572,6 +614,60 @@ class AdminService:
             '/cbserve.v1.AdminService/WakeUp',
             cbserve_dot_v1_dot_admin__pb2.WakeUpRequest.SerializeToString,
             cbserve_dot_v1_dot_admin__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.AdminService/ResetPrefixCache',
+            cbserve_dot_v1_dot_admin__pb2.ResetPrefixCacheRequest.SerializeToString,
+            cbserve_dot_v1_dot_admin__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightsChecksum(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbserve.v1.AdminService/GetWeightsChecksum',
+            cbserve_dot_v1_dot_admin__pb2.GetWeightsChecksumRequest.SerializeToString,
+            cbserve_dot_v1_dot_admin__pb2.GetWeightsChecksumResponse.FromString,
             options,
             channel_credentials,
             insecure,

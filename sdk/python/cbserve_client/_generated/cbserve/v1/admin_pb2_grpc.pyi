@@ -111,6 +111,20 @@ class AdminServiceStub:
     """Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
     none is given. The engine serves again once both are back.
     """
+    ResetPrefixCache: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ResetPrefixCacheRequest, _admin_pb2.ResetPrefixCacheResponse]
+    """Forgets every reusable prefix block (SGLang's flush_cache, vLLM's reset_prefix_cache), so that
+    no later request reuses KV computed before the call: by the weights a sync replaced, say.
+    Only an idle engine is reset: with requests in flight (queued or running) the call fails with
+    FAILED_PRECONDITION and changes nothing, unless `abort` is set, which cancels them first (each
+    ends CANCELLED).
+    """
+    GetWeightsChecksum: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetWeightsChecksumRequest, _admin_pb2.GetWeightsChecksumResponse]
+    """A digest of the weights the server holds (slime's check_weights), computed on the device that
+    holds them, between two engine steps: equal weights give equal digests, on any device, so a
+    trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
+    with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
+    defined in the README ("Weight checksum").
+    """
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -188,6 +202,20 @@ class AdminServiceAsyncStub(AdminServiceStub):
     WakeUp: _aio.UnaryUnaryMultiCallable[_admin_pb2.WakeUpRequest, _admin_pb2.WakeUpResponse]  # type: ignore[assignment]
     """Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
     none is given. The engine serves again once both are back.
+    """
+    ResetPrefixCache: _aio.UnaryUnaryMultiCallable[_admin_pb2.ResetPrefixCacheRequest, _admin_pb2.ResetPrefixCacheResponse]  # type: ignore[assignment]
+    """Forgets every reusable prefix block (SGLang's flush_cache, vLLM's reset_prefix_cache), so that
+    no later request reuses KV computed before the call: by the weights a sync replaced, say.
+    Only an idle engine is reset: with requests in flight (queued or running) the call fails with
+    FAILED_PRECONDITION and changes nothing, unless `abort` is set, which cancels them first (each
+    ends CANCELLED).
+    """
+    GetWeightsChecksum: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetWeightsChecksumRequest, _admin_pb2.GetWeightsChecksumResponse]  # type: ignore[assignment]
+    """A digest of the weights the server holds (slime's check_weights), computed on the device that
+    holds them, between two engine steps: equal weights give equal digests, on any device, so a
+    trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
+    with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
+    defined in the README ("Weight checksum").
     """
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -329,6 +357,32 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_admin_pb2.WakeUpResponse, _abc.Awaitable[_admin_pb2.WakeUpResponse]]:
         """Restores what Sleep freed (vLLM's wake_up): the tags "weights" and "kv_cache", or both when
         none is given. The engine serves again once both are back.
+        """
+
+    @_abc_1.abstractmethod
+    def ResetPrefixCache(
+        self,
+        request: _admin_pb2.ResetPrefixCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ResetPrefixCacheResponse, _abc.Awaitable[_admin_pb2.ResetPrefixCacheResponse]]:
+        """Forgets every reusable prefix block (SGLang's flush_cache, vLLM's reset_prefix_cache), so that
+        no later request reuses KV computed before the call: by the weights a sync replaced, say.
+        Only an idle engine is reset: with requests in flight (queued or running) the call fails with
+        FAILED_PRECONDITION and changes nothing, unless `abort` is set, which cancels them first (each
+        ends CANCELLED).
+        """
+
+    @_abc_1.abstractmethod
+    def GetWeightsChecksum(
+        self,
+        request: _admin_pb2.GetWeightsChecksumRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetWeightsChecksumResponse, _abc.Awaitable[_admin_pb2.GetWeightsChecksumResponse]]:
+        """A digest of the weights the server holds (slime's check_weights), computed on the device that
+        holds them, between two engine steps: equal weights give equal digests, on any device, so a
+        trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
+        with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
+        defined in the README ("Weight checksum").
         """
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -29,6 +29,40 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _LogprobsMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LogprobsModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LogprobsMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LOGPROBS_MODE_UNSPECIFIED: _LogprobsMode.ValueType  # 0
+    """The server's default."""
+    LOGPROBS_MODE_RAW: _LogprobsMode.ValueType  # 1
+    """log_softmax of the model's logits, before anything touches them (vLLM's raw_logprobs)."""
+    LOGPROBS_MODE_PROCESSED: _LogprobsMode.ValueType  # 2
+    """log_softmax of the logits the token was drawn from (vLLM's processed_logprobs): after logit
+    bias, penalties, min_new_tokens and structured-output masks, then, for a request that samples
+    (temperature > 0), temperature, top-k, top-p and min-p; a greedy request's after the penalties
+    only. The sampler's own probability of each token, which an importance ratio between trainer and
+    sampler needs. Tokens the filters removed have logprob -inf and are left out of top_logprobs.
+    """
+
+class LogprobsMode(_LogprobsMode, metaclass=_LogprobsModeEnumTypeWrapper):
+    """Which distribution a generated token's logprobs are taken from."""
+
+LOGPROBS_MODE_UNSPECIFIED: LogprobsMode.ValueType  # 0
+"""The server's default."""
+LOGPROBS_MODE_RAW: LogprobsMode.ValueType  # 1
+"""log_softmax of the model's logits, before anything touches them (vLLM's raw_logprobs)."""
+LOGPROBS_MODE_PROCESSED: LogprobsMode.ValueType  # 2
+"""log_softmax of the logits the token was drawn from (vLLM's processed_logprobs): after logit
+bias, penalties, min_new_tokens and structured-output masks, then, for a request that samples
+(temperature > 0), temperature, top-k, top-p and min-p; a greedy request's after the penalties
+only. The sampler's own probability of each token, which an importance ratio between trainer and
+sampler needs. Tokens the filters removed have logprob -inf and are left out of top_logprobs.
+"""
+Global___LogprobsMode: _TypeAlias = LogprobsMode  # noqa: Y015
+
 class _RequestStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -260,6 +294,7 @@ class SamplingParams(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
+    LOGPROBS_MODE_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Maximum number of tokens to generate, EOS included. Must be >= 1. Unset: the server default.
     The request also stops when prompt + generated tokens reach the model's max context length.
@@ -281,8 +316,9 @@ class SamplingParams(_message.Message):
     benchmarks). Default false.
     """
     logprobs: _builtins.bool
-    """When true, each generated token carries its log-probability under the model: log_softmax
-    of the raw logits, before penalties, temperature, top-k and top-p. Default false.
+    """When true, each generated token carries its log-probability: of the distribution logprobs_mode
+    names (by default log_softmax of the raw logits, before penalties, temperature, top-k and
+    top-p). Default false.
     """
     top_logprobs: _builtins.int
     """Number of most likely alternatives (token id + logprob) to return per generated token; 0 for
@@ -324,6 +360,11 @@ class SamplingParams(_message.Message):
     logprobs, structured output per sequence) and streams its own chunks (GenerationChunk.index).
     With a seed, sequence i samples with seed + i (mod 2^64), so it equals a request of n = 1 with
     that seed. In [1, 128]. Unset: 1.
+    """
+    logprobs_mode: Global___LogprobsMode.ValueType
+    """Which distribution logprobs and top_logprobs are taken from (vLLM's logprobs_mode). Prompt
+    logprobs are always raw. Unset: the server's default (`cbserve serve --logprobs-mode`, raw
+    unless set).
     """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -386,10 +427,11 @@ class SamplingParams(_message.Message):
         prompt_logprobs: _builtins.int | None = ...,
         structured_output: Global___StructuredOutput | None = ...,
         n: _builtins.int | None = ...,
+        logprobs_mode: Global___LogprobsMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "logprobs_mode", b"logprobs_mode", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015

@@ -1,0 +1,224 @@
+"""What RL frameworks call, through the Python SDK against live in-process servers: logprobs of the
+sampled distribution (logprobs_mode, per request and as the server's default), the prefix-cache reset
+after a weight sync (refused with requests in flight unless they are aborted), the weights' checksum
+(the server's equals the trainer's own, and a fleet compares every replica in one call), and what Sleep
+reports of memory actually held."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+from cbserve_client import (
+    AdminClient,
+    AdminFleet,
+    Client,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    WeightsMismatchError,
+    weights_checksum,
+)
+from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
+
+from tests.conftest import fresh_tiny_model, random_prompt, seeded_tiny_llama
+from tests.service.service_harness import ADMIN_TOKEN, RunningServer, engine_config_for_tests, loaded_server
+
+TIMEOUT = 60
+CHANGED = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[RunningServer]]:
+    """Two replicas of the same weights (models of their own: the tests change them); the first serves
+    processed logprobs by default."""
+    configs = [engine_config_for_tests(logprobs_mode="processed_logprobs"), engine_config_for_tests()]
+    servers: list[RunningServer] = []
+    try:
+        for config in configs:
+            servers.append(loaded_server(fresh_tiny_model("llama"), config=config))
+        yield servers
+    finally:
+        for server in servers:
+            server.close()
+
+
+@pytest.fixture
+def client(replicas: list[RunningServer]) -> Iterator[Client]:
+    with Client(replicas[0].target, timeout=TIMEOUT, stream_timeout=TIMEOUT) as connected:
+        yield connected
+
+
+@pytest.fixture
+def admin(replicas: list[RunningServer]) -> Iterator[AdminClient]:
+    with AdminClient(replicas[0].admin_target, ADMIN_TOKEN, timeout=TIMEOUT) as connected:
+        yield connected
+
+
+@pytest.fixture
+def fleet(replicas: list[RunningServer]) -> Iterator[AdminFleet]:
+    with AdminFleet([server.admin_target for server in replicas], ADMIN_TOKEN, timeout=TIMEOUT) as connected:
+        yield connected
+
+
+def _logsumexp(values: list[float]) -> float:
+    return math.log(sum(math.exp(value) for value in values))
+
+
+# ------------------------------------------------------------------ logprobs mode
+
+
+def test_processed_logprobs_are_those_of_the_top_k_the_token_was_drawn_from(client: Client) -> None:
+    prompt = random_prompt(12, seed=1)
+    sampling = dict(max_new_tokens=6, temperature=0.8, top_k=2, seed=5, top_logprobs=5, ignore_eos=True)
+    processed = client.generate(prompt, logprobs_mode="processed_logprobs", **sampling)
+    raw = client.generate(prompt, logprobs_mode="raw_logprobs", **sampling)
+    assert processed.token_ids == raw.token_ids, "the mode changes what is reported, not what is drawn"
+    for step, (kept, every) in enumerate(zip(processed.logprobs, raw.logprobs, strict=True)):
+        assert len(kept.top) == 2 and len(every.top) == 5, step
+        assert _logsumexp([top.logprob for top in kept.top]) == pytest.approx(0.0, abs=1e-4), (
+            f"step {step}: the two tokens top-k kept carry all the probability"
+        )
+        assert kept.logprob > every.logprob, f"step {step}: renormalised over two tokens, it is likelier"
+
+
+def test_a_request_without_a_mode_gets_the_servers_default(
+    client: Client, replicas: list[RunningServer]
+) -> None:
+    prompt = random_prompt(12, seed=2)
+    sampling = dict(max_new_tokens=4, temperature=0.8, top_k=2, seed=6, top_logprobs=5, ignore_eos=True)
+    by_default = client.generate(prompt, **sampling)
+    assert all(len(step.top) == 2 for step in by_default.logprobs), "the first replica's default: processed"
+    with Client(replicas[1].target, timeout=TIMEOUT, stream_timeout=TIMEOUT) as other:
+        assert all(len(step.top) == 5 for step in other.generate(prompt, **sampling).logprobs), (
+            "the second replica's default: raw"
+        )
+
+
+def test_an_unknown_logprobs_mode_is_refused_by_the_client_and_by_the_server(
+    replicas: list[RunningServer],
+) -> None:
+    with (
+        Client(replicas[0].target) as client,
+        pytest.raises(InvalidArgumentError, match=r"sampling\.logprobs_mode must be one of"),
+    ):
+        client.generate([5, 6], logprobs_mode="processed_logits")
+    request = types_pb2.GenerationRequest(token_ids=types_pb2.TokenIds(ids=[5, 6]))
+    request.sampling.logprobs_mode = 7  # type: ignore[assignment]
+    with grpc.insecure_channel(replicas[0].target) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.AddRequest(generation_pb2.AddRequestRequest(request=request), timeout=TIMEOUT)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.logprobs_mode: unknown value 7" in (refused.value.details() or "")
+
+
+# ------------------------------------------------------------------ prefix-cache reset
+
+
+def test_reset_prefix_cache_drops_what_a_request_left_cached(client: Client, admin: AdminClient) -> None:
+    client.generate(random_prompt(40, seed=3), max_new_tokens=1)  # two full 16-token blocks at least
+    reset = admin.reset_prefix_cache()
+    assert reset.dropped_blocks >= 2 and reset.aborted_requests == 0
+    assert admin.reset_prefix_cache().dropped_blocks == 0
+
+
+def test_reset_prefix_cache_is_refused_with_a_request_in_flight_unless_it_aborts_it(
+    client: Client, admin: AdminClient
+) -> None:
+    with admin.paused():  # the request stays queued while the pause holds
+        request_id = client.submit(random_prompt(10, seed=4), max_new_tokens=4)
+        with pytest.raises(FailedPreconditionError, match=r"requests in flight \(1 queued or running\)"):
+            admin.reset_prefix_cache()
+        reset = admin.reset_prefix_cache(abort=True)
+    assert reset.aborted_requests == 1
+    assert list(client.results(request_id))[-1].finish_reason == "cancelled"
+
+
+# ------------------------------------------------------------------ weights checksum
+
+
+def test_the_servers_checksum_equals_the_trainers_own_of_the_same_weights(admin: AdminClient) -> None:
+    served = admin.weights_checksum(per_tensor=True)
+    trainer = weights_checksum(fresh_tiny_model("llama").state_dict())
+    assert served.algorithm == trainer.algorithm == "cbserve-wsum-v1"
+    assert served.digest == trainer.digest
+    assert served.tensors == trainer.tensors
+    assert served.num_tensors == len(served.tensors) == len(fresh_tiny_model("llama").state_dict())
+    summary = admin.weights_checksum()
+    assert summary.digest == served.digest and summary.tensors == {}, "per-tensor digests only on request"
+
+
+def test_the_trainers_checksum_of_what_it_pushed_equals_the_servers_after_the_push(
+    replicas: list[RunningServer],
+) -> None:
+    """A float32 push, then a bfloat16 trainer's push to the float32 server: the trainer digests its own
+    tensors cast to the server's dtype (`dtype=`), as the server casts what it receives."""
+    trainer_state = fresh_tiny_model("llama").state_dict()
+    trainer_state[CHANGED] = seeded_tiny_llama(9).state_dict()[CHANGED]
+    with AdminClient(replicas[1].admin_target, ADMIN_TOKEN, timeout=TIMEOUT) as admin:
+        try:
+            before = admin.weights_checksum()
+            update = admin.update_weights({CHANGED: trainer_state[CHANGED]}, version="step-1")
+            after = admin.weights_checksum(per_tensor=True)
+            assert after.digest == weights_checksum(trainer_state).digest != before.digest
+            assert after.weight_version == update.weight_version == before.weight_version + 1
+
+            bf16_state = {name: tensor.to(torch.bfloat16) for name, tensor in trainer_state.items()}
+            admin.update_weights(bf16_state, version="step-2")
+            served = admin.weights_checksum(per_tensor=True)
+            assert served.digest == weights_checksum(bf16_state, dtype=torch.float32).digest
+            as_held = weights_checksum(bf16_state)
+            assert as_held.tensors[CHANGED].dtype == "BF16" and as_held.digest != served.digest
+        finally:  # the fleet test below needs both replicas equal again
+            admin.update_weights(fresh_tiny_model("llama").state_dict())
+
+
+def test_check_weights_passes_on_equal_replicas_and_names_the_one_that_differs(
+    fleet: AdminFleet, replicas: list[RunningServer]
+) -> None:
+    expected = weights_checksum(fresh_tiny_model("llama").state_dict())
+    assert fleet.check_weights().digest == expected.digest
+    assert fleet.check_weights(expected=expected).digest == expected.digest
+    stray = seeded_tiny_llama(10).state_dict()[CHANGED]
+    with AdminClient(replicas[1].admin_target, ADMIN_TOKEN, timeout=TIMEOUT) as admin:
+        admin.update_weights({CHANGED: stray})
+        try:
+            with pytest.raises(WeightsMismatchError) as mismatch:
+                fleet.check_weights(expected=expected)
+            differing_target = replicas[1].admin_target
+            assert mismatch.value.reference == "expected"
+            assert mismatch.value.differing == {differing_target: (CHANGED,)}
+            message = str(mismatch.value)
+            assert (
+                f"1 of 2 replicas hold other weights than the expected weights: {differing_target}" in message
+            )
+            assert CHANGED in message
+            with pytest.raises(WeightsMismatchError) as against_first:
+                fleet.check_weights()
+            assert against_first.value.reference == replicas[0].admin_target
+            assert against_first.value.differing == {differing_target: (CHANGED,)}
+        finally:
+            admin.update_weights({CHANGED: fresh_tiny_model("llama").state_dict()[CHANGED]})
+    assert fleet.check_weights(expected=expected).digest == expected.digest
+
+
+# ------------------------------------------------------------------ sleep
+
+
+def test_sleep_of_an_idle_server_reports_both_figures() -> None:
+    config = engine_config_for_tests(num_blocks=4096)  # 4096 blocks * 16 tokens * 512 bytes = 32 MiB
+    server = loaded_server(fresh_tiny_model("llama"), config=config)
+    try:
+        with AdminClient(server.admin_target, ADMIN_TOKEN, timeout=TIMEOUT) as admin:
+            result = admin.sleep(1)
+            assert result.released_bytes == 4096 * 16 * 512
+            assert result.resident_bytes_released is not None
+            assert result.resident_bytes_released < result.released_bytes / 4, (
+                f"an idle server's cache was never written: {result}"
+            )
+            assert admin.wake_up() == 0
+    finally:
+        server.close()
