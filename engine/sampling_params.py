@@ -216,7 +216,7 @@ def build_sampling_params(
     eos_token_id = settings.get("eos_token_id")
     if eos_token_id is None:
         eos_token_id = getattr(generation_config, "eos_token_id", None)
-    eos_ids = frozenset(check_token_ids(fields.name("eos_token_id"), _as_ids(eos_token_id), vocab_size))
+    eos_ids = frozenset(check_token_ids(fields.name("eos_token_id"), _eos_ids(eos_token_id), vocab_size))
     top_logprobs = settings.get("top_logprobs") or 0
     fields.check_int("top_logprobs", top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
     return SamplingParams(
@@ -434,13 +434,19 @@ class _Fields:
 
 
 def _as_ids(eos_token_id: Any) -> list[Any]:
-    """EOS ids as a list, without transformers' "disabled" marker: an empty list is no EOS too."""
     if eos_token_id is None:
         return []
     if isinstance(eos_token_id, torch.Tensor):
-        ids = list(eos_token_id.flatten().tolist())
-    elif isinstance(eos_token_id, int):
-        ids = [eos_token_id]
-    else:
-        ids = list(eos_token_id)
-    return [token for token in ids if not (type(token) is int and token == DISABLED_EOS_TOKEN_ID)]
+        return list(eos_token_id.flatten().tolist())
+    if isinstance(eos_token_id, int):
+        return [eos_token_id]
+    return list(eos_token_id)
+
+
+def _eos_ids(eos_token_id: Any) -> list[Any]:
+    """EOS ids as a list, without transformers' "disabled" marker: an empty list is no EOS too."""
+    return [
+        token
+        for token in _as_ids(eos_token_id)
+        if not (type(token) is int and token == DISABLED_EOS_TOKEN_ID)
+    ]
