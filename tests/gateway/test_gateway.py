@@ -1,5 +1,7 @@
 """cbserve behind the real SMG gateway, called with the official `openai` client: the OpenAI API, cache-aware
-routing from cbserve's KV events, disconnects, a lost replica, and fields cbserve does not serve.
+routing from cbserve's KV events, the gateway's cache flush (each replica's prefix-cache reset), disconnects,
+a lost replica, and fields cbserve does not serve. (The vLLM protocol's SamplingParams carries no logprobs
+mode, so a request through the gateway gets the replica's default, `cbserve serve --logprobs-mode`.)
 
 The replicas serve a tiny random Llama with the embedded SmolLM2's tokenizer and chat template (the
 gateway tokenizes and detokenizes with it); greedy outputs are compared with the same request sent to a
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 import zipfile
 from collections import Counter
 from pathlib import Path
@@ -210,6 +215,74 @@ def _requests_per_worker(gateway: Gateway) -> Counter[str]:
         if name == "smg_worker_requests_total":
             counts[dict(labels)["worker"]] += int(value)
     return counts
+
+
+def _post(url: str) -> tuple[int, str]:
+    """(status, body) of an empty POST to `url`, an HTTP error status included."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, data=b"", method="POST")
+    try:
+        with opener.open(request, timeout=REQUEST_TIMEOUT_S) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _prefix_cache_hits(replicas: list[ServerProcess]) -> int:
+    return sum(_prefix_cache_hit_tokens(replica) for replica in replicas)
+
+
+def test_the_gateways_flush_cache_resets_every_replicas_prefix_cache(
+    client: openai.OpenAI, model_name: str, gateway: Gateway, replicas: list[ServerProcess]
+) -> None:
+    """SMG's POST /flush_cache calls each replica's FlushCache (the vLLM protocol's prefix-cache reset): a
+    prompt sent again after it is computed anew, and only a third time found in the cache."""
+    prompt = "Reset the cache after each weight sync, a trainer says. " * 8  # about 100 tokens
+
+    def ask() -> None:
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0)
+
+    _wait_idle(replicas)
+    ask()
+    status, body = _post(f"{gateway.base_url}/flush_cache")
+    assert status == 200, body
+    answer = json.loads(body)
+    assert (answer["status"], answer["workers_flushed"]) == ("success", 2), answer
+    hits = _prefix_cache_hits(replicas)
+    stored = gateway.metric("smg_kv_event_blocks_total", op="stored")
+    ask()
+    assert _prefix_cache_hits(replicas) == hits, "the flushed prefix was found in a replica's cache"
+    # Its blocks reach the gateway's index before the third request is routed by them.
+    wait_until(
+        lambda: gateway.metric("smg_kv_event_blocks_total", op="stored") >= stored + 6,
+        timeout=REQUEST_TIMEOUT_S,
+        what="the second request's blocks in the gateway's index",
+    )
+    ask()
+    assert _prefix_cache_hits(replicas) >= hits + 96, "the prompt's blocks were not cached again"
+
+
+def test_the_gateways_flush_cache_is_refused_by_a_replica_with_a_request_in_flight(
+    gateway: Gateway, replicas: list[ServerProcess]
+) -> None:
+    busy = replicas[0]
+    _wait_idle(replicas)
+    with (
+        AdminClient(busy.admin_target, ADMIN_TOKEN) as admin,
+        Client(busy.target) as direct,
+    ):
+        with admin.paused():  # the request stays queued while the pause holds
+            request_id = direct.submit([5, 6, 7], max_new_tokens=2)
+            status, body = _post(f"{gateway.base_url}/flush_cache")
+        assert list(direct.results(request_id))[-1].finish_reason in ("length", "eos"), "it ran on"
+    answer = json.loads(body)
+    assert status == 206 and answer["status"] == "partial_success", (status, body)
+    assert answer["successful"] == [f"grpc://{replicas[1].target}"]
+    (failed,) = answer["failed"]
+    assert failed["worker"] == f"grpc://{busy.target}"
+    assert "requests in flight (1 queued or running)" in failed["error"], failed
+    status, body = _post(f"{gateway.base_url}/flush_cache")
+    assert status == 200, body
 
 
 def test_the_tokenizer_a_replica_streams_is_the_one_it_serves(
