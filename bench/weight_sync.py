@@ -9,9 +9,16 @@ with a sha256 each), in the same run, as an RL trainer pushes after every step.
 NCCL refuses two ranks of one communicator on the same GPU, so on a one-GPU machine the group runs gloo
 (host buffers, copied to the device as each bucket lands) and CUDA IPC measures the device-to-device path.
 
+    python -m bench.weight_sync --busy-neighbour  # the same beside a process that keeps one core busy
+
+On a small machine the push competes for the cores: `--busy-neighbour` measures it beside a pure-Python
+loop pinned to the last CPU of this process's affinity mask, started before the server and stopped (by its
+PID) at the end. The summary line gives the load averages at the start and at the end.
+
 Pushes alternate between the paths for `--rounds` rounds, each with other weights than the one before, and
 every push is checked (outside the timing): the server then answers with the pushed model's greedy tokens.
-Prints one JSON object per path (median and every push's seconds) and a last one with the ratio of medians.
+Prints one JSON object per path (median and every push's seconds) and a last one with the ratio of medians
+and the machine's load.
 The first push into a fresh server also pages its weights in (they are mapped from the safetensors file
 until first written), whichever path it takes.
 """
@@ -22,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +39,7 @@ from typing import Any
 
 import torch
 from cbserve_client import AdminClient, Client, WeightSyncGroup
+from cbserve_client._buckets import DEFAULT_BUCKET_BYTES
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bench.serving_load import ServerProcess
@@ -96,7 +105,48 @@ def timed(push: Any, *args: Any, **kwargs: Any) -> float:
     return time.perf_counter() - started
 
 
+class BusyNeighbour:
+    """A process that keeps one CPU busy (a pure-Python loop pinned to it) until `stop`."""
+
+    def __init__(self) -> None:
+        self.cpu = max(os.sched_getaffinity(0))
+        self.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            os.sched_setaffinity(self.process.pid, {self.cpu})
+        except OSError:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The records of `measure` (beside a busy neighbour when asked), then a summary: the ratio of the
+    medians and the machine's load."""
+    load_at_start = os.getloadavg()
+    neighbour = BusyNeighbour() if args.busy_neighbour else None
+    try:
+        records = measure(args)
+    finally:
+        if neighbour is not None:
+            neighbour.stop()
+    grpc_s = records[0]["median_s"]
+    records.append(
+        {
+            "summary": True,
+            "group_speedup_over_grpc": round(grpc_s / records[1]["median_s"], 2),
+            "busy_neighbour_cpu": None if neighbour is None else neighbour.cpu,
+            "load_average_at_start": [round(load, 2) for load in load_at_start],
+            "load_average_at_end": [round(load, 2) for load in os.getloadavg()],
+            "cpu_count": os.cpu_count(),
+        }
+    )
+    return records
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Pushes alternate between the paths, round after round, each with other weights than the last,
     and every push is followed by a check that the server serves them (outside the timing)."""
     config = model_config(args)
@@ -149,6 +199,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         num_bytes,
                         correct,
                         group_formed_s=round(formed_s, 3),
+                        bucket_mib=args.bucket_mib,
                         **common,
                     )
                 )
@@ -156,15 +207,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     records.append(record("cuda_ipc", times["cuda_ipc"], num_bytes, correct, **common))
         finally:
             server.stop()
-    grpc_s = records[0]["median_s"]
-    records.append(
-        {
-            "summary": True,
-            "group_speedup_over_grpc": round(grpc_s / records[1]["median_s"], 2),
-            "load_average_1m": round(os.getloadavg()[0], 2),
-            "cpu_count": os.cpu_count(),
-        }
-    )
     return records
 
 
@@ -178,9 +220,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--intermediate-size", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--bucket-mib", type=int, default=512, help="bucket bound of the group's pushes")
+    parser.add_argument(
+        "--bucket-mib",
+        type=int,
+        default=DEFAULT_BUCKET_BYTES >> 20,
+        help="bucket bound of the group's pushes (default: the SDK's)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the server")
     parser.add_argument("--rounds", type=int, default=5, help="pushes through each path (medians reported)")
+    parser.add_argument(
+        "--busy-neighbour", action="store_true", help="beside a process that keeps one CPU busy"
+    )
     return parser.parse_args(argv)
 
 

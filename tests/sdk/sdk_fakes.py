@@ -73,6 +73,8 @@ class Recorder:
     pause_requests: list[admin_pb2.PauseRequest] = field(default_factory=list)
     weights: dict[str, tuple[str, tuple[int, ...], bytes]] = field(default_factory=dict)
     version_label: str = ""
+    distributed_updates: list[admin_pb2.UpdateWeightsFromDistributedRequest] = field(default_factory=list)
+    groups_left: int = 0
 
     def see(self, context: grpc.ServicerContext) -> None:
         self.metadata.append({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
@@ -239,6 +241,33 @@ class FakeAdminService(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.UpdateWeightsResponse(
             weight_version=2, tensors_updated=len(parts), version_label=self.rec.version_label
         )
+
+    def UpdateWeightsFromDistributed(
+        self, request: Any, context: Any
+    ) -> Iterator[admin_pb2.UpdateWeightsFromDistributedResponse]:
+        """Accepts every announcement. `done` follows `ready` at once: the trainer reads it only after
+        broadcasting (to a fake process group, which no server reads)."""
+        self._auth(context)
+        self.rec.distributed_updates.append(request)
+        if request.validate_only:
+            return
+        ready = admin_pb2.WeightTransferReady(
+            num_buckets=len(request.buckets), num_bytes=sum(bucket.num_bytes for bucket in request.buckets)
+        )
+        yield admin_pb2.UpdateWeightsFromDistributedResponse(ready=ready)
+        done = admin_pb2.UpdateWeightsResponse(
+            weight_version=2,
+            tensors_updated=sum(len(bucket.tensors) for bucket in request.buckets),
+            version_label=request.version_label,
+        )
+        yield admin_pb2.UpdateWeightsFromDistributedResponse(done=done)
+
+    def DestroyWeightsUpdateGroup(
+        self, request: Any, context: Any
+    ) -> admin_pb2.DestroyWeightsUpdateGroupResponse:
+        self._auth(context)
+        self.rec.groups_left += 1
+        return admin_pb2.DestroyWeightsUpdateGroupResponse(destroyed=True)
 
 
 @dataclass

@@ -3,8 +3,8 @@
 A push over a torch.distributed group moves bytes as broadcasts of flat uint8 tensors. One broadcast
 per tensor would pay a collective's latency hundreds of times for a model; one broadcast of the whole
 model would need a second copy of it on both sides. Buckets of a bounded size sit between the two, as
-in SGLang's and verl's weight sync: the trainer packs a bucket, broadcasts it, and the server unpacks
-it while the trainer reuses the same buffer for the next one.
+in SGLang's and verl's weight sync: the trainer packs the next bucket while the last one travels, and
+the server copies the last one into its weights while the next one arrives, each side with two buffers.
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ from cbserve_client._weights import ITEMSIZE, normalize_dtype
 #: Where a tensor's bytes start in its bucket is a multiple of this, so the server can view them in
 #: place as any dtype (and the widest vector loads stay aligned).
 BUCKET_ALIGNMENT = 16
-#: Default bound of one bucket's size, in bytes.
-DEFAULT_BUCKET_BYTES = 512 << 20
+#: Default bound of one bucket's size, in bytes: small enough that packing and unpacking overlap the
+#: transfer (each side then holds two buckets) and that a large matrix travels alone, from its own
+#: memory; large enough that the 0.5 GB benchmark model (bench/weight_sync.py) takes 7 broadcasts. On
+#: the 2-core benchmark machine 64 MiB pushed as fast as 128 and 512 MiB or faster, and 16 MiB or less
+#: moved the cost to per-bucket work.
+DEFAULT_BUCKET_BYTES = 64 << 20
 #: The largest bucket the server accepts, unless the bucket holds one tensor that is larger on its own.
 MAX_BUCKET_BYTES = 1 << 30
 

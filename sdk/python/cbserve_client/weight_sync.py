@@ -21,7 +21,9 @@ module imports without it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
 import functools
 import itertools
 import threading
@@ -90,9 +92,10 @@ class WeightSyncGroup(Closeable):
         self.backend = backend
         self.server_ranks = server_ranks
         self.world_size = 1 + sum(len(ranks) for ranks in server_ranks)
-        # The packing buffer, kept from one push to the next (the servers keep theirs too): a fresh one
-        # is paged in again on every push, which on a CPU costs as much as the broadcast.
-        self._buffer: torch.Tensor | None = None
+        # The two packing buffers, used in turn and kept from one push to the next (the servers keep
+        # theirs too): a fresh one is paged in again on every push, which on a CPU costs as much as the
+        # broadcast.
+        self._buffers: list[torch.Tensor] = []
 
     @classmethod
     def create(
@@ -197,8 +200,10 @@ class WeightSyncGroup(Closeable):
         (unsharded) and named as the server's model names its parameters; a server converts each to
         its parameter's dtype and keeps its own shard. They are packed, in the given order, into
         buckets of at most ``bucket_bytes`` (:func:`~cbserve_client.plan_buckets`), one broadcast
-        each through a single reused buffer. ``version`` is a free-form label. Returns what each
-        server applied, in the order of its clients.
+        each: the next bucket is packed while the last one travels, so this process holds two buckets
+        (a tensor alone in its bucket travels from its own memory when it is contiguous and on the
+        group's device). ``version`` is a free-form label. Returns what each server applied, in the
+        order of its clients.
 
         Every server first checks the announcement: a bad one (an unknown name, a wrong shape) raises
         the server's InvalidArgumentError naming the tensor, before any server waits for buckets, and
@@ -251,7 +256,7 @@ class WeightSyncGroup(Closeable):
         self._close(abort=False)
 
     def _close(self, *, abort: bool) -> None:
-        self._buffer = None
+        self._buffers = []
         process_group, self._process_group = self._process_group, None
         if process_group is None:
             return
@@ -300,30 +305,92 @@ class WeightSyncGroup(Closeable):
         return [results[client.target] for client in self._clients]
 
     def _broadcast(self, buckets: list[WeightBucket], tensors: Mapping[str, Any]) -> None:
-        """Packs each bucket into one buffer (of the largest bucket's size, on the group's device) and
-        broadcasts it from rank 0: the servers receive the buckets in announcement order."""
+        """Broadcasts each bucket from rank 0, in announcement order (the order the servers receive
+        them), with at most two in flight: bucket k+1 is packed while bucket k travels.
+
+        A bucket of one contiguous tensor already on the group's device travels from that tensor's own
+        memory; any other is copied, tensor by tensor, into one of two packing buffers used in turn.
+        Invariant: when bucket k is packed, only bucket k-1 may still be in flight, so the buffer
+        bucket k-2 used is free again."""
         import torch
 
-        largest = max(bucket.num_bytes for bucket in buckets)
-        if self._buffer is None or self._buffer.numel() < largest:
-            self._buffer = None  # freed before its larger successor is allocated
-            self._buffer = torch.empty(largest, dtype=torch.uint8, device=self._device)
-        buffer = self._buffer
         with torch.no_grad():
-            for index, bucket in enumerate(buckets):
-                packed = buffer[: bucket.num_bytes]
-                for placed in bucket.tensors:
-                    source = tensors[placed.name].detach().contiguous().reshape(-1).view(torch.uint8)
-                    packed[placed.byte_offset : placed.byte_offset + placed.num_bytes].copy_(source)
+            sources = [self._unpacked(bucket, tensors) for bucket in buckets]
+            buffers = self._packing_buffers(
+                [bucket.num_bytes for bucket, source in zip(buckets, sources, strict=True) if source is None]
+            )
+            in_flight: collections.deque[tuple[int, Any]] = collections.deque()
+            num_packed = 0
+            for index, (bucket, source) in enumerate(zip(buckets, sources, strict=True)):
+                if len(in_flight) == 2:
+                    _finish_broadcast(*in_flight.popleft(), len(buckets))
+                if source is None:
+                    source = buffers[num_packed % 2][: bucket.num_bytes]
+                    num_packed += 1
+                    _pack(bucket, tensors, source)
                 try:
-                    self._process_group.broadcast(packed, 0).wait()
+                    in_flight.append((index, self._process_group.broadcast(source, 0)))
                 except Exception as exc:
-                    exc.add_note(
-                        f"while broadcasting bucket {index + 1} of {len(buckets)}: a server that applied "
-                        "earlier buckets reports Status.weights_incomplete until a push of every tensor "
-                        "succeeds; the weight-update group is closed: create a new WeightSyncGroup"
-                    )
+                    _note_broadcast_failure(exc, index, len(buckets))
                     raise
+            while in_flight:
+                _finish_broadcast(*in_flight.popleft(), len(buckets))
+
+    def _unpacked(self, bucket: WeightBucket, tensors: Mapping[str, Any]) -> torch.Tensor | None:
+        """The bytes of a bucket that holds one contiguous tensor on the group's device, viewed in place;
+        None for a bucket that has to be packed."""
+        import torch
+
+        if len(bucket.tensors) != 1:
+            return None
+        tensor: torch.Tensor = tensors[bucket.tensors[0].name].detach()
+        if tensor.device != self._device or not tensor.is_contiguous():
+            return None
+        return tensor.reshape(-1).view(torch.uint8)
+
+    def _packing_buffers(self, sizes: list[int]) -> list[torch.Tensor]:
+        """Two buffers on the group's device of at least the largest of ``sizes`` (none when empty),
+        kept from one push to the next."""
+        import torch
+
+        largest = max(sizes, default=0)
+        if largest and (not self._buffers or self._buffers[0].numel() < largest):
+            self._buffers = []  # freed before their larger successors are allocated
+            self._buffers = [torch.empty(largest, dtype=torch.uint8, device=self._device) for _ in range(2)]
+        return self._buffers
+
+
+def _pack(bucket: WeightBucket, tensors: Mapping[str, Any], packed: torch.Tensor) -> None:
+    """Copies each tensor of ``bucket`` to its place in ``packed``, once.
+
+    Contiguous host bytes into a host buffer are one memcpy (without the GIL): torch's copy_ would run
+    an OpenMP team that competes for the cores with gloo's send thread, and its loop is slower than
+    glibc's memcpy. Any other tensor (strided, or on another device) is copied by torch straight into
+    its place, viewed as the tensor's dtype and shape, with no intermediate copy."""
+    for placed in bucket.tensors:
+        tensor = tensors[placed.name].detach()
+        place = packed[placed.byte_offset : placed.byte_offset + placed.num_bytes]
+        if tensor.is_contiguous() and tensor.device.type == packed.device.type == "cpu":
+            ctypes.memmove(place.data_ptr(), tensor.data_ptr(), placed.num_bytes)
+        else:
+            place.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+def _finish_broadcast(index: int, work: Any, num_buckets: int) -> None:
+    """Waits for the broadcast of bucket ``index``."""
+    try:
+        work.wait()
+    except Exception as exc:
+        _note_broadcast_failure(exc, index, num_buckets)
+        raise
+
+
+def _note_broadcast_failure(error: Exception, index: int, num_buckets: int) -> None:
+    error.add_note(
+        f"while broadcasting bucket {index + 1} of {num_buckets}: a server that applied "
+        "earlier buckets reports Status.weights_incomplete until a push of every tensor "
+        "succeeds; the weight-update group is closed: create a new WeightSyncGroup"
+    )
 
 
 def _in_daemon_thread(work: Callable[[], Result]) -> Future[Result]:
