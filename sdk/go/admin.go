@@ -19,6 +19,7 @@ type Admin struct {
 	conn    *grpc.ClientConn
 	admin   pb.AdminServiceClient
 	timeout time.Duration
+	target  string
 }
 
 // DialAdmin returns a client of the admin service at target, authenticated with token (the
@@ -34,8 +35,12 @@ func DialAdmin(ctx context.Context, target, token string, opts ...Option) (*Admi
 	if err != nil {
 		return nil, err
 	}
-	return &Admin{conn: conn, admin: pb.NewAdminServiceClient(conn), timeout: cfg.timeout}, nil
+	return &Admin{conn: conn, admin: pb.NewAdminServiceClient(conn), timeout: cfg.timeout, target: target}, nil
 }
+
+// Target returns the address the admin client was dialled with (CheckWeights names replicas by
+// it).
+func (a *Admin) Target() string { return a.target }
 
 // Close closes the connection (a pause still held is released).
 func (a *Admin) Close() error { return a.conn.Close() }
@@ -243,6 +248,59 @@ func (a *Admin) Start(ctx context.Context) (started bool, err error) {
 		return false, convertError(ctx, err)
 	}
 	return !response.GetAlreadyRunning(), nil
+}
+
+// PrefixCacheReset is what Admin.ResetPrefixCache did.
+type PrefixCacheReset struct {
+	// DroppedBlocks is the number of reusable prefix blocks forgotten.
+	DroppedBlocks int
+	// AbortedRequests is the number of requests cancelled first (with abort).
+	AbortedRequests int
+}
+
+// ResetPrefixCache drops every reusable prefix block (TRL's reset_prefix_cache, verl's
+// clear_kv_cache, slime's flush_cache), so that no later request reuses KV computed before the
+// call: by weights a sync just replaced, say. Only an idle server is reset: with requests in
+// flight (queued or running) it fails with ErrFailedPrecondition and drops nothing, unless abort
+// is true, which cancels them first (each ends FinishCancelled).
+func (a *Admin) ResetPrefixCache(ctx context.Context, abort bool) (*PrefixCacheReset, error) {
+	callCtx, cancel := withTimeout(ctx, a.timeout)
+	defer cancel()
+	response, err := a.admin.ResetPrefixCache(callCtx, &pb.ResetPrefixCacheRequest{Abort: abort})
+	if err != nil {
+		return nil, convertError(ctx, err)
+	}
+	return &PrefixCacheReset{
+		DroppedBlocks:   int(response.GetDroppedBlocks()),
+		AbortedRequests: int(response.GetAbortedRequests()),
+	}, nil
+}
+
+// WeightsChecksum returns a digest of the weights the server holds (slime's check_weights),
+// computed on its device between two engine steps, with the weight version it is of; with
+// perTensor, each tensor's digest too, to find which differ. Equal weights give equal digests on
+// any device: ChecksumOf computes the same of Tensors, and CheckWeights compares replicas. The
+// call takes as long as the server needs to read its whole model once.
+func (a *Admin) WeightsChecksum(ctx context.Context, perTensor bool) (*WeightsChecksum, error) {
+	callCtx, cancel := withTimeout(ctx, a.timeout)
+	defer cancel()
+	response, err := a.admin.GetWeightsChecksum(callCtx, &pb.GetWeightsChecksumRequest{PerTensor: perTensor})
+	if err != nil {
+		return nil, convertError(ctx, err)
+	}
+	checksum := &WeightsChecksum{
+		Digest:        response.GetDigest(),
+		Algorithm:     response.GetAlgorithm(),
+		WeightVersion: response.GetWeightVersion(),
+		NumTensors:    int(response.GetNumTensors()),
+		Tensors:       make(map[string]TensorChecksum, len(response.GetTensors())),
+	}
+	for _, tensor := range response.GetTensors() {
+		checksum.Tensors[tensor.GetName()] = TensorChecksum{
+			Name: tensor.GetName(), Digest: tensor.GetDigest(), DType: tensor.GetDtype(), Shape: tensor.GetShape(),
+		}
+	}
+	return checksum, nil
 }
 
 // Status reports the engine's state and counters (retried on ErrUnavailable: see

@@ -31,7 +31,11 @@
 // the engine paused until the returned [PauseLease] is released; [Admin.Stop], [Admin.Start] and
 // [Admin.Status] manage and inspect the engine; [Admin.UpdateWeights] streams new weights (raw
 // little-endian [Tensor]s) and [Admin.UpdateWeightsFromPath] loads them from a safetensors file
-// on the server, both in place, without a restart.
+// on the server, both in place, without a restart. After a weight sync, [Admin.ResetPrefixCache]
+// drops the prefix cache, and [Admin.WeightsChecksum] returns a digest of the weights served:
+// [CheckWeights] compares every replica's (and a trainer's own, from [ChecksumOf]) in one call.
+// [WithLogprobsMode] asks for the log-probabilities of the distribution tokens are drawn from
+// (after penalties, temperature, top-k, top-p and min-p) rather than of the raw logits.
 //
 // Cancelling a call's context cancels the call, and a cancelled Generate or Stream call cancels
 // its request on the server. Every error is an [*Error] with the gRPC status code, matching the

@@ -47,8 +47,9 @@ var (
 	// or a mesh's authorization policy).
 	ErrPermissionDenied = &Error{Code: codes.PermissionDenied, Message: "permission denied"}
 	// ErrFailedPrecondition: the call cannot run in the current state: admin Start or
-	// UpdateWeights on an engine that lost a tensor-parallel rank, or ranging a Stream sequence a
-	// second time. Retrying it unchanged fails again.
+	// UpdateWeights on an engine that lost a tensor-parallel rank, ResetPrefixCache with requests
+	// in flight (without abort), or ranging a Stream sequence a second time. Retrying it unchanged
+	// fails again (ResetPrefixCache succeeds once the requests have ended).
 	ErrFailedPrecondition = &Error{Code: codes.FailedPrecondition, Message: "failed precondition"}
 	// ErrUnimplemented: the server does not implement the call (an older server, or a proxy
 	// that does not route it).

@@ -85,6 +85,7 @@ type requestConfig struct {
 	promptLogprobs      *int
 	priority            *int
 	n                   *int
+	logprobsMode        LogprobsMode
 	// structured holds every structured-output option given, in order: check refuses more than one.
 	structured []structuredOutput
 }
@@ -197,6 +198,30 @@ func WithMinNewTokens(n int) GenerateOption {
 // alternatives at each step when n > 0; n is in [0, MaxTopLogprobs] ([0, 20]).
 func WithLogprobs(n int) GenerateOption {
 	return GenerateOption{func(c *requestConfig) { c.logprobs = &n }}
+}
+
+// LogprobsMode says which distribution the log-probabilities of WithLogprobs are of (vLLM's
+// logprobs_mode).
+type LogprobsMode int
+
+const (
+	// LogprobsServerDefault leaves it to the server: its --logprobs-mode, raw unless set.
+	LogprobsServerDefault LogprobsMode = iota
+	// LogprobsRaw: log_softmax of the model's logits, before anything touches them
+	// (vLLM's raw_logprobs).
+	LogprobsRaw
+	// LogprobsProcessed: of the distribution each token was drawn from (vLLM's
+	// processed_logprobs): after logit bias, penalties and structured-output masks, then, when
+	// the request samples (temperature > 0), temperature, top-k, top-p and min-p. What an
+	// importance ratio between a trainer and this sampler needs. Tokens the filters removed are
+	// left out of the alternatives.
+	LogprobsProcessed
+)
+
+// WithLogprobsMode sets which distribution the log-probabilities of WithLogprobs are of
+// (default LogprobsServerDefault). Prompt log-probabilities are always raw.
+func WithLogprobsMode(mode LogprobsMode) GenerateOption {
+	return GenerateOption{func(c *requestConfig) { c.logprobsMode = mode }}
 }
 
 // WithRequestID sets the request's id (at most MaxRequestIDBytes (128) bytes of printable ASCII
@@ -316,6 +341,13 @@ func WithGrammar(grammar string) GenerateOption {
 // buildRequest turns a prompt and options into a GenerationRequest, refusing values outside the
 // server's bounds (bounds.go) before anything is sent. What needs the model (token ids below the
 // vocab size, the prompt fitting its context) is the server's to check.
+// logprobsModes maps each LogprobsMode to the wire's.
+var logprobsModes = map[LogprobsMode]pb.LogprobsMode{
+	LogprobsServerDefault: pb.LogprobsMode_LOGPROBS_MODE_UNSPECIFIED,
+	LogprobsRaw:           pb.LogprobsMode_LOGPROBS_MODE_RAW,
+	LogprobsProcessed:     pb.LogprobsMode_LOGPROBS_MODE_PROCESSED,
+}
+
 func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, error) {
 	cfg := applyGenerateOptions(opts)
 	if err := cfg.check(); err != nil {
@@ -363,6 +395,7 @@ func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, 
 	sampling.SkipSpecialTokens = cfg.skipSpecialTokens
 	sampling.PromptLogprobs = wireUint32(cfg.promptLogprobs)
 	sampling.N = wireUint32(cfg.n)
+	sampling.LogprobsMode = logprobsModes[cfg.logprobsMode]
 	if len(cfg.structured) == 1 {
 		sampling.StructuredOutput = cfg.structured[0].proto()
 	}

@@ -51,8 +51,9 @@ type TopLogprob struct {
 	Logprob float32
 }
 
-// TokenLogprob is the log-probability of one generated token (log_softmax of the raw logits),
-// with the most likely alternatives when WithLogprobs(n) asked for n > 0.
+// TokenLogprob is the log-probability of one generated token (of the distribution
+// WithLogprobsMode names: by default log_softmax of the raw logits), with the most likely
+// alternatives when WithLogprobs(n) asked for n > 0.
 type TokenLogprob struct {
 	TokenID uint32
 	Logprob float32

@@ -84,6 +84,10 @@ func (c *requestConfig) check() error {
 			return err
 		}
 	}
+	if _, ok := logprobsModes[c.logprobsMode]; !ok {
+		return newError(codes.InvalidArgument, "WithLogprobsMode(%d): not a LogprobsMode (LogprobsServerDefault, LogprobsRaw or LogprobsProcessed)",
+			c.logprobsMode)
+	}
 	if p := c.priority; p != nil && (*p < MinPriority || *p > MaxPriority) {
 		return newError(codes.InvalidArgument, "WithPriority(%d): priority must be in [%d, %d] (MinPriority, MaxPriority: an int32)",
 			*p, MinPriority, MaxPriority)
