@@ -30,6 +30,7 @@ from engine.runner.packed_linear import PackedLinears
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.structured_output import GrammarCompiler, accept_token, is_complete
+from engine.thread_budget import ThreadBudget
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,10 @@ class EngineCore:
         self.async_batching = use_async_batching(config, self.device)
         # Intra-op threads of whichever thread runs the steps (`run_steps_thread`).
         self.num_threads = config.num_threads or default_num_threads(torch.get_num_threads())
+        # Fewer threads while other processes keep some of the CPUs busy, unless a count was configured.
+        self.thread_budget = ThreadBudget(
+            self.num_threads, adaptive=self.device.type == "cpu" and config.num_threads is None
+        )
         # The step launched but not yet resolved (async batching only).
         self._in_flight: _StepInFlight | None = None
         self.requests: dict[str, Request] = {}
@@ -313,6 +318,9 @@ class EngineCore:
         step N+1 overlaps the device's for step N, and the host waits for N only once N+1 is queued.
         """
         result = StepResult()
+        threads = self.thread_budget.update()
+        if torch.get_num_threads() != threads:  # per thread: a new steps thread starts at the maximum
+            torch.set_num_threads(threads)
         launched = self._schedule_and_launch(result)
         self._resolve_in_flight(result)
         if launched is not None:

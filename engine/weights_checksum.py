@@ -6,12 +6,12 @@ digests on any device, and the trainer computes the same digest of its own tenso
 (`cbserve_client.weights_checksum`, torch only):
 
 1. The tensor's elements in C order, in its own dtype, little-endian, zero-padded to a multiple of 4 bytes,
-   read as unsigned 32-bit words w_0, w_1, ...
-2. Two lanes, k = 0 and 1, with the seeds S_0 = 0x243F6A88 and S_1 = 0x85A308D3:
-   L_k = sum over i of int32(fmix32(w_i XOR p_k(i))), mod 2^64, where p_k(i) = ((i mod 2^32) XOR S_k)
-   * 0x9E3779B1 mod 2^32, fmix32 is MurmurHash3's 32-bit finaliser, and int32(x) reads x's bits as a
-   signed 32-bit integer. Each word is mixed with its position, so moved bytes change the sum; integer
-   sums do not depend on the order they are added in, so every device gives the same lanes.
+   read as 32-bit words w_0, w_1, ...
+2. Each word is mixed with its position: q_i = (i * 0x9E3779B1 + 0x243F6A88) mod 2^32 (i taken mod 2^32)
+   and h_i = fmix32(w_i XOR q_i), fmix32 being MurmurHash3's 32-bit finaliser. Two lanes add them up:
+   L_0 = sum of int32(h_i) and L_1 = sum of int32(h_i * (q_i OR 1) mod 2^32), both mod 2^64, where int32(x)
+   reads x's bits as a signed 32-bit integer. Moved bytes change the sums; integer sums do not depend on
+   the order they are added in, so every device gives the same lanes.
 3. The tensor's digest: lowercase hex SHA-256 of the ASCII "{dtype}:{shape}:{num_bytes}:" (dtype as
    safetensors names it, e.g. "BF16"; shape as comma-separated sizes) followed by L_0 and L_1 as 8-byte
    little-endian integers.
@@ -36,9 +36,9 @@ from torch.distributed.tensor import DTensor
 from engine.weights import SAFETENSORS_DTYPES
 
 ALGORITHM = "cbserve-wsum-v1"
-LANE_SEEDS = (0x243F6A88, 0x85A308D3)
 POSITION_MULTIPLIER = 0x9E3779B1
-# Bytes digested per pass: bounds the int64 temporaries to a few times 32 MiB whatever the tensor's size.
+POSITION_OFFSET = 0x243F6A88
+# Bytes digested per pass: bounds the temporaries to a few times 16 MiB whatever the tensor's size.
 CHUNK_BYTES = 2**24
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -72,14 +72,15 @@ def _int32(value: int) -> int:
     return value - 2**32 if value >= 2**31 else value
 
 
-def _fmix32(values: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser on int32 tensors: products wrap around (two's complement) and the
-    right shifts are made logical by masking the sign's copies off."""
-    values = values ^ ((values >> 16) & 0xFFFF)
-    values = values * _int32(0x85EBCA6B)
-    values = values ^ ((values >> 13) & 0x7FFFF)
-    values = values * _int32(0xC2B2AE35)
-    return values ^ ((values >> 16) & 0xFFFF)
+def _fmix32_(values: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser, in place on an int32 tensor: products wrap around (two's complement) and
+    the right shifts are made logical by masking the sign's copies off."""
+    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, None)):
+        torch.bitwise_right_shift(values, shift, out=scratch)
+        values.bitwise_xor_(scratch.bitwise_and_((1 << (32 - shift)) - 1))
+        if multiplier is not None:
+            values.mul_(_int32(multiplier))
+    return values
 
 
 def _lanes(tensor: torch.Tensor) -> tuple[int, int]:
@@ -91,20 +92,16 @@ def _lanes(tensor: torch.Tensor) -> tuple[int, int]:
         if padding or chunk.storage_offset() % 4:
             chunk = torch.cat([chunk, chunk.new_zeros(padding)])
         words = chunk.view(torch.int32)
-        positions = torch.arange(words.numel(), dtype=torch.int32, device=words.device) + _int32(
-            (start // 4) % 2**32
+        first = start // 4
+        positions = torch.arange(words.numel(), dtype=torch.int32, device=words.device)
+        positions.mul_(_int32(POSITION_MULTIPLIER)).add_(
+            _int32((first * POSITION_MULTIPLIER + POSITION_OFFSET) % 2**32)
         )
-        # A chunk has 2^22 words of at most 2^31 in magnitude: its sum fits int64.
-        partial_sums.append(
-            torch.stack(
-                [
-                    _fmix32(words ^ ((positions ^ _int32(seed)) * _int32(POSITION_MULTIPLIER))).sum(
-                        dtype=torch.int64
-                    )
-                    for seed in LANE_SEEDS
-                ]
-            )
-        )
+        mixed = _fmix32_(torch.bitwise_xor(words, positions), torch.empty_like(positions))
+        # A chunk has 2^22 words of at most 2^31 in magnitude: its sums fit int64.
+        lane_0 = mixed.sum(dtype=torch.int64)
+        lane_1 = mixed.mul_(positions.bitwise_or_(1)).sum(dtype=torch.int64)
+        partial_sums.append(torch.stack([lane_0, lane_1]))
     if not partial_sums:
         return 0, 0
     sums = torch.stack(partial_sums).tolist()  # the one wait for the device, per tensor

@@ -18,16 +18,18 @@ import (
 //
 // "cbserve-wsum-v1" depends on a tensor's bytes, shape and dtype alone, so equal tensors give
 // equal digests on any device. A tensor's bytes (C order, little-endian, zero-padded to a
-// multiple of 4) are read as 32-bit words w_i; two lanes k = 0, 1 with the seeds 0x243F6A88 and
-// 0x85A308D3 sum int32(fmix32(w_i XOR ((i XOR seed_k) * 0x9E3779B1))) mod 2^64 (fmix32 is
-// MurmurHash3's finaliser, i taken mod 2^32); the tensor's digest is the hex SHA-256 of
-// "{dtype}:{shape, comma-separated}:{bytes}:" followed by the two lanes as 8-byte little-endian
-// integers; the model's is the hex SHA-256 of the lines "{name}\t{digest}\n" in name order.
+// multiple of 4) are read as 32-bit words w_i; with q_i = i * 0x9E3779B1 + 0x243F6A88 and
+// h_i = fmix32(w_i XOR q_i) (mod 2^32, i taken mod 2^32; fmix32 is MurmurHash3's finaliser), two
+// lanes sum int32(h_i) and int32(h_i * (q_i OR 1)), mod 2^64; the tensor's digest is the hex
+// SHA-256 of "{dtype}:{shape, comma-separated}:{bytes}:" followed by the two lanes as 8-byte
+// little-endian integers; the model's is the hex SHA-256 of the lines "{name}\t{digest}\n" in
+// name order.
 const ChecksumAlgorithm = "cbserve-wsum-v1"
 
-var laneSeeds = [2]uint32{0x243F6A88, 0x85A308D3}
-
-const positionMultiplier = 0x9E3779B1
+const (
+	positionMultiplier = 0x9E3779B1
+	positionOffset     = 0x243F6A88
+)
 
 // TensorChecksum is the digest of one tensor: its name in the model's state dict, the dtype it
 // is held in (as safetensors names it: "F32", "BF16", ...) and its (whole) shape.
@@ -62,10 +64,10 @@ func TensorDigest(t Tensor) (string, error) {
 		clear(word[:])
 		copy(word[:], t.Data[start:])
 		w := binary.LittleEndian.Uint32(word[:])
-		position := uint32(start / 4) // the word's index, mod 2^32
-		for k, seed := range laneSeeds {
-			lanes[k] += uint64(int64(int32(fmix32(w ^ ((position ^ seed) * positionMultiplier)))))
-		}
+		q := uint32(start/4)*positionMultiplier + positionOffset // the word's index, mod 2^32
+		h := fmix32(w ^ q)
+		lanes[0] += uint64(int64(int32(h)))
+		lanes[1] += uint64(int64(int32(h * (q | 1))))
 	}
 	shape := make([]string, len(t.Shape))
 	for i, dim := range t.Shape {

@@ -27,6 +27,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.cuda_ipc",
         "engine.cache_root",
         "engine.container_limits",
+        "engine.thread_budget",
         # Plain records of host-resident blocks, which a request carries while preempted.
         "engine.kv.offload",
     },

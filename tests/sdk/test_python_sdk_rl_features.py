@@ -176,6 +176,42 @@ def test_the_trainers_checksum_of_what_it_pushed_equals_the_servers_after_the_pu
             admin.update_weights(fresh_tiny_model("llama").state_dict())
 
 
+def test_the_trainers_digest_equals_the_engines_for_every_dtype_and_layout(monkeypatch) -> None:
+    from cbserve_client import checksum as trainer_side
+
+    from engine import weights_checksum as server_side
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(7, 13, generator=generator) * 100
+    tensors = {
+        "f32": values,
+        "bf16 odd length": values.to(torch.bfloat16).reshape(-1)[:91],
+        "f16": values.to(torch.float16),
+        "i64": values.to(torch.int64),
+        "u8 of 3": torch.tensor([1, 2, 250], dtype=torch.uint8),
+        "bool": values > 0,
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "column-major": values.t(),
+    }
+    for chunk_bytes in (server_side.CHUNK_BYTES, 12):  # one pass, then many of three words
+        monkeypatch.setattr(server_side, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(trainer_side, "_CHUNK_BYTES", chunk_bytes)
+        trainer = weights_checksum(tensors)
+        for name, tensor in tensors.items():
+            assert trainer.tensors[name].digest == server_side.tensor_digest(tensor), (name, chunk_bytes)
+        assert trainer.digest == server_side.weights_checksum(tensors).digest
+
+
+def test_tied_weights_are_digested_once_under_each_name() -> None:
+    model = fresh_tiny_model("llama")
+    state = model.state_dict()
+    state["tied.copy"] = state["model.norm.weight"]  # state_dict() gives tied names as detached views
+    checksum = weights_checksum(state)
+    assert checksum.tensors["tied.copy"].digest == checksum.tensors["model.norm.weight"].digest
+    assert checksum.num_tensors == len(state)
+
+
 def test_check_weights_passes_on_equal_replicas_and_names_the_one_that_differs(
     fleet: AdminFleet, replicas: list[RunningServer]
 ) -> None:

@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 __all__ = ["ALGORITHM", "weights_checksum"]
 
 ALGORITHM = "cbserve-wsum-v1"
-_LANE_SEEDS = (0x243F6A88, 0x85A308D3)
 _POSITION_MULTIPLIER = 0x9E3779B1
-# Bytes digested per pass: bounds the temporaries to a few times 32 MiB whatever the tensor's size.
+_POSITION_OFFSET = 0x243F6A88
+# Bytes digested per pass: bounds the temporaries to a few times 16 MiB whatever the tensor's size.
 _CHUNK_BYTES = 2**24
 
 
@@ -46,7 +46,8 @@ def weights_checksum(named_tensors: NamedTensors, *, dtype: Any = None) -> Weigh
     import torch
 
     digests: dict[str, TensorChecksum] = {}
-    by_identity: dict[tuple[int, Any], str] = {}
+    # Tied weights (one tensor under two names, as state_dict() gives them) are digested once.
+    by_identity: dict[tuple[Any, ...], str] = {}
     with torch.no_grad():
         for name, tensor in named_tensor_list(named_tensors):
             if not isinstance(tensor, torch.Tensor):
@@ -56,7 +57,7 @@ def weights_checksum(named_tensors: NamedTensors, *, dtype: Any = None) -> Weigh
             whole = _whole(tensor)
             if dtype is not None and whole.is_floating_point():
                 whole = whole.to(dtype)
-            key = (id(tensor), whole.dtype)
+            key = (*_identity(tensor), whole.dtype)
             digest = by_identity.get(key)
             if digest is None:
                 digest = by_identity[key] = _tensor_digest(whole)
@@ -76,29 +77,41 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return full_tensor() if callable(full_tensor) else tensor
 
 
+def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What two views of the same memory share: where their elements live, and how they are laid out."""
+    try:
+        address = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a DTensor)
+        return (id(tensor),)
+    return (tensor.device, address, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+
+
 def _int32(value: int) -> int:
     """``value`` (in [0, 2^32)) as the int32 of the same bits."""
     return value - 2**32 if value >= 2**31 else value
 
 
-def _fmix32(values: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser on int32 tensors, products wrapping around, right shifts made
-    logical by masking the sign's copies off."""
-    values = values ^ ((values >> 16) & 0xFFFF)
-    values = values * _int32(0x85EBCA6B)
-    values = values ^ ((values >> 13) & 0x7FFFF)
-    values = values * _int32(0xC2B2AE35)
-    return values ^ ((values >> 16) & 0xFFFF)
+def _fmix32_(values: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser, in place on an int32 tensor: products wrap around, right shifts
+    are made logical by masking the sign's copies off."""
+    import torch
+
+    for shift, multiplier in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, None)):
+        torch.bitwise_right_shift(values, shift, out=scratch)
+        values.bitwise_xor_(scratch.bitwise_and_((1 << (32 - shift)) - 1))
+        if multiplier is not None:
+            values.mul_(_int32(multiplier))
+    return values
 
 
 def _tensor_digest(tensor: torch.Tensor) -> str:
-    """Hex SHA-256 of "{dtype}:{shape}:{num_bytes}:" and the two lanes (8 bytes each, little-endian):
-    lane k sums int32(fmix32(w_i XOR ((i XOR seed_k) * 0x9E3779B1))) mod 2^64 over the tensor's bytes read
-    as little-endian 32-bit words w_i (zero-padded), i taken mod 2^32."""
+    """Hex SHA-256 of "{dtype}:{shape}:{num_bytes}:" and the two lanes (8 bytes each, little-endian).
+    The tensor's bytes are read as little-endian 32-bit words w_i (zero-padded); with
+    q_i = i * 0x9E3779B1 + 0x243F6A88 and h_i = fmix32(w_i XOR q_i) (mod 2^32, i taken mod 2^32), lane 0
+    sums int32(h_i) and lane 1 int32(h_i * (q_i OR 1)), mod 2^64."""
     import torch
 
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    lanes = [0, 0]
     partial_sums = []
     for start in range(0, data.numel(), _CHUNK_BYTES):
         chunk = data[start : start + _CHUNK_BYTES]
@@ -106,19 +119,16 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
         if padding or chunk.storage_offset() % 4:
             chunk = torch.cat([chunk, chunk.new_zeros(padding)])
         words = chunk.view(torch.int32)
-        positions = torch.arange(words.numel(), dtype=torch.int32, device=words.device) + _int32(
-            (start // 4) % 2**32
+        first = start // 4
+        positions = torch.arange(words.numel(), dtype=torch.int32, device=words.device)
+        positions.mul_(_int32(_POSITION_MULTIPLIER)).add_(
+            _int32((first * _POSITION_MULTIPLIER + _POSITION_OFFSET) % 2**32)
         )
-        partial_sums.append(
-            torch.stack(
-                [
-                    _fmix32(words ^ ((positions ^ _int32(seed)) * _int32(_POSITION_MULTIPLIER))).sum(
-                        dtype=torch.int64
-                    )
-                    for seed in _LANE_SEEDS
-                ]
-            )
-        )
+        mixed = _fmix32_(torch.bitwise_xor(words, positions), torch.empty_like(positions))
+        lane_0 = mixed.sum(dtype=torch.int64)
+        lane_1 = mixed.mul_(positions.bitwise_or_(1)).sum(dtype=torch.int64)
+        partial_sums.append(torch.stack([lane_0, lane_1]))
+    lanes = [0, 0]
     if partial_sums:
         for row in torch.stack(partial_sums).tolist():
             lanes[0] += row[0]

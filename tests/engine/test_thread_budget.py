@@ -1,0 +1,109 @@
+"""The steps' thread count follows other processes' load on the CPUs the engine may use: fewer threads
+while a neighbour keeps a core busy, all of them again once it is gone (engine.thread_budget). Fed with
+a fake clock and fake CPU counters; /proc/stat's parsing with a fake file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine.thread_budget import SAMPLE_INTERVAL_S, ThreadBudget, busy_seconds
+
+
+class FakeMachine:
+    """Two CPUs, this process and a neighbour: seconds of CPU time each has used."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.busy = 0.0
+        self.own = 0.0
+
+    def run(self, seconds: float, own_cpus: float, other_cpus: float) -> None:
+        self.now += seconds
+        self.own += own_cpus * seconds
+        self.busy += (own_cpus + other_cpus) * seconds
+
+    def budget(self, maximum: int = 2, cpus: set[int] | None = None, adaptive: bool = True) -> ThreadBudget:
+        return ThreadBudget(
+            maximum,
+            adaptive,
+            cpus={0, 1} if cpus is None else cpus,
+            busy=lambda: self.busy,
+            own_cpu_seconds=lambda: self.own,
+            clock=lambda: self.now,
+        )
+
+
+def threads_over(
+    machine: FakeMachine, budget: ThreadBudget, samples: int, own: float, other: float
+) -> list[int]:
+    counts = []
+    for _ in range(samples):
+        machine.run(SAMPLE_INTERVAL_S, own_cpus=min(own, budget.threads), other_cpus=other)
+        counts.append(budget.update())
+    return counts
+
+
+def test_a_busy_neighbour_drops_a_thread_and_its_leaving_brings_it_back() -> None:
+    machine = FakeMachine()
+    budget = machine.budget()
+    assert threads_over(machine, budget, 3, own=2.0, other=0.0) == [2, 2, 2]
+    # A neighbour takes half of one core from our spinning threads: after two samples agree, one thread.
+    assert threads_over(machine, budget, 3, own=1.5, other=0.5) == [2, 1, 1]
+    # It keeps its core: still one.
+    assert threads_over(machine, budget, 3, own=1.0, other=1.0) == [1, 1, 1]
+    # Gone: two again, after two quiet samples.
+    assert threads_over(machine, budget, 3, own=1.0, other=0.0) == [1, 2, 2]
+
+
+def test_one_noisy_sample_changes_nothing() -> None:
+    machine = FakeMachine()
+    budget = machine.budget()
+    threads_over(machine, budget, 2, own=2.0, other=0.0)
+    assert threads_over(machine, budget, 1, own=1.2, other=0.8) == [2]
+    assert threads_over(machine, budget, 3, own=2.0, other=0.0) == [2, 2, 2]
+
+
+def test_light_background_load_keeps_every_thread() -> None:
+    machine = FakeMachine()
+    budget = machine.budget()
+    assert threads_over(machine, budget, 4, own=1.7, other=0.3) == [2, 2, 2, 2]
+
+
+def test_samples_come_at_most_every_interval() -> None:
+    machine = FakeMachine()
+    budget = machine.budget()
+    threads_over(machine, budget, 2, own=2.0, other=0.0)
+    for _ in range(10):  # many short steps inside one interval: one sample at most
+        machine.run(SAMPLE_INTERVAL_S / 20, own_cpus=1.0, other_cpus=1.0)
+        assert budget.update() == 2
+
+
+@pytest.mark.parametrize(
+    ("maximum", "cpus", "adaptive"),
+    [(2, {0, 1}, False), (1, {0}, True), (2, set(range(8)), True)],
+    ids=["configured", "one-thread", "wider-mask"],
+)
+def test_the_count_is_fixed_when_configured_single_or_the_mask_is_wider(
+    maximum: int, cpus: set[int], adaptive: bool
+) -> None:
+    machine = FakeMachine()
+    budget = machine.budget(maximum, cpus, adaptive)
+    assert threads_over(machine, budget, 4, own=maximum / 2, other=1.0) == [maximum] * 4
+
+
+def test_busy_seconds_sums_the_masks_cpus_with_steal(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  900 0 900 9000 0 0 0 0 0 0\n"
+        # user nice system idle iowait irq softirq steal guest guest_nice
+        "cpu0 100 10 20 5000 7 1 2 30 0 0\n"
+        "cpu1 200 0 40 4000 3 0 0 0 0 0\n"
+        "cpu2 999 0 999 0 0 0 0 0 0 0\n"
+        "intr 12345\n"
+    )
+    ticks = (100 + 10 + 20 + 1 + 2 + 30) + (200 + 40)
+    assert busy_seconds({0, 1}, stat) == pytest.approx(ticks / os.sysconf("SC_CLK_TCK"))
+    assert busy_seconds({0}, tmp_path / "missing") is None
