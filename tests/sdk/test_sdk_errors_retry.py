@@ -1,4 +1,5 @@
-"""Status code -> exception mapping, and retries (AddRequest only, on safe codes only)."""
+"""Status code -> exception mapping, and retries (AddRequest, and a generation before its first token;
+on safe codes only)."""
 
 from __future__ import annotations
 
@@ -187,14 +188,21 @@ class FailingStream:
 
 
 @pytest.mark.parametrize("code", sorted(RETRYABLE_CODES, key=str))
-def test_streams_are_never_retried(code: grpc.StatusCode, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict[str, Any]] = []
+def test_only_a_generation_refused_unavailable_is_retried_by_the_sdk(
+    code: grpc.StatusCode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """generate and stream are tried retry_attempts times on UNAVAILABLE before any token; results (gRPC
+    retries it, in the channel) and any other code are tried once."""
+    calls: dict[str, list[dict[str, Any]]] = {"Generate": [], "StreamResults": []}
 
-    def open_stream(*args: Any, **kwargs: Any) -> FailingStream:
-        calls.append(kwargs)
-        return FailingStream(code)
+    def opener(method: str) -> Any:
+        def open_stream(*args: Any, **kwargs: Any) -> FailingStream:
+            calls[method].append(kwargs)
+            return FailingStream(code)
 
-    stub = FakeStub(Generate=open_stream, StreamResults=open_stream)
+        return open_stream
+
+    stub = FakeStub(Generate=opener("Generate"), StreamResults=opener("StreamResults"))
     with _client_with(stub, monkeypatch) as client:
         with pytest.raises(errors.CbserveError) as info:
             client.generate("hi")
@@ -203,8 +211,10 @@ def test_streams_are_never_retried(code: grpc.StatusCode, monkeypatch: pytest.Mo
             list(client.results("r"))
         with pytest.raises(errors.CbserveError):
             list(client.stream("hi"))
-    assert len(calls) == 3
-    assert all(c["timeout"] == 600.0 for c in calls), "streams get the client's stream_timeout"
+    tries = 4 if code == grpc.StatusCode.UNAVAILABLE else 1
+    assert (len(calls["Generate"]), len(calls["StreamResults"])) == (2 * tries, 1)
+    timeouts = [c["timeout"] for c in calls["Generate"] + calls["StreamResults"]]
+    assert all(590 < timeout <= 600.0 for timeout in timeouts), "the client's stream_timeout, for all tries"
 
 
 def test_async_submit_retries_only_safe_codes() -> None:

@@ -16,6 +16,8 @@ from cbserve_client.errors import AlreadyExistsError, CbserveError, DeadlineExce
 T = TypeVar("T")
 
 Metadata = tuple[tuple[str, str], ...]
+#: Turns a grpc.RpcError into the CbserveError a client raises (from_rpc_error, plus what the client knows).
+ErrorMapper = Callable[[grpc.RpcError], CbserveError]
 
 #: Codes on which AddRequest is retried: the server queued nothing, so trying again is safe.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
@@ -119,20 +121,21 @@ def call_with_retry(
     sleep: Callable[[float], None] | None = None,
     rng: Callable[[], float] | None = None,
     on_already_exists: Callable[[], T] | None = None,
+    to_error: ErrorMapper = from_rpc_error,
 ) -> T:
     """Calls ``fn(timeout_left)``, retrying on UNAVAILABLE / RESOURCE_EXHAUSTED only.
 
     ``timeout`` bounds all attempts together. ``on_already_exists``, when given, turns an
     ALREADY_EXISTS on a retry into a success: the previous attempt did queue the request (its
     answer was lost), which a client-chosen request id lets us recognise.
-    Raises the mapped :class:`CbserveError`.
+    Raises ``to_error`` of the last grpc.RpcError.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     for attempt in range(attempts):
         try:
             return fn(_remaining(deadline))
         except grpc.RpcError as exc:
-            error = from_rpc_error(exc)
+            error = to_error(exc)
         if attempt > 0 and on_already_exists is not None and isinstance(error, AlreadyExistsError):
             return on_already_exists()
         if error.code not in RETRYABLE_CODES or attempt == attempts - 1:
@@ -154,6 +157,7 @@ async def acall_with_retry(
     sleep: Callable[[float], Awaitable[None]] | None = None,
     rng: Callable[[], float] | None = None,
     on_already_exists: Callable[[], T] | None = None,
+    to_error: ErrorMapper = from_rpc_error,
 ) -> T:
     """The asyncio twin of :func:`call_with_retry`."""
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -161,7 +165,7 @@ async def acall_with_retry(
         try:
             return await fn(_remaining(deadline))
         except grpc.RpcError as exc:
-            error = from_rpc_error(exc)
+            error = to_error(exc)
         if attempt > 0 and on_already_exists is not None and isinstance(error, AlreadyExistsError):
             return on_already_exists()
         if error.code not in RETRYABLE_CODES or attempt == attempts - 1:
@@ -174,20 +178,65 @@ async def acall_with_retry(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def call_once(fn: Callable[[], T]) -> T:
-    """Calls ``fn()``, mapping a grpc.RpcError to the matching CbserveError."""
+class GenerationRetry:
+    """Whether a Generate call (generate, generate_n, stream) that failed is tried again, and when.
+
+    A call that fails with UNAVAILABLE before its first token is tried again, as a new call (which
+    round_robin sends to the next ready replica), up to ``attempts`` tries within the call's deadline,
+    with :func:`backoff_delay` between them. That is safe: the caller has no output of the request, and
+    the request runs nowhere any more. Either the server refused it (the model still loading, the server
+    draining, stopped or asleep), or the connection broke (a replica killed: "Stream removed",
+    "Connection reset by peer"), which ends the request with the server that died, or, on one that lives,
+    with the stream (the server cancels a Generate stream's requests when the stream ends).
+    gRPC's own retryPolicy would stop at the server's first message, a "queued" status sent the moment
+    the request is taken, and so would not retry a replica killed while the request waits or prefills.
+
+    After the first token nothing is retried: the request has run on that replica, a retry would run it
+    again from its prompt, and a request that crashed its replica would go on to crash the next.
+    """
+
+    def __init__(self, start: Callable[[float | None], Any], attempts: int, timeout: float | None) -> None:
+        #: Opens the call anew, with the time left (None: no deadline); returns the gRPC call.
+        self.start = start
+        self.attempts = attempts
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.tries = 1
+        self.output_seen = False
+
+    def saw(self, token_ids: Sequence[int], finished: bool) -> None:
+        """Records a chunk the caller receives: after one with a token (or the end), no more retries."""
+        if token_ids or finished:
+            self.output_seen = True
+
+    def delay(self, error: CbserveError, rng: Callable[[], float] = random.random) -> float | None:
+        """Seconds to wait before trying again a call that failed with ``error``, or None to raise it."""
+        if error.code != grpc.StatusCode.UNAVAILABLE or self.output_seen or self.tries >= self.attempts:
+            return None
+        delay = backoff_delay(self.tries - 1, rng=rng)
+        left = _remaining(self.deadline)
+        if left is not None and left <= delay:
+            return None
+        self.tries += 1
+        return delay
+
+    def time_left(self) -> float | None:
+        return _remaining(self.deadline)
+
+
+def call_once(fn: Callable[[], T], to_error: ErrorMapper = from_rpc_error) -> T:
+    """Calls ``fn()``, raising ``to_error`` of a grpc.RpcError (the matching CbserveError)."""
     try:
         return fn()
     except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from exc
+        raise to_error(exc) from exc
 
 
-async def acall_once(fn: Callable[[], Awaitable[T]]) -> T:
+async def acall_once(fn: Callable[[], Awaitable[T]], to_error: ErrorMapper = from_rpc_error) -> T:
     """The asyncio twin of :func:`call_once`."""
     try:
         return await fn()
     except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from exc
+        raise to_error(exc) from exc
 
 
 def make_channel(
@@ -215,6 +264,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEFAULT_TIMEOUT_S",
     "RETRYABLE_CODES",
+    "GenerationRetry",
     "Timeout",
     "acall_once",
     "acall_with_retry",

@@ -16,7 +16,9 @@ from cbserve_client._connection import (
     channel_options,
     channel_target,
     describe_target,
+    explain_unreachable,
 )
+from cbserve_client.errors import CbserveError, from_rpc_error
 
 
 class Closeable(ABC):
@@ -41,6 +43,9 @@ class ChannelOwner(Closeable):
     """Owns one gRPC channel; `close()` (or leaving a `with` block) closes it, which cancels in-flight
     streams and releases an open pause."""
 
+    #: The server's flag for the port this client calls, and its default (for error messages).
+    port_flag = "--port, 50051 by default"
+
     def __init__(
         self,
         target: str | Sequence[str],
@@ -53,6 +58,7 @@ class ChannelOwner(Closeable):
         self.target = describe_target(target)
         self.timeout = timeout
         self._token = token
+        self._retry_attempts = settings.retry_attempts
         self._channel = make_channel(channel_target(target), credentials, channel_options(settings, options))
 
     def close(self) -> None:
@@ -60,3 +66,7 @@ class ChannelOwner(Closeable):
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return call_metadata(self._token)
+
+    def _error(self, exc: grpc.RpcError) -> CbserveError:
+        """The CbserveError for ``exc``; a call that reached no server says which target and what to check."""
+        return explain_unreachable(from_rpc_error(exc), self.target, self.port_flag)

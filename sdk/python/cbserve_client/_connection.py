@@ -1,11 +1,12 @@
 """How a client reaches its server(s): the gRPC target of one address, a list of replicas or a resolvable
-name, and the channel options that spread calls over them, keep long streams alive and retry the
-idempotent unary calls.
+name, and the channel options that spread calls over the replicas that serve, keep long streams alive
+and retry the calls that reached no server.
 
 All of it is gRPC's own machinery, set through channel options: the ``round_robin`` load-balancing
-policy (one connection per address, each call on the next ready one, a dead address skipped) and a
-service config whose ``retryPolicy`` retries GetModelInfo, Cancel and admin GetStatus on UNAVAILABLE,
-which the server answers only when it did nothing.
+policy (one connection per address, each call on the next ready one, a dead address skipped), client-side
+health checking (a replica whose ``grpc.health.v1`` status is NOT_SERVING, such as one still loading
+its model, gets no calls until it serves), and a service config whose ``retryPolicy`` retries, on
+UNAVAILABLE, the read-only calls (see ``_RETRIED_METHODS``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from cbserve_client.errors import UnavailableError
+from cbserve_client.errors import CbserveError, UnavailableError
 
 #: How many times an idempotent unary call (model_info, cancel, admin status) is tried on UNAVAILABLE.
 DEFAULT_RETRY_ATTEMPTS = 4
@@ -28,14 +29,26 @@ MAX_RETRY_ATTEMPTS = 5
 DEFAULT_LOAD_BALANCING = "round_robin"
 DEFAULT_KEEPALIVE_TIMEOUT_S = 20.0
 
-# The unary calls that are safe to send twice: they change nothing, or (Cancel) nothing more the
-# second time. Submit has its own retries (it must tell a lost answer from a duplicate id); the
-# streams are never retried once the server answered.
-_IDEMPOTENT_METHODS = (
+# The calls gRPC retries on UNAVAILABLE, by the channel's retryPolicy. gRPC retries a call only until it
+# is committed: once the first response message (or header) of an attempt has arrived, or its request
+# outgrew the retry buffer (256 KiB), the call's outcome is that attempt's. Each try is a new pick of
+# the load-balancing policy, so with several replicas it goes to the next ready one. All of these
+# change nothing (Cancel nothing more the second time), so any try may be repeated.
+# Two calls retry in the SDK instead, where a service config cannot say what is safe: AddRequest
+# (submit: an ALREADY_EXISTS on a retry means the first try did queue it) and Generate (generate,
+# stream: the server's first message, a "queued" status, commits the call at once, but a failure until
+# the first token is still safe to retry; see GenerationRetry in _call.py).
+_RETRIED_METHODS = (
     {"service": "cbserve.v1.GenerationService", "method": "GetModelInfo"},
     {"service": "cbserve.v1.GenerationService", "method": "Cancel"},
+    {"service": "cbserve.v1.GenerationService", "method": "StreamResults"},
     {"service": "cbserve.v1.AdminService", "method": "GetStatus"},
 )
+
+# The grpc.health.v1 service name whose status the client watches on each connection: "" is the
+# server's overall status, NOT_SERVING while the model loads and while the server drains, is stopped,
+# sleeps or holds incomplete weights (service/server.py sets "" with the generation services).
+_HEALTH_SERVICE_NAME = ""
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,10 @@ class ChannelSettings:
     retry_attempts: int = DEFAULT_RETRY_ATTEMPTS
     keepalive_s: float | None = None
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    #: Watch each connection's grpc.health.v1 status and send calls only where it is SERVING. Off for
+    #: the admin port, whose calls (status, wake_up, a weight update) must reach a server that does not
+    #: serve generation.
+    health_check: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.retry_attempts, int) or not 1 <= self.retry_attempts <= MAX_RETRY_ATTEMPTS:
@@ -64,8 +81,9 @@ DEFAULT_SETTINGS = ChannelSettings()
 
 
 def service_config(settings: ChannelSettings) -> str:
-    """The channel's default service config: its load-balancing policy and the retry policy."""
-    method_config: dict[str, Any] = {"name": list(_IDEMPOTENT_METHODS)}
+    """The channel's default service config: its load-balancing policy, health checking and the retry
+    policy."""
+    method_config: dict[str, Any] = {"name": list(_RETRIED_METHODS)}
     if settings.retry_attempts > 1:
         method_config["retryPolicy"] = {
             "maxAttempts": settings.retry_attempts,
@@ -74,7 +92,15 @@ def service_config(settings: ChannelSettings) -> str:
             "backoffMultiplier": 2,
             "retryableStatusCodes": ["UNAVAILABLE"],
         }
-    config = {"loadBalancingConfig": [{settings.load_balancing: {}}], "methodConfig": [method_config]}
+    config: dict[str, Any] = {
+        "loadBalancingConfig": [{settings.load_balancing: {}}],
+        "methodConfig": [method_config],
+    }
+    if settings.health_check:
+        # round_robin then treats a connection whose server is not SERVING as not ready: a replica
+        # still loading gets no calls, rather than answering them UNAVAILABLE. A server without the
+        # health service (UNIMPLEMENTED) counts as serving. pick_first ignores it.
+        config["healthCheckConfig"] = {"serviceName": _HEALTH_SERVICE_NAME}
     return json.dumps(config)
 
 
@@ -151,6 +177,41 @@ def channel_target(target: str | Sequence[str]) -> str:
     return "ipv6:" + ",".join(dict.fromkeys(ipv6))
 
 
+# How gRPC's load-balancing policies (pick_first, round_robin) fail a call when they had no connection
+# to send it on; the rest of the text is "; last error: " and the last connection's failure.
+_NO_CONNECTION = ("failed to connect to all addresses", "connections to all backends failing")
+# What round_robin says of a connection whose server's health is NOT_SERVING.
+_UNHEALTHY = "backend unhealthy"
+
+
+def explain_unreachable(error: CbserveError, target: str, port_flag: str) -> CbserveError:
+    """``error``, reworded when it is gRPC's UNAVAILABLE for a call that no server received: gRPC's
+    text ("failed to connect to all addresses; last error: UNKNOWN: ...") names neither the target as
+    given nor what to check. ``port_flag``: the server's flag for the port the client calls, and its
+    default."""
+    if error.code != grpc.StatusCode.UNAVAILABLE or not error.details.startswith(_NO_CONNECTION):
+        return error
+    last = error.details.partition("last error: ")[2]
+    # gRPC files a refused or timed-out connection under UNKNOWN, which says nothing: drop it.
+    last = last.removeprefix("UNKNOWN: ")
+    if last.endswith(_UNHEALTHY):
+        details = (
+            f"no server at {target} is serving: each one connected reports NOT_SERVING on grpc.health.v1 "
+            "(its model is still loading, or it is draining, stopped, asleep or holding incomplete weights), "
+            "so the call was not sent. Retry once one serves; the admin status (AdminClient.status()) or "
+            "the server's log says why it does not"
+        )
+    else:
+        details = (
+            f"nothing answered at {target}, so the call was not sent (last connection attempt: {last}). "
+            f"Check that `cbserve serve` runs there and listens on that port ({port_flag}), that this "
+            "host can reach it, and that credentials= matches the server (TLS or plaintext)"
+        )
+    explained = UnavailableError(error.code, details)
+    explained.__cause__ = error.__cause__
+    return explained
+
+
 def describe_target(target: str | Sequence[str]) -> str:
     """The target as the caller gave it, for ``client.target`` and error messages."""
     return target if isinstance(target, str) else ",".join(target)
@@ -165,6 +226,7 @@ __all__ = [
     "channel_options",
     "channel_target",
     "describe_target",
+    "explain_unreachable",
     "replica_targets",
     "service_config",
     "split_host_port",

@@ -16,6 +16,7 @@ from cbserve_client._call import (
     resolve_timeout,
 )
 from cbserve_client._channel import ChannelOwner
+from cbserve_client._connection import ChannelSettings
 from cbserve_client._convert import (
     distributed_update_request,
     init_weights_update_group_request,
@@ -45,7 +46,7 @@ from cbserve_client._types import (
 )
 from cbserve_client._weights import MAX_CHUNK_BYTES, NamedTensors, WeightsSource, update_weights_requests
 from cbserve_client._weights_transfer import WeightsTransfer
-from cbserve_client.errors import CbserveError, DeadlineExceededError, from_rpc_error
+from cbserve_client.errors import CbserveError, DeadlineExceededError
 
 __all__ = ["AdminClient"]
 
@@ -55,6 +56,10 @@ DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_GROUP_TIMEOUT_S = 120.0
 
 T = TypeVar("T")
+
+#: The admin port serves no health service, and its calls must reach a server whose generation does
+#: not serve (loading, asleep, stopped): no health checking.
+_ADMIN_SETTINGS = ChannelSettings(health_check=False)
 
 
 class AdminClient(ChannelOwner):
@@ -71,6 +76,8 @@ class AdminClient(ChannelOwner):
         options: extra gRPC channel options.
     """
 
+    port_flag = "--admin-port, 50052 by default"
+
     def __init__(
         self,
         target: str,
@@ -80,7 +87,7 @@ class AdminClient(ChannelOwner):
         timeout: float | None = DEFAULT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        super().__init__(target, credentials, token, timeout, options)
+        super().__init__(target, credentials, token, timeout, options, _ADMIN_SETTINGS)
         self._stub: Any = admin_pb2_grpc.AdminServiceStub(self._channel)
 
     @contextlib.contextmanager
@@ -388,9 +395,10 @@ class AdminClient(ChannelOwner):
             raise self._error(exc) from exc
 
     def _error(self, exc: grpc.RpcError) -> CbserveError:
-        """The CbserveError for ``exc``; UNIMPLEMENTED (no AdminService at the target: the generation
-        port, most often) says which port to use instead."""
-        error = from_rpc_error(exc)
+        """The CbserveError for ``exc``: a call that reached no server says which target and what to
+        check; UNIMPLEMENTED (no AdminService at the target: the generation port, most often) says which
+        port to use instead."""
+        error = super()._error(exc)
         if error.code != grpc.StatusCode.UNIMPLEMENTED:
             return error
         hinted = CbserveError(

@@ -22,6 +22,7 @@ from cbserve_client._call import (
     DEFAULT_STREAM_TIMEOUT_S,
     DEFAULT_TIMEOUT,
     DEFAULT_TIMEOUT_S,
+    GenerationRetry,
     Timeout,
     acall_once,
     acall_with_retry,
@@ -38,6 +39,7 @@ from cbserve_client._connection import (
     channel_options,
     channel_target,
     describe_target,
+    explain_unreachable,
 )
 from cbserve_client._convert import (
     CompletionsBuilder,
@@ -52,7 +54,7 @@ from cbserve_client._convert import (
 )
 from cbserve_client._generated.cbserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from cbserve_client._types import Chunk, Completion, ModelInfo
-from cbserve_client.errors import CancelledError, from_rpc_error
+from cbserve_client.errors import CancelledError, CbserveError, from_rpc_error
 
 __all__ = ["AsyncChunkStream", "AsyncClient"]
 
@@ -73,10 +75,14 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
         *,
         timeout: float | None = None,
         raise_rejections: bool = False,
+        to_error: Callable[[grpc.RpcError], CbserveError] = from_rpc_error,
+        retry: GenerationRetry | None = None,
     ) -> None:
         self._call = call
         self._extract = extract
         self._timeout = timeout
+        self._to_error = to_error
+        self._retry = retry
         self._raise_rejections = raise_rejections
         self._cancelled = False
         #: The id of the request this stream follows.
@@ -86,23 +92,42 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
         return self
 
     async def __anext__(self) -> Chunk:
-        try:
-            message = await self._call.read()
-        except grpc.RpcError as exc:
-            raise explain_deadline(from_rpc_error(exc), self._timeout) from exc
-        except asyncio.CancelledError:
-            if self._cancelled:  # our own cancel(): report it like the sync client does
-                raise CancelledError(grpc.StatusCode.CANCELLED, "the stream was cancelled") from None
-            raise
-        if message is grpc.aio.EOF:
-            raise StopAsyncIteration
-        chunk = chunk_from_proto(self._extract(message))
-        if self._raise_rejections:
-            error = rejection_error(chunk)
-            if error is not None:
-                self.cancel()
-                raise error
-        return chunk
+        while True:
+            try:
+                message = await self._call.read()
+            except grpc.RpcError as exc:
+                error = self._to_error(exc)
+                if await self._try_again(error):
+                    continue
+                raise explain_deadline(error, self._timeout) from exc
+            except asyncio.CancelledError:
+                if self._cancelled:  # our own cancel(): report it like the sync client does
+                    raise CancelledError(grpc.StatusCode.CANCELLED, "the stream was cancelled") from None
+                raise
+            if message is grpc.aio.EOF:
+                raise StopAsyncIteration
+            chunk = chunk_from_proto(self._extract(message))
+            rejection = rejection_error(chunk) if self._raise_rejections else None
+            if rejection is not None:
+                self._call.cancel()
+                if await self._try_again(rejection):
+                    continue
+                self._cancelled = True
+                raise rejection
+            if self._retry is not None:
+                self._retry.saw(chunk.token_ids, chunk.finished)
+            return chunk
+
+    async def _try_again(self, error: CbserveError) -> bool:
+        """Opens the call anew when ``error`` allows another try (see GenerationRetry)."""
+        delay = None if self._retry is None or self._cancelled else self._retry.delay(error)
+        if self._retry is None or delay is None:
+            return False
+        await asyncio.sleep(delay)
+        if self._cancelled:
+            return False
+        self._call = self._retry.start(self._retry.time_left())
+        return True
 
     def cancel(self) -> None:
         """Cancels the RPC (no-op once it has completed)."""
@@ -146,6 +171,7 @@ class AsyncClient:
         self.timeout = timeout
         self.stream_timeout = stream_timeout
         self._token = token
+        self._retry_attempts = retry_attempts
         self._channel = make_aio_channel(
             channel_target(target), credentials, channel_options(settings, options)
         )
@@ -168,6 +194,10 @@ class AsyncClient:
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return call_metadata(self._token)
+
+    def _error(self, exc: grpc.RpcError) -> CbserveError:
+        """The CbserveError for ``exc``; a call that reached no server says which target and what to check."""
+        return explain_unreachable(from_rpc_error(exc), self.target, "--port, 50051 by default")
 
     async def generate(
         self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
@@ -204,14 +234,20 @@ class AsyncClient:
         and thus the request.
         """
         request = build_request(prompt, **with_request_id(sampling))
-        deadline = resolve_timeout(timeout, self.stream_timeout)
-        call = self._stub.Generate(
-            iter([generation_pb2.GenerateRequest(add=request)]),
-            timeout=deadline,
-            metadata=self._metadata(),
-        )
+        deadline, metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata()
+
+        def start(left: float | None) -> Any:
+            messages = iter([generation_pb2.GenerateRequest(add=request)])
+            return self._stub.Generate(messages, timeout=left, metadata=metadata)
+
         return AsyncChunkStream(
-            call, _generate_chunk, request.request_id, timeout=deadline, raise_rejections=True
+            start(deadline),
+            _generate_chunk,
+            request.request_id,
+            timeout=deadline,
+            raise_rejections=True,
+            to_error=self._error,
+            retry=GenerationRetry(start, self._retry_attempts, deadline),
         )
 
     async def submit(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> str:
@@ -228,6 +264,7 @@ class AsyncClient:
             attempt,
             timeout=resolve_timeout(timeout, self.timeout),
             on_already_exists=lambda: request.request_id,
+            to_error=self._error,
         )
 
     def results(
@@ -237,7 +274,7 @@ class AsyncClient:
         message = generation_pb2.StreamResultsRequest(request_id=request_id, from_token_index=from_index)
         deadline = resolve_timeout(timeout, self.stream_timeout)
         call = self._stub.StreamResults(message, timeout=deadline, metadata=self._metadata())
-        return AsyncChunkStream(call, _results_chunk, request_id, timeout=deadline)
+        return AsyncChunkStream(call, _results_chunk, request_id, timeout=deadline, to_error=self._error)
 
     async def cancel(
         self, request_id: str, *, index: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT
@@ -248,7 +285,8 @@ class AsyncClient:
         response = await acall_once(
             lambda: self._stub.Cancel(
                 message, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
-            )
+            ),
+            self._error,
         )
         return bool(response.cancelled)
 
@@ -259,7 +297,8 @@ class AsyncClient:
                 generation_pb2.GetModelInfoRequest(),
                 timeout=resolve_timeout(timeout, self.timeout),
                 metadata=self._metadata(),
-            )
+            ),
+            self._error,
         )
         return model_info_from_proto(response)
 

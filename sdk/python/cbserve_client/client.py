@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ from cbserve_client._call import (
     DEFAULT_STREAM_TIMEOUT_S,
     DEFAULT_TIMEOUT,
     DEFAULT_TIMEOUT_S,
+    GenerationRetry,
     Timeout,
     call_once,
     call_with_retry,
@@ -38,7 +40,7 @@ from cbserve_client._convert import (
 )
 from cbserve_client._generated.cbserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from cbserve_client._types import Chunk, Completion, ModelInfo
-from cbserve_client.errors import from_rpc_error
+from cbserve_client.errors import CbserveError, from_rpc_error
 
 __all__ = ["ChunkStream", "Client"]
 
@@ -59,10 +61,14 @@ class ChunkStream(Closeable, Iterator[Chunk]):
         *,
         timeout: float | None = None,
         raise_rejections: bool = False,
+        to_error: Callable[[grpc.RpcError], CbserveError] = from_rpc_error,
+        retry: GenerationRetry | None = None,
     ) -> None:
         self._call = call
         self._extract = extract
         self._timeout = timeout
+        self._to_error = to_error
+        self._retry = retry
         self._raise_rejections = raise_rejections
         #: The id of the request this stream follows.
         self.request_id = request_id
@@ -71,17 +77,33 @@ class ChunkStream(Closeable, Iterator[Chunk]):
         return self
 
     def __next__(self) -> Chunk:
-        try:
-            message = next(self._call)
-        except grpc.RpcError as exc:
-            raise explain_deadline(from_rpc_error(exc), self._timeout) from exc
-        chunk = chunk_from_proto(self._extract(message))
-        if self._raise_rejections:
-            error = rejection_error(chunk)
-            if error is not None:
+        while True:
+            try:
+                message = next(self._call)
+            except grpc.RpcError as exc:
+                error = self._to_error(exc)
+                if self._try_again(error):
+                    continue
+                raise explain_deadline(error, self._timeout) from exc
+            chunk = chunk_from_proto(self._extract(message))
+            rejection = rejection_error(chunk) if self._raise_rejections else None
+            if rejection is not None:
                 self.close()
-                raise error
-        return chunk
+                if self._try_again(rejection):
+                    continue
+                raise rejection
+            if self._retry is not None:
+                self._retry.saw(chunk.token_ids, chunk.finished)
+            return chunk
+
+    def _try_again(self, error: CbserveError) -> bool:
+        """Opens the call anew when ``error`` allows another try (see GenerationRetry)."""
+        delay = None if self._retry is None else self._retry.delay(error)
+        if self._retry is None or delay is None:
+            return False
+        time.sleep(delay)
+        self._call = self._retry.start(self._retry.time_left())
+        return True
 
     def close(self) -> None:
         """Cancels the RPC (no-op once it has completed)."""
@@ -112,11 +134,14 @@ class Client(ChannelOwner):
             results), so that a stalled server cannot hold one forever; it caps a whole generation,
             so raise it for long outputs. None for none.
         load_balancing: gRPC's load-balancing policy over the addresses the target gives:
-            ``"round_robin"`` (each call on the next ready address, dead ones skipped) or
-            ``"pick_first"`` (one address at a time, the next when it fails).
-        retry_attempts: tries of the idempotent unary calls (model_info, cancel; admin status) on
-            UNAVAILABLE, with gRPC's exponential backoff from 0.1 s to 1 s; in [1, 5], 1 turns
-            retries off. The deadline bounds all tries together.
+            ``"round_robin"`` (each call on the next ready address whose gRPC health says SERVING:
+            dead ones, and ones still loading their model, skipped) or ``"pick_first"`` (one address
+            at a time, the next when it fails; health not watched).
+        retry_attempts: tries, on UNAVAILABLE, of the read-only calls (model_info, cancel, results;
+            admin status: by gRPC, backoff from 0.1 s to 1 s) and of a generation (generate,
+            generate_n, stream) that failed before its first token (backoff from 0.1 s, doubling);
+            each try goes to the next ready replica. In [1, 5], 1 turns retries off. The deadline
+            bounds all tries together.
         keepalive_s: ping a connection that has calls open after this many seconds without reads,
             and drop it (failing its calls with UnavailableError) when no answer comes within
             ``keepalive_timeout_s``: finds a dead server or dropped connection under a long quiet
@@ -203,18 +228,26 @@ class Client(ChannelOwner):
         Runs on the bidirectional ``Generate`` RPC: closing the iterator before the request
         finished (``close()``, leaving a ``with`` block, ``break`` then dropping it) cancels the
         RPC, and the server then cancels the request and frees its KV cache. ``timeout`` bounds the
-        whole stream (default: the client's ``stream_timeout``; None for no deadline).
+        whole stream (default: the client's ``stream_timeout``; None for no deadline). A call that
+        fails with UNAVAILABLE before its first token (the server still loading or draining, a
+        replica killed) is tried again, up to ``retry_attempts`` tries; after it, the error is raised.
         """
         request = build_request(prompt, **with_request_id(sampling))
-        deadline = resolve_timeout(timeout, self.stream_timeout)
-        call = call_once(
-            lambda: self._stub.Generate(
-                iter([generation_pb2.GenerateRequest(add=request)]),
-                timeout=deadline,
-                metadata=self._metadata(),
-            )
+        deadline, metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata()
+
+        def start(left: float | None) -> Any:
+            messages = iter([generation_pb2.GenerateRequest(add=request)])
+            return self._stub.Generate(messages, timeout=left, metadata=metadata)
+
+        return ChunkStream(
+            call_once(lambda: start(deadline), self._error),
+            _generate_chunk,
+            request.request_id,
+            timeout=deadline,
+            raise_rejections=True,
+            to_error=self._error,
+            retry=GenerationRetry(start, self._retry_attempts, deadline),
         )
-        return ChunkStream(call, _generate_chunk, request.request_id, timeout=deadline, raise_rejections=True)
 
     def submit(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> str:
         """Queues a request (``AddRequest``) and returns its id without waiting for any output.
@@ -235,6 +268,7 @@ class Client(ChannelOwner):
             attempt,
             timeout=self._timeout(timeout),
             on_already_exists=lambda: request.request_id,
+            to_error=self._error,
         )
 
     def results(
@@ -247,8 +281,10 @@ class Client(ChannelOwner):
         """
         message = generation_pb2.StreamResultsRequest(request_id=request_id, from_token_index=from_index)
         deadline, metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata()
-        call = call_once(lambda: self._stub.StreamResults(message, timeout=deadline, metadata=metadata))
-        return ChunkStream(call, _results_chunk, request_id, timeout=deadline)
+        call = call_once(
+            lambda: self._stub.StreamResults(message, timeout=deadline, metadata=metadata), self._error
+        )
+        return ChunkStream(call, _results_chunk, request_id, timeout=deadline, to_error=self._error)
 
     def cancel(
         self, request_id: str, *, index: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT
@@ -258,7 +294,8 @@ class Client(ChannelOwner):
         lost). Retried on UNAVAILABLE (``retry_attempts``)."""
         message = cancel_message(request_id, index)
         response = call_once(
-            lambda: self._stub.Cancel(message, timeout=self._timeout(timeout), metadata=self._metadata())
+            lambda: self._stub.Cancel(message, timeout=self._timeout(timeout), metadata=self._metadata()),
+            self._error,
         )
         return bool(response.cancelled)
 
@@ -266,7 +303,9 @@ class Client(ChannelOwner):
         """Describes the served model. Retried on UNAVAILABLE (``retry_attempts``)."""
         message = generation_pb2.GetModelInfoRequest()
         deadline, metadata = self._timeout(timeout), self._metadata()
-        response = call_once(lambda: self._stub.GetModelInfo(message, timeout=deadline, metadata=metadata))
+        response = call_once(
+            lambda: self._stub.GetModelInfo(message, timeout=deadline, metadata=metadata), self._error
+        )
         return model_info_from_proto(response)
 
 
