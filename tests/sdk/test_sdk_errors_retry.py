@@ -24,6 +24,10 @@ EXPECTED = {
     grpc.StatusCode.CANCELLED: errors.CancelledError,
     grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
     grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDeniedError,
+    grpc.StatusCode.ABORTED: errors.AbortedError,
+    grpc.StatusCode.OUT_OF_RANGE: errors.OutOfRangeError,
+    grpc.StatusCode.UNIMPLEMENTED: errors.UnimplementedError,
     grpc.StatusCode.INTERNAL: errors.InternalError,
     grpc.StatusCode.UNKNOWN: errors.InternalError,
     grpc.StatusCode.DATA_LOSS: errors.InternalError,
@@ -31,10 +35,10 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("code", [code for code in grpc.StatusCode if code != grpc.StatusCode.OK])
-def test_every_error_status_code_maps(code: grpc.StatusCode) -> None:
+def test_every_error_status_code_has_its_own_exception_type(code: grpc.StatusCode) -> None:
     rpc_error = FakeRpcError(code, "what happened")
     mapped = errors.from_rpc_error(rpc_error)
-    expected = EXPECTED.get(code, errors.CbserveError)
+    expected = EXPECTED[code]
     assert type(mapped) is expected
     assert isinstance(mapped, errors.CbserveError)
     assert mapped.code == code and mapped.details == "what happened"

@@ -43,6 +43,7 @@ from cbserve_client.aio import AsyncChunkStream, AsyncClient
 from cbserve_client.checksum import weights_checksum
 from cbserve_client.client import ChunkStream, Client
 from cbserve_client.errors import (
+    AbortedError,
     AlreadyExistsError,
     CancelledError,
     CbserveError,
@@ -52,9 +53,12 @@ from cbserve_client.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    OutOfRangeError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
+    UnimplementedError,
     WeightsMismatchError,
 )
 from cbserve_client.fleet import AdminFleet, replica_targets
@@ -63,6 +67,7 @@ from cbserve_client.weight_sync import WeightSyncGroup
 __version__ = "0.1.0"
 
 __all__ = [
+    "AbortedError",
     "AdminClient",
     "AdminFleet",
     "AlreadyExistsError",
@@ -82,7 +87,9 @@ __all__ = [
     "InvalidArgumentError",
     "ModelInfo",
     "NotFoundError",
+    "OutOfRangeError",
     "PauseInfo",
+    "PermissionDeniedError",
     "PrefixCacheReset",
     "Prompt",
     "PromptLogprob",
@@ -96,6 +103,7 @@ __all__ = [
     "TopLogprob",
     "UnauthenticatedError",
     "UnavailableError",
+    "UnimplementedError",
     "Usage",
     "WeightBucket",
     "WeightSyncGroup",

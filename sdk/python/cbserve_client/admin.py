@@ -46,7 +46,7 @@ from cbserve_client._types import (
 )
 from cbserve_client._weights import MAX_CHUNK_BYTES, NamedTensors, WeightsSource, update_weights_requests
 from cbserve_client._weights_transfer import WeightsTransfer
-from cbserve_client.errors import CbserveError, DeadlineExceededError
+from cbserve_client.errors import CbserveError, DeadlineExceededError, UnimplementedError
 
 __all__ = ["AdminClient"]
 
@@ -401,7 +401,7 @@ class AdminClient(ChannelOwner):
         error = super()._error(exc)
         if error.code != grpc.StatusCode.UNIMPLEMENTED:
             return error
-        hinted = CbserveError(
+        hinted = UnimplementedError(
             error.code,
             f"{error.details} ({self.target} does not serve the AdminService: is it the generation port? "
             "The admin API listens on the server's --admin-port, 50052 by default)",

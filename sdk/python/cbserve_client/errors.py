@@ -1,8 +1,10 @@
-"""Exceptions raised by the cbserve client, one per meaningful gRPC status code.
+"""Exceptions raised by the cbserve client, one per gRPC status code.
 
 Every public call of :class:`~cbserve_client.Client`, :class:`~cbserve_client.AsyncClient` and
 :class:`~cbserve_client.AdminClient` converts :class:`grpc.RpcError` into these (the original error
-is kept as ``__cause__``). Codes without a dedicated class raise :class:`CbserveError` itself.
+is kept as ``__cause__``). Each status code has its own class, a subclass of :class:`CbserveError`,
+except that UNKNOWN and DATA_LOSS raise :class:`InternalError` with INTERNAL: all three are a failure
+of the server's, for which a caller does the same.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 import grpc
 
 __all__ = [
+    "AbortedError",
     "AlreadyExistsError",
     "CancelledError",
     "CbserveError",
@@ -21,9 +24,12 @@ __all__ = [
     "InternalError",
     "InvalidArgumentError",
     "NotFoundError",
+    "OutOfRangeError",
+    "PermissionDeniedError",
     "ResourceExhaustedError",
     "UnauthenticatedError",
     "UnavailableError",
+    "UnimplementedError",
     "WeightsMismatchError",
     "error_from_code",
     "from_rpc_error",
@@ -68,12 +74,32 @@ class UnauthenticatedError(CbserveError):
     """UNAUTHENTICATED: missing or wrong bearer token (admin calls)."""
 
 
+class PermissionDeniedError(CbserveError):
+    """PERMISSION_DENIED: the credentials are valid but not allowed this call (cbserve itself never
+    answers it: a proxy's or a service mesh's authorization policy does)."""
+
+
 class CancelledError(CbserveError):
     """CANCELLED: the call was cancelled (by this client or the server)."""
 
 
 class DeadlineExceededError(CbserveError):
     """DEADLINE_EXCEEDED: the call's deadline (timeout) passed before it completed."""
+
+
+class AbortedError(CbserveError):
+    """ABORTED: a weight-update group could not be joined, or a transfer over it failed midway (a
+    member left, a broadcast failed); the message says which. Form a new group and push again."""
+
+
+class OutOfRangeError(CbserveError):
+    """OUT_OF_RANGE: a value past the end of a valid range (cbserve sends INVALID_ARGUMENT for bad
+    request values; a proxy may send this)."""
+
+
+class UnimplementedError(CbserveError):
+    """UNIMPLEMENTED: the server does not have the call: an older server, a proxy that does not route
+    it, or the wrong port (an AdminClient on the generation port says so)."""
 
 
 class FailedPreconditionError(CbserveError):
@@ -96,6 +122,10 @@ _BY_CODE: dict[grpc.StatusCode, type[CbserveError]] = {
     grpc.StatusCode.CANCELLED: CancelledError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.ABORTED: AbortedError,
+    grpc.StatusCode.OUT_OF_RANGE: OutOfRangeError,
+    grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
     grpc.StatusCode.INTERNAL: InternalError,
     grpc.StatusCode.UNKNOWN: InternalError,
     grpc.StatusCode.DATA_LOSS: InternalError,
