@@ -18,24 +18,35 @@ import (
 type Admin struct {
 	conn    *grpc.ClientConn
 	admin   pb.AdminServiceClient
-	timeout time.Duration
+	timeout clientTimeout
 	target  string
 }
 
-// DialAdmin returns a client of the admin service at target, authenticated with token (the
-// server's CBSERVE_ADMIN_TOKEN or --admin-token-file). Like Dial, it does not wait for the
+// NewAdmin returns a client of the admin service at target, authenticated with token (the
+// server's CBSERVE_ADMIN_TOKEN or --admin-token-file). Like NewClient, it does not wait for the
 // connection. Admin calls act on the one replica that serves them: give it one replica's admin
-// address (a target of several would spread Pause, Stop and Status over them). Close it when
-// done.
-func DialAdmin(ctx context.Context, target, token string, opts ...Option) (*Admin, error) {
+// address (a target of several would spread Pause, Stop and Status over them). Its connection
+// is not health checked: admin calls reach a replica in any state. Close it when done.
+func NewAdmin(target, token string, opts ...Option) (*Admin, error) {
 	if token != "" {
 		opts = append(opts[:len(opts):len(opts)], WithBearerToken(token))
 	}
-	conn, cfg, err := dial(ctx, target, opts)
+	conn, cfg, err := newConn(target, false, opts)
 	if err != nil {
 		return nil, err
 	}
-	return &Admin{conn: conn, admin: pb.NewAdminServiceClient(conn), timeout: cfg.timeout, target: target}, nil
+	return &Admin{conn: conn, admin: pb.NewAdminServiceClient(conn), timeout: cfg.unaryDeadline(), target: target}, nil
+}
+
+// DialAdmin is NewAdmin, but first fails with ErrCanceled or ErrDeadlineExceeded if ctx is
+// already done; it does not wait for a connection either.
+//
+// Deprecated: use NewAdmin, as NewClient replaces Dial.
+func DialAdmin(ctx context.Context, target, token string, opts ...Option) (*Admin, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, convertError(ctx, err)
+	}
+	return NewAdmin(target, token, opts...)
 }
 
 // Target returns the address the admin client was dialled with (CheckWeights names replicas by
@@ -94,8 +105,12 @@ func WithLease(d time.Duration) PauseOption {
 type PauseLease struct {
 	// Holders is the number of holds on the pause when the engine paused, this one included.
 	Holders int
-	// ExpiresAt is when the server drops this hold unless it is released first (the zero time
-	// if the server sent none).
+	// LeaseExpiresAt is when the server drops this hold unless it is released first (the zero
+	// time if the server sent none): the wire's lease_expires_at, as Python's and Java's name it.
+	LeaseExpiresAt time.Time
+	// ExpiresAt is LeaseExpiresAt.
+	//
+	// Deprecated: use LeaseExpiresAt, the name every SDK gives it.
 	ExpiresAt time.Time
 	// WeightVersion is the version of the weights served when the engine paused.
 	WeightVersion uint64
@@ -153,35 +168,46 @@ func (a *Admin) Pause(ctx context.Context, opts ...PauseOption) (*PauseLease, er
 			opt.apply(request)
 		}
 	}
+	// The stream outlives the wait (it holds the lease), so the client's timeout bounds the wait
+	// with a timer that cancels the call, not with a deadline on the call.
 	callCtx, cancel := context.WithCancel(ctx)
+	deadline := a.timeout.of(ctx)
 	var timer *time.Timer
-	if _, ok := ctx.Deadline(); !ok && a.timeout > 0 {
-		timer = time.AfterFunc(a.timeout, cancel)
+	if !deadline.fromContext && !deadline.deadline.IsZero() {
+		timer = time.AfterFunc(time.Until(deadline.deadline), cancel)
+	}
+	notPaused := func() error {
+		err := deadline.error(newError(codes.DeadlineExceeded, "the engine did not pause"))
+		var e *Error
+		if errors.As(err, &e) {
+			e.Message = "the engine did not pause before " + e.Message
+		}
+		return err
 	}
 	fail := func(err error) (*PauseLease, error) {
 		if timer != nil && !timer.Stop() && ctx.Err() == nil {
-			err = newError(codes.DeadlineExceeded, "the engine did not pause within %s", a.timeout)
+			err = notPaused()
 		}
 		cancel()
 		return nil, err
 	}
 	stream, err := a.admin.Pause(callCtx, request)
 	if err != nil {
-		return fail(convertError(ctx, err))
+		return fail(deadline.error(err))
 	}
 	first, err := stream.Recv()
 	if errors.Is(err, io.EOF) {
 		return fail(newError(codes.Internal, "the Pause stream ended before the engine was paused"))
 	}
 	if err != nil {
-		return fail(convertError(ctx, err))
+		return fail(deadline.error(err))
 	}
 	if !first.GetPaused() {
 		return fail(newError(codes.Internal, "the server's first Pause message says the engine is not paused"))
 	}
 	if timer != nil && !timer.Stop() { // the timer fired as the answer came: the call is cancelled
 		cancel()
-		return nil, newError(codes.DeadlineExceeded, "the engine did not pause within %s", a.timeout)
+		return nil, notPaused()
 	}
 	lease := &PauseLease{
 		Holders:           int(first.GetHolders()),
@@ -191,7 +217,8 @@ func (a *Admin) Pause(ctx context.Context, opts ...PauseOption) (*PauseLease, er
 		done:              make(chan struct{}),
 	}
 	if first.GetLeaseExpiresAt() != nil {
-		lease.ExpiresAt = first.GetLeaseExpiresAt().AsTime()
+		lease.LeaseExpiresAt = first.GetLeaseExpiresAt().AsTime()
+		lease.ExpiresAt = lease.LeaseExpiresAt
 	}
 	go lease.watch(stream)
 	return lease, nil
@@ -222,14 +249,14 @@ func (a *Admin) Stop(ctx context.Context, hard bool, opts ...StopOption) (*StopR
 		}
 	}
 	timeout := a.timeout
-	if timeout > 0 && request.DrainTimeoutS != nil {
-		timeout += time.Duration(request.GetDrainTimeoutS() * float64(time.Second))
+	if timeout.d > 0 && request.DrainTimeoutS != nil {
+		timeout.d += time.Duration(request.GetDrainTimeoutS() * float64(time.Second))
 	}
-	callCtx, cancel := withTimeout(ctx, timeout)
+	callCtx, cancel, deadline := timeout.start(ctx)
 	defer cancel()
 	response, err := a.admin.Stop(callCtx, request)
 	if err != nil {
-		return nil, convertError(ctx, err)
+		return nil, deadline.error(err)
 	}
 	return &StopResult{
 		DrainedRequests: int(response.GetDrainedRequests()),
@@ -241,11 +268,11 @@ func (a *Admin) Stop(ctx context.Context, hard bool, opts ...StopOption) (*StopR
 // Start starts the engine again after a Stop (same model and weights, empty caches). It returns
 // false if the engine was already running.
 func (a *Admin) Start(ctx context.Context) (started bool, err error) {
-	callCtx, cancel := withTimeout(ctx, a.timeout)
+	callCtx, cancel, deadline := a.timeout.start(ctx)
 	defer cancel()
 	response, err := a.admin.Start(callCtx, &pb.StartRequest{})
 	if err != nil {
-		return false, convertError(ctx, err)
+		return false, deadline.error(err)
 	}
 	return !response.GetAlreadyRunning(), nil
 }
@@ -264,11 +291,11 @@ type PrefixCacheReset struct {
 // flight (queued or running) it fails with ErrFailedPrecondition and drops nothing, unless abort
 // is true, which cancels them first (each ends FinishCancelled).
 func (a *Admin) ResetPrefixCache(ctx context.Context, abort bool) (*PrefixCacheReset, error) {
-	callCtx, cancel := withTimeout(ctx, a.timeout)
+	callCtx, cancel, deadline := a.timeout.start(ctx)
 	defer cancel()
 	response, err := a.admin.ResetPrefixCache(callCtx, &pb.ResetPrefixCacheRequest{Abort: abort})
 	if err != nil {
-		return nil, convertError(ctx, err)
+		return nil, deadline.error(err)
 	}
 	return &PrefixCacheReset{
 		DroppedBlocks:   int(response.GetDroppedBlocks()),
@@ -282,11 +309,11 @@ func (a *Admin) ResetPrefixCache(ctx context.Context, abort bool) (*PrefixCacheR
 // any device: ChecksumOf computes the same of Tensors, and CheckWeights compares replicas. The
 // call takes as long as the server needs to read its whole model once.
 func (a *Admin) WeightsChecksum(ctx context.Context, perTensor bool) (*WeightsChecksum, error) {
-	callCtx, cancel := withTimeout(ctx, a.timeout)
+	callCtx, cancel, deadline := a.timeout.start(ctx)
 	defer cancel()
 	response, err := a.admin.GetWeightsChecksum(callCtx, &pb.GetWeightsChecksumRequest{PerTensor: perTensor})
 	if err != nil {
-		return nil, convertError(ctx, err)
+		return nil, deadline.error(err)
 	}
 	checksum := &WeightsChecksum{
 		Digest:        response.GetDigest(),
@@ -306,11 +333,11 @@ func (a *Admin) WeightsChecksum(ctx context.Context, perTensor bool) (*WeightsCh
 // Status reports the engine's state and counters (retried on ErrUnavailable: see
 // WithRetryAttempts).
 func (a *Admin) Status(ctx context.Context) (*Status, error) {
-	callCtx, cancel := withTimeout(ctx, a.timeout)
+	callCtx, cancel, deadline := a.timeout.start(ctx)
 	defer cancel()
 	response, err := a.admin.GetStatus(callCtx, &pb.GetStatusRequest{})
 	if err != nil {
-		return nil, convertError(ctx, err)
+		return nil, deadline.error(err)
 	}
 	return statusFromProto(response), nil
 }

@@ -105,7 +105,7 @@ func TestPauseLease(t *testing.T) {
 	if !lease.Held() || lease.Holders != 1 || lease.WeightVersion == 0 {
 		t.Errorf("lease = %+v, held %v; want held, 1 holder, a weight version", lease, lease.Held())
 	}
-	if until := lease.ExpiresAt.Sub(started); until <= 0 || until > 3*time.Second {
+	if until := lease.LeaseExpiresAt.Sub(started); until <= 0 || until > 3*time.Second {
 		t.Errorf("lease expires %s after the Pause call; want about 1 s (WithLease)", until)
 	}
 	second, err := admin.Pause(ctx)

@@ -3,11 +3,16 @@ package cbserve_test
 import (
 	"context"
 	"errors"
-	"fmt"
+	"net"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc"
+	grpchealth "google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	cbserve "github.com/cbserve/cbserve/sdk/go"
 )
@@ -15,7 +20,7 @@ import (
 func TestStaticAddressListSpreadsCalls(t *testing.T) {
 	first, second := &fakeGeneration{}, &fakeGeneration{}
 	target := startFake(t, first, nil) + "," + startFake(t, second, nil)
-	client, err := cbserve.Dial(testContext(t), target)
+	client, err := cbserve.NewClient(target)
 	if err != nil {
 		t.Fatalf("Dial(%q): %v", target, err)
 	}
@@ -39,88 +44,120 @@ func TestStaticAddressListSpreadsCalls(t *testing.T) {
 }
 
 func TestMalformedAddressListIsRefused(t *testing.T) {
-	_, err := cbserve.Dial(testContext(t), "127.0.0.1:1,no-port")
+	_, err := cbserve.NewClient("127.0.0.1:1,no-port")
 	var e *cbserve.Error
 	if !errors.Is(err, cbserve.ErrInvalidArgument) || !errors.As(err, &e) || !containsAll(e.Message, "no-port", "host:port") {
 		t.Errorf("Dial of a list with an address without a port: %v; want ErrInvalidArgument naming it", err)
 	}
 }
 
-// TestTwoReplicas starts two replicas of the server, sends requests through one client whose
-// target lists both, checks that each replica served some (its admin Status), then kills one and
-// checks that calls succeed on the other within a bounded time.
-func TestTwoReplicas(t *testing.T) {
+// TestReplicasJoinAndDieWhileCallsFlow: calls flow without pause through one client whose target
+// lists two replicas while the second starts (its port opens, and its health says NOT_SERVING,
+// while its model loads), serves, and then the first is killed (SIGKILL, as a crash). Not one call
+// may fail: health checking keeps calls off a replica that is still loading, and a call cut off by
+// the crash is made again on the survivor.
+func TestReplicasJoinAndDieWhileCallsFlow(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts two servers")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), startupTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*startupTimeout)
 	defer cancel()
-	replicas := make([]*testServer, 2)
-	errs := make([]error, 2)
-	var wg sync.WaitGroup
-	for i := range replicas {
-		wg.Go(func() {
-			replicas[i], errs[i] = startServer(ctx, filepath.Join(t.TempDir(), fmt.Sprintf("replica-%d.log", i)))
-		})
-	}
-	wg.Wait()
-	for i, server := range replicas {
-		if server != nil {
-			t.Cleanup(server.stop)
-		}
-		if errs[i] != nil {
-			t.Fatalf("replica %d: %v", i, errs[i])
-		}
-	}
-
-	client, err := cbserve.Dial(testContext(t), replicas[0].addr+","+replicas[1].addr)
+	first, err := startServer(ctx, filepath.Join(t.TempDir(), "first.log"))
 	if err != nil {
-		t.Fatalf("Dial: %v", err)
+		t.Fatalf("first replica: %v", err)
+	}
+	t.Cleanup(first.stop)
+	ports, err := freePorts(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	secondAddr := net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[0]))
+	client, err := cbserve.NewClient(first.addr + "," + secondAddr)
+	if err != nil {
+		t.Fatalf("NewClient: %v", err)
 	}
 	defer client.Close()
-	before := finishedRequests(t, replicas)
-	const requests = 8
-	for i := range requests {
-		if _, err := client.Generate(testContext(t), cbserve.Text("spread"), cbserve.WithMaxNewTokens(2)); err != nil {
-			t.Fatalf("Generate %d: %v", i, err)
-		}
+
+	calls := startCallFlow(t, client, 3)
+	second, err := launchServer(filepath.Join(t.TempDir(), "second.log"), ports)
+	if err != nil {
+		t.Fatalf("second replica: %v", err)
 	}
-	// A replica counts a request as finished just after it sends the last chunk: poll briefly.
-	var served [2]uint64
+	t.Cleanup(second.stop)
+	if err := second.waitServing(ctx); err != nil {
+		t.Fatalf("second replica: %v", err)
+	}
+	replicas := []*testServer{first, second}
+	// Both replicas serve once both are up.
+	joined := finishedRequests(t, replicas)
 	for poll := time.Now(); ; time.Sleep(50 * time.Millisecond) {
-		after := finishedRequests(t, replicas)
-		served = [2]uint64{after[0] - before[0], after[1] - before[1]}
-		if served[0]+served[1] >= requests || time.Since(poll) > 5*time.Second {
+		now := finishedRequests(t, replicas)
+		if now[0] > joined[0] && now[1] > joined[1] {
 			break
 		}
+		if time.Since(poll) > 20*time.Second {
+			t.Fatalf("requests finished since the second replica became SERVING: %d and %d; want both some",
+				now[0]-joined[0], now[1]-joined[1])
+		}
 	}
-	if served[0] == 0 || served[1] == 0 || served[0]+served[1] != requests {
-		t.Errorf("%d requests over two replicas: %d and %d served; want both some", requests, served[0], served[1])
+	first.kill()
+	survivor := replicas[1:]
+	killed := finishedRequests(t, survivor)
+	for poll := time.Now(); finishedRequests(t, survivor)[0] < killed[0]+20; time.Sleep(50 * time.Millisecond) {
+		if time.Since(poll) > 20*time.Second {
+			t.Fatalf("the surviving replica finished %d requests in 20 s after the first was killed; want 20",
+				finishedRequests(t, survivor)[0]-killed[0])
+		}
 	}
+	made, failures := calls.stop()
+	for _, err := range failures {
+		t.Errorf("a call failed: %v", err)
+	}
+	t.Logf("%d calls, %d failed", made, len(failures))
+}
 
-	// A crash: the client notices the broken connection and sends every call to the survivor.
-	replicas[0].kill()
-	const recovery = 10 * time.Second
-	deadline := time.Now().Add(recovery)
-	for succeeded := 0; succeeded < requests; {
-		_, err := client.Generate(testContext(t), cbserve.Text("failover"), cbserve.WithMaxNewTokens(2))
-		switch {
-		case err == nil:
-			succeeded++
-		case !errors.Is(err, cbserve.ErrUnavailable):
-			t.Fatalf("Generate after a replica was killed: %v; want success, or ErrUnavailable while the client notices", err)
-		case time.Now().After(deadline):
-			t.Fatalf("Generate still fails %s after a replica was killed: %v", recovery, err)
-		default:
-			succeeded = 0 // count consecutive successes only
-		}
+// callFlow is calls of Generate made back to back by several goroutines until stopped.
+type callFlow struct {
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+	mu       sync.Mutex
+	made     int
+	failures []error
+}
+
+func startCallFlow(t *testing.T, client *cbserve.Client, goroutines int) *callFlow {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	flow := &callFlow{cancel: cancel}
+	for range goroutines {
+		flow.wg.Go(func() {
+			for ctx.Err() == nil {
+				callCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+				_, err := client.Generate(callCtx, cbserve.Text("flow"), cbserve.WithMaxNewTokens(4))
+				cancel()
+				if ctx.Err() != nil {
+					return // stopped while the call ran
+				}
+				flow.mu.Lock()
+				flow.made++
+				if err != nil {
+					flow.failures = append(flow.failures, err)
+				}
+				flow.mu.Unlock()
+			}
+		})
 	}
-	// Retried calls succeed at once: an unavailable replica is skipped, or the call retried.
-	for i := range requests {
-		if _, err := client.ModelInfo(testContext(t)); err != nil {
-			t.Fatalf("ModelInfo %d after a replica was killed: %v", i, err)
-		}
-	}
+	t.Cleanup(flow.cancel)
+	return flow
+}
+
+// stop ends the flow and returns how many calls ended, and the errors of those that failed.
+func (f *callFlow) stop() (int, []error) {
+	f.cancel()
+	f.wg.Wait()
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.made, f.failures
 }
 
 // finishedRequests returns each server's count of requests that reached a terminal status.
@@ -128,7 +165,7 @@ func finishedRequests(t *testing.T, servers []*testServer) []uint64 {
 	t.Helper()
 	var counts []uint64
 	for _, server := range servers {
-		admin, err := cbserve.DialAdmin(testContext(t), server.adminAddr, adminToken)
+		admin, err := cbserve.NewAdmin(server.adminAddr, adminToken)
 		if err != nil {
 			t.Fatalf("DialAdmin(%s): %v", server.adminAddr, err)
 		}
@@ -140,4 +177,52 @@ func finishedRequests(t *testing.T, servers []*testServer) []uint64 {
 		counts = append(counts, status.FinishedRequests)
 	}
 	return counts
+}
+
+// TestReplicaThatIsNotServingIsSkipped: a replica whose grpc.health.v1 status is NOT_SERVING (a
+// model still loading) gets no call, without a retry to hide one, until it turns SERVING.
+func TestReplicaThatIsNotServingIsSkipped(t *testing.T) {
+	loading, serving := &fakeGeneration{}, &fakeGeneration{}
+	health := grpchealth.NewServer()
+	health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	loadingAddr := startFakeWith(t, loading, func(s *grpc.Server) { healthpb.RegisterHealthServer(s, health) })
+	client, err := cbserve.NewClient(loadingAddr+","+startFake(t, serving, nil), cbserve.WithRetryAttempts(1))
+	if err != nil {
+		t.Fatalf("NewClient: %v", err)
+	}
+	defer client.Close()
+	// Calls spread over half a second, so that both connections are up for most of them.
+	const calls = 50
+	for i := range calls {
+		if _, err := client.ModelInfo(testContext(t)); err != nil {
+			t.Fatalf("ModelInfo %d: %v", i, err)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := loading.callCount(); got != 0 {
+		t.Errorf("the NOT_SERVING replica got %d of %d calls; want none", got, calls)
+	}
+
+	lone, err := cbserve.NewClient(loadingAddr)
+	if err != nil {
+		t.Fatalf("NewClient: %v", err)
+	}
+	defer lone.Close()
+	_, err = lone.Generate(testContext(t), cbserve.Text("hi"))
+	want := "cbserve: Unavailable: no replica is serving: each one connected reports NOT_SERVING on grpc.health.v1 " +
+		"(its model loading, a drain or stop under way, asleep, or its weights incomplete)"
+	if !errors.Is(err, cbserve.ErrUnavailable) || err.Error() != want {
+		t.Errorf("Generate with no replica serving:\n\t%v\nwant\n\t%s", err, want)
+	}
+
+	health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	deadline := time.Now().Add(10 * time.Second)
+	for loading.callCount() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the replica got no call within 10 s of turning SERVING")
+		}
+		if _, err := client.ModelInfo(testContext(t)); err != nil {
+			t.Fatalf("ModelInfo: %v", err)
+		}
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"iter"
+	"math"
 	"math/rand/v2"
 	"slices"
 	"sync/atomic"
@@ -12,14 +13,17 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	pb "github.com/cbserve/cbserve/sdk/go/gen/cbserve/v1"
 )
 
-// Submit's retries: attempts, and the first backoff delay (doubled each time, +-50% jitter).
+// Submit's retries, and the backoff between any call's tries: the first delay, doubled each time
+// up to the last (+-50% jitter).
 const (
 	retryAttempts  = 3
 	retryBaseDelay = 100 * time.Millisecond
+	retryMaxDelay  = time.Second
 )
 
 // Client is a connection to a cbserve server's GenerationService. It is safe for concurrent
@@ -27,25 +31,38 @@ const (
 type Client struct {
 	conn          *grpc.ClientConn
 	gen           pb.GenerationServiceClient
-	timeout       time.Duration
-	streamTimeout time.Duration
+	timeout       clientTimeout // of unary calls
+	streamTimeout clientTimeout // of Generate, Stream and Results
+	retryAttempts int           // tries of a Generate call (see generate)
 }
 
-// Dial returns a client of the cbserve server at target: one address ("127.0.0.1:50051"),
+// NewClient returns a client of the cbserve server at target: one address ("127.0.0.1:50051"),
 // several replicas ("10.0.0.1:50051,10.0.0.2:50051"), or any gRPC target
 // ("dns:///cbserve-headless.ns.svc.cluster.local:50051"). Calls are spread over every address
 // the target lists or resolves to with gRPC's round_robin load balancing: one connection per
-// address, each call on the next ready one, an unreachable replica skipped until it is back. It
-// does not wait for a connection: it starts connecting in the background, and calls wait for
-// one (or fail with ErrUnavailable). ctx only matters if it is already done. Close the client
-// when done with it.
-func Dial(ctx context.Context, target string, opts ...Option) (*Client, error) {
-	conn, cfg, err := dial(ctx, target, opts)
+// address, each call on the next ready one. A replica is ready while it is reachable and its
+// grpc.health.v1 status is SERVING, so one that is unreachable, still loading, draining or asleep
+// is skipped until it serves again. Like grpc.NewClient, it does not wait for a connection: it
+// starts connecting in the background, and calls wait for one (or fail with ErrUnavailable).
+// Close the client when done with it.
+func NewClient(target string, opts ...Option) (*Client, error) {
+	conn, cfg, err := newConn(target, true, opts)
 	if err != nil {
 		return nil, err
 	}
-	return &Client{conn: conn, gen: pb.NewGenerationServiceClient(conn), timeout: cfg.timeout,
-		streamTimeout: cfg.streamTimeout}, nil
+	return &Client{conn: conn, gen: pb.NewGenerationServiceClient(conn), timeout: cfg.unaryDeadline(),
+		streamTimeout: cfg.streamDeadline(), retryAttempts: cfg.retryAttempts}, nil
+}
+
+// Dial is NewClient, but first fails with ErrCanceled or ErrDeadlineExceeded if ctx is already
+// done; it does not wait for a connection either.
+//
+// Deprecated: use NewClient (Dial's name suggested a wait it never did, as grpc.Dial's did).
+func Dial(ctx context.Context, target string, opts ...Option) (*Client, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, convertError(ctx, err)
+	}
+	return NewClient(target, opts...)
 }
 
 // Close closes the connection; calls in flight fail with ErrCanceled, and their Generate and
@@ -59,7 +76,7 @@ func (c *Client) Conn() *grpc.ClientConn { return c.conn }
 // Generate generates a completion for prompt and returns it whole, on the bidirectional
 // Generate RPC. A request the server refuses returns an *Error (ErrInvalidArgument for an empty
 // prompt or an out-of-vocabulary token, ErrAlreadyExists, ErrResourceExhausted,
-// ErrUnavailable); a request that fails while it runs returns a Completion with FinishReason
+// ErrUnavailable once every try has failed: see Stream for the retries); a request that fails while it runs returns a Completion with FinishReason
 // FinishError and Error set. Cancelling ctx cancels the request on the server and returns
 // ErrCanceled (which also matches context.Canceled); past ctx's deadline, or the client's
 // stream timeout when ctx has none (WithStreamTimeout), it returns ErrDeadlineExceeded.
@@ -75,21 +92,25 @@ func (c *Client) Generate(ctx context.Context, prompt Prompt, opts ...GenerateOp
 			"WithN(%d): Generate returns one completion; call GenerateN for n > 1 (or Stream, whose chunks carry their sequence's Index)", *cfg.n)
 	}
 	var b completionBuilder
-	for chunk, err := range c.Stream(ctx, prompt, opts...) {
+	var failure error
+	c.generate(ctx, prompt, opts, func() { b = completionBuilder{} }, func(chunk *Chunk, err error) bool {
 		if err != nil {
-			return nil, err
+			failure = err
+			return false
 		}
 		if b.c.RequestID == "" {
 			b.c.RequestID = chunk.RequestID
 		}
 		if chunk.RequestID != b.c.RequestID || b.done {
-			continue
+			return true
 		}
-		if err := b.add(chunk); err != nil {
-			return nil, err
-		}
+		failure = b.add(chunk)
+		return failure == nil
+	})
+	if failure != nil {
+		return nil, failure
 	}
-	if !b.done { // Stream reports a stream that ends early; this is a safety net.
+	if !b.done { // generate reports a stream that ends early; this is a safety net.
 		return nil, newError(codes.Internal, "the stream of request %s ended before the request finished", b.c.RequestID)
 	}
 	return b.build(), nil
@@ -104,39 +125,47 @@ func (c *Client) Generate(ctx context.Context, prompt Prompt, opts ...GenerateOp
 // Generate's: a refused request, a cancelled ctx (which cancels every sequence on the server),
 // a deadline.
 func (c *Client) GenerateN(ctx context.Context, prompt Prompt, n int, opts ...GenerateOption) ([]*Completion, error) {
-	if n < 1 || n > MaxN {
-		return nil, newError(codes.InvalidArgument, "GenerateN(n = %d): sampling.n must be in [1, %d] (MaxN)", n, MaxN)
+	if err := checkInt("sampling.n", n, 1, MaxN, "", math.MaxUint32, "uint32"); err != nil {
+		return nil, err
 	}
 	if cfg := applyGenerateOptions(opts); cfg.n != nil && *cfg.n != n {
 		return nil, newError(codes.InvalidArgument, "GenerateN(n = %d) with WithN(%d): give n once", n, *cfg.n)
 	}
-	builders := make([]completionBuilder, n)
-	for i := range builders {
-		builders[i].c.Index, builders[i].sequence = i, n > 1
-	}
+	var builders []completionBuilder
 	requestID := ""
-	for chunk, err := range c.Stream(ctx, prompt, append(slices.Clip(opts), WithN(n))...) {
+	restart := func() {
+		builders, requestID = make([]completionBuilder, n), ""
+		for i := range builders {
+			builders[i].c.Index, builders[i].sequence = i, n > 1
+		}
+	}
+	restart()
+	var failure error
+	c.generate(ctx, prompt, append(slices.Clip(opts), WithN(n)), restart, func(chunk *Chunk, err error) bool {
 		if err != nil {
-			return nil, err
+			failure = err
+			return false
 		}
 		if requestID == "" {
 			requestID = chunk.RequestID
 		}
 		if chunk.RequestID != requestID {
-			continue
+			return true
 		}
-		b := &builders[chunk.Index] // Stream yields no chunk of its request outside [0, n)
+		b := &builders[chunk.Index] // generate yields no chunk of its request outside [0, n)
 		if b.done {
-			continue
+			return true
 		}
 		b.c.RequestID = requestID
-		if err := b.add(chunk); err != nil {
-			return nil, err
-		}
+		failure = b.add(chunk)
+		return failure == nil
+	})
+	if failure != nil {
+		return nil, failure
 	}
 	completions := make([]*Completion, n)
 	for i := range builders {
-		if !builders[i].done { // Stream reports a stream that ends early; this is a safety net.
+		if !builders[i].done { // generate reports a stream that ends early; this is a safety net.
 			return nil, newError(codes.Internal, "the stream of request %s ended before its sequence %d finished", requestID, i)
 		}
 		completions[i] = builders[i].build()
@@ -156,6 +185,13 @@ func (c *Client) GenerateN(ctx context.Context, prompt Prompt, n int, opts ...Ge
 // Stream again for another request. Breaking out of the loop, cancelling ctx, or reaching its
 // deadline (or the client's stream timeout, WithStreamTimeout) cancels the call, and the server
 // then cancels the request and frees its KV cache.
+//
+// A call that fails with ErrUnavailable before its first chunk (the replica refused the request
+// as still loading, draining or asleep, or its connection broke) is made again, after a backoff,
+// on the next ready replica, up to WithRetryAttempts tries within the deadline: nothing was
+// yielded, and nothing runs on the replica that failed. Generate and GenerateN, which yield
+// nothing until the request has ended, also make the call again when the connection breaks
+// later (a replica killed mid-request), unless WithRequestID chose the id.
 func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOption) iter.Seq2[*Chunk, error] {
 	var ranged atomic.Bool
 	return func(yield func(*Chunk, error) bool) {
@@ -164,69 +200,120 @@ func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 				"this Stream sequence was already ranged over, and a range sends its request: call Stream again for another request"))
 			return
 		}
-		request, err := buildRequest(prompt, opts)
-		if err != nil {
+		c.generate(ctx, prompt, opts, nil, yield)
+	}
+}
+
+// generate sends a request on a Generate call and yields its chunks, as Stream does. A call that
+// fails with ErrUnavailable before it yields anything (a replica still loading, draining or asleep
+// refused the request, or its connection broke) is made again, on the next ready replica, up to
+// the client's retry attempts within the call's deadline: nothing ran that the caller saw, and the
+// server cancels the request of a Generate call that ends. With restart non-nil, so is a call
+// whose connection breaks after chunks were yielded, when the client chose the request's id:
+// restart tells the caller to forget what it got (Generate collects a completion the caller has
+// not seen), and the next call uses a fresh id, so a replica that still holds the old request
+// cannot refuse it as a duplicate.
+func (c *Client) generate(ctx context.Context, prompt Prompt, opts []GenerateOption, restart func(), yield func(*Chunk, error) bool) {
+	request, err := buildRequest(prompt, opts)
+	if err != nil {
+		yield(nil, err)
+		return
+	}
+	chosenID := request.RequestId == ""
+	if chosenID {
+		request.RequestId = newRequestID()
+	}
+	callCtx, cancel, deadline := c.streamTimeout.start(ctx)
+	defer cancel()
+	for attempt := 1; ; attempt++ {
+		yielded, stopped, err := c.generateOnce(callCtx, request, yield)
+		if err == nil || stopped {
+			return
+		}
+		err = deadline.error(err)
+		retry := status.Code(err) == codes.Unavailable && (!yielded || (restart != nil && chosenID)) &&
+			attempt < c.retryAttempts && sleepBackoff(callCtx, attempt)
+		if !retry {
 			yield(nil, err)
 			return
 		}
-		if request.RequestId == "" {
+		if yielded {
+			restart()
 			request.RequestId = newRequestID()
 		}
-		callCtx, cancel := withTimeout(ctx, c.streamTimeout)
-		defer cancel()
-		stream, err := c.gen.Generate(callCtx)
+	}
+}
+
+// generateOnce makes one Generate call for request and yields its chunks: whether it yielded any,
+// whether the caller stopped the range, and the error that ended the call (not yielded).
+func (c *Client) generateOnce(ctx context.Context, request *pb.GenerationRequest, yield func(*Chunk, error) bool) (yielded, stopped bool, err error) {
+	stream, err := c.gen.Generate(ctx)
+	if err != nil {
+		return false, false, err
+	}
+	// On io.EOF the call has already ended: Recv returns its status.
+	add := &pb.GenerateRequest{Action: &pb.GenerateRequest_Add{Add: request}}
+	if err := stream.Send(add); err != nil && !errors.Is(err, io.EOF) {
+		return false, false, err
+	}
+	// Half-close: the server ends the call with OK once the request has ended.
+	_ = stream.CloseSend()
+	// The request has ended once each of its n sequences has sent its terminal chunk.
+	n := int(max(1, request.GetSampling().GetN()))
+	ended := make([]bool, n)
+	running := n
+	for {
+		message, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			if running > 0 {
+				return yielded, false, newError(codes.Internal, "the Generate stream ended before request %s finished (%d of its %d sequences had not)",
+					request.RequestId, running, n)
+			}
+			return yielded, false, nil
+		}
 		if err != nil {
-			yield(nil, convertError(ctx, err))
-			return
+			return yielded, false, err
 		}
-		// On io.EOF the call has already ended: Recv returns its status.
-		add := &pb.GenerateRequest{Action: &pb.GenerateRequest_Add{Add: request}}
-		if err := stream.Send(add); err != nil && !errors.Is(err, io.EOF) {
-			yield(nil, convertError(ctx, err))
-			return
+		chunk := chunkFromProto(message.GetChunk())
+		if err := rejection(chunk); err != nil {
+			return yielded, false, err
 		}
-		// Half-close: the server ends the call with OK once the request has ended.
-		_ = stream.CloseSend()
-		// The request has ended once each of its n sequences has sent its terminal chunk.
-		n := int(max(1, request.GetSampling().GetN()))
-		ended := make([]bool, n)
-		running := n
-		for {
-			message, err := stream.Recv()
-			if errors.Is(err, io.EOF) {
-				if running > 0 {
-					yield(nil, newError(codes.Internal, "the Generate stream ended before request %s finished (%d of its %d sequences had not)",
-						request.RequestId, running, n))
-				}
-				return
+		if chunk.RequestID == request.RequestId {
+			if chunk.Index >= n { // never from a conforming server
+				return yielded, false, newError(codes.Internal, "request %s has %d sequences; got a chunk of sequence %d",
+					request.RequestId, n, chunk.Index)
 			}
-			if err != nil {
-				yield(nil, convertError(ctx, err))
-				return
+			if ended[chunk.Index] {
+				continue // never from a conforming server: nothing follows a sequence's terminal chunk
 			}
-			chunk := chunkFromProto(message.GetChunk())
-			if err := rejection(chunk); err != nil {
-				yield(nil, err)
-				return
-			}
-			if chunk.RequestID == request.RequestId {
-				if chunk.Index >= n { // never from a conforming server
-					yield(nil, newError(codes.Internal, "request %s has %d sequences; got a chunk of sequence %d",
-						request.RequestId, n, chunk.Index))
-					return
-				}
-				if ended[chunk.Index] {
-					continue // never from a conforming server: nothing follows a sequence's terminal chunk
-				}
-				if chunk.Finished() {
-					ended[chunk.Index] = true
-					running--
-				}
-			}
-			if !yield(chunk, nil) {
-				return
+			if chunk.Finished() {
+				ended[chunk.Index] = true
+				running--
 			}
 		}
+		yielded = true
+		if !yield(chunk, nil) {
+			return true, true, nil
+		}
+	}
+}
+
+// sleepBackoff waits before retry number attempt (1, 2, ...): 100 ms doubled each time up to 1 s,
+// +-50% jitter, as gRPC's retry policy in serviceConfig. It returns false, without waiting, when
+// ctx would end first.
+func sleepBackoff(ctx context.Context, attempt int) bool {
+	delay := min(retryBaseDelay<<(attempt-1), retryMaxDelay)
+	delay = time.Duration(float64(delay) * (0.5 + rand.Float64()))
+	if deadline, ok := ctx.Deadline(); ok && time.Until(deadline) <= delay {
+		return false
+	}
+	timer := time.NewTimer(delay)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		return true
+	case <-ctx.Done():
+		return false
 	}
 }
 
@@ -245,7 +332,7 @@ func (c *Client) Submit(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 	if request.RequestId == "" {
 		request.RequestId = newRequestID()
 	}
-	callCtx, cancel := withTimeout(ctx, c.timeout)
+	callCtx, cancel, deadline := c.timeout.start(ctx)
 	defer cancel()
 	message := &pb.AddRequestRequest{Request: request}
 	for attempt := 0; ; attempt++ {
@@ -254,22 +341,14 @@ func (c *Client) Submit(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 			return response.GetRequestId(), nil
 		}
 		var e *Error
-		errors.As(convertError(ctx, err), &e)
+		errors.As(deadline.error(err), &e)
 		if attempt > 0 && e.Code == codes.AlreadyExists {
 			return request.RequestId, nil // the previous attempt queued it; its answer was lost
 		}
 		if (e.Code != codes.Unavailable && e.Code != codes.ResourceExhausted) || attempt == retryAttempts-1 {
 			return "", e
 		}
-		delay := time.Duration(float64(retryBaseDelay<<attempt) * (0.5 + rand.Float64()))
-		if deadline, ok := callCtx.Deadline(); ok && time.Until(deadline) <= delay {
-			return "", e
-		}
-		timer := time.NewTimer(delay)
-		select {
-		case <-timer.C:
-		case <-callCtx.Done():
-			timer.Stop()
+		if !sleepBackoff(callCtx, attempt+1) {
 			return "", e
 		}
 	}
@@ -292,11 +371,11 @@ func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) i
 			yield(nil, err)
 			return
 		}
-		callCtx, cancel := withTimeout(ctx, c.streamTimeout)
+		callCtx, cancel, deadline := c.streamTimeout.start(ctx)
 		defer cancel()
 		stream, err := c.gen.StreamResults(callCtx, &pb.StreamResultsRequest{RequestId: requestID, FromTokenIndex: from})
 		if err != nil {
-			yield(nil, convertError(ctx, err))
+			yield(nil, deadline.error(err))
 			return
 		}
 		for {
@@ -305,7 +384,7 @@ func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) i
 				return
 			}
 			if err != nil {
-				yield(nil, convertError(ctx, err))
+				yield(nil, deadline.error(err))
 				return
 			}
 			if !yield(chunkFromProto(message.GetChunk()), nil) {
@@ -321,11 +400,11 @@ func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) i
 // idempotent, so it is retried on ErrUnavailable: see WithRetryAttempts; a retry after a lost
 // answer returns false for the request it cancelled).
 func (c *Client) Cancel(ctx context.Context, requestID string) (bool, error) {
-	callCtx, cancel := withTimeout(ctx, c.timeout)
+	callCtx, cancel, deadline := c.timeout.start(ctx)
 	defer cancel()
 	response, err := c.gen.Cancel(callCtx, &pb.CancelRequest{RequestId: requestID})
 	if err != nil {
-		return false, convertError(ctx, err)
+		return false, deadline.error(err)
 	}
 	return response.GetCancelled(), nil
 }
@@ -340,22 +419,22 @@ func (c *Client) CancelSequence(ctx context.Context, requestID string, index int
 	if err != nil {
 		return false, err
 	}
-	callCtx, cancel := withTimeout(ctx, c.timeout)
+	callCtx, cancel, deadline := c.timeout.start(ctx)
 	defer cancel()
 	response, err := c.gen.Cancel(callCtx, &pb.CancelRequest{RequestId: requestID, Index: &i})
 	if err != nil {
-		return false, convertError(ctx, err)
+		return false, deadline.error(err)
 	}
 	return response.GetCancelled(), nil
 }
 
 // ModelInfo describes the served model (retried on ErrUnavailable: see WithRetryAttempts).
 func (c *Client) ModelInfo(ctx context.Context) (*ModelInfo, error) {
-	callCtx, cancel := withTimeout(ctx, c.timeout)
+	callCtx, cancel, deadline := c.timeout.start(ctx)
 	defer cancel()
 	response, err := c.gen.GetModelInfo(callCtx, &pb.GetModelInfoRequest{})
 	if err != nil {
-		return nil, convertError(ctx, err)
+		return nil, deadline.error(err)
 	}
 	return modelInfoFromProto(response), nil
 }

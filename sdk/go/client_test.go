@@ -34,9 +34,9 @@ func testContext(t *testing.T) context.Context {
 
 func newClient(t *testing.T) *cbserve.Client {
 	t.Helper()
-	client, err := cbserve.Dial(testContext(t), serverAddr)
+	client, err := cbserve.NewClient(serverAddr)
 	if err != nil {
-		t.Fatalf("Dial: %v", err)
+		t.Fatalf("NewClient: %v", err)
 	}
 	t.Cleanup(func() { _ = client.Close() })
 	return client
@@ -44,9 +44,9 @@ func newClient(t *testing.T) *cbserve.Client {
 
 func newAdmin(t *testing.T, token string) *cbserve.Admin {
 	t.Helper()
-	admin, err := cbserve.DialAdmin(testContext(t), adminAddr, token)
+	admin, err := cbserve.NewAdmin(adminAddr, token)
 	if err != nil {
-		t.Fatalf("DialAdmin: %v", err)
+		t.Fatalf("NewAdmin: %v", err)
 	}
 	t.Cleanup(func() { _ = admin.Close() })
 	return admin
@@ -390,11 +390,11 @@ func TestBadInput(t *testing.T) {
 	_, err = client.Submit(ctx, cbserve.Tokens(999))
 	check("Submit token 999", err, cbserve.ErrInvalidArgument, "999")
 	_, err = client.Generate(ctx, cbserve.Text("x"), cbserve.WithMaxNewTokens(0))
-	check("max new tokens 0 (client-side)", err, cbserve.ErrInvalidArgument, "WithMaxNewTokens(0): must be in [1, ")
+	check("max new tokens 0 (client-side)", err, cbserve.ErrInvalidArgument, "sampling.max_new_tokens must be an int >= 1, got 0")
 	_, err = client.Generate(ctx, cbserve.Text("x"), cbserve.WithMaxNewTokens(100000))
 	check("max new tokens past the context (server-side)", err, cbserve.ErrInvalidArgument, "max_new_tokens")
 	_, err = client.Generate(ctx, cbserve.Text("x"), cbserve.WithTemperature(-1))
-	check("temperature -1 (client-side)", err, cbserve.ErrInvalidArgument, "WithTemperature(-1)")
+	check("temperature -1 (client-side)", err, cbserve.ErrInvalidArgument, "sampling.temperature must be a finite number >= 0, got -1.0")
 
 	for chunk, err := range client.Results(ctx, "no-such-request", 0) {
 		check("Results(unknown)", err, cbserve.ErrNotFound, "no-such-request")
@@ -419,9 +419,9 @@ func TestUnreachableServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	client, err := cbserve.Dial(testContext(t), "127.0.0.1:"+strconv.Itoa(ports[0]), cbserve.WithDefaultTimeout(2*time.Second))
+	client, err := cbserve.NewClient("127.0.0.1:"+strconv.Itoa(ports[0]), cbserve.WithDefaultTimeout(2*time.Second))
 	if err != nil {
-		t.Fatalf("Dial: %v", err)
+		t.Fatalf("NewClient: %v", err)
 	}
 	defer client.Close()
 	_, err = client.ModelInfo(testContext(t))

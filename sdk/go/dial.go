@@ -3,6 +3,7 @@ package cbserve
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net"
 	"strings"
@@ -12,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	_ "google.golang.org/grpc/health" // client-side health checking (serviceConfig's healthCheckConfig)
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/resolver"
 	"google.golang.org/grpc/resolver/manual"
@@ -25,11 +27,12 @@ const DefaultTimeout = 60 * time.Second
 // see WithStreamTimeout.
 const DefaultStreamTimeout = 10 * time.Minute
 
-// DefaultRetryAttempts is how many times an idempotent unary call (ModelInfo, Cancel, admin
-// Status) is tried when the server answers ErrUnavailable; see WithRetryAttempts.
+// DefaultRetryAttempts is how many times a call that can be retried (ModelInfo, Cancel, admin
+// Status, Generate, GenerateN, Stream) is tried when it fails with ErrUnavailable; see
+// WithRetryAttempts.
 const DefaultRetryAttempts = 4
 
-// Option configures a connection made by Dial or DialAdmin.
+// Option configures a connection made by NewClient or NewAdmin.
 type Option struct {
 	apply func(*dialConfig)
 }
@@ -87,11 +90,13 @@ func WithStreamTimeout(d time.Duration) Option {
 	return Option{func(c *dialConfig) { c.streamTimeout = d }}
 }
 
-// WithRetryAttempts sets how many times ModelInfo, Cancel and admin Status are tried when the
-// server answers ErrUnavailable (unreachable, loading, another replica restarting), with gRPC's
-// exponential backoff from 100 ms to 1 s between tries; in [1, 5] (gRPC's cap), 1 turns retries
-// off. Default: DefaultRetryAttempts. Submit has retries of its own (see Client.Submit);
-// Generate, Stream and Results are never retried.
+// WithRetryAttempts sets how many times a call is tried when it fails with ErrUnavailable
+// (a replica unreachable, loading, draining or restarting) where a retry cannot repeat work:
+// ModelInfo, Cancel and admin Status, by gRPC's retry policy; Generate, GenerateN and Stream, by
+// this package, when nothing was yielded yet (see Client.Stream). Backoff between tries is
+// exponential from 100 ms to 1 s; n is in [1, 5] (gRPC's cap), 1 turns retries off. Default:
+// DefaultRetryAttempts. Submit has retries of its own (see Client.Submit); Results is never
+// retried (a request lives on the one replica that queued it).
 func WithRetryAttempts(n int) Option {
 	return Option{func(c *dialConfig) {
 		if n < 1 || n > 5 {
@@ -116,7 +121,8 @@ func WithKeepalive(interval, timeout time.Duration) Option {
 
 // WithDialOptions adds options to the underlying grpc.NewClient call (interceptors, a stats
 // handler for tracing, ...). They come after this package's own, so a
-// grpc.WithDefaultServiceConfig here replaces the load balancing and retry policy of Dial.
+// grpc.WithDefaultServiceConfig here replaces the load balancing, health checking and retry
+// policy of NewClient.
 func WithDialOptions(opts ...grpc.DialOption) Option {
 	return Option{func(c *dialConfig) { c.dialOpts = append(c.dialOpts, opts...) }}
 }
@@ -133,10 +139,15 @@ func (bearerToken) RequireTransportSecurity() bool { return false }
 
 // serviceConfig spreads calls over every address the target resolves to (round_robin: one
 // connection per address, each call on the next ready one, dead addresses skipped) and retries
-// the idempotent unary calls on UNAVAILABLE, which the server answers when it did nothing.
-func serviceConfig(retryAttempts int) string {
+// the idempotent unary calls on UNAVAILABLE, which the server answers when it did nothing. With
+// healthChecked, a connection counts as ready only while the server's grpc.health.v1 service says
+// SERVING (gRPC's client-side health checking, which needs the health package imported), so
+// round_robin passes over a replica that is up but still loading, draining, asleep or without
+// complete weights: the generation client's. The admin client's connections are not health
+// checked: admin calls are for a replica in any state (waking one that sleeps, say).
+func serviceConfig(retryAttempts int, healthChecked bool) string {
 	const config = `{
-	"loadBalancingConfig": [{"round_robin": {}}],
+	"loadBalancingConfig": [{"round_robin": {}}],%s
 	"methodConfig": [{
 		"name": [
 			{"service": "cbserve.v1.GenerationService", "method": "GetModelInfo"},
@@ -145,17 +156,23 @@ func serviceConfig(retryAttempts int) string {
 		]%s
 	}]
 }`
-	if retryAttempts <= 1 {
-		return fmt.Sprintf(config, "")
+	health := ""
+	if healthChecked {
+		health = `
+	"healthCheckConfig": {"serviceName": ""},`
 	}
-	return fmt.Sprintf(config, fmt.Sprintf(`,
+	retry := ""
+	if retryAttempts > 1 {
+		retry = fmt.Sprintf(`,
 		"retryPolicy": {
 			"maxAttempts": %d,
 			"initialBackoff": "0.1s",
 			"maxBackoff": "1s",
 			"backoffMultiplier": 2,
 			"retryableStatusCodes": ["UNAVAILABLE"]
-		}`, retryAttempts))
+		}`, retryAttempts)
+	}
+	return fmt.Sprintf(config, health, retry)
 }
 
 // staticScheme names the resolver of a comma-separated list of addresses; it is registered on
@@ -184,7 +201,8 @@ func staticAddresses(target string) ([]resolver.Address, error) {
 	return addresses, nil
 }
 
-func dial(ctx context.Context, target string, opts []Option) (*grpc.ClientConn, dialConfig, error) {
+// newConn makes the connection of NewClient (healthChecked) or NewAdmin.
+func newConn(target string, healthChecked bool, opts []Option) (*grpc.ClientConn, dialConfig, error) {
 	cfg := dialConfig{
 		creds:         insecure.NewCredentials(),
 		timeout:       DefaultTimeout,
@@ -199,12 +217,9 @@ func dial(ctx context.Context, target string, opts []Option) (*grpc.ClientConn, 
 	if len(cfg.optionFailures) > 0 {
 		return nil, cfg, newError(codes.InvalidArgument, "%s", strings.Join(cfg.optionFailures, "; "))
 	}
-	if err := ctx.Err(); err != nil {
-		return nil, cfg, convertError(ctx, err)
-	}
 	dialOpts := []grpc.DialOption{
 		grpc.WithTransportCredentials(cfg.creds),
-		grpc.WithDefaultServiceConfig(serviceConfig(cfg.retryAttempts)),
+		grpc.WithDefaultServiceConfig(serviceConfig(cfg.retryAttempts, healthChecked)),
 	}
 	if cfg.token != "" {
 		dialOpts = append(dialOpts, grpc.WithPerRPCCredentials(bearerToken(cfg.token)))
@@ -234,10 +249,77 @@ func dial(ctx context.Context, target string, opts []Option) (*grpc.ClientConn, 
 	return conn, cfg, nil
 }
 
-// withTimeout bounds ctx with the default timeout unless it already has a deadline.
-func withTimeout(ctx context.Context, timeout time.Duration) (context.Context, context.CancelFunc) {
-	if _, ok := ctx.Deadline(); ok || timeout <= 0 {
-		return context.WithCancel(ctx)
+func (c dialConfig) unaryDeadline() clientTimeout {
+	return clientTimeout{d: c.timeout, option: "WithDefaultTimeout", kind: "default timeout"}
+}
+
+func (c dialConfig) streamDeadline() clientTimeout {
+	return clientTimeout{d: c.streamTimeout, option: "WithStreamTimeout", kind: "stream timeout"}
+}
+
+// clientTimeout is a deadline the client gives the calls whose context has none, and the option
+// that sets it, which a passed deadline names.
+type clientTimeout struct {
+	d      time.Duration // 0: no deadline
+	option string        // "WithDefaultTimeout" or "WithStreamTimeout"
+	kind   string        // "default timeout" or "stream timeout"
+}
+
+// of returns the deadline a call with context ctx runs under: ctx's, or else the client's.
+func (t clientTimeout) of(ctx context.Context) callDeadline {
+	now := time.Now()
+	if deadline, ok := ctx.Deadline(); ok {
+		return callDeadline{ctx: ctx, deadline: deadline, budget: deadline.Sub(now), timeout: t, fromContext: true}
 	}
-	return context.WithTimeout(ctx, timeout)
+	if t.d <= 0 {
+		return callDeadline{ctx: ctx, timeout: t}
+	}
+	return callDeadline{ctx: ctx, deadline: now.Add(t.d), budget: t.d, timeout: t}
+}
+
+// start bounds ctx with the client's timeout unless ctx has a deadline, and returns the deadline
+// the call runs under, whose error method converts the call's errors.
+func (t clientTimeout) start(ctx context.Context) (context.Context, context.CancelFunc, callDeadline) {
+	d := t.of(ctx)
+	if d.fromContext || d.deadline.IsZero() {
+		callCtx, cancel := context.WithCancel(ctx)
+		return callCtx, cancel, d
+	}
+	callCtx, cancel := context.WithDeadline(ctx, d.deadline)
+	return callCtx, cancel, d
+}
+
+// callDeadline is the deadline one call runs under: its caller's context's, or the client's
+// timeout when the context has none.
+type callDeadline struct {
+	ctx         context.Context // the caller's
+	deadline    time.Time       // zero: none
+	budget      time.Duration   // how long the call had when it began
+	timeout     clientTimeout
+	fromContext bool
+}
+
+// error converts an error of the call (convertError). When the call's own deadline has passed,
+// the message says which deadline it was, how long the call had, and what sets it, in place of
+// gRPC's "Deadline Exceeded" or of where gRPC was waiting at the time (a server's own
+// DEADLINE_EXCEEDED, before the call's deadline, keeps the server's message).
+func (d callDeadline) error(err error) error {
+	converted := convertError(d.ctx, err)
+	var e *Error
+	if !errors.As(converted, &e) || e.Code != codes.DeadlineExceeded || d.deadline.IsZero() || time.Now().Before(d.deadline) {
+		return converted
+	}
+	budget := d.budget.Round(time.Millisecond)
+	switch {
+	case d.fromContext && d.timeout.option == "":
+		e.Message = fmt.Sprintf("the deadline of the call's context passed, %s after the call began: "+
+			"give the context a later one for a longer call", budget)
+	case d.fromContext:
+		e.Message = fmt.Sprintf("the deadline of the call's context passed, %s after the call began "+
+			"(it replaces the client's %s for this call): give the context a later one for a longer call", budget, d.timeout.option)
+	default:
+		e.Message = fmt.Sprintf("the client's %s of %s passed: %s sets it (0: none), "+
+			"and a deadline on the call's context replaces it for one call", d.timeout.kind, budget, d.timeout.option)
+	}
+	return e
 }

@@ -1,9 +1,9 @@
 // Package cbserve is the Go client of cbserve, a continuous-batching LLM inference service
 // with a gRPC API (proto/cbserve/v1; the generated stubs are in the gen/cbserve/v1 package).
 //
-// [Dial] connects to the generation service:
+// [NewClient] connects to the generation service:
 //
-//	client, err := cbserve.Dial(ctx, "127.0.0.1:50051")
+//	client, err := cbserve.NewClient("127.0.0.1:50051")
 //	if err != nil { ... }
 //	defer client.Close()
 //	completion, err := client.Generate(ctx, cbserve.Text("Once upon a time"), cbserve.WithMaxNewTokens(16))
@@ -22,12 +22,14 @@
 //
 // A target may list several replicas ("10.0.0.1:50051,10.0.0.2:50051") or name them all
 // ("dns:///cbserve-headless.ns.svc.cluster.local:50051"): calls are spread over them with gRPC's
-// round_robin load balancing, and an unreachable replica is skipped. Streaming calls get a
-// default deadline ([WithStreamTimeout]), unary calls another ([WithDefaultTimeout]); a
-// context's own deadline always wins. ModelInfo, Cancel and admin Status are retried on
-// [ErrUnavailable] by gRPC's retry policy ([WithRetryAttempts]).
+// round_robin load balancing, and a replica that is unreachable or not SERVING (still loading,
+// say) is skipped. Streaming calls get a default deadline ([WithStreamTimeout]), unary calls
+// another ([WithDefaultTimeout]); a context's own deadline always wins. Generate, GenerateN and
+// Stream are made again on another replica when one fails with [ErrUnavailable] before the server
+// took the request; ModelInfo, Cancel and admin Status are retried on it by gRPC's retry policy
+// ([WithRetryAttempts]).
 //
-// [DialAdmin] connects to the admin service (its own port, bearer token): [Admin.Pause] holds
+// [NewAdmin] connects to the admin service (its own port, bearer token): [Admin.Pause] holds
 // the engine paused until the returned [PauseLease] is released; [Admin.Stop], [Admin.Start] and
 // [Admin.Status] manage and inspect the engine; [Admin.UpdateWeights] streams new weights (raw
 // little-endian [Tensor]s) and [Admin.UpdateWeightsFromPath] loads them from a safetensors file
@@ -39,5 +41,7 @@
 //
 // Cancelling a call's context cancels the call, and a cancelled Generate or Stream call cancels
 // its request on the server. Every error is an [*Error] with the gRPC status code, matching the
-// sentinel of its code ([ErrInvalidArgument], [ErrNotFound], ...) with [errors.Is].
+// sentinel of its code ([ErrInvalidArgument], [ErrNotFound], ...) with [errors.Is]. A value the
+// server would refuse is refused before anything is sent, with the server's own message, which
+// names the wire field (sampling.max_new_tokens must be an int >= 1, got 0).
 package cbserve

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"regexp"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -132,6 +134,15 @@ func contextError(ctx context.Context, code codes.Code) error {
 	return nil
 }
 
+// notServing is the message of a call that found no replica serving: gRPC's own says only that a
+// health check failed.
+const notServing = "no replica is serving: each one connected reports NOT_SERVING on grpc.health.v1 " +
+	"(its model loading, a drain or stop under way, asleep, or its weights incomplete)"
+
+// grpcErrorPrefix is how grpc-go prints a status error; gRPC nests one inside the description of
+// another (a health check's failure inside a connection's), and an *Error shows the description only.
+var grpcErrorPrefix = regexp.MustCompile(`rpc error: code = [A-Za-z]+ desc = `)
+
 // newError builds an *Error of this package (client-side failures).
 func newError(code codes.Code, format string, args ...any) *Error {
 	return &Error{Code: code, Message: fmt.Sprintf(format, args...)}
@@ -150,11 +161,24 @@ func convertError(ctx context.Context, err error) error {
 	}
 	var code codes.Code
 	var message string
-	if s, ok := status.FromError(err); ok {
+	var withStatus interface{ GRPCStatus() *status.Status }
+	if errors.As(err, &withStatus) {
+		// The innermost status, not status.FromError's: that one's message is the whole chain's
+		// text, which nests gRPC's "rpc error: code = ... desc = ..." (as its retries' "max retries
+		// exhausted: failed after 4 attempts: rpc error: ..." does).
+		s := withStatus.GRPCStatus()
 		code, message = s.Code(), s.Message()
+		if outer, inner := err.Error(), s.Err().Error(); outer != inner && strings.HasSuffix(outer, ": "+inner) {
+			message += " (" + strings.TrimSuffix(outer, ": "+inner) + ")"
+		}
 	} else {
 		s := status.FromContextError(err)
 		code, message = s.Code(), s.Message()
+	}
+	message = grpcErrorPrefix.ReplaceAllString(message, "")
+	if code == codes.Unavailable && strings.Contains(message, "health check failed. status=NOT_SERVING") {
+		// Every connection is up, but health checking (NewClient's) takes each out of rotation.
+		message = notServing
 	}
 	cause := err
 	if ctxErr := contextError(ctx, code); ctxErr != nil {

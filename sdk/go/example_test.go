@@ -20,7 +20,7 @@ import (
 
 func Example() {
 	ctx := context.Background()
-	client, err := cbserve.Dial(ctx, serverAddr)
+	client, err := cbserve.NewClient(serverAddr)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -37,7 +37,7 @@ func Example() {
 
 func ExampleClient_Stream() {
 	ctx := context.Background()
-	client, err := cbserve.Dial(ctx, serverAddr)
+	client, err := cbserve.NewClient(serverAddr)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -58,7 +58,7 @@ func ExampleClient_Stream() {
 
 func ExampleClient_Stream_cancel() {
 	ctx := context.Background()
-	client, err := cbserve.Dial(ctx, serverAddr)
+	client, err := cbserve.NewClient(serverAddr)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -81,7 +81,7 @@ func ExampleClient_Stream_cancel() {
 
 func ExampleClient_Submit() {
 	ctx := context.Background()
-	client, err := cbserve.Dial(ctx, serverAddr)
+	client, err := cbserve.NewClient(serverAddr)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -106,7 +106,7 @@ func ExampleClient_Submit() {
 
 func ExampleClient_GenerateN() {
 	ctx := context.Background()
-	client, err := cbserve.Dial(ctx, serverAddr)
+	client, err := cbserve.NewClient(serverAddr)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -130,7 +130,7 @@ func ExampleClient_GenerateN() {
 
 func ExampleClient_Stream_parallelSampling() {
 	ctx := context.Background()
-	client, err := cbserve.Dial(ctx, serverAddr)
+	client, err := cbserve.NewClient(serverAddr)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -161,7 +161,7 @@ func ExampleClient_Stream_parallelSampling() {
 
 func ExampleClient_Generate_chat() {
 	ctx := context.Background()
-	client, err := cbserve.Dial(ctx, serverAddr)
+	client, err := cbserve.NewClient(serverAddr)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -178,7 +178,7 @@ func ExampleClient_Generate_chat() {
 
 func ExampleError() {
 	ctx := context.Background()
-	client, err := cbserve.Dial(ctx, serverAddr)
+	client, err := cbserve.NewClient(serverAddr)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -196,7 +196,7 @@ func ExampleError() {
 
 func ExampleAdmin_Pause() {
 	ctx := context.Background()
-	admin, err := cbserve.DialAdmin(ctx, adminAddr, "test-token") // the server's CBSERVE_ADMIN_TOKEN
+	admin, err := cbserve.NewAdmin(adminAddr, "test-token") // the server's CBSERVE_ADMIN_TOKEN
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -217,7 +217,7 @@ func ExampleAdmin_Pause() {
 
 func ExampleAdmin_UpdateWeights() {
 	ctx := context.Background()
-	admin, err := cbserve.DialAdmin(ctx, adminAddr, "test-token")
+	admin, err := cbserve.NewAdmin(adminAddr, "test-token")
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -241,7 +241,7 @@ func ExampleAdmin_UpdateWeights() {
 
 func ExampleAdmin_UpdateWeightsFromPath() {
 	ctx := context.Background()
-	admin, err := cbserve.DialAdmin(ctx, adminAddr, "test-token")
+	admin, err := cbserve.NewAdmin(adminAddr, "test-token")
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -27,6 +27,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	grpchealth "google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -45,14 +47,27 @@ type fakeGeneration struct {
 	infoErrors   []error  // what the next GetModelInfo calls answer (nil: OK)
 	cancelErrors []error  // what the next Cancel calls answer (nil: OK)
 	infoDelay    time.Duration
-	stall        bool                    // Generate and StreamResults send nothing until the call ends
-	generated    []*pb.GenerationRequest // the request added by each Generate call
-	added        []*pb.GenerationRequest // the request of each AddRequest
-	cancels      []*pb.CancelRequest     // each Cancel call's request
+	stall        bool // Generate and StreamResults send nothing until the call ends
+	// What the next Generate calls end with before they send anything (nil: they run on), and then
+	// how many more are refused with an UNAVAILABLE chunk, as a draining server refuses a request.
+	generateErrors []error
+	rejectNext     int
+	// What the next Generate calls that run end with after their first chunk (nil: they finish).
+	midStreamErrors []error
+	generated       []*pb.GenerationRequest // the request added by each Generate call
+	added           []*pb.GenerationRequest // the request of each AddRequest
+	cancels         []*pb.CancelRequest     // each Cancel call's request
 	// What each Generate call answers, under its request's id: for a request of n > 1 sequences,
 	// each chunk once per sequence (Index 0 to n - 1) unless some chunk has an index of its own,
 	// in which case the chunks go as they are.
 	chunks []*pb.GenerationChunk
+}
+
+// generatedRequests returns the request of each Generate call so far.
+func (f *fakeGeneration) generatedRequests() []*pb.GenerationRequest {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.generated)
 }
 
 func (f *fakeGeneration) callCount() int {
@@ -141,7 +156,22 @@ func (f *fakeGeneration) Generate(stream pb.GenerationService_GenerateServer) er
 	f.mu.Lock()
 	f.generated = append(f.generated, request)
 	chunks := f.chunks
+	reject := f.rejectNext > 0 && len(f.generateErrors) == 0
+	if reject {
+		f.rejectNext--
+	}
 	f.mu.Unlock()
+	if err := f.nextError(&f.generateErrors); err != nil {
+		return err
+	}
+	if reject {
+		return stream.Send(&pb.GenerateResponse{Chunk: &pb.GenerationChunk{
+			RequestId: request.GetRequestId(), Status: pb.RequestStatus_REQUEST_STATUS_FAILED,
+			FinishReason: pb.FinishReason_FINISH_REASON_ERROR, Error: "the server is stopped or draining",
+			ErrorCode: uint32(codes.Unavailable),
+		}})
+	}
+	midStreamError := f.nextError(&f.midStreamErrors)
 	if f.stall {
 		<-stream.Context().Done()
 		return stream.Context().Err()
@@ -160,6 +190,9 @@ func (f *fakeGeneration) Generate(stream pb.GenerationService_GenerateServer) er
 			if err := stream.Send(&pb.GenerateResponse{Chunk: chunk}); err != nil {
 				return err
 			}
+			if midStreamError != nil {
+				return midStreamError
+			}
 		}
 	}
 	return nil
@@ -168,16 +201,27 @@ func (f *fakeGeneration) Generate(stream pb.GenerationService_GenerateServer) er
 // startFake serves f on a loopback port (with TLS when creds is set) until the test ends.
 func startFake(t *testing.T, f *fakeGeneration, creds credentials.TransportCredentials) string {
 	t.Helper()
-	listener, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
 	var opts []grpc.ServerOption
 	if creds != nil {
 		opts = append(opts, grpc.Creds(creds))
 	}
+	return startFakeWith(t, f, nil, opts...)
+}
+
+// startFakeWith is startFake with more services, registered by register; nil registers a
+// grpc.health.v1 service that says SERVING, as a cbserve server with its model loaded does.
+func startFakeWith(t *testing.T, f *fakeGeneration, register func(*grpc.Server), opts ...grpc.ServerOption) string {
+	t.Helper()
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
 	server := grpc.NewServer(opts...)
 	pb.RegisterGenerationServiceServer(server, f)
+	if register == nil {
+		register = func(s *grpc.Server) { healthpb.RegisterHealthServer(s, grpchealth.NewServer()) }
+	}
+	register(server)
 	go func() { _ = server.Serve(listener) }()
 	t.Cleanup(server.Stop)
 	return listener.Addr().String()
@@ -220,10 +264,10 @@ func TestTLSAndBearerToken(t *testing.T) {
 	addr := startFake(t, fake, credentials.NewServerTLSFromCert(&cert))
 	ctx := testContext(t)
 
-	client, err := cbserve.Dial(ctx, addr, cbserve.WithTLS(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}),
+	client, err := cbserve.NewClient(addr, cbserve.WithTLS(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}),
 		cbserve.WithBearerToken("s3cret"))
 	if err != nil {
-		t.Fatalf("Dial: %v", err)
+		t.Fatalf("NewClient: %v", err)
 	}
 	defer client.Close()
 	info, err := client.ModelInfo(ctx)
@@ -238,9 +282,9 @@ func TestTLSAndBearerToken(t *testing.T) {
 	}
 
 	// A plaintext client cannot talk to the TLS server.
-	plain, err := cbserve.Dial(ctx, addr, cbserve.WithDefaultTimeout(2*time.Second))
+	plain, err := cbserve.NewClient(addr, cbserve.WithDefaultTimeout(2*time.Second))
 	if err != nil {
-		t.Fatalf("Dial: %v", err)
+		t.Fatalf("NewClient: %v", err)
 	}
 	defer plain.Close()
 	if _, err := plain.ModelInfo(ctx); !errors.Is(err, cbserve.ErrUnavailable) {
@@ -250,9 +294,9 @@ func TestTLSAndBearerToken(t *testing.T) {
 
 func TestDefaultTimeout(t *testing.T) {
 	addr := startFake(t, &fakeGeneration{infoDelay: 5 * time.Second}, nil)
-	client, err := cbserve.Dial(testContext(t), addr, cbserve.WithDefaultTimeout(200*time.Millisecond))
+	client, err := cbserve.NewClient(addr, cbserve.WithDefaultTimeout(200*time.Millisecond))
 	if err != nil {
-		t.Fatalf("Dial: %v", err)
+		t.Fatalf("NewClient: %v", err)
 	}
 	defer client.Close()
 	started := time.Now()
@@ -285,9 +329,9 @@ func TestSubmitRetries(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			fake := &fakeGeneration{addErrors: tc.answers}
-			client, err := cbserve.Dial(testContext(t), startFake(t, fake, nil))
+			client, err := cbserve.NewClient(startFake(t, fake, nil))
 			if err != nil {
-				t.Fatalf("Dial: %v", err)
+				t.Fatalf("NewClient: %v", err)
 			}
 			defer client.Close()
 			id, err := client.Submit(testContext(t), cbserve.Text("hi"))
@@ -320,9 +364,9 @@ func TestStopStrings(t *testing.T) {
 		{TokenIndex: 3, TokenIds: []uint32{'\n'}, Text: proto.String(""), Status: pb.RequestStatus_REQUEST_STATUS_FINISHED,
 			FinishReason: pb.FinishReason_FINISH_REASON_STOP, Usage: &pb.Usage{PromptTokens: 2, GeneratedTokens: 4}},
 	}}
-	client, err := cbserve.Dial(testContext(t), startFake(t, fake, nil))
+	client, err := cbserve.NewClient(startFake(t, fake, nil))
 	if err != nil {
-		t.Fatalf("Dial: %v", err)
+		t.Fatalf("NewClient: %v", err)
 	}
 	defer client.Close()
 	stop := []string{"\n\n", "END", "###"}
@@ -364,9 +408,9 @@ func dialRecordingFake(t *testing.T) (*fakeGeneration, *cbserve.Client) {
 		{TokenIds: []uint32{'o', 'k'}, Text: proto.String("ok"), Status: pb.RequestStatus_REQUEST_STATUS_FINISHED,
 			FinishReason: pb.FinishReason_FINISH_REASON_LENGTH, Usage: &pb.Usage{PromptTokens: 2, GeneratedTokens: 2}},
 	}}
-	client, err := cbserve.Dial(testContext(t), startFake(t, fake, nil))
+	client, err := cbserve.NewClient(startFake(t, fake, nil))
 	if err != nil {
-		t.Fatalf("Dial: %v", err)
+		t.Fatalf("NewClient: %v", err)
 	}
 	t.Cleanup(func() { _ = client.Close() })
 	return fake, client
@@ -389,8 +433,8 @@ func TestPenaltiesAndMinNewTokens(t *testing.T) {
 	fake.mu.Unlock()
 	_, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithMinNewTokens(-1))
 	var e *cbserve.Error
-	if !errors.Is(err, cbserve.ErrInvalidArgument) || !errors.As(err, &e) || !strings.Contains(e.Message, "WithMinNewTokens(-1)") {
-		t.Errorf("Generate with WithMinNewTokens(-1): error %v; want invalid argument naming min new tokens", err)
+	if !errors.Is(err, cbserve.ErrInvalidArgument) || !errors.As(err, &e) || e.Message != "sampling.min_new_tokens must be an int >= 0, got -1" {
+		t.Errorf("Generate with WithMinNewTokens(-1): error %v; want invalid argument: sampling.min_new_tokens must be an int >= 0, got -1", err)
 	}
 	_, err = client.Submit(testContext(t), cbserve.Text("hi"), cbserve.WithMinNewTokens(-1))
 	if !errors.Is(err, cbserve.ErrInvalidArgument) {
@@ -661,15 +705,15 @@ func TestParallelSamplingOnTheWire(t *testing.T) {
 		{"Generate with WithN(129)", func() error {
 			_, err := client.Generate(testContext(t), cbserve.Text("hi"), cbserve.WithN(129))
 			return err
-		}, []string{"WithN(129)", "sampling.n", "[1, 128]"}},
+		}, []string{"sampling.n must be an int in [1, 128], got 129"}},
 		{"GenerateN(0)", func() error {
 			_, err := client.GenerateN(testContext(t), cbserve.Text("hi"), 0)
 			return err
-		}, []string{"GenerateN(n = 0)", "sampling.n", "[1, 128]"}},
+		}, []string{"sampling.n must be an int in [1, 128], got 0"}},
 		{"GenerateN(129)", func() error {
 			_, err := client.GenerateN(testContext(t), cbserve.Text("hi"), cbserve.MaxN+1)
 			return err
-		}, []string{"GenerateN(n = 129)", "sampling.n", "[1, 128]"}},
+		}, []string{"sampling.n must be an int in [1, 128], got 129"}},
 		{"GenerateN(3) with WithN(2)", func() error {
 			_, err := client.GenerateN(testContext(t), cbserve.Text("hi"), 3, cbserve.WithN(2))
 			return err
@@ -677,7 +721,7 @@ func TestParallelSamplingOnTheWire(t *testing.T) {
 		{"GenerateN(2) with a bad option", func() error {
 			_, err := client.GenerateN(testContext(t), cbserve.Text("hi"), 2, cbserve.WithTopP(2))
 			return err
-		}, []string{"WithTopP(2)"}},
+		}, []string{"sampling.top_p must be a finite number in (0, 1], got 2.0"}},
 	} {
 		if err := tc.call(); !errors.Is(err, cbserve.ErrInvalidArgument) || !containsAll(err.Error(), tc.mentions...) {
 			t.Errorf("%s: %v; want ErrInvalidArgument mentioning %q", tc.name, err, tc.mentions)

@@ -108,6 +108,7 @@ type testServer struct {
 	logPath         string
 	cmd             *exec.Cmd
 	exited          chan struct{} // closed once the process has exited
+	exitState       string        // how it exited, once exited is closed
 	stopOnce        sync.Once
 }
 
@@ -125,6 +126,19 @@ func startServer(ctx context.Context, logPath string) (*testServer, error) {
 	if err != nil {
 		return nil, fmt.Errorf("free ports: %w", err)
 	}
+	server, err := launchServer(logPath, ports)
+	if err != nil {
+		return nil, err
+	}
+	if err := server.waitServing(ctx); err != nil {
+		return nil, err
+	}
+	return server, nil
+}
+
+// launchServer starts the server of startServer on the given ports (generation, admin) and
+// returns at once: its ports open, and its health says NOT_SERVING, while the model loads.
+func launchServer(logPath string, ports []int) (*testServer, error) {
 	server := &testServer{
 		addr:      net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[0])),
 		adminAddr: net.JoinHostPort("127.0.0.1", strconv.Itoa(ports[1])),
@@ -148,7 +162,6 @@ func startServer(ctx context.Context, logPath string) (*testServer, error) {
 	// process: start the server from a goroutine locked to its thread, which lives until the
 	// server has exited (Go ends a locked thread only with its goroutine).
 	startErr := make(chan error, 1)
-	var exitState string
 	go func() {
 		runtime.LockOSThread()
 		if err := server.cmd.Start(); err != nil {
@@ -157,9 +170,9 @@ func startServer(ctx context.Context, logPath string) (*testServer, error) {
 		}
 		startErr <- nil
 		err := server.cmd.Wait()
-		exitState = fmt.Sprint(err)
+		server.exitState = fmt.Sprint(err)
 		if err == nil {
-			exitState = "exit status 0"
+			server.exitState = "exit status 0"
 		}
 		close(server.exited)
 	}()
@@ -169,17 +182,23 @@ func startServer(ctx context.Context, logPath string) (*testServer, error) {
 	serversMu.Lock()
 	servers[server] = true
 	serversMu.Unlock()
-	if err := waitServing(ctx, server.addr, server.exited); err != nil {
-		printLogTail(logPath)
+	return server, nil
+}
+
+// waitServing waits until the server reports SERVING (bounded by ctx); if it does not, it stops
+// the server and says why.
+func (s *testServer) waitServing(ctx context.Context) error {
+	if err := waitServing(ctx, s.addr, s.exited); err != nil {
+		printLogTail(s.logPath)
 		select {
-		case <-server.exited:
-			err = fmt.Errorf("%w: %s", err, exitState)
+		case <-s.exited:
+			err = fmt.Errorf("%w: %s", err, s.exitState)
 		default:
 		}
-		server.stop()
-		return nil, fmt.Errorf("the server did not become ready: %w", err)
+		s.stop()
+		return fmt.Errorf("the server did not become ready: %w", err)
 	}
-	return server, nil
+	return nil
 }
 
 // stop sends SIGTERM and waits for the server to exit, killing it after stopTimeout. Idempotent.

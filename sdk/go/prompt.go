@@ -338,15 +338,16 @@ func WithGrammar(grammar string) GenerateOption {
 	return GenerateOption{func(c *requestConfig) { c.structured = append(c.structured, spec) }}
 }
 
-// buildRequest turns a prompt and options into a GenerationRequest, refusing values outside the
-// server's bounds (bounds.go) before anything is sent. What needs the model (token ids below the
-// vocab size, the prompt fitting its context) is the server's to check.
 // logprobsModes maps each LogprobsMode to the wire's.
 var logprobsModes = map[LogprobsMode]pb.LogprobsMode{
 	LogprobsServerDefault: pb.LogprobsMode_LOGPROBS_MODE_UNSPECIFIED,
 	LogprobsRaw:           pb.LogprobsMode_LOGPROBS_MODE_RAW,
 	LogprobsProcessed:     pb.LogprobsMode_LOGPROBS_MODE_PROCESSED,
 }
+
+// buildRequest turns a prompt and options into a GenerationRequest, refusing values outside the
+// server's bounds (bounds.go) before anything is sent. What needs the model (token ids below the
+// vocab size, the prompt fitting its context) is the server's to check.
 
 func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, error) {
 	cfg := applyGenerateOptions(opts)

@@ -159,8 +159,8 @@ func TestPriorityAndSkipSpecialTokens(t *testing.T) {
 	for _, p := range []int{cbserve.MaxPriority + 1, cbserve.MinPriority - 1} {
 		_, err := client.Generate(testContext(t), prompt, cbserve.WithPriority(p))
 		var e *cbserve.Error
-		if !errors.Is(err, cbserve.ErrInvalidArgument) || !errors.As(err, &e) || !strings.HasPrefix(e.Message, "WithPriority(") {
-			t.Errorf("WithPriority(%d): %v; want ErrInvalidArgument from the client naming WithPriority", p, err)
+		if !errors.Is(err, cbserve.ErrInvalidArgument) || !errors.As(err, &e) || !strings.HasPrefix(e.Message, "priority must be an int in [") {
+			t.Errorf("WithPriority(%d): %v; want ErrInvalidArgument from the client naming priority", p, err)
 		}
 	}
 }

@@ -2,102 +2,153 @@ package cbserve
 
 import (
 	"encoding/json"
+	"fmt"
 	"maps"
 	"math"
 	"slices"
+	"strconv"
+	"strings"
 	"unicode/utf8"
 
 	"google.golang.org/grpc/codes"
 )
 
-// check refuses, with ErrInvalidArgument naming the option, the value and the bound, a value the
-// server would refuse whatever the model: the bounds are the server's own (bounds.go, generated
-// from sdk/sampling_bounds.json). Bounds that depend on the model (vocab size, context length)
-// are left to the server.
+// check refuses a value the server would refuse whatever the model, before anything is sent, with
+// ErrInvalidArgument and the server's own message: the wire field, the bound, the value given
+// (sampling.max_new_tokens must be an int >= 1, got 0), so that the same mistake reads the same
+// from every SDK and from the server. The bounds are the server's (bounds.go, generated from
+// sdk/sampling_bounds.json); those that depend on the model (vocab size, context length) are left
+// to the server.
 func (c *requestConfig) check() error {
 	if err := checkRequestID(c.requestID); err != nil {
 		return err
 	}
-	if c.maxNewTokens != nil {
-		if err := checkCount("WithMaxNewTokens", *c.maxNewTokens, MinMaxNewTokens, math.MaxUint32, " (MinMaxNewTokens)"); err != nil {
+	counts := []struct {
+		field  string
+		value  *int
+		lo, hi int
+		note   string
+	}{
+		{"sampling.max_new_tokens", c.maxNewTokens, MinMaxNewTokens, -1, ""},
+		{"sampling.top_k", c.topK, 0, -1, " (0 disables it)"},
+		{"sampling.top_logprobs", c.logprobs, 0, MaxTopLogprobs, ""},
+		{"sampling.min_new_tokens", c.minNewTokens, 0, -1, ""},
+		{"sampling.prompt_logprobs", c.promptLogprobs, 0, MaxPromptLogprobs, " (0: the prompt token's only)"},
+		{"sampling.n", c.n, 1, MaxN, ""},
+	}
+	for _, count := range counts {
+		if count.value == nil {
+			continue
+		}
+		if err := checkInt(count.field, *count.value, count.lo, count.hi, count.note, math.MaxUint32, "uint32"); err != nil {
 			return err
 		}
 	}
-	if c.minNewTokens != nil {
-		if err := checkCount("WithMinNewTokens", *c.minNewTokens, 0, math.MaxUint32, ""); err != nil {
-			return err
+	if c.minNewTokens != nil && c.maxNewTokens != nil && *c.minNewTokens > *c.maxNewTokens {
+		return refuse("sampling.min_new_tokens", " (%d) must not exceed max_new_tokens (%d)", *c.minNewTokens, *c.maxNewTokens)
+	}
+	penalty := MaxAbsPresenceFrequencyPenalty
+	numbers := []struct {
+		field    string
+		value    *float64
+		bounds   string
+		inBounds func(float64) bool
+	}{
+		{"sampling.temperature", c.temperature, ">= 0", func(v float64) bool { return v >= 0 }},
+		{"sampling.top_p", c.topP, "in (0, 1]", func(v float64) bool { return v > 0 && v <= 1 }},
+		{"sampling.min_p", c.minP, fmt.Sprintf("in [0, %g] (0 disables it)", MaxMinP), func(v float64) bool { return v >= 0 && v <= MaxMinP }},
+		{"sampling.repetition_penalty", c.repetitionPenalty, "> 0 (1 disables it)", func(v float64) bool { return v > 0 }},
+		{"sampling.presence_penalty", c.presencePenalty, fmt.Sprintf("in [-%g, %g]", penalty, penalty),
+			func(v float64) bool { return math.Abs(v) <= penalty }},
+		{"sampling.frequency_penalty", c.frequencyPenalty, fmt.Sprintf("in [-%g, %g]", penalty, penalty),
+			func(v float64) bool { return math.Abs(v) <= penalty }},
+	}
+	for _, number := range numbers {
+		if number.value != nil {
+			if err := checkNumber(number.field, *number.value, number.bounds, number.inBounds); err != nil {
+				return err
+			}
 		}
-		if c.maxNewTokens != nil && *c.minNewTokens > *c.maxNewTokens {
-			return newError(codes.InvalidArgument, "WithMinNewTokens(%d): must not exceed WithMaxNewTokens(%d)",
-				*c.minNewTokens, *c.maxNewTokens)
-		}
-	}
-	if c.topK != nil {
-		if err := checkCount("WithTopK", *c.topK, 0, math.MaxUint32, " (0 = off)"); err != nil {
-			return err
-		}
-	}
-	if c.logprobs != nil {
-		if err := checkCount("WithLogprobs", *c.logprobs, 0, MaxTopLogprobs, " (MaxTopLogprobs)"); err != nil {
-			return err
-		}
-	}
-	if c.temperature != nil && !(isFinite(*c.temperature) && *c.temperature >= 0) {
-		return newError(codes.InvalidArgument, "WithTemperature(%g): must be a finite number >= 0 (0 = greedy)", *c.temperature)
-	}
-	if c.topP != nil && !(isFinite(*c.topP) && *c.topP > 0 && *c.topP <= 1) {
-		return newError(codes.InvalidArgument, "WithTopP(%g): must be in (0, 1] (1 = off)", *c.topP)
-	}
-	if c.repetitionPenalty != nil && !(isFinite(*c.repetitionPenalty) && *c.repetitionPenalty > 0) {
-		return newError(codes.InvalidArgument, "WithRepetitionPenalty(%g): must be a finite number > 0 (1 = off)", *c.repetitionPenalty)
-	}
-	for _, penalty := range []struct {
-		option string
-		value  *float64
-	}{{"WithPresencePenalty", c.presencePenalty}, {"WithFrequencyPenalty", c.frequencyPenalty}} {
-		if p := penalty.value; p != nil && !(isFinite(*p) && math.Abs(*p) <= MaxAbsPresenceFrequencyPenalty) {
-			return newError(codes.InvalidArgument, "%s(%g): must be in [-%g, %g] (MaxAbsPresenceFrequencyPenalty)",
-				penalty.option, *p, MaxAbsPresenceFrequencyPenalty, MaxAbsPresenceFrequencyPenalty)
-		}
-	}
-	if err := checkLogitBias(c.logitBias); err != nil {
-		return err
 	}
 	if err := checkStop(c.stop); err != nil {
 		return err
 	}
-	if c.minP != nil && !(isFinite(*c.minP) && *c.minP >= 0 && *c.minP <= MaxMinP) {
-		return newError(codes.InvalidArgument, "WithMinP(%g): sampling.min_p must be in [0, %g] (MaxMinP; 0 = off)", *c.minP, MaxMinP)
+	if err := checkLogitBias(c.logitBias); err != nil {
+		return err
 	}
 	if len(c.stopTokenIDs) > MaxStopTokenIds {
-		return newError(codes.InvalidArgument, "WithStopTokenIDs: %d ids; sampling.stop_token_ids takes at most %d (MaxStopTokenIds)",
-			len(c.stopTokenIDs), MaxStopTokenIds)
-	}
-	if c.promptLogprobs != nil {
-		if err := checkCount("WithPromptLogprobs", *c.promptLogprobs, 0, MaxPromptLogprobs,
-			" (sampling.prompt_logprobs, MaxPromptLogprobs)"); err != nil {
-			return err
-		}
-	}
-	if c.n != nil {
-		if err := checkCount("WithN", *c.n, 1, MaxN, " (sampling.n, MaxN)"); err != nil {
-			return err
-		}
+		return refuse("sampling.stop_token_ids", ": at most %d token ids, got %d", MaxStopTokenIds, len(c.stopTokenIDs))
 	}
 	if _, ok := logprobsModes[c.logprobsMode]; !ok {
-		return newError(codes.InvalidArgument, "WithLogprobsMode(%d): not a LogprobsMode (LogprobsServerDefault, LogprobsRaw or LogprobsProcessed)",
+		return refuse("sampling.logprobs_mode", ": unknown value %d; expected LogprobsRaw or LogprobsProcessed (or LogprobsServerDefault)",
 			c.logprobsMode)
 	}
-	if p := c.priority; p != nil && (*p < MinPriority || *p > MaxPriority) {
-		return newError(codes.InvalidArgument, "WithPriority(%d): priority must be in [%d, %d] (MinPriority, MaxPriority: an int32)",
-			*p, MinPriority, MaxPriority)
+	if c.priority != nil {
+		if err := checkInt("priority", *c.priority, MinPriority, MaxPriority, "", math.MaxInt32, "int32"); err != nil {
+			return err
+		}
 	}
 	return checkStructuredOutput(c.structured)
 }
 
+// refuse is the server's refusal of a request field: ErrInvalidArgument, the field's wire name,
+// then what is wrong with it.
+func refuse(field, format string, args ...any) *Error {
+	return &Error{Code: codes.InvalidArgument, Message: field + fmt.Sprintf(format, args...)}
+}
+
+// checkInt refuses an integer outside [lo, hi] (hi < 0: no upper bound) as the server words it,
+// then one that does not fit the wire's field (wireMax, the width named by wire).
+func checkInt(field string, v, lo, hi int, note string, wireMax uint64, wire string) error {
+	if v < lo || (hi >= 0 && v > hi) {
+		bounds := fmt.Sprintf(">= %d", lo)
+		if hi >= 0 {
+			bounds = fmt.Sprintf("in [%d, %d]", lo, hi)
+		}
+		return refuse(field, " must be an int %s%s, got %d", bounds, note, v)
+	}
+	if v > 0 && uint64(v) > wireMax {
+		return refuse(field, " must be at most %d (the wire's %s), got %d", wireMax, wire, v)
+	}
+	return nil
+}
+
+// checkNumber refuses NaN, an infinity, or a number outside bounds, as the server words it.
+func checkNumber(field string, v float64, bounds string, inBounds func(float64) bool) error {
+	if math.IsNaN(v) || math.IsInf(v, 0) || !inBounds(v) {
+		return refuse(field, " must be a finite number %s, got %s", bounds, pythonFloat(v))
+	}
+	return nil
+}
+
+// pythonFloat formats f as Python's repr does (-1.0, 0.5, 1e-05, 1e+16, nan, inf), which is how
+// the server writes the value it refuses.
+func pythonFloat(f float64) string {
+	switch {
+	case math.IsNaN(f):
+		return "nan"
+	case math.IsInf(f, 1):
+		return "inf"
+	case math.IsInf(f, -1):
+		return "-inf"
+	}
+	scientific := strconv.FormatFloat(f, 'e', -1, 64)
+	exponent, _ := strconv.Atoi(scientific[strings.IndexByte(scientific, 'e')+1:])
+	if f != 0 && (exponent < -4 || exponent >= 16) {
+		return scientific
+	}
+	fixed := strconv.FormatFloat(f, 'f', -1, 64)
+	if !strings.Contains(fixed, ".") {
+		fixed += ".0"
+	}
+	return fixed
+}
+
 // checkStructuredOutput refuses more than one structured-output option, and a spec the server
-// would refuse whatever the model: empty, over MaxStructuredOutputChars characters, not UTF-8, or
-// (a JSON schema) not JSON. Whether it compiles is the server's to say.
+// would refuse whatever the model: empty, or over MaxStructuredOutputChars characters. A spec that
+// is not UTF-8, or a JSON schema that is not JSON, is refused here too (the wire cannot carry the
+// one, the grammar compiler would refuse the other); whether a spec compiles is the server's to
+// say.
 func checkStructuredOutput(given []structuredOutput) error {
 	if len(given) > 1 {
 		return newError(codes.InvalidArgument, "%s and %s: at most one structured-output option per request "+
@@ -109,46 +160,50 @@ func checkStructuredOutput(given []structuredOutput) error {
 	s := given[0]
 	field := "sampling.structured_output." + s.field
 	if s.err != nil {
-		return newError(codes.InvalidArgument, "%s: the schema does not marshal to JSON: %v", s.option, s.err)
+		return refuse(field, ": %s's schema does not marshal to JSON: %v", s.option, s.err)
 	}
 	if s.kind == structuredJSONObject {
 		return nil
 	}
 	if !utf8.ValidString(s.spec) {
-		return newError(codes.InvalidArgument, "%s: %s is not valid UTF-8", s.option, field)
+		return refuse(field, " is not valid UTF-8")
 	}
-	if n := utf8.RuneCountInString(s.spec); n < 1 || n > MaxStructuredOutputChars {
-		return newError(codes.InvalidArgument, "%s: %s has %d characters; it must have 1 to %d (MaxStructuredOutputChars)",
-			s.option, field, n, MaxStructuredOutputChars)
+	n := utf8.RuneCountInString(s.spec)
+	if n == 0 {
+		return refuse(field, " must not be empty")
+	}
+	if n > MaxStructuredOutputChars {
+		return refuse(field, " must be at most %d characters, got %d", MaxStructuredOutputChars, n)
 	}
 	if s.kind == structuredJSONSchema && !json.Valid([]byte(s.spec)) {
-		return newError(codes.InvalidArgument, "%s: %s is not valid JSON", s.option, field)
+		return refuse(field, " is not valid JSON")
 	}
 	return nil
 }
 
 func checkRequestID(id string) error {
-	if len(id) > MaxRequestIDBytes {
-		return newError(codes.InvalidArgument, "WithRequestID: the id is %d bytes; at most %d (MaxRequestIDBytes)",
-			len(id), MaxRequestIDBytes)
+	if id == "" {
+		return nil
 	}
+	printable := true
 	for i := range len(id) {
-		if id[i] <= ' ' || id[i] > '~' {
-			return newError(codes.InvalidArgument, "WithRequestID(%q): byte %d is not printable ASCII (spaces excluded)", id, i)
-		}
+		printable = printable && id[i] > ' ' && id[i] <= '~'
+	}
+	if len(id) > MaxRequestIDBytes || !printable {
+		return refuse("request_id", " must be at most %d bytes of printable ASCII, got %q", MaxRequestIDBytes, id)
 	}
 	return nil
 }
 
 func checkLogitBias(bias map[uint32]float64) error {
 	if len(bias) > MaxLogitBiasEntries {
-		return newError(codes.InvalidArgument, "WithLogitBias: %d entries; at most %d (MaxLogitBiasEntries)",
-			len(bias), MaxLogitBiasEntries)
+		return refuse("sampling.logit_bias", ": at most %d entries, got %d", MaxLogitBiasEntries, len(bias))
 	}
+	bound := fmt.Sprintf("in [-%g, %g]", MaxAbsLogitBias, MaxAbsLogitBias)
 	for _, id := range slices.Sorted(maps.Keys(bias)) {
-		if b := bias[id]; !isFinite(b) || math.Abs(b) > MaxAbsLogitBias {
-			return newError(codes.InvalidArgument, "WithLogitBias: token %d has bias %g; biases must be in [-%g, %g] (MaxAbsLogitBias)",
-				id, b, MaxAbsLogitBias, MaxAbsLogitBias)
+		field := fmt.Sprintf("sampling.logit_bias[%d]", id)
+		if err := checkNumber(field, bias[id], bound, func(v float64) bool { return math.Abs(v) <= MaxAbsLogitBias }); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -156,24 +211,16 @@ func checkLogitBias(bias map[uint32]float64) error {
 
 func checkStop(stop []string) error {
 	if len(stop) > MaxStopStrings {
-		return newError(codes.InvalidArgument, "WithStop: %d strings; at most %d (MaxStopStrings)", len(stop), MaxStopStrings)
+		return refuse("sampling.stop", ": at most %d strings, got %d", MaxStopStrings, len(stop))
 	}
 	for i, s := range stop {
+		field := fmt.Sprintf("sampling.stop[%d]", i)
 		if !utf8.ValidString(s) {
-			return newError(codes.InvalidArgument, "WithStop: string %d (%q) is not valid UTF-8", i, s)
+			return refuse(field, " is not valid UTF-8: %q", s)
 		}
 		if n := utf8.RuneCountInString(s); n < 1 || n > MaxStopStringChars {
-			return newError(codes.InvalidArgument, "WithStop: string %d has %d characters; each must have 1 to %d (MaxStopStringChars)",
-				i, n, MaxStopStringChars)
+			return refuse(field, " must be 1 to %d characters, got %d", MaxStopStringChars, n)
 		}
-	}
-	return nil
-}
-
-// checkCount refuses an integer option outside [lo, hi]; note follows the bounds.
-func checkCount(option string, v, lo int, hi uint64, note string) error {
-	if v < lo || uint64(v) > hi {
-		return newError(codes.InvalidArgument, "%s(%d): must be in [%d, %d]%s", option, v, lo, hi, note)
 	}
 	return nil
 }
@@ -185,5 +232,3 @@ func nonNegativeUint32(name string, v int) (uint32, error) {
 	}
 	return uint32(v), nil
 }
-
-func isFinite(f float64) bool { return !math.IsInf(f, 0) && !math.IsNaN(f) }

@@ -154,12 +154,13 @@ func (a *Admin) UpdateWeightsFromPath(ctx context.Context, path string, opts ...
 
 // updateWeights sends the stream of requests, half-closes it and returns the server's answer.
 func (a *Admin) updateWeights(ctx context.Context, requests iter.Seq[*pb.UpdateWeightsRequest]) (*WeightsUpdate, error) {
-	// Returning before the half-close cancels the call, and the server applies nothing.
-	callCtx, cancel := context.WithCancel(ctx)
+	// Returning before the half-close cancels the call, and the server applies nothing. The
+	// client's timeouts do not apply: a large model takes as long as it takes to send.
+	callCtx, cancel, deadline := clientTimeout{}.start(ctx)
 	defer cancel()
 	stream, err := a.admin.UpdateWeights(callCtx)
 	if err != nil {
-		return nil, convertError(ctx, err)
+		return nil, deadline.error(err)
 	}
 	for request := range requests {
 		err := stream.Send(request)
@@ -167,12 +168,12 @@ func (a *Admin) updateWeights(ctx context.Context, requests iter.Seq[*pb.UpdateW
 			break // the server has ended the call: CloseAndRecv returns its status
 		}
 		if err != nil {
-			return nil, convertError(ctx, err)
+			return nil, deadline.error(err)
 		}
 	}
 	response, err := stream.CloseAndRecv()
 	if err != nil {
-		return nil, convertError(ctx, err)
+		return nil, deadline.error(err)
 	}
 	return &WeightsUpdate{
 		WeightVersion:  response.GetWeightVersion(),

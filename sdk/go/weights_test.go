@@ -65,9 +65,9 @@ func startFakeAdmin(t *testing.T, f *fakeAdmin) string {
 
 func TestUpdateWeightsChunksEachTensor(t *testing.T) {
 	fake := &fakeAdmin{}
-	admin, err := cbserve.DialAdmin(testContext(t), startFakeAdmin(t, fake), "token")
+	admin, err := cbserve.NewAdmin(startFakeAdmin(t, fake), "token")
 	if err != nil {
-		t.Fatalf("DialAdmin: %v", err)
+		t.Fatalf("NewAdmin: %v", err)
 	}
 	defer admin.Close()
 	data := make([]byte, 250)
@@ -125,9 +125,9 @@ func TestUpdateWeightsChunksEachTensor(t *testing.T) {
 
 func TestUpdateWeightsRejectsMalformedTensorsBeforeSending(t *testing.T) {
 	fake := &fakeAdmin{}
-	admin, err := cbserve.DialAdmin(testContext(t), startFakeAdmin(t, fake), "token")
+	admin, err := cbserve.NewAdmin(startFakeAdmin(t, fake), "token")
 	if err != nil {
-		t.Fatalf("DialAdmin: %v", err)
+		t.Fatalf("NewAdmin: %v", err)
 	}
 	defer admin.Close()
 	good := cbserve.Tensor{Name: "good", DType: "F32", Shape: []int64{2}, Data: make([]byte, 8)}
