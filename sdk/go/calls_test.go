@@ -140,7 +140,7 @@ func TestStreamSequenceIsSingleUse(t *testing.T) {
 
 func TestSentinelsMatchTheirCodes(t *testing.T) {
 	for _, want := range []*cbserve.Error{cbserve.ErrPermissionDenied, cbserve.ErrFailedPrecondition, cbserve.ErrUnimplemented,
-		cbserve.ErrUnauthenticated, cbserve.ErrNotFound} {
+		cbserve.ErrUnauthenticated, cbserve.ErrNotFound, cbserve.ErrAborted, cbserve.ErrOutOfRange} {
 		fake := &fakeGeneration{infoErrors: []error{status.Error(want.Code, "scripted")}}
 		client, err := cbserve.NewClient(startFake(t, fake, nil))
 		if err != nil {

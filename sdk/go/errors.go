@@ -27,8 +27,9 @@ type Error struct {
 	cause error
 }
 
-// Sentinel errors, one per status code callers usually branch on. An *Error matches the
-// sentinel of its code with [errors.Is].
+// Sentinel errors, one per status code a call can end with (INTERNAL, UNKNOWN and DATA_LOSS
+// share ErrInternal: a caller handles them alike), as the Python and Java SDKs have one exception
+// type per code. An *Error matches the sentinel of its code with [errors.Is].
 var (
 	// ErrInvalidArgument: a malformed request (empty prompt, token id out of range, bad sampling
 	// bound, ...). Retrying it unchanged fails again.
@@ -56,6 +57,11 @@ var (
 	// ErrUnimplemented: the server does not implement the call (an older server, or a proxy
 	// that does not route it).
 	ErrUnimplemented = &Error{Code: codes.Unimplemented, Message: "unimplemented"}
+	// ErrAborted: the server gave up a call midway (a weight transfer from a trainer that failed,
+	// on the raw weight-sync RPCs); what it changed is in the message.
+	ErrAborted = &Error{Code: codes.Aborted, Message: "aborted"}
+	// ErrOutOfRange: a value past the end of what the server holds (codes.OutOfRange).
+	ErrOutOfRange = &Error{Code: codes.OutOfRange, Message: "out of range"}
 	// ErrCanceled: the call was cancelled (usually: its context was). Such an error also matches
 	// [context.Canceled] when the caller's context was cancelled.
 	ErrCanceled = &Error{Code: codes.Canceled, Message: "canceled"}
@@ -86,6 +92,10 @@ func sentinelFor(code codes.Code) *Error {
 		return ErrFailedPrecondition
 	case codes.Unimplemented:
 		return ErrUnimplemented
+	case codes.Aborted:
+		return ErrAborted
+	case codes.OutOfRange:
+		return ErrOutOfRange
 	case codes.Canceled:
 		return ErrCanceled
 	case codes.DeadlineExceeded:
