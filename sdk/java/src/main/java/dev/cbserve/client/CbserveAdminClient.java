@@ -11,7 +11,9 @@ import java.nio.file.Path;
 import java.time.Duration;
 import java.util.Iterator;
 import java.util.List;
+import java.util.Map;
 import java.util.Objects;
+import java.util.TreeMap;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.ExecutionException;
 import java.util.concurrent.TimeUnit;
@@ -38,6 +40,7 @@ import java.util.concurrent.atomic.AtomicReference;
  */
 public final class CbserveAdminClient implements AutoCloseable {
   private final ManagedChannel channel;
+  private final String target;
   private final boolean ownsChannel;
   private final Duration defaultTimeout;
   private final AdminServiceGrpc.AdminServiceStub asyncStub;
@@ -45,6 +48,7 @@ public final class CbserveAdminClient implements AutoCloseable {
 
   CbserveAdminClient(ChannelOptions options) {
     this.channel = options.build();
+    this.target = options.target != null ? options.target : channel.authority();
     this.ownsChannel = !options.external();
     this.defaultTimeout = options.defaultTimeout;
     this.asyncStub = AdminServiceGrpc.newStub(channel);
@@ -217,6 +221,65 @@ public final class CbserveAdminClient implements AutoCloseable {
     return !Calls.blocking(
             () -> Calls.withTimeout(blockingStub, defaultTimeout).start(request), defaultTimeout)
         .getAlreadyRunning();
+  }
+
+  /**
+   * The address this client was built for (its target, or its channel's authority): {@link
+   * WeightsChecksums#check(WeightsChecksum, List)} names replicas by it.
+   */
+  public String target() {
+    return target;
+  }
+
+  /**
+   * Drops every reusable prefix block (TRL's reset_prefix_cache, verl's clear_kv_cache, slime's
+   * flush_cache), so that no later request reuses KV computed before the call: by weights a sync
+   * just replaced, say. Only an idle server is reset.
+   *
+   * @param abort cancel the requests in flight (queued or running) first (each ends cancelled),
+   *     rather than refuse
+   * @throws FailedPreconditionException with requests in flight and {@code abort} false; nothing
+   *     was dropped
+   */
+  public PrefixCacheReset resetPrefixCache(boolean abort) {
+    Admin.ResetPrefixCacheRequest request =
+        Admin.ResetPrefixCacheRequest.newBuilder().setAbort(abort).build();
+    Admin.ResetPrefixCacheResponse response =
+        Calls.blocking(
+            () -> Calls.withTimeout(blockingStub, defaultTimeout).resetPrefixCache(request),
+            defaultTimeout);
+    return new PrefixCacheReset(response.getDroppedBlocks(), response.getAbortedRequests());
+  }
+
+  /**
+   * A digest of the weights the server holds (slime's check_weights), computed on its device
+   * between two engine steps, with the weight version it is of. Equal weights give equal digests
+   * on any device: {@link WeightsChecksums#of(List)} computes the same of {@link Tensor}s, and
+   * {@link WeightsChecksums#check(WeightsChecksum, List)} compares replicas. The call takes as long
+   * as the server needs to read its whole model once.
+   *
+   * @param perTensor also return each tensor's digest, to find which differ
+   */
+  public WeightsChecksum weightsChecksum(boolean perTensor) {
+    Admin.GetWeightsChecksumRequest request =
+        Admin.GetWeightsChecksumRequest.newBuilder().setPerTensor(perTensor).build();
+    Admin.GetWeightsChecksumResponse response =
+        Calls.blocking(
+            () -> Calls.withTimeout(blockingStub, defaultTimeout).getWeightsChecksum(request),
+            defaultTimeout);
+    Map<String, TensorChecksum> tensors = new TreeMap<>();
+    for (Admin.TensorChecksum tensor : response.getTensorsList()) {
+      tensors.put(
+          tensor.getName(),
+          new TensorChecksum(
+              tensor.getName(), tensor.getDigest(), tensor.getDtype(), tensor.getShapeList()));
+    }
+    return new WeightsChecksum(
+        response.getDigest(),
+        response.getAlgorithm(),
+        response.getWeightVersion(),
+        response.getNumTensors(),
+        tensors);
   }
 
   /** The engine's state and counters. */

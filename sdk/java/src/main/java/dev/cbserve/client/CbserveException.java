@@ -64,6 +64,8 @@ public class CbserveException extends RuntimeException {
         return new CancelledException(details, cause);
       case DEADLINE_EXCEEDED:
         return new DeadlineExceededException(details, cause);
+      case FAILED_PRECONDITION:
+        return new FailedPreconditionException(details, cause);
       case INTERNAL:
       case UNKNOWN:
       case DATA_LOSS:

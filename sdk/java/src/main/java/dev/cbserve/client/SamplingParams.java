@@ -48,6 +48,7 @@ public final class SamplingParams {
   private final int[] stopTokenIds;
   private final Boolean skipSpecialTokens;
   private final Integer promptLogprobs;
+  private final LogprobsMode logprobsMode;
   private final Integer n;
   private final Constraint constraint;
   private final String constraintSpec;
@@ -86,6 +87,7 @@ public final class SamplingParams {
     this.stopTokenIds = b.stopTokenIds.clone();
     this.skipSpecialTokens = b.skipSpecialTokens;
     this.promptLogprobs = b.promptLogprobs;
+    this.logprobsMode = b.logprobsMode;
     this.n = b.n;
     this.constraint = b.constraint;
     this.constraintSpec = b.constraintSpec;
@@ -165,6 +167,7 @@ public final class SamplingParams {
     if (n != null) {
       p.setN(n);
     }
+    p.setLogprobsMode(logprobsMode.wire);
     if (constraint != null) {
       Types.StructuredOutput.Builder so = Types.StructuredOutput.newBuilder();
       switch (constraint) {
@@ -270,6 +273,10 @@ public final class SamplingParams {
       s.append(sep).append("n=").append(n);
       sep = ", ";
     }
+    if (logprobsMode != LogprobsMode.SERVER_DEFAULT) {
+      s.append(sep).append("logprobsMode=").append(logprobsMode);
+      sep = ", ";
+    }
     if (constraint == Constraint.JSON_OBJECT) {
       s.append(sep).append("jsonObject");
     } else if (constraint != null) {
@@ -307,6 +314,7 @@ public final class SamplingParams {
     private int[] stopTokenIds = new int[0];
     private Boolean skipSpecialTokens;
     private Integer promptLogprobs;
+    private LogprobsMode logprobsMode = LogprobsMode.SERVER_DEFAULT;
     private Integer n;
     private Constraint constraint;
     private String constraintSpec;
@@ -550,6 +558,16 @@ public final class SamplingParams {
                 + promptLogprobs);
       }
       this.promptLogprobs = promptLogprobs;
+      return this;
+    }
+
+    /**
+     * Which distribution the {@link #logprobs(boolean) logprobs} and {@link #topLogprobs(int) top
+     * logprobs} are of (vLLM's {@code logprobs_mode}); prompt logprobs are always raw. Unset:
+     * {@link LogprobsMode#SERVER_DEFAULT}.
+     */
+    public Builder logprobsMode(LogprobsMode logprobsMode) {
+      this.logprobsMode = Objects.requireNonNull(logprobsMode, "logprobsMode");
       return this;
     }
 
