@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc, types_pb2
+from google.protobuf.timestamp_pb2 import Timestamp
 
 ADMIN_TOKEN = "s3cret-admin-token"
 
@@ -194,9 +195,19 @@ class FakeAdminService(admin_pb2_grpc.AdminServiceServicer):
             while context.is_active():
                 time.sleep(0.01)
             return
-        yield admin_pb2.PauseResponse(paused=True, holders=1, weight_version=1)
-        while context.is_active():
+        # As the server does: the hold lasts until the lease expires (then a last message, paused =
+        # False) or the call ends.
+        lease_s = request.lease_s if request.HasField("lease_s") else 300.0
+        expires_at = Timestamp()
+        expires_at.FromNanoseconds(int((time.time() + lease_s) * 1e9))
+        yield admin_pb2.PauseResponse(paused=True, holders=1, weight_version=1, lease_expires_at=expires_at)
+        held_until = time.monotonic() + lease_s
+        while context.is_active() and time.monotonic() < held_until:
             time.sleep(0.01)
+        if context.is_active():
+            yield admin_pb2.PauseResponse(
+                paused=False, holders=0, weight_version=1, lease_expires_at=expires_at
+            )
 
     def Stop(self, request: Any, context: Any) -> admin_pb2.StopResponse:
         self._auth(context)

@@ -5,18 +5,18 @@
     with Client("localhost:50051") as client:
         print(client.generate("The capital of France is", max_new_tokens=8).text)
 
-Public API: :class:`Client` (sync), :class:`AsyncClient` (asyncio), :class:`AdminClient` (pause,
-stop/start, status, weight updates, sleep/wake-up, prefix-cache reset, weight checksum), :class:`AdminFleet`
-(the same on every replica of a deployment at once, and :meth:`AdminFleet.check_weights`),
-:class:`WeightSyncGroup` (a trainer's weight push over NCCL or gloo), :func:`weights_checksum` (a trainer's
-own digest of what it pushed), the result
-dataclasses, and the exceptions of :mod:`cbserve_client.errors`. The raw protobuf modules are in
-:mod:`cbserve_client.proto`. Importing the package never imports torch: the weight-sync and CUDA IPC
-calls import it when they run.
+Public API: :class:`Client` (sync), :class:`AsyncClient` (asyncio), :class:`AdminClient` (pause, as a
+:class:`PauseLease`; stop/start, status, weight updates, sleep/wake-up, prefix-cache reset, weight
+checksum), :class:`AdminFleet` (the same on every replica of a deployment at once, and
+:meth:`AdminFleet.check_weights`), :class:`WeightSyncGroup` (a trainer's weight push over NCCL or gloo),
+:func:`weights_checksum` (a trainer's own digest of what it pushed), the result dataclasses, and the
+exceptions of :mod:`cbserve_client.errors`. The raw protobuf modules are in :mod:`cbserve_client.proto`.
+Importing the package never imports torch: the weight-sync and CUDA IPC calls import it when they run.
 """
 
 from cbserve_client._buckets import BucketTensor, WeightBucket, plan_buckets
 from cbserve_client._convert import Prompt
+from cbserve_client._pause import PauseLease
 from cbserve_client._types import (
     Chunk,
     Completion,
@@ -89,6 +89,7 @@ __all__ = [
     "NotFoundError",
     "OutOfRangeError",
     "PauseInfo",
+    "PauseLease",
     "PermissionDeniedError",
     "PrefixCacheReset",
     "Prompt",

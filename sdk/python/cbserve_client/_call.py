@@ -5,17 +5,22 @@ from __future__ import annotations
 import asyncio
 import enum
 import random
+import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import grpc.aio
 
 from cbserve_client.errors import AlreadyExistsError, CbserveError, DeadlineExceededError, from_rpc_error
 
 T = TypeVar("T")
 
-Metadata = tuple[tuple[str, str], ...]
+#: The metadata of one call, as gRPC takes it. A value is bytes only under a key ending in "-bin".
+Metadata = tuple[tuple[str, str | bytes], ...]
+#: What a caller may pass as ``metadata=``: (key, value) pairs, or a mapping of them.
+MetadataArg = Sequence[tuple[str, str | bytes]] | Mapping[str, str | bytes]
 #: Turns a grpc.RpcError into the CbserveError a client raises (from_rpc_error, plus what the client knows).
 ErrorMapper = Callable[[grpc.RpcError], CbserveError]
 
@@ -89,13 +94,40 @@ def trace_metadata() -> list[tuple[str, str]]:
     return [(key.lower(), str(value)) for key, value in carrier.items()]
 
 
-def call_metadata(token: str | None, extra: Sequence[tuple[str, str]] = ()) -> Metadata:
-    """Metadata for one call: bearer token, trace context, then any extra pairs."""
-    items: list[tuple[str, str]] = []
+# gRPC's rule for metadata keys; it refuses others with only "Invalid metadata".
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
+
+
+def check_metadata(metadata: MetadataArg) -> Metadata:
+    """The caller's ``metadata=`` as gRPC takes it; ValueError naming the entry gRPC would refuse."""
+    pairs = metadata.items() if isinstance(metadata, Mapping) else metadata
+    checked: list[tuple[str, str | bytes]] = []
+    for pair in pairs:
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ValueError(f"metadata must be (key, value) pairs or a dict, got {pair!r}")
+        key, value = pair
+        if not isinstance(key, str) or not _METADATA_KEY.fullmatch(key) or key.startswith("grpc-"):
+            raise ValueError(
+                f"metadata key {key!r}: gRPC takes lowercase letters, digits, '-', '_' and '.', "
+                "not starting with 'grpc-' (its own)"
+            )
+        binary = key.endswith("-bin") and isinstance(value, bytes)
+        if not binary and not (isinstance(value, str) and value.isascii() and value.isprintable()):
+            raise ValueError(
+                f"metadata value of {key!r}: printable ASCII text, or bytes under a key ending in "
+                f"'-bin', got {value!r}"
+            )
+        checked.append((key, value))
+    return tuple(checked)
+
+
+def call_metadata(token: str | None, extra: MetadataArg = ()) -> Metadata:
+    """Metadata for one call: bearer token, trace context, then the caller's pairs."""
+    items: list[tuple[str, str | bytes]] = []
     if token:
         items.append(("authorization", f"Bearer {token}"))
     items.extend(trace_metadata())
-    items.extend(extra)
+    items.extend(check_metadata(extra))
     return tuple(items)
 
 
@@ -243,20 +275,75 @@ def make_channel(
     target: str,
     credentials: grpc.ChannelCredentials | None,
     options: Sequence[tuple[str, Any]],
+    interceptors: Sequence[Any] = (),
 ) -> grpc.Channel:
+    """A channel to ``target``, through ``interceptors`` (gRPC's four sync kinds), first one outermost."""
     if credentials is not None:
-        return grpc.secure_channel(target, credentials, options=list(options))
-    return grpc.insecure_channel(target, options=list(options))
+        channel = grpc.secure_channel(target, credentials, options=list(options))
+    else:
+        channel = grpc.insecure_channel(target, options=list(options))
+    return grpc.intercept_channel(channel, *interceptors) if interceptors else channel
+
+
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self, interceptor: Any) -> None:
+        self.interceptor = interceptor
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self.interceptor.intercept_unary_unary(continuation, details, request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    def __init__(self, interceptor: Any) -> None:
+        self.interceptor = interceptor
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await self.interceptor.intercept_unary_stream(continuation, details, request)
+
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    def __init__(self, interceptor: Any) -> None:
+        self.interceptor = interceptor
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await self.interceptor.intercept_stream_unary(continuation, details, requests)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    def __init__(self, interceptor: Any) -> None:
+        self.interceptor = interceptor
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await self.interceptor.intercept_stream_stream(continuation, details, requests)
+
+
+_AIO_KINDS = (
+    (grpc.aio.UnaryUnaryClientInterceptor, _UnaryUnary),
+    (grpc.aio.UnaryStreamClientInterceptor, _UnaryStream),
+    (grpc.aio.StreamUnaryClientInterceptor, _StreamUnary),
+    (grpc.aio.StreamStreamClientInterceptor, _StreamStream),
+)
+
+
+def _one_per_kind(interceptor: Any) -> list[Any]:
+    """``interceptor`` as grpc.aio applies it to every kind of call it implements. grpc.aio files an
+    interceptor under the first of the four kinds it is an instance of only (unlike the sync API), so
+    an object that implements several is passed as one delegate per kind."""
+    kinds = [delegate for kind, delegate in _AIO_KINDS if isinstance(interceptor, kind)]
+    return [delegate(interceptor) for delegate in kinds] if len(kinds) > 1 else [interceptor]
 
 
 def make_aio_channel(
     target: str,
     credentials: grpc.ChannelCredentials | None,
     options: Sequence[tuple[str, Any]],
+    interceptors: Sequence[Any] = (),
 ) -> grpc.aio.Channel:
+    """An asyncio channel to ``target``, through ``interceptors`` (``grpc.aio.ClientInterceptor`` s)."""
+    chain = [delegate for interceptor in interceptors for delegate in _one_per_kind(interceptor)] or None
     if credentials is not None:
-        return grpc.aio.secure_channel(target, credentials, options=list(options))
-    return grpc.aio.insecure_channel(target, options=list(options))
+        return grpc.aio.secure_channel(target, credentials, options=list(options), interceptors=chain)
+    return grpc.aio.insecure_channel(target, options=list(options), interceptors=chain)
 
 
 __all__ = [
@@ -265,6 +352,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "RETRYABLE_CODES",
     "GenerationRetry",
+    "Metadata",
+    "MetadataArg",
     "Timeout",
     "acall_once",
     "acall_with_retry",
@@ -272,6 +361,7 @@ __all__ = [
     "call_metadata",
     "call_once",
     "call_with_retry",
+    "check_metadata",
     "explain_deadline",
     "make_aio_channel",
     "make_channel",

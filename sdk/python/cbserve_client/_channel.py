@@ -5,11 +5,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeAlias
 
 import grpc
 
-from cbserve_client._call import call_metadata, make_channel
+from cbserve_client._call import Metadata, MetadataArg, call_metadata, make_channel
 from cbserve_client._connection import (
     DEFAULT_SETTINGS,
     ChannelSettings,
@@ -19,6 +19,14 @@ from cbserve_client._connection import (
     explain_unreachable,
 )
 from cbserve_client.errors import CbserveError, from_rpc_error
+
+#: A client interceptor of gRPC's sync API, of any of its four kinds.
+Interceptor: TypeAlias = (
+    grpc.UnaryUnaryClientInterceptor
+    | grpc.UnaryStreamClientInterceptor
+    | grpc.StreamUnaryClientInterceptor
+    | grpc.StreamStreamClientInterceptor
+)
 
 
 class Closeable(ABC):
@@ -54,18 +62,22 @@ class ChannelOwner(Closeable):
         timeout: float | None,
         options: Sequence[tuple[str, Any]],
         settings: ChannelSettings = DEFAULT_SETTINGS,
+        interceptors: Sequence[Interceptor] = (),
     ) -> None:
         self.target = describe_target(target)
         self.timeout = timeout
         self._token = token
         self._retry_attempts = settings.retry_attempts
-        self._channel = make_channel(channel_target(target), credentials, channel_options(settings, options))
+        self._channel = make_channel(
+            channel_target(target), credentials, channel_options(settings, options), interceptors
+        )
 
     def close(self) -> None:
         self._channel.close()
 
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return call_metadata(self._token)
+    def _metadata(self, extra: MetadataArg = ()) -> Metadata:
+        """One call's metadata: the token, the trace context and the caller's ``extra``."""
+        return call_metadata(self._token, extra)
 
     def _error(self, exc: grpc.RpcError) -> CbserveError:
         """The CbserveError for ``exc``; a call that reached no server says which target and what to check."""

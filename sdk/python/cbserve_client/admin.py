@@ -12,10 +12,11 @@ import grpc
 from cbserve_client._buckets import WeightBucket
 from cbserve_client._call import (
     DEFAULT_TIMEOUT,
+    MetadataArg,
     Timeout,
     resolve_timeout,
 )
-from cbserve_client._channel import ChannelOwner
+from cbserve_client._channel import ChannelOwner, Interceptor
 from cbserve_client._connection import ChannelSettings
 from cbserve_client._convert import (
     distributed_update_request,
@@ -34,6 +35,7 @@ from cbserve_client._convert import (
 )
 from cbserve_client._cuda_ipc import cuda_ipc_request
 from cbserve_client._generated.cbserve.v1 import admin_pb2, admin_pb2_grpc
+from cbserve_client._pause import PauseLease
 from cbserve_client._types import (
     PauseInfo,
     PrefixCacheReset,
@@ -74,6 +76,11 @@ class AdminClient(ChannelOwner):
             Streaming calls (paused, update_weights, update_weights_from_distributed) have no
             deadline unless given one.
         options: extra gRPC channel options.
+        interceptors: gRPC client interceptors (``grpc.UnaryUnaryClientInterceptor`` and the other three
+            kinds), applied to every call, first one outermost.
+
+    Every call also takes ``metadata=``: (key, value) pairs, or a dict, sent as gRPC metadata with that
+    call, after the token's ``authorization``.
     """
 
     port_flag = "--admin-port, 50052 by default"
@@ -86,24 +93,30 @@ class AdminClient(ChannelOwner):
         credentials: grpc.ChannelCredentials | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[Interceptor] = (),
     ) -> None:
-        super().__init__(target, credentials, token, timeout, options, _ADMIN_SETTINGS)
+        super().__init__(target, credentials, token, timeout, options, _ADMIN_SETTINGS, interceptors)
         self._stub: Any = admin_pb2_grpc.AdminServiceStub(self._channel)
 
-    @contextlib.contextmanager
-    def paused(
-        self, mode: str = "keep", lease_s: float | None = None, *, timeout: float | None = None
-    ) -> Iterator[PauseInfo]:
-        """Holds the engine paused for the duration of a ``with`` block.
+    def pause(
+        self,
+        mode: str = "keep",
+        lease_s: float | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: MetadataArg = (),
+    ) -> PauseLease:
+        """Pauses the engine and returns a :class:`PauseLease` that holds it paused until
+        ``lease.release()`` (or the end of a ``with`` block around it), or until the lease expires.
 
-        Opens the Pause stream, waits for the server's first message (the engine is paused),
-        yields it as a :class:`PauseInfo`, and cancels the call when the block exits, which
-        releases this hold. ``mode``: "keep" (in-flight requests stay, with their KV cache),
-        "wait" (let in-flight requests finish first) or "abort" (cancel them). ``lease_s`` caps
-        the hold (the server also has a maximum). ``timeout`` bounds the wait for the pause.
+        Opens the Pause stream and returns once the server reports the engine paused. ``mode``: "keep"
+        (in-flight requests stay, with their KV cache), "wait" (let in-flight requests finish first)
+        or "abort" (cancel them). ``lease_s`` caps the hold (the server also has a maximum:
+        ``lease.lease_expires_at`` says when it ends). ``timeout`` bounds the wait for the pause.
+        Requests added while paused are queued and run after the release.
         """
         request = pause_request(mode, lease_s)
-        call = self._call(lambda: self._stub.Pause(request, metadata=self._metadata()))
+        call = self._call(lambda: self._stub.Pause(request, metadata=self._metadata(metadata)))
         timed_out = threading.Event()
         timer: threading.Timer | None = None
         if timeout is not None:
@@ -116,27 +129,43 @@ class AdminClient(ChannelOwner):
             timer.daemon = True
             timer.start()
         try:
-            try:
-                first = next(call)
-            except StopIteration:
-                raise CbserveError(
-                    grpc.StatusCode.UNKNOWN, "the Pause stream ended before the engine was paused"
-                ) from None
-            except grpc.RpcError as exc:
-                if timed_out.is_set():
-                    raise DeadlineExceededError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED, f"the engine did not pause within {timeout} s"
-                    ) from exc
-                raise self._error(exc) from exc
-            finally:
-                if timer is not None:
-                    timer.cancel()
-            yield pause_info_from_proto(first)
+            first = next(call)
+        except StopIteration:
+            raise CbserveError(
+                grpc.StatusCode.UNKNOWN, "the Pause stream ended before the engine was paused"
+            ) from None
+        except grpc.RpcError as exc:
+            if timed_out.is_set():
+                raise DeadlineExceededError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"the engine did not pause within {timeout} s"
+                ) from exc
+            raise self._error(exc) from exc
         finally:
-            call.cancel()
+            if timer is not None:
+                timer.cancel()
+        return PauseLease(call, pause_info_from_proto(first))
+
+    @contextlib.contextmanager
+    def paused(
+        self,
+        mode: str = "keep",
+        lease_s: float | None = None,
+        *,
+        timeout: float | None = None,
+        metadata: MetadataArg = (),
+    ) -> Iterator[PauseInfo]:
+        """Holds the engine paused for the duration of a ``with`` block: :meth:`pause`, yielding the
+        lease's :class:`PauseInfo`, and the release when the block exits."""
+        with self.pause(mode, lease_s, timeout=timeout, metadata=metadata) as lease:
+            yield lease.info
 
     def stop(
-        self, hard: bool = False, *, drain_timeout_s: float | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+        self,
+        hard: bool = False,
+        *,
+        drain_timeout_s: float | None = None,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
     ) -> StopResult:
         """Stops the engine: drains in-flight requests (up to ``drain_timeout_s``), or with
         ``hard=True`` fails them at once. Returns once the engine has stopped."""
@@ -146,27 +175,29 @@ class AdminClient(ChannelOwner):
         deadline = resolve_timeout(timeout, self.timeout)
         if deadline is not None and drain_timeout_s is not None and timeout is DEFAULT_TIMEOUT:
             deadline += drain_timeout_s  # the call lasts as long as the drain
-        response = self._call(lambda: self._stub.Stop(request, timeout=deadline, metadata=self._metadata()))
+        response = self._call(
+            lambda: self._stub.Stop(request, timeout=deadline, metadata=self._metadata(metadata))
+        )
         return stop_result_from_proto(response)
 
-    def start(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
+    def start(self, *, timeout: Timeout = DEFAULT_TIMEOUT, metadata: MetadataArg = ()) -> bool:
         """Starts the engine after a stop. Returns False if it was already running."""
         response = self._call(
             lambda: self._stub.Start(
                 admin_pb2.StartRequest(),
                 timeout=resolve_timeout(timeout, self.timeout),
-                metadata=self._metadata(),
+                metadata=self._metadata(metadata),
             )
         )
         return not response.already_running
 
-    def status(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> Status:
+    def status(self, *, timeout: Timeout = DEFAULT_TIMEOUT, metadata: MetadataArg = ()) -> Status:
         """The engine's state and counters."""
         response = self._call(
             lambda: self._stub.GetStatus(
                 admin_pb2.GetStatusRequest(),
                 timeout=resolve_timeout(timeout, self.timeout),
-                metadata=self._metadata(),
+                metadata=self._metadata(metadata),
             )
         )
         return status_from_proto(response)
@@ -178,6 +209,7 @@ class AdminClient(ChannelOwner):
         *,
         chunk_size: int = MAX_CHUNK_BYTES,
         timeout: float | None = None,
+        metadata: MetadataArg = (),
     ) -> WeightsUpdate:
         """Replaces model weights in place.
 
@@ -199,7 +231,9 @@ class AdminClient(ChannelOwner):
                 raise
 
         try:
-            response = self._stub.UpdateWeights(requests(), timeout=timeout, metadata=self._metadata())
+            response = self._stub.UpdateWeights(
+                requests(), timeout=timeout, metadata=self._metadata(metadata)
+            )
         except grpc.RpcError as exc:
             if failures:
                 raise failures[0] from None
@@ -219,6 +253,7 @@ class AdminClient(ChannelOwner):
         group_name: str = "weights",
         group_timeout_s: float | None = None,
         timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
     ) -> WeightsUpdateGroupInfo:
         """Joins the weight-update group a trainer hosts (SGLang's init_weights_update_group).
 
@@ -238,12 +273,19 @@ class AdminClient(ChannelOwner):
         if deadline is not None and timeout is DEFAULT_TIMEOUT:
             deadline += DEFAULT_GROUP_TIMEOUT_S if group_timeout_s is None else group_timeout_s
         response = self._call(
-            lambda: self._stub.InitWeightsUpdateGroup(request, timeout=deadline, metadata=self._metadata())
+            lambda: self._stub.InitWeightsUpdateGroup(
+                request, timeout=deadline, metadata=self._metadata(metadata)
+            )
         )
         return weights_update_group_info_from_proto(response)
 
     def start_update_weights_from_distributed(
-        self, buckets: Sequence[WeightBucket], *, version: str | None = None, timeout: float | None = None
+        self,
+        buckets: Sequence[WeightBucket],
+        *,
+        version: str | None = None,
+        timeout: float | None = None,
+        metadata: MetadataArg = (),
     ) -> WeightsTransfer:
         """Announces new weights that will arrive as broadcasts over the weight-update group, and
         returns the call in flight: :meth:`WeightsTransfer.wait_ready`, broadcast every bucket from
@@ -252,7 +294,7 @@ class AdminClient(ChannelOwner):
         request = distributed_update_request(buckets, version, validate_only=False)
         call = self._call(
             lambda: self._stub.UpdateWeightsFromDistributed(
-                request, timeout=timeout, metadata=self._metadata()
+                request, timeout=timeout, metadata=self._metadata(metadata)
             )
         )
         return WeightsTransfer(call, self._error)
@@ -265,6 +307,7 @@ class AdminClient(ChannelOwner):
         validate_only: bool = False,
         on_ready: Callable[[], None] | None = None,
         timeout: float | None = None,
+        metadata: MetadataArg = (),
     ) -> WeightsUpdate | None:
         """Receives new weights as broadcasts over the weight-update group (SGLang's
         update_weights_from_distributed), for a trainer with one server.
@@ -281,33 +324,40 @@ class AdminClient(ChannelOwner):
             self._call(
                 lambda: list(
                     self._stub.UpdateWeightsFromDistributed(
-                        request, timeout=timeout, metadata=self._metadata()
+                        request, timeout=timeout, metadata=self._metadata(metadata)
                     )
                 )
             )
             return None
         with self.start_update_weights_from_distributed(
-            buckets, version=version, timeout=timeout
+            buckets, version=version, timeout=timeout, metadata=metadata
         ) as transfer:
             transfer.wait_ready()
             if on_ready is not None:
                 on_ready()
             return transfer.wait_done()
 
-    def destroy_weights_update_group(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> bool:
+    def destroy_weights_update_group(
+        self, *, timeout: Timeout = DEFAULT_TIMEOUT, metadata: MetadataArg = ()
+    ) -> bool:
         """Leaves the weight-update group (SGLang's destroy_weights_update_group). Returns False when
         the server was in none."""
         response = self._call(
             lambda: self._stub.DestroyWeightsUpdateGroup(
                 admin_pb2.DestroyWeightsUpdateGroupRequest(),
                 timeout=resolve_timeout(timeout, self.timeout),
-                metadata=self._metadata(),
+                metadata=self._metadata(metadata),
             )
         )
         return bool(response.destroyed)
 
     def update_weights_from_ipc(
-        self, named_tensors: NamedTensors, *, version: str | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+        self,
+        named_tensors: NamedTensors,
+        *,
+        version: str | None = None,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
     ) -> WeightsUpdate:
         """Replaces weights with a colocated trainer's CUDA tensors, copied device to device through
         CUDA IPC handles (SGLang's update_weights_from_tensor): no bytes cross the network.
@@ -320,13 +370,20 @@ class AdminClient(ChannelOwner):
         request, shared_tensors = cuda_ipc_request(named_tensors, version)
         response = self._call(
             lambda: self._stub.UpdateWeightsFromIpc(
-                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata(metadata)
             )
         )
         del shared_tensors  # the server has copied out of them
         return weights_update_from_proto(response)
 
-    def sleep(self, level: int = 1, *, mode: str = "keep", timeout: Timeout = DEFAULT_TIMEOUT) -> SleepResult:
+    def sleep(
+        self,
+        level: int = 1,
+        *,
+        mode: str = "keep",
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
+    ) -> SleepResult:
         """Frees device memory for a colocated trainer (vLLM's sleep): level 1 frees the KV cache,
         level 2 also moves the weights to host memory. Until :meth:`wake_up` the server refuses
         generation requests (UNAVAILABLE) and health reports NOT_SERVING; weight updates still apply.
@@ -335,25 +392,31 @@ class AdminClient(ChannelOwner):
         request = sleep_request(level, mode)
         response = self._call(
             lambda: self._stub.Sleep(
-                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata(metadata)
             )
         )
         return sleep_result_from_proto(response)
 
-    def wake_up(self, tags: Sequence[str] | None = None, *, timeout: Timeout = DEFAULT_TIMEOUT) -> int:
+    def wake_up(
+        self,
+        tags: Sequence[str] | None = None,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
+    ) -> int:
         """Restores what :meth:`sleep` freed (vLLM's wake_up): ``tags`` "weights" and/or "kv_cache",
         both when None (a trainer restores the weights first, updates them, then the KV cache). Returns
         the sleep level left: 0 once the server serves again."""
         request = wake_up_request(tags)
         response = self._call(
             lambda: self._stub.WakeUp(
-                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata(metadata)
             )
         )
         return int(response.sleep_level)
 
     def reset_prefix_cache(
-        self, abort: bool = False, *, timeout: Timeout = DEFAULT_TIMEOUT
+        self, abort: bool = False, *, timeout: Timeout = DEFAULT_TIMEOUT, metadata: MetadataArg = ()
     ) -> PrefixCacheReset:
         """Drops every reusable prefix block (TRL's /reset_prefix_cache, verl's clear_kv_cache, slime's
         flush_cache), so that no later request reuses KV computed before: by weights just replaced, say.
@@ -365,13 +428,13 @@ class AdminClient(ChannelOwner):
         request = admin_pb2.ResetPrefixCacheRequest(abort=bool(abort))
         response = self._call(
             lambda: self._stub.ResetPrefixCache(
-                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata(metadata)
             )
         )
         return prefix_cache_reset_from_proto(response)
 
     def weights_checksum(
-        self, per_tensor: bool = False, *, timeout: Timeout = DEFAULT_TIMEOUT
+        self, per_tensor: bool = False, *, timeout: Timeout = DEFAULT_TIMEOUT, metadata: MetadataArg = ()
     ) -> WeightsChecksum:
         """A digest of the weights the server holds (slime's check_weights), computed on its device
         between two steps, with the weight version it is of; with ``per_tensor``, each tensor's digest
@@ -382,7 +445,7 @@ class AdminClient(ChannelOwner):
         request = admin_pb2.GetWeightsChecksumRequest(per_tensor=bool(per_tensor))
         response = self._call(
             lambda: self._stub.GetWeightsChecksum(
-                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
+                request, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata(metadata)
             )
         )
         return weights_checksum_from_proto(response)

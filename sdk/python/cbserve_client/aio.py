@@ -23,6 +23,8 @@ from cbserve_client._call import (
     DEFAULT_TIMEOUT,
     DEFAULT_TIMEOUT_S,
     GenerationRetry,
+    Metadata,
+    MetadataArg,
     Timeout,
     acall_once,
     acall_with_retry,
@@ -150,7 +152,9 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
 
 
 class AsyncClient:
-    """The asyncio twin of :class:`cbserve_client.Client` (same arguments, same calls, awaited)."""
+    """The asyncio twin of :class:`cbserve_client.Client` (same arguments, same calls, awaited), except
+    that ``interceptors`` are ``grpc.aio`` ones (``grpc.aio.UnaryUnaryClientInterceptor`` and the other
+    three kinds)."""
 
     def __init__(
         self,
@@ -165,6 +169,7 @@ class AsyncClient:
         keepalive_s: float | None = None,
         keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
     ) -> None:
         settings = ChannelSettings(load_balancing, retry_attempts, keepalive_s, keepalive_timeout_s)
         self.target = describe_target(target)
@@ -173,7 +178,7 @@ class AsyncClient:
         self._token = token
         self._retry_attempts = retry_attempts
         self._channel = make_aio_channel(
-            channel_target(target), credentials, channel_options(settings, options)
+            channel_target(target), credentials, channel_options(settings, options), interceptors
         )
         self._stub: Any = generation_pb2_grpc.GenerationServiceStub(self._channel)
 
@@ -192,32 +197,44 @@ class AsyncClient:
     ) -> None:
         await self.close()
 
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return call_metadata(self._token)
+    def _metadata(self, extra: MetadataArg = ()) -> Metadata:
+        """One call's metadata: the token, the trace context and the caller's ``extra``."""
+        return call_metadata(self._token, extra)
 
     def _error(self, exc: grpc.RpcError) -> CbserveError:
         """The CbserveError for ``exc``; a call that reached no server says which target and what to check."""
         return explain_unreachable(from_rpc_error(exc), self.target, "--port, 50051 by default")
 
     async def generate(
-        self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
+        self,
+        prompt: Prompt,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
+        **sampling: Any,
     ) -> Completion:
         """Generates a completion for ``prompt`` and returns it whole (see ``Client.generate``)."""
         num_sequences(sampling, many=False)
-        [completion] = await self._generate(prompt, 1, timeout, sampling)
+        [completion] = await self._generate(prompt, 1, timeout, metadata, sampling)
         return completion
 
     async def generate_n(
-        self, prompt: Prompt, n: int, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
+        self,
+        prompt: Prompt,
+        n: int,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
+        **sampling: Any,
     ) -> list[Completion]:
         """Samples ``n`` completions of ``prompt`` in one request (see ``Client.generate_n``)."""
         sampling = {**sampling, "n": n}
-        return await self._generate(prompt, num_sequences(sampling, many=True), timeout, sampling)
+        return await self._generate(prompt, num_sequences(sampling, many=True), timeout, metadata, sampling)
 
     async def _generate(
-        self, prompt: Prompt, n: int, timeout: Timeout, sampling: dict[str, Any]
+        self, prompt: Prompt, n: int, timeout: Timeout, metadata: MetadataArg, sampling: dict[str, Any]
     ) -> list[Completion]:
-        async with self.stream(prompt, timeout=timeout, **sampling) as stream:
+        async with self.stream(prompt, timeout=timeout, metadata=metadata, **sampling) as stream:
             builder = CompletionsBuilder(stream.request_id, n, sampling)
             async for chunk in stream:
                 builder.add(chunk)
@@ -226,19 +243,24 @@ class AsyncClient:
         return builder.build()
 
     def stream(
-        self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
+        self,
+        prompt: Prompt,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
+        **sampling: Any,
     ) -> AsyncChunkStream:
         """Starts generating; returns an async iterator over the output chunks (see ``Client.stream``).
 
         Cancelling the iterator (``cancel()``, ``aclose()``, leaving ``async with``) cancels the RPC
-        and thus the request.
+        and thus the request. Tried again like ``Client.stream`` when it fails before its first token.
         """
         request = build_request(prompt, **with_request_id(sampling))
-        deadline, metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata()
+        deadline, call_metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata(metadata)
 
         def start(left: float | None) -> Any:
             messages = iter([generation_pb2.GenerateRequest(add=request)])
-            return self._stub.Generate(messages, timeout=left, metadata=metadata)
+            return self._stub.Generate(messages, timeout=left, metadata=call_metadata)
 
         return AsyncChunkStream(
             start(deadline),
@@ -250,14 +272,21 @@ class AsyncClient:
             retry=GenerationRetry(start, self._retry_attempts, deadline),
         )
 
-    async def submit(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> str:
+    async def submit(
+        self,
+        prompt: Prompt,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
+        **sampling: Any,
+    ) -> str:
         """Queues a request (``AddRequest``) and returns its id; retried like ``Client.submit``."""
         request = build_request(prompt, **with_request_id(sampling))
         message = generation_pb2.AddRequestRequest(request=request)
-        metadata = self._metadata()
+        call_metadata = self._metadata(metadata)
 
         async def attempt(left: float | None) -> str:
-            response = await self._stub.AddRequest(message, timeout=left, metadata=metadata)
+            response = await self._stub.AddRequest(message, timeout=left, metadata=call_metadata)
             return str(response.request_id)
 
         return await acall_with_retry(
@@ -268,37 +297,44 @@ class AsyncClient:
         )
 
     def results(
-        self, request_id: str, from_index: int = 0, *, timeout: Timeout = DEFAULT_TIMEOUT
+        self,
+        request_id: str,
+        from_index: int = 0,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
     ) -> AsyncChunkStream:
         """Streams a request's outputs from token index ``from_index`` on (``StreamResults``)."""
         message = generation_pb2.StreamResultsRequest(request_id=request_id, from_token_index=from_index)
         deadline = resolve_timeout(timeout, self.stream_timeout)
-        call = self._stub.StreamResults(message, timeout=deadline, metadata=self._metadata())
+        call = self._stub.StreamResults(message, timeout=deadline, metadata=self._metadata(metadata))
         return AsyncChunkStream(call, _results_chunk, request_id, timeout=deadline, to_error=self._error)
 
     async def cancel(
-        self, request_id: str, *, index: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+        self,
+        request_id: str,
+        *,
+        index: int | None = None,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
     ) -> bool:
         """Cancels a request, or with ``index`` only that sequence of it (``n`` > 1). Returns True if it
         was live, False if it had already ended."""
         message = cancel_message(request_id, index)
+        deadline, call_metadata = resolve_timeout(timeout, self.timeout), self._metadata(metadata)
         response = await acall_once(
-            lambda: self._stub.Cancel(
-                message, timeout=resolve_timeout(timeout, self.timeout), metadata=self._metadata()
-            ),
-            self._error,
+            lambda: self._stub.Cancel(message, timeout=deadline, metadata=call_metadata), self._error
         )
         return bool(response.cancelled)
 
-    async def model_info(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> ModelInfo:
+    async def model_info(
+        self, *, timeout: Timeout = DEFAULT_TIMEOUT, metadata: MetadataArg = ()
+    ) -> ModelInfo:
         """Describes the served model."""
+        message = generation_pb2.GetModelInfoRequest()
+        deadline, call_metadata = resolve_timeout(timeout, self.timeout), self._metadata(metadata)
         response = await acall_once(
-            lambda: self._stub.GetModelInfo(
-                generation_pb2.GetModelInfoRequest(),
-                timeout=resolve_timeout(timeout, self.timeout),
-                metadata=self._metadata(),
-            ),
-            self._error,
+            lambda: self._stub.GetModelInfo(message, timeout=deadline, metadata=call_metadata), self._error
         )
         return model_info_from_proto(response)
 

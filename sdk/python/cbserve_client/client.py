@@ -14,13 +14,14 @@ from cbserve_client._call import (
     DEFAULT_TIMEOUT,
     DEFAULT_TIMEOUT_S,
     GenerationRetry,
+    MetadataArg,
     Timeout,
     call_once,
     call_with_retry,
     explain_deadline,
     resolve_timeout,
 )
-from cbserve_client._channel import ChannelOwner, Closeable
+from cbserve_client._channel import ChannelOwner, Closeable, Interceptor
 from cbserve_client._connection import (
     DEFAULT_KEEPALIVE_TIMEOUT_S,
     DEFAULT_LOAD_BALANCING,
@@ -147,7 +148,14 @@ class Client(ChannelOwner):
             ``keepalive_timeout_s``: finds a dead server or dropped connection under a long quiet
             stream. None (the default) sends no pings; at least 10.
         options: extra gRPC channel options; they replace the SDK's own of the same name (a
-            ``grpc.service_config`` replaces the load balancing and retry policy).
+            ``grpc.service_config`` replaces the load balancing, health checking and retry policy).
+        interceptors: gRPC client interceptors (``grpc.UnaryUnaryClientInterceptor`` and the other three
+            kinds), applied to every call, the first one outermost: a place for logging, metrics or
+            headers computed per call.
+
+    Every call also takes ``metadata=``: (key, value) pairs, or a dict, sent as gRPC metadata with that
+    call, after ``authorization`` and the trace context (keys lowercase; bytes values under keys ending
+    in ``-bin``); a key or value gRPC would refuse raises ValueError naming it.
 
     Sampling keyword arguments accepted by :meth:`generate`, :meth:`stream` and :meth:`submit`:
     ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``eos_token_ids``,
@@ -176,9 +184,10 @@ class Client(ChannelOwner):
         keepalive_s: float | None = None,
         keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[Interceptor] = (),
     ) -> None:
         settings = ChannelSettings(load_balancing, retry_attempts, keepalive_s, keepalive_timeout_s)
-        super().__init__(target, credentials, token, timeout, options, settings)
+        super().__init__(target, credentials, token, timeout, options, settings, interceptors)
         self.stream_timeout = stream_timeout
         self._stub: Any = generation_pb2_grpc.GenerationServiceStub(self._channel)
 
@@ -187,7 +196,14 @@ class Client(ChannelOwner):
 
     # -- generation --------------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> Completion:
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
+        **sampling: Any,
+    ) -> Completion:
         """Generates a completion for ``prompt`` and returns it whole.
 
         ``prompt``: text (str), token ids (list of int), or chat messages (list of
@@ -198,23 +214,29 @@ class Client(ChannelOwner):
         (ValueError): :meth:`generate_n` returns every completion.
         """
         num_sequences(sampling, many=False)
-        [completion] = self._generate(prompt, 1, timeout, sampling)
+        [completion] = self._generate(prompt, 1, timeout, metadata, sampling)
         return completion
 
     def generate_n(
-        self, prompt: Prompt, n: int, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any
+        self,
+        prompt: Prompt,
+        n: int,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
+        **sampling: Any,
     ) -> list[Completion]:
         """Samples ``n`` completions of ``prompt`` in one request (``SamplingParams.n``): the server
         computes the prompt once and shares its KV cache between the sequences. Returns them by
         ``index``; with a ``seed``, completion i is the one a single request seeded with seed + i
         gives. Otherwise as :meth:`generate`."""
         sampling = {**sampling, "n": n}
-        return self._generate(prompt, num_sequences(sampling, many=True), timeout, sampling)
+        return self._generate(prompt, num_sequences(sampling, many=True), timeout, metadata, sampling)
 
     def _generate(
-        self, prompt: Prompt, n: int, timeout: Timeout, sampling: dict[str, Any]
+        self, prompt: Prompt, n: int, timeout: Timeout, metadata: MetadataArg, sampling: dict[str, Any]
     ) -> list[Completion]:
-        with self.stream(prompt, timeout=timeout, **sampling) as stream:
+        with self.stream(prompt, timeout=timeout, metadata=metadata, **sampling) as stream:
             builder = CompletionsBuilder(stream.request_id, n, sampling)
             for chunk in stream:
                 builder.add(chunk)
@@ -222,7 +244,14 @@ class Client(ChannelOwner):
                     break
         return builder.build()
 
-    def stream(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> ChunkStream:
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
+        **sampling: Any,
+    ) -> ChunkStream:
         """Starts generating and returns an iterator over the output chunks, as they come.
 
         Runs on the bidirectional ``Generate`` RPC: closing the iterator before the request
@@ -233,11 +262,11 @@ class Client(ChannelOwner):
         replica killed) is tried again, up to ``retry_attempts`` tries; after it, the error is raised.
         """
         request = build_request(prompt, **with_request_id(sampling))
-        deadline, metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata()
+        deadline, call_metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata(metadata)
 
         def start(left: float | None) -> Any:
             messages = iter([generation_pb2.GenerateRequest(add=request)])
-            return self._stub.Generate(messages, timeout=left, metadata=metadata)
+            return self._stub.Generate(messages, timeout=left, metadata=call_metadata)
 
         return ChunkStream(
             call_once(lambda: start(deadline), self._error),
@@ -249,7 +278,14 @@ class Client(ChannelOwner):
             retry=GenerationRetry(start, self._retry_attempts, deadline),
         )
 
-    def submit(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> str:
+    def submit(
+        self,
+        prompt: Prompt,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
+        **sampling: Any,
+    ) -> str:
         """Queues a request (``AddRequest``) and returns its id without waiting for any output.
 
         Read the outputs with :meth:`results`. Retried (3 tries, exponential backoff) when the
@@ -258,10 +294,10 @@ class Client(ChannelOwner):
         """
         request = build_request(prompt, **with_request_id(sampling))
         message = generation_pb2.AddRequestRequest(request=request)
-        metadata = self._metadata()
+        call_metadata = self._metadata(metadata)
 
         def attempt(left: float | None) -> str:
-            response = self._stub.AddRequest(message, timeout=left, metadata=metadata)
+            response = self._stub.AddRequest(message, timeout=left, metadata=call_metadata)
             return str(response.request_id)
 
         return call_with_retry(
@@ -272,7 +308,12 @@ class Client(ChannelOwner):
         )
 
     def results(
-        self, request_id: str, from_index: int = 0, *, timeout: Timeout = DEFAULT_TIMEOUT
+        self,
+        request_id: str,
+        from_index: int = 0,
+        *,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
     ) -> ChunkStream:
         """Streams the outputs of a request (``StreamResults``) from token index ``from_index`` on.
 
@@ -280,31 +321,36 @@ class Client(ChannelOwner):
         Closing this iterator does not cancel the request. ``timeout``: as for :meth:`stream`.
         """
         message = generation_pb2.StreamResultsRequest(request_id=request_id, from_token_index=from_index)
-        deadline, metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata()
+        deadline, call_metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata(metadata)
         call = call_once(
-            lambda: self._stub.StreamResults(message, timeout=deadline, metadata=metadata), self._error
+            lambda: self._stub.StreamResults(message, timeout=deadline, metadata=call_metadata), self._error
         )
         return ChunkStream(call, _results_chunk, request_id, timeout=deadline, to_error=self._error)
 
     def cancel(
-        self, request_id: str, *, index: int | None = None, timeout: Timeout = DEFAULT_TIMEOUT
+        self,
+        request_id: str,
+        *,
+        index: int | None = None,
+        timeout: Timeout = DEFAULT_TIMEOUT,
+        metadata: MetadataArg = (),
     ) -> bool:
         """Cancels a request, or with ``index`` only that sequence of it (``n`` > 1). Returns True if it
         was live, False if it had already ended (also when a retry follows a first try whose answer was
         lost). Retried on UNAVAILABLE (``retry_attempts``)."""
         message = cancel_message(request_id, index)
+        deadline, call_metadata = self._timeout(timeout), self._metadata(metadata)
         response = call_once(
-            lambda: self._stub.Cancel(message, timeout=self._timeout(timeout), metadata=self._metadata()),
-            self._error,
+            lambda: self._stub.Cancel(message, timeout=deadline, metadata=call_metadata), self._error
         )
         return bool(response.cancelled)
 
-    def model_info(self, *, timeout: Timeout = DEFAULT_TIMEOUT) -> ModelInfo:
+    def model_info(self, *, timeout: Timeout = DEFAULT_TIMEOUT, metadata: MetadataArg = ()) -> ModelInfo:
         """Describes the served model. Retried on UNAVAILABLE (``retry_attempts``)."""
         message = generation_pb2.GetModelInfoRequest()
-        deadline, metadata = self._timeout(timeout), self._metadata()
+        deadline, call_metadata = self._timeout(timeout), self._metadata(metadata)
         response = call_once(
-            lambda: self._stub.GetModelInfo(message, timeout=deadline, metadata=metadata), self._error
+            lambda: self._stub.GetModelInfo(message, timeout=deadline, metadata=call_metadata), self._error
         )
         return model_info_from_proto(response)
 

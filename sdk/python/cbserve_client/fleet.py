@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from cbserve_client._channel import Closeable
+from cbserve_client._channel import Closeable, Interceptor
 from cbserve_client._connection import replica_targets, split_host_port
+from cbserve_client._pause import PauseLease
 from cbserve_client._types import (
     PauseInfo,
     PrefixCacheReset,
@@ -66,7 +67,8 @@ class AdminFleet(Closeable):
 
     Args:
         targets: the admin address of each replica.
-        token, credentials, timeout, options: as for :class:`AdminClient`, for every replica.
+        token, credentials, timeout, options, interceptors: as for :class:`AdminClient`, for every
+            replica.
     """
 
     def __init__(
@@ -77,11 +79,19 @@ class AdminFleet(Closeable):
         credentials: grpc.ChannelCredentials | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[Interceptor] = (),
     ) -> None:
         if not targets:
             raise ValueError("an AdminFleet needs at least one target")
         self.clients = [
-            AdminClient(target, token, credentials=credentials, timeout=timeout, options=options)
+            AdminClient(
+                target,
+                token,
+                credentials=credentials,
+                timeout=timeout,
+                options=options,
+                interceptors=interceptors,
+            )
             for target in targets
         ]
         self._executor = ThreadPoolExecutor(max_workers=len(self.clients), thread_name_prefix="cbserve-fleet")
@@ -95,13 +105,21 @@ class AdminFleet(Closeable):
         credentials: grpc.ChannelCredentials | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
         options: Sequence[tuple[str, Any]] = (),
+        interceptors: Sequence[Interceptor] = (),
     ) -> AdminFleet:
         """A fleet of every address ``target``'s host resolves to (:func:`replica_targets`). With TLS,
         each connection still checks the server certificate against that host name, not the address."""
         host, _port = split_host_port(target)
         if credentials is not None:
             options = (*options, ("grpc.ssl_target_name_override", host))
-        return cls(replica_targets(target), token, credentials=credentials, timeout=timeout, options=options)
+        return cls(
+            replica_targets(target),
+            token,
+            credentials=credentials,
+            timeout=timeout,
+            options=options,
+            interceptors=interceptors,
+        )
 
     @property
     def targets(self) -> list[str]:
@@ -111,29 +129,31 @@ class AdminFleet(Closeable):
         """`call` on every replica in parallel; results in target order, or FleetError."""
         return run_on_all(self._executor, self.clients, call)
 
+    def pause(
+        self, mode: str = "keep", lease_s: float | None = None, *, timeout: float | None = None
+    ) -> list[PauseLease]:
+        """Pauses every replica (see :meth:`AdminClient.pause`); returns each replica's
+        :class:`PauseLease`, in target order: release every one. If a replica cannot be paused, the
+        holds already taken are released and FleetError is raised."""
+        try:
+            return self._on_all(lambda client: client.pause(mode, lease_s, timeout=timeout))
+        except FleetError as error:
+            for lease in error.results.values():
+                lease.release()
+            infos = {target: lease.info for target, lease in error.results.items()}
+            raise FleetError(error.failures, infos) from None
+
     @contextlib.contextmanager
     def paused(
         self, mode: str = "keep", lease_s: float | None = None, *, timeout: float | None = None
     ) -> Iterator[list[PauseInfo]]:
-        """Holds every replica paused for the duration of a ``with`` block (see
-        :meth:`AdminClient.paused`); yields each replica's :class:`PauseInfo`, in target order. If a
-        replica cannot be paused, the holds already taken are released and FleetError is raised."""
-
-        def hold(client: AdminClient) -> tuple[contextlib.AbstractContextManager[PauseInfo], PauseInfo]:
-            pause = client.paused(mode, lease_s, timeout=timeout)
-            return pause, pause.__enter__()
-
+        """Holds every replica paused for the duration of a ``with`` block (:meth:`pause`, then every
+        release when the block exits); yields each replica's :class:`PauseInfo`, in target order."""
+        leases = self.pause(mode, lease_s, timeout=timeout)
         with contextlib.ExitStack() as holds:
-            try:
-                entered = self._on_all(hold)
-            except FleetError as error:
-                for pause, _info in error.results.values():
-                    holds.push(pause)
-                infos = {target: info for target, (_pause, info) in error.results.items()}
-                raise FleetError(error.failures, infos) from None
-            for pause, _info in entered:
-                holds.push(pause)
-            yield [info for _pause, info in entered]
+            for lease in leases:
+                holds.push(lease)
+            yield [lease.info for lease in leases]
 
     def update_weights(
         self, state_dict_or_path: WeightsSource, version: str | None = None, *, timeout: float | None = None
