@@ -93,6 +93,9 @@ def drive_lockstep(manager: ContinuousBatchingManager, args: argparse.Namespace)
         "weight_version": final.weight_version,
     }
     results["greedy_after"] = greedy(manager, prompts, args.max_new_tokens)
+    checksum = manager.weights_checksum()  # every rank gathers each sharded tensor whole
+    results["checksum_after_update"] = {"digest": checksum.digest, "weight_version": checksum.weight_version}
+    results["prefix_blocks_reset"] = manager.reset_prefix_cache().num_blocks
 
     try:
         manager.update_weights({"model.embed_tokens.weight": torch.zeros(3, 3)})

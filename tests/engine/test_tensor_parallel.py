@@ -169,6 +169,17 @@ def test_weight_updates_reach_every_shard(lockstep: list[dict[str, Any]]) -> Non
     )
 
 
+def test_the_weights_checksum_of_a_sharded_model_is_the_unsharded_models(
+    lockstep: list[dict[str, Any]],
+) -> None:
+    from engine.weights_checksum import weights_checksum
+
+    results = lockstep[0]["results"]
+    expected = weights_checksum(build_model(1).state_dict()).digest
+    assert results["checksum_after_update"] == {"digest": expected, "weight_version": 2}
+    assert results["prefix_blocks_reset"] > 0, "the greedy requests before it left prefix blocks"
+
+
 def test_a_stopped_engine_starts_again_on_every_rank(lockstep: list[dict[str, Any]]) -> None:
     """The driver's stop ends every rank's loop; its start resumes them all, serving the same tokens
     (the folder update restored seed 0's weights, as before the stop)."""
