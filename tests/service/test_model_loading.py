@@ -64,6 +64,16 @@ def test_serve_flags_set_compilation_decode_graphs_the_attention_kernel_async_ba
         _parser().parse_args(["serve", "--compile-level", "4"])
 
 
+def test_serve_logprobs_mode_sets_the_engines_default() -> None:
+    from service.cli import _parser, engine_config
+
+    processed = engine_config(_parser().parse_args(["serve", "--logprobs-mode", "processed_logprobs"]))
+    assert processed.logprobs_mode == "processed_logprobs"
+    assert engine_config(_parser().parse_args(["serve"])).logprobs_mode == "raw_logprobs"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--logprobs-mode", "processed_logits"])
+
+
 def test_a_compiling_engine_is_warmed_up_before_it_serves() -> None:
     """Compilation happens at start, while health says NOT_SERVING, not on the first client's request."""
     from transformers import CompileConfig
