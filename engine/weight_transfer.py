@@ -23,12 +23,13 @@ the group be destroyed (its destructor waits for its worker threads).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -439,10 +440,28 @@ def receive_buckets(
             raise transfer_error(
                 f"bucket {index + 1} of {len(plan.buckets)} not received", exc, group.spec.timeout_s
             ) from exc
-        copy_bucket(buffers[index % 2][: bucket.num_bytes], bucket, targets)
+        with _one_thread_on_the_cpu(group.buffer_device):
+            copy_bucket(buffers[index % 2][: bucket.num_bytes], bucket, targets)
         progress.num_buckets_applied += 1
         num_tensors += len(bucket.tensors)
     return num_tensors
+
+
+@contextlib.contextmanager
+def _one_thread_on_the_cpu(device: torch.device) -> Iterator[None]:
+    """Copies out of a host bucket on this thread alone: gloo receives the next bucket on a thread of
+    its own meanwhile, and an OpenMP team of as many threads as cores then spins at every copy's barrier
+    for the thread gloo displaced (measured on 2 cores: 73 % of the server's CPU time per push in
+    libgomp, pushes 2-4x slower under load; on one thread 9.0x gRPC's speed against 4.0-4.4x)."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def copy_bucket(received: torch.Tensor, bucket: WeightBucket, targets: Mapping[str, torch.Tensor]) -> None:
