@@ -304,19 +304,41 @@ def test_the_async_client_has_the_same_stream_timeout(flaky: Any) -> None:
 
 
 class NamedGenerationService(generation_pb2_grpc.GenerationServiceServicer):
+    """Answers with its name; while not serving, refuses calls as a cbserve server whose model loads."""
+
     def __init__(self, name: str) -> None:
         self.name = name
+        self.serving = True
+
+    def _refuse_unless_serving(self, context: Any) -> None:
+        if not self.serving:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
 
     def GetModelInfo(self, request: Any, context: Any) -> generation_pb2.GetModelInfoResponse:
+        self._refuse_unless_serving(context)
         return generation_pb2.GetModelInfoResponse(model_name=self.name)
+
+    def Generate(self, request_iterator: Any, context: Any) -> Iterator[generation_pb2.GenerateResponse]:
+        self._refuse_unless_serving(context)
+        add = next(request_iterator).add
+        yield generation_pb2.GenerateResponse(
+            chunk=types_pb2.GenerationChunk(
+                request_id=add.request_id,
+                text=self.name,
+                status=types_pb2.REQUEST_STATUS_FINISHED,
+                finish_reason=types_pb2.FINISH_REASON_LENGTH,
+            )
+        )
 
 
 @dataclass
 class FakeReplica:
     target: str
     health: health.HealthServicer
+    generation: NamedGenerationService
 
     def set_serving(self, serving: bool) -> None:
+        self.generation.serving = serving
         self.health.set("", SERVING if serving else NOT_SERVING)
 
 
@@ -327,14 +349,15 @@ def replicas_a_b() -> Iterator[list[FakeReplica]]:
     try:
         for name in ("a", "b"):
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-            generation_pb2_grpc.add_GenerationServiceServicer_to_server(NamedGenerationService(name), server)
+            generation = NamedGenerationService(name)
+            generation_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)
             admin_pb2_grpc.add_AdminServiceServicer_to_server(FlakyAdminService(failures=0), server)
             servicer = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
             port = server.add_insecure_port("127.0.0.1:0")
             server.start()
             servers.append(server)
-            replicas.append(FakeReplica(f"127.0.0.1:{port}", servicer))
+            replicas.append(FakeReplica(f"127.0.0.1:{port}", servicer, generation))
             replicas[-1].set_serving(True)
         yield replicas
     finally:
@@ -366,14 +389,34 @@ def test_the_async_client_skips_a_replica_that_does_not_serve(replicas_a_b: list
     assert asyncio.run(asyncio.wait_for(main(), timeout=30)) == ["a"] * 6
 
 
-def test_with_no_replica_serving_the_error_says_so(replicas_a_b: list[FakeReplica]) -> None:
+def test_with_no_replica_serving_a_replica_says_why_it_refuses_the_call(
+    replicas_a_b: list[FakeReplica],
+) -> None:
+    """round_robin fails such a call at once, saying only "backend unhealthy": the client sends it again
+    where health is not watched, and a server answers with its reason (or serves it, if it just became
+    ready)."""
     for replica in replicas_a_b:
         replica.set_serving(False)
-    target = ",".join(replica.target for replica in replicas_a_b)
-    with Client(target, retry_attempts=1) as client, pytest.raises(errors.UnavailableError) as refused:
-        client.model_info()
-    assert f"no server at {target} is serving" in refused.value.details, refused.value.details
-    assert "NOT_SERVING" in refused.value.details and "still loading" in refused.value.details
+    targets = [replica.target for replica in replicas_a_b]
+    with Client(targets, retry_attempts=1) as client:
+        with pytest.raises(errors.UnavailableError, match=r"^UNAVAILABLE: the model is still loading$"):
+            client.model_info()
+        with pytest.raises(errors.UnavailableError, match=r"^UNAVAILABLE: the model is still loading$"):
+            client.generate([5])
+    replicas_a_b[1].generation.serving = True  # ready, though its health has not said so yet
+    with Client(targets) as client:  # a try that reaches a is tried again, on b
+        assert client.generate([5]).text == "b"
+        assert client.model_info().model_name == "b"
+
+    async def main() -> None:
+        async with AsyncClient(targets) as client:
+            assert (await client.generate([5])).text == "b"
+            assert (await client.model_info()).model_name == "b"
+            replicas_a_b[1].generation.serving = False
+            with pytest.raises(errors.UnavailableError, match="the model is still loading"):
+                await client.generate([5])
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
 
 
 def test_admin_calls_reach_a_server_whose_health_is_not_serving(replicas_a_b: list[FakeReplica]) -> None:

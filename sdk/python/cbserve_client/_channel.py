@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeAlias
 
@@ -17,6 +19,7 @@ from cbserve_client._connection import (
     channel_target,
     describe_target,
     explain_unreachable,
+    no_replica_serving,
 )
 from cbserve_client.errors import CbserveError, from_rpc_error
 
@@ -68,12 +71,32 @@ class ChannelOwner(Closeable):
         self.timeout = timeout
         self._token = token
         self._retry_attempts = settings.retry_attempts
-        self._channel = make_channel(
-            channel_target(target), credentials, channel_options(settings, options), interceptors
-        )
+        resolved = channel_target(target)
+
+        def open_channel(health_check: bool) -> grpc.Channel:
+            channel_settings = dataclasses.replace(settings, health_check=health_check)
+            return make_channel(
+                resolved, credentials, channel_options(channel_settings, options), interceptors
+            )
+
+        self._open_channel = open_channel
+        self._channel = open_channel(settings.health_check)
+        self._any_replica_channel: grpc.Channel | None = None
+        self._lock = threading.Lock()
+
+    def _channel_to_any_replica(self) -> grpc.Channel:
+        """A channel like the client's but without health checking, which sends a call to a replica
+        that does not serve; made on first use."""
+        with self._lock:
+            if self._any_replica_channel is None:
+                self._any_replica_channel = self._open_channel(False)
+            return self._any_replica_channel
 
     def close(self) -> None:
         self._channel.close()
+        with self._lock:
+            if self._any_replica_channel is not None:
+                self._any_replica_channel.close()
 
     def _metadata(self, extra: MetadataArg = ()) -> Metadata:
         """One call's metadata: the token, the trace context and the caller's ``extra``."""
@@ -82,3 +105,33 @@ class ChannelOwner(Closeable):
     def _error(self, exc: grpc.RpcError) -> CbserveError:
         """The CbserveError for ``exc``; a call that reached no server says which target and what to check."""
         return explain_unreachable(from_rpc_error(exc), self.target, self.port_flag)
+
+
+class ServingFirstCall:
+    """A streaming call that follows the client's rule for a call no replica serves: opened with
+    ``open_on(stub)``, and when its first read fails because every replica reports NOT_SERVING, opened
+    again with ``open_on(fallback_stub())``, a stub of the channel to any replica (see
+    ``Client._serving_first``)."""
+
+    def __init__(self, open_on: Callable[[Any], Any], stub: Any, fallback_stub: Callable[[], Any]) -> None:
+        self._open_on = open_on
+        self._fallback_stub = fallback_stub
+        self._call = open_on(stub)
+        self._read_any = False
+
+    def __iter__(self) -> ServingFirstCall:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            message = next(self._call)
+        except grpc.RpcError as exc:
+            if self._read_any or not no_replica_serving(exc):
+                raise
+            self._call = self._open_on(self._fallback_stub())
+            message = next(self._call)
+        self._read_any = True
+        return message
+
+    def cancel(self) -> bool:
+        return bool(self._call.cancel())

@@ -98,8 +98,10 @@ def service_config(settings: ChannelSettings) -> str:
     }
     if settings.health_check:
         # round_robin then treats a connection whose server is not SERVING as not ready: a replica
-        # still loading gets no calls, rather than answering them UNAVAILABLE. A server without the
-        # health service (UNIMPLEMENTED) counts as serving. pick_first ignores it.
+        # still loading gets no calls, rather than answering them UNAVAILABLE. When no replica serves,
+        # round_robin fails the call at once, and the client sends it again over a channel without
+        # health checking (see Client._serving_first), so that a server says why it refuses it. A
+        # server without the health service (UNIMPLEMENTED) counts as serving. pick_first ignores it.
         config["healthCheckConfig"] = {"serviceName": _HEALTH_SERVICE_NAME}
     return json.dumps(config)
 
@@ -184,6 +186,16 @@ _NO_CONNECTION = ("failed to connect to all addresses", "connections to all back
 _UNHEALTHY = "backend unhealthy"
 
 
+def no_replica_serving(exc: grpc.RpcError) -> bool:
+    """Whether ``exc`` is round_robin's failure of a call that it had no replica to send to because each
+    one it is connected to reports NOT_SERVING. It comes at once: no server saw the call."""
+    code_fn, details_fn = getattr(exc, "code", None), getattr(exc, "details", None)
+    if not callable(code_fn) or not callable(details_fn) or code_fn() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    details = details_fn()
+    return isinstance(details, str) and details.startswith(_NO_CONNECTION) and details.endswith(_UNHEALTHY)
+
+
 def explain_unreachable(error: CbserveError, target: str, port_flag: str) -> CbserveError:
     """``error``, reworded when it is gRPC's UNAVAILABLE for a call that no server received: gRPC's
     text ("failed to connect to all addresses; last error: UNKNOWN: ...") names neither the target as
@@ -191,23 +203,14 @@ def explain_unreachable(error: CbserveError, target: str, port_flag: str) -> Cbs
     default."""
     if error.code != grpc.StatusCode.UNAVAILABLE or not error.details.startswith(_NO_CONNECTION):
         return error
-    last = error.details.partition("last error: ")[2]
     # gRPC files a refused or timed-out connection under UNKNOWN, which says nothing: drop it.
-    last = last.removeprefix("UNKNOWN: ")
-    if last.endswith(_UNHEALTHY):
-        details = (
-            f"no server at {target} is serving: each one connected reports NOT_SERVING on grpc.health.v1 "
-            "(its model is still loading, or it is draining, stopped, asleep or holding incomplete weights), "
-            "so the call was not sent. Retry once one serves; the admin status (AdminClient.status()) or "
-            "the server's log says why it does not"
-        )
-    else:
-        details = (
-            f"nothing answered at {target}, so the call was not sent (last connection attempt: {last}). "
-            f"Check that `cbserve serve` runs there and listens on that port ({port_flag}), that this "
-            "host can reach it, and that credentials= matches the server (TLS or plaintext)"
-        )
-    explained = UnavailableError(error.code, details)
+    last = error.details.partition("last error: ")[2].removeprefix("UNKNOWN: ")
+    explained = UnavailableError(
+        error.code,
+        f"nothing answered at {target}, so the call was not sent (last connection attempt: {last}). "
+        f"Check that `cbserve serve` runs there and listens on that port ({port_flag}), that this "
+        "host can reach it, and that credentials= matches the server (TLS or plaintext)",
+    )
     explained.__cause__ = error.__cause__
     return explained
 
@@ -227,6 +230,7 @@ __all__ = [
     "channel_target",
     "describe_target",
     "explain_unreachable",
+    "no_replica_serving",
     "replica_targets",
     "service_config",
     "split_host_port",

@@ -11,9 +11,10 @@ Create and use an :class:`AsyncClient` inside a running event loop::
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -42,6 +43,7 @@ from cbserve_client._connection import (
     channel_target,
     describe_target,
     explain_unreachable,
+    no_replica_serving,
 )
 from cbserve_client._convert import (
     CompletionsBuilder,
@@ -59,6 +61,33 @@ from cbserve_client._types import Chunk, Completion, ModelInfo
 from cbserve_client.errors import CancelledError, CbserveError, from_rpc_error
 
 __all__ = ["AsyncChunkStream", "AsyncClient"]
+
+T = TypeVar("T")
+
+
+class _ServingFirstCall:
+    """The asyncio twin of ``_channel.ServingFirstCall``: a streaming call opened again on the channel
+    to any replica when its first read fails because no replica serves."""
+
+    def __init__(self, open_on: Callable[[Any], Any], stub: Any, fallback_stub: Callable[[], Any]) -> None:
+        self._open_on = open_on
+        self._fallback_stub = fallback_stub
+        self._call = open_on(stub)
+        self._read_any = False
+
+    async def read(self) -> Any:
+        try:
+            message = await self._call.read()
+        except grpc.RpcError as exc:
+            if self._read_any or not no_replica_serving(exc):
+                raise
+            self._call = self._open_on(self._fallback_stub())
+            message = await self._call.read()
+        self._read_any = True
+        return message
+
+    def cancel(self) -> bool:
+        return bool(self._call.cancel())
 
 
 class AsyncChunkStream(AsyncIterator[Chunk]):
@@ -177,14 +206,42 @@ class AsyncClient:
         self.stream_timeout = stream_timeout
         self._token = token
         self._retry_attempts = retry_attempts
-        self._channel = make_aio_channel(
-            channel_target(target), credentials, channel_options(settings, options), interceptors
-        )
+        resolved = channel_target(target)
+
+        def open_channel(health_check: bool) -> grpc.aio.Channel:
+            channel_settings = dataclasses.replace(settings, health_check=health_check)
+            return make_aio_channel(
+                resolved, credentials, channel_options(channel_settings, options), interceptors
+            )
+
+        self._open_channel = open_channel
+        self._channel = open_channel(settings.health_check)
         self._stub: Any = generation_pb2_grpc.GenerationServiceStub(self._channel)
+        self._any_replica_channel: grpc.aio.Channel | None = None
+        self._any_replica_stub: Any = None
 
     async def close(self) -> None:
         """Closes the channel (in-flight calls are cancelled)."""
         await self._channel.close()
+        if self._any_replica_channel is not None:
+            await self._any_replica_channel.close()
+
+    def _stub_to_any_replica(self) -> Any:
+        """A stub of a channel like the client's but without health checking (see
+        ``Client._serving_first``); made on first use."""
+        if self._any_replica_stub is None:
+            self._any_replica_channel = self._open_channel(False)
+            self._any_replica_stub = generation_pb2_grpc.GenerationServiceStub(self._any_replica_channel)
+        return self._any_replica_stub
+
+    async def _serving_first(self, invoke: Callable[[Any], Awaitable[T]]) -> T:
+        """The asyncio twin of ``Client._serving_first``."""
+        try:
+            return await invoke(self._stub)
+        except grpc.RpcError as exc:
+            if not no_replica_serving(exc):
+                raise
+        return await invoke(self._stub_to_any_replica())
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -259,8 +316,11 @@ class AsyncClient:
         deadline, call_metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata(metadata)
 
         def start(left: float | None) -> Any:
-            messages = iter([generation_pb2.GenerateRequest(add=request)])
-            return self._stub.Generate(messages, timeout=left, metadata=call_metadata)
+            def open_on(stub: Any) -> Any:
+                messages = iter([generation_pb2.GenerateRequest(add=request)])
+                return stub.Generate(messages, timeout=left, metadata=call_metadata)
+
+            return _ServingFirstCall(open_on, self._stub, self._stub_to_any_replica)
 
         return AsyncChunkStream(
             start(deadline),
@@ -286,7 +346,9 @@ class AsyncClient:
         call_metadata = self._metadata(metadata)
 
         async def attempt(left: float | None) -> str:
-            response = await self._stub.AddRequest(message, timeout=left, metadata=call_metadata)
+            response = await self._serving_first(
+                lambda stub: stub.AddRequest(message, timeout=left, metadata=call_metadata)
+            )
             return str(response.request_id)
 
         return await acall_with_retry(
@@ -307,7 +369,12 @@ class AsyncClient:
         """Streams a request's outputs from token index ``from_index`` on (``StreamResults``)."""
         message = generation_pb2.StreamResultsRequest(request_id=request_id, from_token_index=from_index)
         deadline = resolve_timeout(timeout, self.stream_timeout)
-        call = self._stub.StreamResults(message, timeout=deadline, metadata=self._metadata(metadata))
+        call_metadata = self._metadata(metadata)
+        call = _ServingFirstCall(
+            lambda stub: stub.StreamResults(message, timeout=deadline, metadata=call_metadata),
+            self._stub,
+            self._stub_to_any_replica,
+        )
         return AsyncChunkStream(call, _results_chunk, request_id, timeout=deadline, to_error=self._error)
 
     async def cancel(
@@ -323,7 +390,10 @@ class AsyncClient:
         message = cancel_message(request_id, index)
         deadline, call_metadata = resolve_timeout(timeout, self.timeout), self._metadata(metadata)
         response = await acall_once(
-            lambda: self._stub.Cancel(message, timeout=deadline, metadata=call_metadata), self._error
+            lambda: self._serving_first(
+                lambda stub: stub.Cancel(message, timeout=deadline, metadata=call_metadata)
+            ),
+            self._error,
         )
         return bool(response.cancelled)
 
@@ -334,7 +404,10 @@ class AsyncClient:
         message = generation_pb2.GetModelInfoRequest()
         deadline, call_metadata = resolve_timeout(timeout, self.timeout), self._metadata(metadata)
         response = await acall_once(
-            lambda: self._stub.GetModelInfo(message, timeout=deadline, metadata=call_metadata), self._error
+            lambda: self._serving_first(
+                lambda stub: stub.GetModelInfo(message, timeout=deadline, metadata=call_metadata)
+            ),
+            self._error,
         )
         return model_info_from_proto(response)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -21,12 +21,13 @@ from cbserve_client._call import (
     explain_deadline,
     resolve_timeout,
 )
-from cbserve_client._channel import ChannelOwner, Closeable, Interceptor
+from cbserve_client._channel import ChannelOwner, Closeable, Interceptor, ServingFirstCall
 from cbserve_client._connection import (
     DEFAULT_KEEPALIVE_TIMEOUT_S,
     DEFAULT_LOAD_BALANCING,
     DEFAULT_RETRY_ATTEMPTS,
     ChannelSettings,
+    no_replica_serving,
 )
 from cbserve_client._convert import (
     CompletionsBuilder,
@@ -44,6 +45,8 @@ from cbserve_client._types import Chunk, Completion, ModelInfo
 from cbserve_client.errors import CbserveError, from_rpc_error
 
 __all__ = ["ChunkStream", "Client"]
+
+T = TypeVar("T")
 
 
 class ChunkStream(Closeable, Iterator[Chunk]):
@@ -190,9 +193,28 @@ class Client(ChannelOwner):
         super().__init__(target, credentials, token, timeout, options, settings, interceptors)
         self.stream_timeout = stream_timeout
         self._stub: Any = generation_pb2_grpc.GenerationServiceStub(self._channel)
+        self._any_replica_stub: Any = None
 
     def _timeout(self, timeout: Timeout) -> float | None:
         return resolve_timeout(timeout, self.timeout)
+
+    def _stub_to_any_replica(self) -> Any:
+        if self._any_replica_stub is None:
+            self._any_replica_stub = generation_pb2_grpc.GenerationServiceStub(self._channel_to_any_replica())
+        return self._any_replica_stub
+
+    def _serving_first(self, invoke: Callable[[Any], T]) -> T:
+        """``invoke(stub)`` on the client's channel, which sends a call only to a replica whose health
+        says SERVING; when none does, ``invoke`` again on a channel that sends it to any replica, so that
+        the server says why it refuses the call (its model still loading, asleep, draining, ...), or
+        serves it, having just become ready. round_robin fails such a call at once, so the second try
+        has the whole deadline. Raises grpc.RpcError."""
+        try:
+            return invoke(self._stub)
+        except grpc.RpcError as exc:
+            if not no_replica_serving(exc):
+                raise
+        return invoke(self._stub_to_any_replica())
 
     # -- generation --------------------------------------------------------------------------
 
@@ -265,8 +287,11 @@ class Client(ChannelOwner):
         deadline, call_metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata(metadata)
 
         def start(left: float | None) -> Any:
-            messages = iter([generation_pb2.GenerateRequest(add=request)])
-            return self._stub.Generate(messages, timeout=left, metadata=call_metadata)
+            def open_on(stub: Any) -> Any:
+                messages = iter([generation_pb2.GenerateRequest(add=request)])
+                return stub.Generate(messages, timeout=left, metadata=call_metadata)
+
+            return ServingFirstCall(open_on, self._stub, self._stub_to_any_replica)
 
         return ChunkStream(
             call_once(lambda: start(deadline), self._error),
@@ -297,7 +322,9 @@ class Client(ChannelOwner):
         call_metadata = self._metadata(metadata)
 
         def attempt(left: float | None) -> str:
-            response = self._stub.AddRequest(message, timeout=left, metadata=call_metadata)
+            response = self._serving_first(
+                lambda stub: stub.AddRequest(message, timeout=left, metadata=call_metadata)
+            )
             return str(response.request_id)
 
         return call_with_retry(
@@ -323,7 +350,12 @@ class Client(ChannelOwner):
         message = generation_pb2.StreamResultsRequest(request_id=request_id, from_token_index=from_index)
         deadline, call_metadata = resolve_timeout(timeout, self.stream_timeout), self._metadata(metadata)
         call = call_once(
-            lambda: self._stub.StreamResults(message, timeout=deadline, metadata=call_metadata), self._error
+            lambda: ServingFirstCall(
+                lambda stub: stub.StreamResults(message, timeout=deadline, metadata=call_metadata),
+                self._stub,
+                self._stub_to_any_replica,
+            ),
+            self._error,
         )
         return ChunkStream(call, _results_chunk, request_id, timeout=deadline, to_error=self._error)
 
@@ -341,7 +373,10 @@ class Client(ChannelOwner):
         message = cancel_message(request_id, index)
         deadline, call_metadata = self._timeout(timeout), self._metadata(metadata)
         response = call_once(
-            lambda: self._stub.Cancel(message, timeout=deadline, metadata=call_metadata), self._error
+            lambda: self._serving_first(
+                lambda stub: stub.Cancel(message, timeout=deadline, metadata=call_metadata)
+            ),
+            self._error,
         )
         return bool(response.cancelled)
 
@@ -350,7 +385,10 @@ class Client(ChannelOwner):
         message = generation_pb2.GetModelInfoRequest()
         deadline, call_metadata = self._timeout(timeout), self._metadata(metadata)
         response = call_once(
-            lambda: self._stub.GetModelInfo(message, timeout=deadline, metadata=call_metadata), self._error
+            lambda: self._serving_first(
+                lambda stub: stub.GetModelInfo(message, timeout=deadline, metadata=call_metadata)
+            ),
+            self._error,
         )
         return model_info_from_proto(response)
 
