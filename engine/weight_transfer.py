@@ -198,10 +198,11 @@ class IncompleteWeights:
 
 
 def transfer_error(what: str, exc: Exception, timeout_s: float) -> WeightTransferError:
-    """`exc` from torch.distributed as the engine reports it. Store and gloo timeouts come as plain
-    RuntimeErrors whose text says so; they become `WeightTransferTimeout`."""
-    if isinstance(exc, WeightTransferError):
-        return exc
+    """`exc` from torch.distributed, or this module's own, as the engine reports it: saying `what` failed.
+    Store and gloo timeouts come as plain RuntimeErrors whose text says so; they become
+    `WeightTransferTimeout`."""
+    if isinstance(exc, WeightTransferError):  # the same kind, with what failed in front
+        return type(exc)(f"{what}: {exc}")
     text = f"{what}: {type(exc).__name__}: {exc}"
     if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
         return WeightTransferTimeout(f"{what}: nothing from the trainer within {timeout_s:g} s ({exc})")
