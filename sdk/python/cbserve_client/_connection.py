@@ -1,6 +1,6 @@
 """How a client reaches its server(s): the gRPC target of one address, a list of replicas or a resolvable
 name, and the channel options that spread calls over the replicas that serve, keep long streams alive
-and retry the calls that reached no server.
+and retry the read-only calls.
 
 All of it is gRPC's own machinery, set through channel options: the ``round_robin`` load-balancing
 policy (one connection per address, each call on the next ready one, a dead address skipped), client-side
@@ -22,7 +22,8 @@ import grpc
 
 from cbserve_client.errors import CbserveError, UnavailableError
 
-#: How many times an idempotent unary call (model_info, cancel, admin status) is tried on UNAVAILABLE.
+#: How many times a read-only call (model_info, cancel, results, admin status), or a generation that
+#: failed before its first token, is tried on UNAVAILABLE.
 DEFAULT_RETRY_ATTEMPTS = 4
 #: gRPC caps a retry policy's maxAttempts at 5.
 MAX_RETRY_ATTEMPTS = 5
