@@ -10,6 +10,7 @@ from engine.api import (
     generate_batch,
     init_continuous_batching,
 )
+from engine.batch_invariant import BatchInvariantUnsupported, sequence_logprobs, trainer_exact
 from engine.cache_root import CACHE_DIR_ENV, cache_root
 from engine.commands import PauseHandle, PauseMode, PrefixCacheReset, SleepOutcome
 from engine.config import ContinuousBatchingConfig
@@ -56,6 +57,7 @@ __all__ = [
     "DEFAULT_GROUP_TIMEOUT_S",
     "MAX_SEQUENCES_PER_REQUEST",
     "AllBlocksCleared",
+    "BatchInvariantUnsupported",
     "BlockRemoved",
     "BlockStored",
     "BucketPlan",
@@ -97,10 +99,12 @@ __all__ = [
     "init_continuous_batching",
     "load_sharded_model",
     "safetensors_files",
+    "sequence_logprobs",
     "sequence_request_id",
     "sequence_seed",
     "tensor_parallel_size",
     "torchrun_environment",
     "torchrun_rank",
     "torchrun_world_size",
+    "trainer_exact",
 ]

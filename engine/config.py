@@ -153,6 +153,17 @@ class ContinuousBatchingConfig:
     oneDNN can pack it: CPUs with AVX-512 or AVX-NE-CONVERT); the copies cost those layers' weight memory
     a second time, which False saves. A layer repacks by itself after an in-place write to its weight.
 
+    batch_invariant: compute every request's tokens and logprobs with bits that do not depend on what else
+    is scheduled with it: not on the other requests of its steps, how its prompt was split into chunks,
+    a prefix-cache hit, a preemption (recompute or offload), async batching or its n > 1 siblings; seeded
+    sampling included. Every linear layer runs on kernels whose reduction order is fixed per row (oneDNN
+    on packed weights on the CPU, a fixed-tile Triton matmul on CUDA) and attention on the kernel path
+    with a fixed order (engine.batch_invariant has the measurements and the causes). A trainer holding
+    the same model gets the same bits under `engine.trainer_exact`. Needs eager forwards (no compile
+    config, `default_compile_level` 0) and the attention kernel (`max_blocks_per_request` not 0, and
+    wide enough for the longest request); on the CPU, weights oneDNN can pack (fp32; bf16 on CPUs with
+    AVX-512). Slower than the default: the README's Benchmarks section has the cost.
+
     Deprecated fields, accepted at construction only and reset to None once applied:
     `use_default_compile_configs` (since transformers 5.11, use `default_compile_level`; True raises a level
     of 0 to 1), `max_cached_graphs` (since 5.13, ignored) and `block_size` (since 5.17, copied into
@@ -188,6 +199,7 @@ class ContinuousBatchingConfig:
     cpu_group_timeout: float | None = 300.0
     num_threads: int | None = None
     pack_cpu_weights: bool = True
+    batch_invariant: bool = False
     use_default_compile_configs: bool | None = None
     max_cached_graphs: int | None = None
     block_size: int | None = None
@@ -285,11 +297,28 @@ class ContinuousBatchingConfig:
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, minimum=1)
         _check_bool("pack_cpu_weights", self.pack_cpu_weights)
+        _check_bool("batch_invariant", self.batch_invariant)
+        if self.batch_invariant:
+            self._check_batch_invariant_settings()
         _check_bool("per_request_processors", self.per_request_processors)
         _check_bool("drop_unsupported_processors", self.drop_unsupported_processors)
         _check_bool("disable_nccl_graph_mixing", self.disable_nccl_graph_mixing)
         if self.cpu_group_timeout is not None:
             _check_number("cpu_group_timeout", self.cpu_group_timeout, minimum=0.0, min_inclusive=False)
+
+    def _check_batch_invariant_settings(self) -> None:
+        compiled = [path for path in _COMPILE_PATHS if self.compile_config_for(path) is not None]
+        if compiled:
+            raise ValueError(
+                f"batch_invariant needs eager forwards, but these paths compile: {', '.join(compiled)}; "
+                "torch.compile picks its own reductions and matmul kernels by shape; set "
+                "default_compile_level=0 and leave varlen_compile_config and decode_compile_config None"
+            )
+        if self.max_blocks_per_request == 0:
+            raise ValueError(
+                "batch_invariant needs the attention kernel, whose order per query is fixed, but "
+                "max_blocks_per_request is 0 (the gather path); leave it None or set it positive"
+            )
 
     def resolved_safety_margin(self) -> float:
         """The safety margin in force: the explicit one, else the scheduler's default."""

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from engine.batch_invariant import check_linear_invariance, check_table_width
 from engine.cache_plan import CachePlan, plan_cache
 from engine.config import ContinuousBatchingConfig
 from engine.container_limits import default_num_threads
@@ -161,9 +162,12 @@ class EngineCore:
         self.config = config
         self.device = model_device(model)
         self.vocab_size: int = model.config.get_text_config().vocab_size  # type: ignore[operator, union-attr]
+        packs = packs_linear_weights(model, config, self.device)
+        if config.batch_invariant:
+            check_linear_invariance(model, packed=packs)
         # Packed before the cache is sized, so that free memory is measured with the packed copies.
         self.packed_linears = (
-            PackedLinears(model) if packs_linear_weights(model, config, self.device) else None
+            PackedLinears(model, min_elements=0 if config.batch_invariant else None) if packs else None
         )
         try:
             self._build_cache_and_runner(model, config, parallel)
@@ -192,6 +196,8 @@ class EngineCore:
     ) -> None:
         """The cache plan, the caches, their manager, the scheduler and the runner."""
         plan = plan_cache(model, config, tensor_parallel_size(model), parallel)
+        if config.batch_invariant:
+            check_table_width(config, plan.max_model_len)
         self.max_model_len = plan.max_model_len
         self.max_requests_per_batch = plan.max_requests_per_batch
         self.max_batch_tokens = plan.max_batch_tokens

@@ -254,6 +254,12 @@ def _parser() -> argparse.ArgumentParser:
         "oneDNN: slower steps, but the large layers' weight memory is not held twice (pack_cpu_weights; "
         "default: packed)",
     )
+    engine.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="give each request the same tokens and logprobs, bit for bit, whatever else is batched with it, "
+        "and the bits a trainer computes under engine.trainer_exact; slower (batch_invariant; default: off)",
+    )
 
     generate = commands.add_parser(
         "generate",
@@ -314,6 +320,8 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
         values["use_async_batching"] = True
     if args.no_pack_cpu_weights:
         values["pack_cpu_weights"] = False
+    if args.batch_invariant:
+        values["batch_invariant"] = True
     return ContinuousBatchingConfig(**values)
 
 

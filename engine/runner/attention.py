@@ -79,6 +79,9 @@ class KernelInputs:
     queries_per_tile: int
     # Whether some packed rows belong to no request (padding tokens of a padded step).
     has_unowned_rows: bool = False
+    # Batch-invariant mode: every query's output has the same bits whatever tile serves it (the kernels'
+    # `fixed_order`; tiles then always hold up to PREFILL_QUERIES_PER_TILE queries).
+    fixed_order: bool = False
 
     def step_tensors(self) -> list[torch.Tensor]:
         """The per-step tensors the kernel reads, in a fixed order (what a CUDA graph copies in)."""
@@ -174,7 +177,15 @@ def paged_attention(
     `sliding_window` needs no handling here: each cache group's masks already apply its window.
     """
     if paged_metadata is None:
-        # A plain forward (model.generate, a trainer computing logprobs) while the engine owns the model.
+        # A plain forward (model.generate, a trainer computing logprobs) while the engine owns the model;
+        # under `engine.trainer_exact`, through the engine's kernel in its batch-invariant order.
+        from engine.runner.exact_attention import exact_attention, exact_forward_active
+
+        if exact_forward_active():
+            return exact_attention(
+                module, query, key, value, attention_mask, scaling, sliding_window=sliding_window,
+                softcap=softcap, **kwargs,  # type: ignore[arg-type]
+            )  # fmt: skip
         fallback = _sdpa_fallback if kernel is sdpa_kernel else _eager_fallback(module)
         return fallback(
             module,
@@ -245,6 +256,7 @@ def _kernel_attention(
         softcap,
         meta.sliding_windows[group],
         inputs.has_unowned_rows,
+        inputs.fixed_order,
     )[None]
 
 

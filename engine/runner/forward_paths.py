@@ -15,6 +15,7 @@ Steps take one of two paths, as in transformers' continuous batching:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.batch_invariant import BatchInvariantMode, BatchInvariantUnsupported
 from engine.config import ContinuousBatchingConfig
 from engine.runner.attention import AttentionBatch, KernelInputs, PagedAttentionMetadata
 from engine.runner.inputs import BatchInputs
@@ -52,12 +54,17 @@ RECOMPILE_LIMIT = 256
 ForwardFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
 
 
-def model_forward_functions(model: torch.nn.Module, device: torch.device) -> dict[str, ForwardFunction]:
+def model_forward_functions(
+    model: torch.nn.Module, device: torch.device, batch_invariant: bool = False
+) -> dict[str, ForwardFunction]:
     """The engine's forward for each path: packed tokens in, logits of `logits_indices` rows out ([L, V]).
 
     The two paths are distinct functions so that torch.compile keeps a separate cache (and recompile
-    budget) for each.
+    budget) for each. With `batch_invariant`, the model runs under `engine.batch_invariant.
+    BatchInvariantMode`, which serves the linear layers the engine has not packed (all of them on CUDA,
+    the sharded ones under tensor parallelism) and, on CUDA, the norms' means.
     """
+    mode = BatchInvariantMode if batch_invariant else contextlib.nullcontext
     # A ready 4-D mask makes transformers skip mask creation; paged attention masks by itself.
     placeholder_mask = torch.zeros(1, 1, 0, 0, device=device)
 
@@ -67,14 +74,15 @@ def model_forward_functions(model: torch.nn.Module, device: torch.device) -> dic
         logits_indices: torch.Tensor,
         metadata: PagedAttentionMetadata,
     ) -> torch.Tensor:
-        outputs = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=placeholder_mask,
-            use_cache=False,
-            logits_to_keep=logits_indices,
-            paged_metadata=metadata,
-        )
+        with mode():
+            outputs = model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=placeholder_mask,
+                use_cache=False,
+                logits_to_keep=logits_indices,
+                paged_metadata=metadata,
+            )
         return outputs.logits[0]
 
     def decode_forward(
@@ -241,6 +249,7 @@ def _clone_step(inputs: BatchInputs) -> BatchInputs:
             tile_offsets=kernel_inputs.tile_offsets.clone(),
             queries_per_tile=kernel_inputs.queries_per_tile,
             has_unowned_rows=kernel_inputs.has_unowned_rows,
+            fixed_order=kernel_inputs.fixed_order,
         )
     metadata = replace(
         meta,
@@ -273,7 +282,7 @@ class ForwardPaths:
         cache_dtype: torch.dtype,
     ) -> None:
         """`cache_dtype`: the KV caches', which the attention kernel reads."""
-        eager = model_forward_functions(model, device)
+        eager = model_forward_functions(model, device, config.batch_invariant)
         self.compile_configs = {path: config.compile_config_for(path) for path in ("varlen", "decode")}
         self.functions: dict[str, ForwardFunction] = {
             path: eager[path]
@@ -284,6 +293,11 @@ class ForwardPaths:
         self.attention_kernel, self.max_blocks_per_request = load_attention_kernel(
             config, device, cache_dtype
         )
+        if config.batch_invariant and self.attention_kernel is None:
+            raise BatchInvariantUnsupported(
+                "batch_invariant needs the attention kernel, which is unavailable here (the log says why); "
+                "gathered keys would be attended in an order that follows the batch"
+            )
         varlen_graphs, decode_graphs = use_cuda_graphs(
             config, device, model, self.attention_kernel is not None
         )
@@ -371,9 +385,10 @@ def use_cuda_graphs(
     if getattr(model, "tp_size", None) not in (None, 1):
         logger.warning("use_cuda_graph: not supported under tensor parallelism; running without")
         return False, False
-    if varlen and not has_attention_kernel:
+    if varlen and not (has_attention_kernel and config.max_blocks_per_request):
+        # batch_invariant runs the kernel without a width, but a padded step's tables are that wide.
         logger.warning(
-            "use_cuda_graph: varlen CUDA graphs need the attention kernel (max_blocks_per_request); "
+            "use_cuda_graph: varlen CUDA graphs need the attention kernel and max_blocks_per_request set; "
             "steps with prefill chunks run without"
         )
         varlen = False
@@ -387,8 +402,9 @@ def load_attention_kernel(
 
     On the CPU it is the C kernel (`paged_attention_cpu`), on unless `max_blocks_per_request` is 0, and
     taking tables of any width unless the config gives one. Elsewhere it is the Triton kernel
-    (`paged_attention_kernel`), which only a positive `max_blocks_per_request` turns on; it runs on CUDA,
-    and on the CPU under TRITON_INTERPRET=1 when asked for by a positive width (how its tests run it).
+    (`paged_attention_kernel`), which only a positive `max_blocks_per_request` turns on (or, taking any
+    width, `batch_invariant` on CUDA); it runs on CUDA, and on the CPU under TRITON_INTERPRET=1 when asked
+    for by a positive width (how its tests run it).
     """
     width = config.max_blocks_per_request
     if width == 0:
@@ -400,7 +416,9 @@ def load_attention_kernel(
         kernel = paged_attention_cpu.load(dtype)
         return (kernel, width or ANY_TABLE_WIDTH) if kernel is not None else (None, 0)
     if not width:
-        return None, 0
+        if not (config.batch_invariant and device.type == "cuda"):
+            return None, 0
+        width = ANY_TABLE_WIDTH
     if device.type != "cuda" and not interpreted:
         logger.warning(
             "max_blocks_per_request: the Triton attention kernel needs CUDA (or TRITON_INTERPRET=1); the "

@@ -157,13 +157,20 @@ class InputBuilder:
         attention_kernel: Callable[..., torch.Tensor] | None = None,
         max_blocks_per_request: int = 0,
         split_decode_rows: bool = False,
+        fixed_order: bool = False,
     ) -> None:
         """With `attention_kernel`, steps whose requests hold at most `max_blocks_per_request` blocks take
         the kernel path (block tables, no gathered keys or masks); other steps gather.
 
         `split_decode_rows`: on the gather path, an unpadded decode-only step attends its rows in batches of
         similar lengths (`decode_buckets`) instead of one batch padded to the longest; only for a decode
-        forward that runs eagerly (a compiled or captured one expects one batch)."""
+        forward that runs eagerly (a compiled or captured one expects one batch).
+
+        `fixed_order` (batch-invariant mode): the kernel computes each query the same way whatever tile
+        serves it, and every step uses tiles of PREFILL_QUERIES_PER_TILE queries, decode steps included,
+        so the Triton kernel's dot shapes never change (the CPU kernel's tiles hold a decode request's one
+        query either way). Every step then needs the kernel path: a request whose table is wider than
+        `max_blocks_per_request` raises instead of gathering."""
         self.groups = list(groups)
         self.key_caches = key_caches
         self.value_caches = value_caches
@@ -176,6 +183,7 @@ class InputBuilder:
         self.attention_kernel = attention_kernel
         self.max_blocks_per_request = max_blocks_per_request
         self.split_decode_rows = split_decode_rows
+        self.fixed_order = fixed_order
         # Block tables read during the step being built, by (request id, group); callers never mutate them.
         self._step_tables: dict[tuple[str, int], list[int]] = {}
 
@@ -204,13 +212,18 @@ class InputBuilder:
             keys_interval = padding.keys_interval
         kernel_inputs = None
         if self.attention_kernel is not None:
-            queries_per_tile = 1 if step.is_decode_only else PREFILL_QUERIES_PER_TILE
+            queries_per_tile = 1 if step.is_decode_only and not self.fixed_order else PREFILL_QUERIES_PER_TILE
             varlen_shape = None
             # A step with prompt rows runs unpadded: its logits count is not one of the padded shapes.
             if padding is not None and not step.is_decode_only and not step.prompt_spans:
                 varlen_shape = padding.varlen_shape(len(step.tokens.input_ids), len(step.chunks))
             kernel_inputs = self._kernel_inputs(step.chunks, keys_interval, queries_per_tile, varlen_shape)
             # A step whose tables are too wide for the kernel gathers, unpadded.
+            if kernel_inputs is None and self.fixed_order:
+                raise RuntimeError(
+                    f"batch_invariant: a request holds more than max_blocks_per_request="
+                    f"{self.max_blocks_per_request} blocks, and gathering its keys would change its bits"
+                )
             if kernel_inputs is not None and varlen_shape is not None:
                 step.tokens.pad_varlen(varlen_shape)
         metadata = self._metadata(step, kernel_inputs, keys_interval)
@@ -428,6 +441,7 @@ class InputBuilder:
             tile_offsets=to_device(tile_offsets, torch.int32, device),
             queries_per_tile=queries_per_tile,
             has_unowned_rows=varlen_shape is not None and varlen_shape.num_tokens > num_real_rows,
+            fixed_order=self.fixed_order,
         )
 
     def _block_tables(

@@ -206,6 +206,7 @@ class ModelRunner:
             self.forward_paths.attention_kernel,
             self.forward_paths.max_blocks_per_request,
             split_decode_rows=self.forward_paths.decode_runs_eagerly,
+            fixed_order=config.batch_invariant,
         )
 
     def capture_decode_graphs(self, max_rows: int) -> int:

@@ -51,11 +51,13 @@ def _pack(weight: torch.Tensor) -> _PackedWeight:
     return _PackedWeight(packed, detached.data_ptr(), weight._version)
 
 
-def packable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+def packable_linears(model: torch.nn.Module, min_elements: int | None = None) -> list[torch.nn.Linear]:
     """The model's linear layers worth packing: plain `nn.Linear` (not a subclass such as a LoRA or
-    quantized layer) with a dense CPU weight of at least `MIN_PACKED_WEIGHT_ELEMENTS` in fp32 or bf16,
-    and no `forward` of their own already set on the instance (as accelerate's hooks and another engine
-    on the same model do)."""
+    quantized layer) with a dense CPU weight of at least `min_elements` (default
+    `MIN_PACKED_WEIGHT_ELEMENTS`) in fp32 or bf16, and no `forward` of their own already set on the
+    instance (as accelerate's hooks and another engine on the same model do)."""
+    if min_elements is None:
+        min_elements = MIN_PACKED_WEIGHT_ELEMENTS
     return [
         module
         for module in model.modules()
@@ -65,7 +67,7 @@ def packable_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
         and module.weight.device.type == "cpu"
         and module.weight.layout is torch.strided
         and module.weight.dtype in PACKED_DTYPES
-        and module.weight.numel() >= MIN_PACKED_WEIGHT_ELEMENTS
+        and module.weight.numel() >= min_elements
     ]
 
 
@@ -75,12 +77,15 @@ class PackedLinears:
     Invariant: a packed forward computes what `F.linear` on the layer's current weight computes; it
     falls back to `F.linear` whenever packing cannot serve the call (gradients wanted, autocast, an input
     of another dtype or device), and repacks first when the weight changed in place.
+
+    Batch-invariant mode packs every layer whatever its size (`min_elements=0`): oneDNN on a packed weight
+    gives a row the same bits however many rows share the call (engine.batch_invariant).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, min_elements: int | None = None) -> None:
         # None: the copy was dropped (`drop_copies`) and is made again on the layer's next call.
         self._packed: dict[torch.nn.Linear, _PackedWeight | None] = {}
-        for module in packable_linears(model):
+        for module in packable_linears(model, min_elements):
             try:
                 self._packed[module] = _pack(module.weight)
             except RuntimeError as exc:

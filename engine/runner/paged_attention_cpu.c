@@ -13,7 +13,13 @@
 
    The softmax is the online one, a chunk of keys at a time, in fp32 whatever the cache dtype. Built with
    the process's own OpenMP runtime (torch's libgomp), so its parallel region reuses torch's worker team
-   instead of starting a second one on the same cores. */
+   instead of starting a second one on the same cores.
+
+   With fixed_order (batch-invariant mode), a query's output depends on its own keys and values alone,
+   not on the tile it shares: every tile transposes its keys (scores then come from one loop whatever the
+   tile's size, where a decode tile would otherwise take dot products), and chunks of keys start at
+   multiples of KEYS_PER_CHUNK (with a sliding window they would start at the tile's first key). Without
+   it, a query's scores and softmax sums round differently in a decode tile than in a prefill tile. */
 
 #include <math.h>
 #include <stdint.h>
@@ -132,6 +138,7 @@ typedef struct {
     int64_t num_kv_heads, group_size, head_dim, queries_per_tile, page_size;
     float scale, softcap; /* softcap <= 0: none */
     int64_t sliding_window;
+    int fixed_order;
 } Step;
 
 /* Writes the chunk's keys of every KV head into scratch->transposed_keys, position innermost; positions
@@ -301,11 +308,12 @@ static void attend_tile(const Step *step, Scratch *scratch, int64_t tile) {
     memset(scratch->accumulators, 0, sizeof(float) * num_rows * head_dim);
 
     const int32_t *table = step->block_table + request * step->stride_table_row;
-    const int transposed = num_queries * step->group_size >= MIN_ROWS_TO_TRANSPOSE;
+    const int transposed = step->fixed_order || num_queries * step->group_size >= MIN_ROWS_TO_TRANSPOSE;
     const float *key_rows[KEYS_PER_CHUNK], *value_rows[KEYS_PER_CHUNK];
     /* fp32 caches are read where they are; bf16 ones are converted a chunk at a time. */
     const int64_t head_stride = step->dtype == DTYPE_FLOAT32 ? step->stride_cache_head : head_dim;
-    for (int64_t chunk = lowest; chunk < highest; chunk += KEYS_PER_CHUNK) {
+    const int64_t first_chunk = step->fixed_order ? lowest - lowest % KEYS_PER_CHUNK : lowest;
+    for (int64_t chunk = first_chunk; chunk < highest; chunk += KEYS_PER_CHUNK) {
         const int64_t num_keys = highest - chunk < KEYS_PER_CHUNK ? highest - chunk : KEYS_PER_CHUNK;
         for (int64_t key = 0; key < num_keys; key++) {
             const int64_t position = chunk + key;
@@ -354,12 +362,12 @@ int paged_attention(int dtype, const void *queries, int64_t stride_query_row, in
                     const int32_t *tile_offsets, int64_t num_tiles, void *output, int64_t stride_output_row,
                     int64_t stride_output_head, int64_t num_kv_heads, int64_t group_size, int64_t head_dim,
                     int64_t queries_per_tile, int64_t page_size, float scale, float softcap,
-                    int64_t sliding_window, int num_threads) {
+                    int64_t sliding_window, int fixed_order, int num_threads) {
     const Step step = {dtype, queries, stride_query_row, stride_query_head, key_cache, value_cache,
                        stride_cache_slot, stride_cache_head, block_table, stride_table_row, query_starts,
                        seq_lens, tile_requests, tile_offsets, output, stride_output_row, stride_output_head,
                        num_kv_heads, group_size, head_dim, queries_per_tile, page_size, scale, softcap,
-                       sliding_window};
+                       sliding_window, fixed_order};
     const int64_t max_rows = queries_per_tile * num_kv_heads * group_size;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)

@@ -67,7 +67,7 @@ _ARGUMENT_TYPES: list[Any] = [
     _pointer, _int64, _int64,  # output, row and head strides
     _int64, _int64, _int64, _int64, _int64,  # kv heads, group size, head dim, queries per tile, page size
     ctypes.c_float, ctypes.c_float, _int64,  # scale, softcap (<= 0: none), sliding window
-    ctypes.c_int,  # threads
+    ctypes.c_int, ctypes.c_int,  # fixed order, threads
 ]  # fmt: skip
 # Stands for "no sliding window": larger than any position.
 NO_WINDOW = 1 << 62
@@ -199,10 +199,13 @@ def attend_in_place(
     softcap: float | None,
     sliding_window: int | None,
     has_unowned_rows: bool = False,
+    fixed_order: bool = False,
 ) -> torch.Tensor:
     """queries [T, H, D] -> [T, H, D]; the contract of `paged_attention_kernel.paged_attention`.
 
     Caches are [num_slots, H_kv, D] with unit stride along D; index tensors are int32 and contiguous.
+    With `fixed_order`, each query's output has the same bits whatever tile serves it (batch-invariant
+    mode; see the kernel's header).
     """
     library = _load_library()
     if value_cache.stride() != key_cache.stride() or key_cache.stride(2) != 1 or block_table.stride(1) != 1:
@@ -237,6 +240,7 @@ def attend_in_place(
         scale,
         softcap if softcap is not None else 0.0,
         sliding_window if sliding_window is not None else NO_WINDOW,
+        int(fixed_order),
         torch.get_num_threads(),
     )
     if status != 0:

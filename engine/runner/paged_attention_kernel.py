@@ -176,6 +176,7 @@ def paged_attention(
     softcap: float | None,
     sliding_window: int | None,
     has_unowned_rows: bool = False,
+    fixed_order: bool = False,
 ) -> torch.Tensor:
     """queries [T, H, D] -> [T, H, D].
 
@@ -183,7 +184,17 @@ def paged_attention(
     positions, and finds its keys through block_table[r]. Each query attends causally (and within
     `sliding_window`) to its request's keys. With `has_unowned_rows` (a padded step), rows no request
     owns are zero; otherwise every row is written and the output is not cleared first.
+
+    `fixed_order` (batch-invariant mode) asks that each query's output have the same bits whatever tile
+    serves it. A row's dots, maxima and sums here depend only on the tile's shape (its keys start at
+    multiples of KEYS_PER_TILE, and keys a row may not see add exact zeros), so the caller keeps that
+    shape fixed: tiles of PREFILL_QUERIES_PER_TILE queries for every step, decode steps included.
     """
+    if fixed_order and queries_per_tile != PREFILL_QUERIES_PER_TILE:
+        raise ValueError(
+            f"fixed_order needs tiles of {PREFILL_QUERIES_PER_TILE} queries in every step, "
+            f"got {queries_per_tile}"
+        )
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     num_kv_heads = key_cache.shape[1]
     group_size = num_heads // num_kv_heads

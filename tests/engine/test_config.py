@@ -37,6 +37,7 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "cpu_group_timeout": 300.0,
     "num_threads": None,
     "pack_cpu_weights": True,
+    "batch_invariant": False,
     "use_default_compile_configs": None,
     "max_cached_graphs": None,
     "block_size": None,
@@ -108,6 +109,7 @@ INVALID_VALUES: list[tuple[str, Any]] = [
     ("num_threads", 0),
     ("num_threads", 1.5),
     ("pack_cpu_weights", "yes"),
+    ("batch_invariant", 1),
 ]
 
 
@@ -397,3 +399,20 @@ def test_validate_after_valid_mutation_passes() -> None:
     config.page_size = 16
     config.use_cuda_graph = (True, True)
     config.validate()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"default_compile_level": 1}, {"decode_compile_config": {"backend": "eager"}}],
+    ids=["compile-level", "compile-config"],
+)
+def test_batch_invariant_refuses_compiled_forwards(settings: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="batch_invariant needs eager forwards, but these paths compile"):
+        ContinuousBatchingConfig(batch_invariant=True, **settings)
+
+
+def test_batch_invariant_refuses_the_gather_path() -> None:
+    with pytest.raises(
+        ValueError, match=r"batch_invariant needs the attention kernel.*max_blocks_per_request is 0"
+    ):
+        ContinuousBatchingConfig(batch_invariant=True, max_blocks_per_request=0)

@@ -55,6 +55,11 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.runner.forward_paths",
         "engine.runner.packed_linear",
         "engine.runner.model_runner",
+        "engine.runner.exact_attention",
+        "engine.runner.batch_invariant_cuda",
+        # Batch-invariant mode: the runner's forwards enter it, and it serves trainers with the runner's
+        # kernels.
+        "engine.batch_invariant",
     },
     {"engine.cache_plan"},
     {"engine.engine_core"},

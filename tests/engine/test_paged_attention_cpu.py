@@ -131,3 +131,53 @@ def test_bfloat16_caches_match_an_fp32_softmax_of_the_same_values(compiled, step
     assert output.dtype == torch.bfloat16
     expected = attend(queries.float(), *(cache.float() for cache in caches))
     torch.testing.assert_close(output.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def _one_sequence_three_ways(fixed_order: bool, sliding_window: int | None) -> dict[str, torch.Tensor]:
+    """One 100-token sequence's attention (9 heads over 3 KV heads, as SmolLM2) computed as one prefill
+    chunk, as two chunks split at 37, and one query at a time in decode tiles."""
+    generator = torch.Generator().manual_seed(3)
+    length, page_size, num_heads, num_kv_heads, head_dim = 100, 16, 9, 3, 64
+    num_pages = -(-length // page_size)
+    keys = torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=generator)
+    values = torch.randn(num_pages * page_size, num_kv_heads, head_dim, generator=generator)
+    queries = torch.randn(length, num_heads, head_dim, generator=generator)
+    table = torch.arange(num_pages, dtype=torch.int32).unsqueeze(0)
+
+    def chunk(start: int, end: int, queries_per_tile: int) -> torch.Tensor:
+        tiles = list(range(0, end - start, queries_per_tile))
+        return paged_attention_cpu.attend_in_place(
+            queries[start:end].contiguous(),
+            keys,
+            values,
+            table,
+            torch.tensor([0, end - start], dtype=torch.int32),
+            torch.tensor([end], dtype=torch.int32),
+            torch.zeros(len(tiles), dtype=torch.int32),
+            torch.tensor(tiles, dtype=torch.int32),
+            queries_per_tile,
+            page_size,
+            head_dim**-0.5,
+            None,
+            sliding_window,
+            fixed_order=fixed_order,
+        )
+
+    return {
+        "one chunk": chunk(0, length, 16),
+        "two chunks": torch.cat([chunk(0, 37, 16), chunk(37, length, 16)]),
+        "decode tiles": torch.cat([chunk(position, position + 1, 1) for position in range(length)]),
+    }
+
+
+@pytest.mark.parametrize("sliding_window", [None, 24], ids=["full", "sliding"])
+def test_fixed_order_gives_each_query_the_same_bits_whatever_tile_serves_it(compiled, sliding_window) -> None:
+    """Batch-invariant mode (engine.batch_invariant): the split of a sequence into chunks and tiles does
+    not change a query's bits; without `fixed_order`, a decode tile rounds differently (the control)."""
+    fixed = _one_sequence_three_ways(True, sliding_window)
+    for name in ("two chunks", "decode tiles"):
+        difference = (fixed[name] - fixed["one chunk"]).abs().max().item()
+        assert torch.equal(fixed[name], fixed["one chunk"]), f"{name}: differs by up to {difference:.3g}"
+    default = _one_sequence_three_ways(False, sliding_window)
+    assert not torch.equal(default["decode tiles"], default["one chunk"])
+    torch.testing.assert_close(fixed["one chunk"], default["one chunk"])
