@@ -17,11 +17,14 @@ cuBLAS picks kernels (and split-K) by shape and torch's reductions split a row a
 rows are reduced, the linear layers and the norms' means run on Triton kernels with one fixed tiling
 (`engine.runner.batch_invariant_cuda`), and the attention kernel uses one tile shape for every step.
 
-Two conditions hold for the models here but not for every model: torch's vector loops hand the elements
+Under tensor parallelism, each rank's shard of a linear layer runs the same kernels, and the row-parallel
+layers' partial sums are added across ranks: 2 ranks add once, which is exact whatever the collective's
+algorithm, but over 3 or more a ring or tree all-reduce sums in an order that follows the message's size,
+so there `all_reduce_in_rank_order` gathers every rank's part and adds them in rank order.
+
+One condition holds for the models here but not for every model: torch's vector loops hand the elements
 past a thread's last full vector to scalar code, which rounds transcendental functions (SiLU, GELU, cos)
-differently, so those stay invariant while a row is a multiple of 16 floats wide (32 with two threads);
-and a tensor-parallel all-reduce over 3 or more ranks may sum in an order that follows the message's
-size (2 ranks add once, which is exact).
+differently, so those stay invariant while a row is a multiple of 16 floats wide (32 with two threads).
 
 Trainer side: `trainer_exact(model)` routes a plain forward of the same model through the same kernels,
 with gradients (the backward passes use ordinary matmuls and an eager attention), and
@@ -32,12 +35,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from engine.parallel import tensor_parallel_size
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +176,64 @@ class BatchInvariantMode(TorchFunctionMode):
         return row_mean(tensor, keepdim=bool(keepdim))
 
 
+_all_reduce_state = threading.local()
+_plain_all_reduce: Callable[..., Any] | None = None
+_patch_lock = threading.Lock()
+
+
+def _all_reduce(
+    tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> Any:
+    """`torch.distributed.all_reduce`; inside `all_reduce_in_rank_order` on this thread, a floating sum is
+    gathered and added in rank order instead."""
+    assert _plain_all_reduce is not None
+    if (
+        getattr(_all_reduce_state, "depth", 0) == 0
+        or async_op
+        or op != dist.ReduceOp.SUM
+        or not tensor.is_floating_point()
+    ):
+        return _plain_all_reduce(tensor, op=op, group=group, async_op=async_op)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    tensor.copy_(total)
+    return None
+
+
+@contextlib.contextmanager
+def all_reduce_in_rank_order() -> Iterator[None]:
+    """Within the block, on this thread, `torch.distributed.all_reduce` sums floating tensors in rank order:
+    ((rank 0 + rank 1) + rank 2) + ..., the same bits on every rank and for every message size. It gathers
+    every rank's part (world size times the data of one part), so it is for batch-invariant mode only.
+
+    transformers' tensor-parallel layers call `torch.distributed.all_reduce` through the module, so the
+    function is replaced there once, process-wide; outside such a block it is the plain collective."""
+    global _plain_all_reduce
+    with _patch_lock:
+        if _plain_all_reduce is None:
+            _plain_all_reduce = dist.all_reduce
+            dist.all_reduce = _all_reduce
+    _all_reduce_state.depth = getattr(_all_reduce_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _all_reduce_state.depth -= 1
+
+
+@contextlib.contextmanager
+def batch_invariant_forward(model: torch.nn.Module) -> Iterator[None]:
+    """What a batch-invariant forward of `model` runs under: `BatchInvariantMode`, and over 3 or more
+    tensor-parallel ranks `all_reduce_in_rank_order`."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(BatchInvariantMode())
+        if tensor_parallel_size(model) > 2:
+            stack.enter_context(all_reduce_in_rank_order())
+        yield
+
+
 def check_linear_invariance(model: torch.nn.Module, packed: bool) -> None:
     """Raises BatchInvariantUnsupported unless each distinct linear shape of `model` gives a row the same
     bits alone and among 2 to 33 rows, through the kernels the engine uses (`packed`: oneDNN on packed
@@ -273,7 +338,7 @@ def trainer_exact(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
     changed = _ExactForward(model)
     try:
-        with exact_forward(), BatchInvariantMode():
+        with exact_forward(), batch_invariant_forward(model):
             yield model
     finally:
         changed.restore()

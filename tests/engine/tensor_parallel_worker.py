@@ -121,9 +121,23 @@ def drive_lockstep(manager: ContinuousBatchingManager, args: argparse.Namespace)
     return results
 
 
+def drive_batch_invariant(manager: ContinuousBatchingManager, args: argparse.Namespace) -> dict[str, Any]:
+    """The needle alone, then among twelve other prompts (batch-invariant mode): tokens and logprobs."""
+    with open(os.path.join(args.out, "prompts.json"), encoding="utf-8") as handle:
+        needle, *others = json.load(handle)
+    settings = dict(max_new_tokens=args.max_new_tokens, eos_token_id=[], logprobs=True)
+    alone = collect(manager, [manager.add_request(needle, **settings)])
+    ids = [manager.add_request(prompt, **settings) for prompt in [*others[:6], needle, *others[6:]]]
+    batched = collect(manager, ids)
+    return {
+        name: {"tokens": output.generated_tokens, "logprobs": output.logprobs}
+        for name, output in (("alone", next(iter(alone.values()))), ("batched", batched[str(ids[6])]))
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=("lockstep", "hang", "die"), required=True)
+    parser.add_argument("--scenario", choices=("lockstep", "hang", "die", "batch_invariant"), required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--new-weights")
     parser.add_argument("--out", required=True)
@@ -140,6 +154,7 @@ def main() -> None:
         max_batch_tokens=128,
         cpu_group_timeout=args.timeout,
         use_async_batching=args.async_batching,
+        batch_invariant=args.scenario == "batch_invariant",
     )
     manager = ContinuousBatchingManager(model, continuous_batching_config=config)
     finished: dict[str, dict[str, Any]] = {}
@@ -168,6 +183,8 @@ def main() -> None:
     if rank == 0:
         if args.scenario == "lockstep":
             report["results"] = drive_lockstep(manager, args)
+        elif args.scenario == "batch_invariant":
+            report["results"] = drive_batch_invariant(manager, args)
         else:
             started = time.monotonic()
             request_id = manager.add_request([5, 6, 7, 8], max_new_tokens=900)
@@ -191,7 +208,7 @@ def main() -> None:
     report["loop_ended"] = not manager.is_running()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle)
-    if args.scenario == "lockstep":
+    if args.scenario in ("lockstep", "batch_invariant"):
         manager.destroy()
         dist.destroy_process_group()
     else:

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import functools
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from engine import (
@@ -347,3 +350,33 @@ def test_cuda_kernels_give_every_row_its_bits_alone() -> None:
             )
     torch.testing.assert_close(matmul(rows, weight, bias), F.linear(rows, weight, bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(row_mean(rows), rows.mean(-1))
+
+
+# Three ranks' parts whose sum depends on the order of the additions in fp32: rank order gives
+# (1e8 + 1) - 1e8 = 0, another order (1e8 - 1e8) + 1 = 1.
+RANK_PARTS = (1e8, 1.0, -1e8)
+
+
+def _all_reduce_on_rank(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=len(RANK_PARTS))
+    try:
+        ordered = torch.full((4099,), RANK_PARTS[rank])
+        with batch_invariant_module.all_reduce_in_rank_order():
+            dist.all_reduce(ordered)
+        plain = torch.full((3,), float(rank))
+        dist.all_reduce(plain)  # outside the block: the collective as it is
+        torch.save({"ordered": ordered, "plain": plain}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_reduce_in_rank_order_gives_every_rank_the_rank_order_sum(tmp_path: Path) -> None:
+    """Tensor parallelism over 3 or more ranks: the row-parallel layers' partial sums add in rank order."""
+    mp.spawn(
+        _all_reduce_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=len(RANK_PARTS), join=True
+    )
+    expected = (torch.tensor(RANK_PARTS[0]) + RANK_PARTS[1]) + RANK_PARTS[2]
+    for rank in range(len(RANK_PARTS)):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(result["ordered"], expected.expand(4099)), f"rank {rank}: {result['ordered'][:4]}"
+        assert torch.equal(result["plain"], torch.full((3,), 3.0))

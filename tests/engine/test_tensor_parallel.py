@@ -277,6 +277,27 @@ def test_a_lost_rank_fails_the_driver_within_the_timeout(
     assert driver["loop_ended"]
 
 
+def test_batch_invariant_mode_gives_the_needle_the_same_bits_on_two_ranks(
+    saved_models: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Batch-invariant mode under tensor parallelism (issue 33): the sharded linear layers run the mode's
+    kernels on their shards, and two ranks' partial sums add once, so a needle alone and among twelve other
+    prompts has the same tokens and logprobs, bit for bit."""
+    model_dir, _ = saved_models
+    needle = random_prompt(45, seed=4500)
+    others = [random_prompt(length, seed=length) for length in (3, 9, 14, 20, 27, 33, 41, 50, 58, 66, 75, 90)]
+    (tmp_path / "prompts.json").write_text(json.dumps([needle, *others]))
+    arguments = ["--scenario", "batch_invariant", "--model", str(model_dir), "--out", str(tmp_path)]
+    codes = launch_ranks(arguments, timeout_s=300)
+    assert codes == [0, 0], f"rank exit codes {codes}"
+    results = json.loads((tmp_path / "rank0.json").read_text())["results"]
+    alone, batched = results["alone"], results["batched"]
+    assert batched["tokens"] == alone["tokens"]
+    assert torch.equal(torch.tensor(batched["logprobs"]), torch.tensor(alone["logprobs"])), (
+        f"logprobs differ\n  alone:   {alone['logprobs']}\n  batched: {batched['logprobs']}"
+    )
+
+
 def test_tp_size_must_divide_the_kv_heads() -> None:
     config = tiny_config("llama")  # 2 KV heads
     check_tensor_parallel_size(config, 2)
