@@ -72,6 +72,11 @@ final class Calls {
     return timeout == null ? stub : withTimeoutNanos(stub, timeout.toNanos());
   }
 
+  /** {@code stub} with the deadline of the call, what is left of it, or unchanged with none. */
+  static <S extends AbstractStub<S>> S withTimeout(S stub, CallTimeout timeout) {
+    return timeout.duration() == null ? stub : withTimeoutNanos(stub, timeout.leftNanos());
+  }
+
   /** {@code stub} sending these extra headers (unchanged when there are none). */
   static <S extends AbstractStub<S>> S withHeaders(S stub, Map<String, String> headers) {
     if (headers.isEmpty()) {
@@ -95,11 +100,18 @@ final class Calls {
     return null;
   }
 
-  /** grpc-java's own descriptions of a deadline that passed on the client. */
+  /**
+   * grpc-java's own descriptions of a deadline that passed on the client ("deadline exceeded after
+   * 0.2s. [buffered_nanos=...]", "Deadline CallOptions was exceeded after 0.026s waiting for
+   * name_resolver", "ClientCall started after CallOptions deadline was exceeded", ...).
+   */
   private static final Pattern CLIENT_DEADLINE =
-      Pattern.compile(
-          "(?i)^(deadline exceeded|callOptions deadline exceeded|clientcall started after"
-              + "|context timed out)");
+      Pattern.compile("(?i)(deadline|context timed out)");
+
+  /** What a call that found no replica serving says. */
+  static final String NOT_SERVING =
+      "no replica is serving: each one connected reports NOT_SERVING on grpc.health.v1 (its model"
+          + " loading, a drain or stop under way, asleep, or its weights incomplete)";
 
   /** Maps any failure of a call to the matching {@link CbserveException}. */
   static CbserveException map(Throwable error) {
@@ -108,12 +120,13 @@ final class Calls {
 
   /**
    * Maps any failure of a call to the matching {@link CbserveException}. {@code timeout} is the
-   * call's deadline (or null when unknown), named when it passed: grpc-java's own message lists
-   * its transport internals (buffered nanos, remote address), which tell a caller nothing to act
-   * on. An unreachable server names the cause (connection refused, unknown host) rather than only
-   * grpc-java's "io exception".
+   * call's deadline (or null when unknown): when it has passed, the exception says which deadline
+   * it was and what sets it (grpc-java's own message lists its transport internals, buffered nanos
+   * or the resolver it was waiting for, which tell a caller nothing to act on). An unreachable
+   * server names the cause (connection refused, unknown host) rather than only grpc-java's "io
+   * exception".
    */
-  static CbserveException map(Throwable error, Duration timeout) {
+  static CbserveException map(Throwable error, CallTimeout timeout) {
     Throwable t = error;
     while ((t instanceof CompletionException || t instanceof ExecutionException)
         && t.getCause() != null) {
@@ -124,6 +137,14 @@ final class Calls {
     }
     if (t instanceof StatusRuntimeException || t instanceof StatusException) {
       Status status = Status.fromThrowable(t);
+      String description = status.getDescription();
+      if (status.getCode() == Status.Code.UNAVAILABLE
+          && description != null
+          && description.contains("responded NOT_SERVING")) {
+        // Every connection is up, but health checking takes each out of rotation; grpc-java's own
+        // message names only the health service.
+        return new UnavailableException(NOT_SERVING, t);
+      }
       if (status.getCode() == Status.Code.UNKNOWN && closedConnection(status.getCause())) {
         // grpc-java reports a connection that closed under a call (the server died or restarted)
         // as UNKNOWN; for the caller it is the server becoming unavailable, and as safe to retry.
@@ -146,15 +167,15 @@ final class Calls {
     return false;
   }
 
-  private static String details(Status status, Duration timeout) {
+  private static String details(Status status, CallTimeout timeout) {
     String description = status.getDescription();
     if (status.getCode() == Status.Code.DEADLINE_EXCEEDED
-        && (description == null || CLIENT_DEADLINE.matcher(description).find())) {
-      return (timeout == null
-              ? "the call's deadline passed"
-              : "the call's deadline of " + describe(timeout) + " passed")
-          + " (set a longer one with RequestOptions.timeout(...) or the client's defaultTimeout /"
-          + " streamTimeout)";
+        && (description == null
+            || CLIENT_DEADLINE.matcher(description).find()
+            || (timeout != null && timeout.passed()))) {
+      return timeout == null || timeout.duration() == null
+          ? "the call's deadline passed"
+          : timeout.explanation();
     }
     String cause = rootCauseMessage(status.getCause());
     if (cause == null) {
@@ -163,11 +184,21 @@ final class Calls {
     return description == null ? cause : description + ": " + cause;
   }
 
-  /** The first message along the cause chain (e.g. "Connection refused: /host:port"). */
+  /**
+   * How Netty's native transport prefixes a socket error with the system call and errno
+   * ("finishConnect(..) failed with error(-111): Connection refused: /host:port").
+   */
+  private static final Pattern NATIVE_CALL =
+      Pattern.compile("^\\w+\\(\\.\\.\\) failed with error\\(-?\\d+\\): ");
+
+  /**
+   * The first message along the cause chain (e.g. "Connection refused: /host:port"), without the
+   * system call Netty's native transport names.
+   */
   private static String rootCauseMessage(Throwable cause) {
     for (Throwable t = cause; t != null; t = t.getCause() == t ? null : t.getCause()) {
       if (t.getMessage() != null && !t.getMessage().isEmpty()) {
-        return t.getMessage();
+        return NATIVE_CALL.matcher(t.getMessage()).replaceFirst("");
       }
     }
     return null;
@@ -190,7 +221,7 @@ final class Calls {
   }
 
   /** Runs a blocking call with this deadline (or null), mapping gRPC's exceptions. */
-  static <T> T blocking(Supplier<T> call, Duration timeout) {
+  static <T> T blocking(Supplier<T> call, CallTimeout timeout) {
     try {
       return call.get();
     } catch (StatusRuntimeException e) {
@@ -219,7 +250,7 @@ final class Calls {
 
   /** {@link #unary(BiConsumer, Object)} of a call with this deadline (or null). */
   static <ReqT, RespT> CompletableFuture<RespT> unary(
-      BiConsumer<ReqT, StreamObserver<RespT>> method, ReqT request, Duration timeout) {
+      BiConsumer<ReqT, StreamObserver<RespT>> method, ReqT request, CallTimeout timeout) {
     CompletableFuture<RespT> future = new CompletableFuture<>();
     method.accept(
         request,

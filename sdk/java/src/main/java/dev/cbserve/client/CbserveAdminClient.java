@@ -164,7 +164,11 @@ public final class CbserveAdminClient implements AutoCloseable {
     } catch (TimeoutException e) {
       callRef.get().cancel("gave up waiting for the pause", null);
       throw new DeadlineExceededException(
-          "the engine did not pause within " + waitTimeout, e);
+          "the engine did not pause within "
+              + Calls.describe(waitTimeout)
+              + " (pause's waitTimeout, the admin client's defaultTimeout unless given); pass a"
+              + " longer one (null: none)",
+          e);
     } catch (ExecutionException e) {
       throw Calls.map(e);
     } catch (InterruptedException e) {
@@ -205,7 +209,10 @@ public final class CbserveAdminClient implements AutoCloseable {
         deadline = deadline.plus(drainTimeout);
       }
     }
-    Duration timeout = deadline;
+    CallTimeout timeout =
+        drainTimeout == null
+            ? CallTimeout.admin(deadline)
+            : CallTimeout.given(deadline, "the admin client's defaultTimeout plus drainTimeout");
     return Convert.stopResult(
         Calls.blocking(
             () -> Calls.withTimeout(blockingStub, timeout).stop(request.build()), timeout));
@@ -218,8 +225,8 @@ public final class CbserveAdminClient implements AutoCloseable {
    */
   public boolean start() {
     Admin.StartRequest request = Admin.StartRequest.getDefaultInstance();
-    return !Calls.blocking(
-            () -> Calls.withTimeout(blockingStub, defaultTimeout).start(request), defaultTimeout)
+    CallTimeout timeout = CallTimeout.admin(defaultTimeout);
+    return !Calls.blocking(() -> Calls.withTimeout(blockingStub, timeout).start(request), timeout)
         .getAlreadyRunning();
   }
 
@@ -244,10 +251,10 @@ public final class CbserveAdminClient implements AutoCloseable {
   public PrefixCacheReset resetPrefixCache(boolean abort) {
     Admin.ResetPrefixCacheRequest request =
         Admin.ResetPrefixCacheRequest.newBuilder().setAbort(abort).build();
+    CallTimeout timeout = CallTimeout.admin(defaultTimeout);
     Admin.ResetPrefixCacheResponse response =
         Calls.blocking(
-            () -> Calls.withTimeout(blockingStub, defaultTimeout).resetPrefixCache(request),
-            defaultTimeout);
+            () -> Calls.withTimeout(blockingStub, timeout).resetPrefixCache(request), timeout);
     return new PrefixCacheReset(response.getDroppedBlocks(), response.getAbortedRequests());
   }
 
@@ -263,10 +270,10 @@ public final class CbserveAdminClient implements AutoCloseable {
   public WeightsChecksum weightsChecksum(boolean perTensor) {
     Admin.GetWeightsChecksumRequest request =
         Admin.GetWeightsChecksumRequest.newBuilder().setPerTensor(perTensor).build();
+    CallTimeout timeout = CallTimeout.admin(defaultTimeout);
     Admin.GetWeightsChecksumResponse response =
         Calls.blocking(
-            () -> Calls.withTimeout(blockingStub, defaultTimeout).getWeightsChecksum(request),
-            defaultTimeout);
+            () -> Calls.withTimeout(blockingStub, timeout).getWeightsChecksum(request), timeout);
     Map<String, TensorChecksum> tensors = new TreeMap<>();
     for (Admin.TensorChecksum tensor : response.getTensorsList()) {
       tensors.put(
@@ -285,17 +292,16 @@ public final class CbserveAdminClient implements AutoCloseable {
   /** The engine's state and counters. */
   public EngineStatus status() {
     Admin.GetStatusRequest request = Admin.GetStatusRequest.getDefaultInstance();
+    CallTimeout timeout = CallTimeout.admin(defaultTimeout);
     return Convert.engineStatus(
-        Calls.blocking(
-            () -> Calls.withTimeout(blockingStub, defaultTimeout).getStatus(request),
-            defaultTimeout));
+        Calls.blocking(() -> Calls.withTimeout(blockingStub, timeout).getStatus(request), timeout));
   }
 
   /** {@link #status()} without blocking. */
   public CompletableFuture<EngineStatus> statusAsync() {
     Admin.GetStatusRequest request = Admin.GetStatusRequest.getDefaultInstance();
-    return Calls.unary(
-            Calls.withTimeout(asyncStub, defaultTimeout)::getStatus, request, defaultTimeout)
+    CallTimeout timeout = CallTimeout.admin(defaultTimeout);
+    return Calls.unary(Calls.withTimeout(asyncStub, timeout)::getStatus, request, timeout)
         .thenApply(Convert::engineStatus);
   }
 
@@ -379,6 +385,7 @@ public final class CbserveAdminClient implements AutoCloseable {
     if (timeout != null) {
       Calls.checkTimeout(timeout);
     }
+    CallTimeout callTimeout = CallTimeout.given(timeout, "the timeout argument");
     CompletableFuture<Admin.UpdateWeightsResponse> answer = new CompletableFuture<>();
     AtomicReference<ClientCallStreamObserver<Admin.UpdateWeightsRequest>> callRef =
         new AtomicReference<>();
@@ -411,7 +418,7 @@ public final class CbserveAdminClient implements AutoCloseable {
 
           @Override
           public void onError(Throwable t) {
-            answer.completeExceptionally(Calls.map(t));
+            answer.completeExceptionally(Calls.map(t, callTimeout));
           }
 
           @Override
@@ -420,7 +427,7 @@ public final class CbserveAdminClient implements AutoCloseable {
                 new InternalException(Status.Code.INTERNAL, "no UpdateWeights response", null));
           }
         };
-    Calls.withTimeout(asyncStub, timeout).updateWeights(observer);
+    Calls.withTimeout(asyncStub, callTimeout).updateWeights(observer);
     try {
       Admin.UpdateWeightsResponse response = answer.get();
       return new WeightsUpdate(

@@ -15,6 +15,7 @@ import java.util.List;
 import java.util.Objects;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicReference;
 import java.util.function.Function;
 
 /**
@@ -46,9 +47,11 @@ import java.util.function.Function;
  * generate}, {@code generateN}, {@code stream}, {@code results}) its {@code streamTimeout} (10 min
  * unless set); {@link RequestOptions#timeout()} or the {@code timeout} argument overrides either
  * for one call. {@code modelInfo}, {@code cancel} and {@code cancelSequence} are retried on
- * UNAVAILABLE with exponential backoff (gRPC's retry policy, within the deadline). Several
- * servers: {@link Builder#targets(String...)} or a {@code dns:///} name that resolves to several
- * addresses; calls are spread over them round-robin. Failures throw {@link CbserveException}
+ * UNAVAILABLE with exponential backoff (gRPC's retry policy, within the deadline); so are {@code
+ * generate}, {@code generateN} and {@code stream} where nothing ran (see {@link #stream(Prompt,
+ * SamplingParams, RequestOptions)}). Several servers: {@link Builder#targets(String...)} or a
+ * {@code dns:///} name that resolves to several addresses; calls are spread round-robin over
+ * those whose {@code grpc.health.v1} status is SERVING. Failures throw {@link CbserveException}
  * subclasses (unchecked); a request rejected on the Generate stream throws as if {@code AddRequest}
  * had rejected it, while a request that fails while running ends with {@link FinishReason#ERROR}
  * and {@link Completion#error()}.
@@ -74,6 +77,7 @@ public final class CbserveClient implements AutoCloseable {
     if (builder.adminTarget != null) {
       ChannelOptions admin = builder.options.copy();
       admin.channel = null;
+      admin.healthChecked = false;
       admin.target(builder.adminTarget);
       admin.token = builder.adminToken;
       this.adminOptions = admin;
@@ -114,7 +118,7 @@ public final class CbserveClient implements AutoCloseable {
    */
   public Completion generate(Prompt prompt, SamplingParams params, RequestOptions options) {
     checkSingle(params, "generate");
-    return collect(stream(prompt, params, options), 1).get(0);
+    return generateAll(request(prompt, params, options), options, 1).get(0);
   }
 
   /**
@@ -143,8 +147,32 @@ public final class CbserveClient implements AutoCloseable {
    */
   public List<Completion> generateN(
       Prompt prompt, int n, SamplingParams params, RequestOptions options) {
-    Types.GenerationRequest request = requestN(prompt, n, params, options);
-    return collect(startStream(request, options, n), n);
+    return generateAll(requestN(prompt, n, params, options), options, n);
+  }
+
+  /**
+   * The completions of the first {@code n} sequences of a Generate call for {@code request}. A
+   * call that fails with {@link UnavailableException} is made again within the call's deadline
+   * (see {@link #stream(Prompt, SamplingParams, RequestOptions)}): before its first chunk as
+   * {@code stream} does, and also after, when its connection broke mid-request (a replica killed)
+   * and the client chose the request's id: the caller has seen nothing, the server cancels the
+   * request of a Generate call that ends, and the next try takes a fresh id, so a replica that
+   * still holds the old request cannot refuse it as a duplicate.
+   */
+  private List<Completion> generateAll(
+      Types.GenerationRequest request, RequestOptions options, int n) {
+    CallTimeout timeout = CallTimeout.of(options.timeout(), streamTimeout, "streamTimeout");
+    Retries retries = new Retries(timeout);
+    while (true) {
+      try {
+        return collect(startStream(request, options, n, timeout, retries), n);
+      } catch (UnavailableException e) {
+        if (options.requestId() != null || !retries.awaitNext()) {
+          throw e;
+        }
+        request = request.toBuilder().setRequestId(Calls.newRequestId()).build();
+      }
+    }
   }
 
   /** Reads a Generate stream until its first {@code n} sequences have ended, and closes it. */
@@ -178,24 +206,43 @@ public final class CbserveClient implements AutoCloseable {
    * the others' ({@link Chunk#index()} says whose), and the iterator ends once all n have sent
    * their terminal chunk. Closing the iterator before the request ended cancels the request (all
    * its sequences) on the server.
+   *
+   * <p>A call that fails with {@link UnavailableException} before its first chunk (a replica
+   * refused the request as still loading, draining or asleep, or its connection broke) is made
+   * again, after a backoff, on the next ready replica: up to 4 tries within the call's deadline.
+   * Nothing was read, and nothing runs on the replica that failed.
    */
   public ChunkIterator stream(Prompt prompt, SamplingParams params, RequestOptions options) {
     Types.GenerationRequest request = request(prompt, params, options);
-    return startStream(request, options, params.n() != null ? params.n() : 0);
+    CallTimeout timeout = CallTimeout.of(options.timeout(), streamTimeout, "streamTimeout");
+    return startStream(
+        request, options, params.n() != null ? params.n() : 0, timeout, new Retries(timeout));
   }
 
   /**
-   * Starts a Generate call for {@code request}.
+   * Starts a Generate call for {@code request}, made again on UNAVAILABLE before its first chunk
+   * as {@code retries} allows.
    *
    * @param sequences the request's n, or 0 when unset (the iterator then ends with the call)
    */
   private ChunkIterator startStream(
-      Types.GenerationRequest request, RequestOptions options, int sequences) {
-    Duration timeout = streamTimeout(options.timeout());
+      Types.GenerationRequest request,
+      RequestOptions options,
+      int sequences,
+      CallTimeout timeout,
+      Retries retries) {
     ChunkIterator chunks = new ChunkIterator(request.getRequestId(), true, timeout, sequences);
-    ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse> observer =
-        chunks.observer(Generation.GenerateResponse::getChunk);
-    startGenerate(request, timeout, options, observer);
+    chunks.retryWith(
+        retries,
+        attempt ->
+            startGenerate(
+                request,
+                timeout,
+                options,
+                chunks.<Generation.GenerateRequest, Generation.GenerateResponse>observer(
+                    attempt, Generation.GenerateResponse::getChunk)));
+    startGenerate(
+        request, timeout, options, chunks.observer(Generation.GenerateResponse::getChunk));
     return chunks;
   }
 
@@ -250,35 +297,64 @@ public final class CbserveClient implements AutoCloseable {
 
   /**
    * Starts a Generate call; the future completes with {@code result} of the completions once the
-   * first {@code n} sequences have ended. Cancelling the future cancels the call.
+   * first {@code n} sequences have ended. Cancelling the future cancels the call. A call that fails
+   * with {@link UnavailableException} is made again as {@link #generateAll} makes it.
    */
   private <T> CompletableFuture<T> collectAsync(
       Types.GenerationRequest request,
       RequestOptions options,
       int n,
       Function<List<Completion>, T> result) {
-    String requestId = request.getRequestId();
     CompletableFuture<T> future = new CompletableFuture<>();
+    AtomicReference<ClientCallStreamObserver<?>> current = new AtomicReference<>();
+    future.whenComplete(
+        (value, error) -> {
+          ClientCallStreamObserver<?> call = current.get();
+          if (future.isCancelled() && call != null) {
+            call.cancel("cancelled by the caller", null);
+          }
+        });
+    CallTimeout timeout = CallTimeout.of(options.timeout(), streamTimeout, "streamTimeout");
+    attemptAsync(request, options, n, result, future, current, timeout, new Retries(timeout));
+    return future;
+  }
+
+  /** One try of {@link #collectAsync}. */
+  private <T> void attemptAsync(
+      Types.GenerationRequest request,
+      RequestOptions options,
+      int n,
+      Function<List<Completion>, T> result,
+      CompletableFuture<T> future,
+      AtomicReference<ClientCallStreamObserver<?>> current,
+      CallTimeout timeout,
+      Retries retries) {
+    if (future.isDone()) {
+      return;
+    }
+    String requestId = request.getRequestId();
     SequencesBuilder builder = new SequencesBuilder(requestId, n);
-    Duration timeout = streamTimeout(options.timeout());
     startGenerate(
         request,
         timeout,
         options,
         new ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse>() {
+          /** Whether this try has ended (it failed, or the future is complete). */
+          private boolean over;
+
+          private boolean received;
+
           @Override
           public void beforeStart(ClientCallStreamObserver<Generation.GenerateRequest> stream) {
-            future.whenComplete(
-                (value, error) -> {
-                  if (future.isCancelled()) {
-                    stream.cancel("cancelled by the caller", null);
-                  }
-                });
+            current.set(stream);
+            if (future.isCancelled()) {
+              stream.cancel("cancelled by the caller", null);
+            }
           }
 
           @Override
           public void onNext(Generation.GenerateResponse response) {
-            if (future.isDone()) {
+            if (over || future.isDone()) {
               return;
             }
             Chunk chunk = Convert.chunk(response.getChunk());
@@ -289,27 +365,34 @@ public final class CbserveClient implements AutoCloseable {
             // it starts, so the server ends the call by itself: cancelling here could race the
             // half-close in startGenerate (which then throws "call was cancelled").
             CbserveException rejected = Calls.rejection(chunk);
+            if (rejected != null) {
+              fail(rejected);
+              return;
+            }
+            received = true;
             try {
-              if (rejected != null) {
-                throw rejected;
-              }
               builder.add(chunk);
               if (builder.done()) {
+                over = true;
                 future.complete(result.apply(builder.build()));
               }
             } catch (CbserveException e) {
+              over = true;
               future.completeExceptionally(e);
             }
           }
 
           @Override
           public void onError(Throwable t) {
-            future.completeExceptionally(Calls.map(t, timeout));
+            if (!over) {
+              fail(Calls.map(t, timeout));
+            }
           }
 
           @Override
           public void onCompleted() {
-            if (!future.isDone()) {
+            if (!over && !future.isDone()) {
+              over = true;
               try {
                 future.complete(result.apply(builder.build()));
               } catch (CbserveException e) {
@@ -317,8 +400,27 @@ public final class CbserveClient implements AutoCloseable {
               }
             }
           }
+
+          /** Makes the call again where {@link #generateAll} would, else fails the future. */
+          private void fail(CbserveException error) {
+            over = true;
+            boolean again =
+                error instanceof UnavailableException
+                    && (!received || options.requestId() == null);
+            long delay = again ? retries.nextDelayNanos() : -1;
+            if (delay < 0) {
+              future.completeExceptionally(error);
+              return;
+            }
+            Types.GenerationRequest next =
+                received ? request.toBuilder().setRequestId(Calls.newRequestId()).build() : request;
+            CompletableFuture.delayedExecutor(delay, TimeUnit.NANOSECONDS)
+                .execute(
+                    () ->
+                        attemptAsync(
+                            next, options, n, result, future, current, timeout, retries));
+          }
         });
-    return future;
   }
 
   /** Refuses parameters of n &gt; 1 in a call that returns one completion. */
@@ -351,7 +453,7 @@ public final class CbserveClient implements AutoCloseable {
 
   private void startGenerate(
       Types.GenerationRequest request,
-      Duration timeout,
+      CallTimeout timeout,
       RequestOptions options,
       ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse> observer) {
     StreamObserver<Generation.GenerateRequest> out =
@@ -389,8 +491,9 @@ public final class CbserveClient implements AutoCloseable {
     Types.GenerationRequest request = request(prompt, params, options);
     Generation.AddRequestRequest message =
         Generation.AddRequestRequest.newBuilder().setRequest(request).build();
-    Duration timeout = options.timeout() != null ? options.timeout() : defaultTimeout;
-    long deadline = timeout == null ? Long.MAX_VALUE : System.nanoTime() + timeout.toNanos();
+    CallTimeout timeout = CallTimeout.of(options.timeout(), defaultTimeout, "defaultTimeout");
+    long deadline =
+        timeout.duration() == null ? Long.MAX_VALUE : System.nanoTime() + timeout.leftNanos();
     var headed = Calls.withHeaders(blockingStub, options.headers());
     for (int attempt = 0; ; attempt++) {
       long left = deadline == Long.MAX_VALUE ? Long.MAX_VALUE : deadline - System.nanoTime();
@@ -431,8 +534,9 @@ public final class CbserveClient implements AutoCloseable {
     Types.GenerationRequest request = request(prompt, params, options);
     Generation.AddRequestRequest message =
         Generation.AddRequestRequest.newBuilder().setRequest(request).build();
-    Duration timeout = options.timeout() != null ? options.timeout() : defaultTimeout;
-    long deadline = timeout == null ? Long.MAX_VALUE : System.nanoTime() + timeout.toNanos();
+    CallTimeout timeout = CallTimeout.of(options.timeout(), defaultTimeout, "defaultTimeout");
+    long deadline =
+        timeout.duration() == null ? Long.MAX_VALUE : System.nanoTime() + timeout.leftNanos();
     CompletableFuture<String> result = new CompletableFuture<>();
     var headed = Calls.withHeaders(asyncStub, options.headers());
     submitAttempt(headed, message, timeout, deadline, 0, result);
@@ -442,7 +546,7 @@ public final class CbserveClient implements AutoCloseable {
   private void submitAttempt(
       GenerationServiceGrpc.GenerationServiceStub headed,
       Generation.AddRequestRequest message,
-      Duration timeout,
+      CallTimeout timeout,
       long deadline,
       int attempt,
       CompletableFuture<String> result) {
@@ -530,17 +634,13 @@ public final class CbserveClient implements AutoCloseable {
             .setRequestId(requestId)
             .setFromTokenIndex(fromIndex)
             .build();
-    Duration timeout = streamTimeout(options.timeout());
+    CallTimeout timeout = CallTimeout.of(options.timeout(), streamTimeout, "streamTimeout");
     ChunkIterator chunks = new ChunkIterator(requestId, false, timeout);
     ClientResponseObserver<Generation.StreamResultsRequest, Generation.StreamResultsResponse>
         observer = chunks.observer(Generation.StreamResultsResponse::getChunk);
     Calls.withTimeout(Calls.withHeaders(asyncStub, options.headers()), timeout)
         .streamResults(message, observer);
     return chunks;
-  }
-
-  private Duration streamTimeout(Duration perCall) {
-    return perCall != null ? perCall : streamTimeout;
   }
 
   /**
@@ -552,14 +652,16 @@ public final class CbserveClient implements AutoCloseable {
    */
   public boolean cancel(String requestId) {
     Generation.CancelRequest message = cancelMessage(requestId);
-    var stub = Calls.withTimeout(blockingStub, defaultTimeout);
-    return Calls.blocking(() -> stub.cancel(message), defaultTimeout).getCancelled();
+    CallTimeout timeout = unaryTimeout();
+    var stub = Calls.withTimeout(blockingStub, timeout);
+    return Calls.blocking(() -> stub.cancel(message), timeout).getCancelled();
   }
 
   /** {@link #cancel(String)} without blocking. */
   public CompletableFuture<Boolean> cancelAsync(String requestId) {
     Generation.CancelRequest message = cancelMessage(requestId);
-    return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::cancel, message, defaultTimeout)
+    CallTimeout timeout = unaryTimeout();
+    return Calls.unary(Calls.withTimeout(asyncStub, timeout)::cancel, message, timeout)
         .thenApply(Generation.CancelResponse::getCancelled);
   }
 
@@ -583,14 +685,16 @@ public final class CbserveClient implements AutoCloseable {
    */
   public boolean cancelSequence(String requestId, int index) {
     Generation.CancelRequest message = cancelMessage(requestId, index);
-    var stub = Calls.withTimeout(blockingStub, defaultTimeout);
-    return Calls.blocking(() -> stub.cancel(message), defaultTimeout).getCancelled();
+    CallTimeout timeout = unaryTimeout();
+    var stub = Calls.withTimeout(blockingStub, timeout);
+    return Calls.blocking(() -> stub.cancel(message), timeout).getCancelled();
   }
 
   /** {@link #cancelSequence(String, int)} without blocking. */
   public CompletableFuture<Boolean> cancelSequenceAsync(String requestId, int index) {
     Generation.CancelRequest message = cancelMessage(requestId, index);
-    return Calls.unary(Calls.withTimeout(asyncStub, defaultTimeout)::cancel, message, defaultTimeout)
+    CallTimeout timeout = unaryTimeout();
+    return Calls.unary(Calls.withTimeout(asyncStub, timeout)::cancel, message, timeout)
         .thenApply(Generation.CancelResponse::getCancelled);
   }
 
@@ -606,16 +710,22 @@ public final class CbserveClient implements AutoCloseable {
   /** Describes the served model. */
   public ModelInfo modelInfo() {
     Generation.GetModelInfoRequest message = Generation.GetModelInfoRequest.getDefaultInstance();
-    var stub = Calls.withTimeout(blockingStub, defaultTimeout);
-    return Convert.modelInfo(Calls.blocking(() -> stub.getModelInfo(message), defaultTimeout));
+    CallTimeout timeout = unaryTimeout();
+    var stub = Calls.withTimeout(blockingStub, timeout);
+    return Convert.modelInfo(Calls.blocking(() -> stub.getModelInfo(message), timeout));
   }
 
   /** {@link #modelInfo()} without blocking. */
   public CompletableFuture<ModelInfo> modelInfoAsync() {
     Generation.GetModelInfoRequest message = Generation.GetModelInfoRequest.getDefaultInstance();
-    return Calls.unary(
-            Calls.withTimeout(asyncStub, defaultTimeout)::getModelInfo, message, defaultTimeout)
+    CallTimeout timeout = unaryTimeout();
+    return Calls.unary(Calls.withTimeout(asyncStub, timeout)::getModelInfo, message, timeout)
         .thenApply(Convert::modelInfo);
+  }
+
+  /** The deadline of a unary call without RequestOptions: the client's default timeout. */
+  private CallTimeout unaryTimeout() {
+    return CallTimeout.client(defaultTimeout, "defaultTimeout");
   }
 
   // -- admin / lifecycle --------------------------------------------------------------------
@@ -686,7 +796,9 @@ public final class CbserveClient implements AutoCloseable {
     private String adminTarget;
     private String adminToken;
 
-    private Builder() {}
+    private Builder() {
+      options.healthChecked = true;
+    }
 
     /**
      * The server address, e.g. {@code "127.0.0.1:50051"}, or a name that resolves to several

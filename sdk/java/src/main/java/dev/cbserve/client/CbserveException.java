@@ -8,9 +8,10 @@ import java.util.Objects;
  *
  * <p>Every call of {@link CbserveClient}, {@link CbserveAdminClient}, {@link ChunkIterator} and
  * {@link PauseLease} throws this (unchecked) exception or one of its subclasses instead of gRPC's
- * own exceptions; the original one is kept as the cause. Codes without a subclass of their own
- * throw {@code CbserveException} itself (e.g. {@code UNIMPLEMENTED}, {@code PERMISSION_DENIED}).
- * Use {@link #of(Status.Code, String)} to build the right subclass for a code.
+ * own exceptions; the original one is kept as the cause. Every status code has its subclass, as
+ * every Python SDK exception and Go sentinel error has its code ({@code INTERNAL}, {@code UNKNOWN}
+ * and {@code DATA_LOSS} share {@link InternalException}: a caller handles them alike). Use {@link
+ * #of(Status.Code, String)} to build the right subclass for a code.
  */
 public class CbserveException extends RuntimeException {
   private static final long serialVersionUID = 1L;
@@ -66,6 +67,14 @@ public class CbserveException extends RuntimeException {
         return new DeadlineExceededException(details, cause);
       case FAILED_PRECONDITION:
         return new FailedPreconditionException(details, cause);
+      case PERMISSION_DENIED:
+        return new PermissionDeniedException(details, cause);
+      case UNIMPLEMENTED:
+        return new UnimplementedException(details, cause);
+      case ABORTED:
+        return new AbortedException(details, cause);
+      case OUT_OF_RANGE:
+        return new OutOfRangeException(details, cause);
       case INTERNAL:
       case UNKNOWN:
       case DATA_LOSS:

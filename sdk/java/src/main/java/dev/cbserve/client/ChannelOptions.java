@@ -21,10 +21,15 @@ import java.util.concurrent.TimeUnit;
  * What both clients' builders collect: where to connect (one target, or a list of addresses), how
  * (TLS, token, keepalive), and the default deadlines.
  *
- * <p>Every channel built here gets {@link #SERVICE_CONFIG}: {@code round_robin} over whatever the
- * target resolves to (every A record of a {@code dns:///} name, every address of a list), and
- * gRPC's retries with exponential backoff for the idempotent unary calls. Retries happen inside
- * the call, within its deadline, and only on UNAVAILABLE (nothing was processed).
+ * <p>Every channel built here gets {@link #serviceConfig(boolean)}: {@code round_robin} over
+ * whatever the target resolves to (every A record of a {@code dns:///} name, every address of a
+ * list), and gRPC's retries with exponential backoff for the idempotent unary calls. Retries
+ * happen inside the call, within its deadline, and only on UNAVAILABLE (nothing was processed).
+ * A generation client's channel is also health checked: {@code healthCheckConfig} makes
+ * grpc-services' {@code round_robin} (registered over grpc-java's own when grpc-services is on the
+ * classpath) count a connection as ready only while the server's {@code grpc.health.v1} status is
+ * SERVING, so a replica that is up but still loading, draining or asleep gets no call. An admin
+ * client's is not: admin calls are for a replica in any state.
  */
 final class ChannelOptions implements Cloneable {
   static final String USER_AGENT = "cbserve-java/0.1.0";
@@ -35,27 +40,33 @@ final class ChannelOptions implements Cloneable {
   static final int RETRY_ATTEMPTS = 4;
 
   /**
-   * The channels' service config, as grpc-java takes it (JSON numbers as doubles). The methods
-   * retried are those that change nothing or are idempotent (Cancel of a request twice is a no-op).
+   * The channels' service config, as grpc-java takes it (JSON numbers as doubles); with {@code
+   * healthChecked}, round_robin skips a server whose health is not SERVING. The methods retried are
+   * those that change nothing or are idempotent (Cancel of a request twice is a no-op).
    */
-  static final Map<String, ?> SERVICE_CONFIG =
-      Map.of(
-          "loadBalancingConfig", List.of(Map.of("round_robin", Map.of())),
-          "methodConfig",
-              List.of(
-                  Map.of(
-                      "name",
-                          List.of(
-                              method("cbserve.v1.GenerationService", "GetModelInfo"),
-                              method("cbserve.v1.GenerationService", "Cancel"),
-                              method("cbserve.v1.AdminService", "GetStatus")),
-                      "retryPolicy",
-                          Map.of(
-                              "maxAttempts", (double) RETRY_ATTEMPTS,
-                              "initialBackoff", "0.1s",
-                              "maxBackoff", "2s",
-                              "backoffMultiplier", 2.0,
-                              "retryableStatusCodes", List.of("UNAVAILABLE")))));
+  static Map<String, ?> serviceConfig(boolean healthChecked) {
+    Map<String, ?> methodConfig =
+        Map.of(
+            "name",
+                List.of(
+                    method("cbserve.v1.GenerationService", "GetModelInfo"),
+                    method("cbserve.v1.GenerationService", "Cancel"),
+                    method("cbserve.v1.AdminService", "GetStatus")),
+            "retryPolicy",
+                Map.of(
+                    "maxAttempts", (double) RETRY_ATTEMPTS,
+                    "initialBackoff", "0.1s",
+                    "maxBackoff", "2s",
+                    "backoffMultiplier", 2.0,
+                    "retryableStatusCodes", List.of("UNAVAILABLE")));
+    List<Map<String, ?>> balancing = List.of(Map.of("round_robin", Map.of()));
+    return healthChecked
+        ? Map.of(
+            "loadBalancingConfig", balancing,
+            "healthCheckConfig", Map.of("serviceName", ""),
+            "methodConfig", List.of(methodConfig))
+        : Map.of("loadBalancingConfig", balancing, "methodConfig", List.of(methodConfig));
+  }
 
   String target;
   /** Several addresses to balance over (instead of {@link #target}); null when not given. */
@@ -68,6 +79,8 @@ final class ChannelOptions implements Cloneable {
   String authority;
   Duration defaultTimeout = Calls.DEFAULT_TIMEOUT;
   Duration streamTimeout = Calls.DEFAULT_STREAM_TIMEOUT;
+  /** Whether round_robin skips servers whose health is not SERVING (the generation client's). */
+  boolean healthChecked;
   ManagedChannel channel;
 
   private static Map<String, String> method(String service, String method) {
@@ -149,7 +162,10 @@ final class ChannelOptions implements Cloneable {
               + " targets(\"10.0.0.1:50051\", \"10.0.0.2:50051\"))");
     }
     builder.userAgent(USER_AGENT);
-    builder.defaultServiceConfig(SERVICE_CONFIG).disableServiceConfigLookUp().enableRetry();
+    builder
+        .defaultServiceConfig(serviceConfig(healthChecked))
+        .disableServiceConfigLookUp()
+        .enableRetry();
     if (keepAliveTime != null) {
       builder
           .keepAliveTime(keepAliveTime.toNanos(), TimeUnit.NANOSECONDS)

@@ -3,13 +3,13 @@ package dev.cbserve.client;
 import cbserve.v1.Types;
 import io.grpc.stub.ClientCallStreamObserver;
 import io.grpc.stub.ClientResponseObserver;
-import java.time.Duration;
 import java.util.BitSet;
 import java.util.Iterator;
 import java.util.NoSuchElementException;
 import java.util.concurrent.BlockingQueue;
 import java.util.concurrent.LinkedBlockingQueue;
 import java.util.function.Function;
+import java.util.function.IntConsumer;
 
 /**
  * The chunks of one streaming call ({@link CbserveClient#stream} or {@link
@@ -34,6 +34,11 @@ import java.util.function.Function;
  *
  * <p>One thread reads an iterator; {@code close()} may be called from any thread. At most a few
  * chunks are buffered: a slow reader slows the server's sending of this call (flow control).
+ *
+ * <p>A {@code stream} call that fails with {@link UnavailableException} before its first chunk (a
+ * replica refused the request as still loading, draining or asleep, or its connection broke) is
+ * made again, after a backoff, on the next ready replica, within the call's deadline: nothing was
+ * read, and the server cancels the request of a Generate call that ends.
  */
 public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, AutoCloseable {
   private static final int PREFETCH = 8;
@@ -42,14 +47,22 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
   /** A failed call, queued behind the chunks that came before it. */
   private record Failure(CbserveException error) {}
 
+  /** What one try (one call) sent: a chunk, a {@link Failure} or {@link #END}. */
+  private record Event(int attempt, Object payload) {}
+
   private final String requestId;
   private final boolean raiseRejections;
-  private final Duration timeout;
+  private final CallTimeout timeout;
   private final int sequences;
   private final BitSet endedSequences = new BitSet();
-  private final BlockingQueue<Object> events = new LinkedBlockingQueue<>();
+  private final BlockingQueue<Event> events = new LinkedBlockingQueue<>();
   private volatile ClientCallStreamObserver<?> call;
   private volatile boolean closed;
+  /** The try whose events count; a stale try's are dropped. */
+  private volatile int attempt;
+  private Retries retries;
+  private IntConsumer startAttempt;
+  private boolean delivered;
   private Chunk next;
   private boolean ended;
   private boolean iterated;
@@ -60,7 +73,7 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
    *
    * @param timeout the call's deadline (named in a {@link DeadlineExceededException}), or null
    */
-  ChunkIterator(String requestId, boolean raiseRejections, Duration timeout) {
+  ChunkIterator(String requestId, boolean raiseRejections, CallTimeout timeout) {
     this(requestId, raiseRejections, timeout, 0);
   }
 
@@ -72,36 +85,57 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
    *     distinct sequences have sent their terminal chunk, or when the call completes; 0 when
    *     unknown (then only the call's completion ends it)
    */
-  ChunkIterator(String requestId, boolean raiseRejections, Duration timeout, int sequences) {
+  ChunkIterator(String requestId, boolean raiseRejections, CallTimeout timeout, int sequences) {
     this.requestId = requestId;
     this.raiseRejections = raiseRejections;
     this.timeout = timeout;
     this.sequences = sequences;
   }
 
+  /**
+   * Makes the call again, as try number 1, 2, ... with {@code startAttempt} (which starts a call
+   * fed by {@link #observer(int, Function)} of that number), when it fails with {@link
+   * UnavailableException} before its first chunk, as long as {@code retries} allows.
+   */
+  void retryWith(Retries retries, IntConsumer startAttempt) {
+    this.retries = retries;
+    this.startAttempt = startAttempt;
+  }
+
   /** The observer to start the call with; it feeds this iterator. */
   <ReqT, RespT> ClientResponseObserver<ReqT, RespT> observer(
       Function<RespT, Types.GenerationChunk> extract) {
+    return observer(0, extract);
+  }
+
+  /** The observer of try number {@code tryNumber} (0 the first); it feeds this iterator. */
+  <ReqT, RespT> ClientResponseObserver<ReqT, RespT> observer(
+      int tryNumber, Function<RespT, Types.GenerationChunk> extract) {
     return new ClientResponseObserver<ReqT, RespT>() {
       @Override
       public void beforeStart(ClientCallStreamObserver<ReqT> requestStream) {
-        call = requestStream;
+        if (tryNumber == attempt) {
+          call = requestStream;
+        }
         requestStream.disableAutoRequestWithInitial(PREFETCH);
+        if (closed) {
+          requestStream.cancel("closed by the client", null);
+        }
       }
 
       @Override
       public void onNext(RespT value) {
-        events.add(Convert.chunk(extract.apply(value)));
+        events.add(new Event(tryNumber, Convert.chunk(extract.apply(value))));
       }
 
       @Override
       public void onError(Throwable t) {
-        events.add(new Failure(Calls.map(t, timeout)));
+        events.add(new Event(tryNumber, new Failure(Calls.map(t, timeout))));
       }
 
       @Override
       public void onCompleted() {
-        events.add(END);
+        events.add(new Event(tryNumber, END));
       }
     };
   }
@@ -148,12 +182,18 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
         ended = true;
         break;
       }
-      Object event = take();
+      Event tagged = take();
+      if (tagged.attempt() != attempt) {
+        continue; // from a try that failed and was made again
+      }
+      Object event = tagged.payload();
       if (event == END) {
         ended = true;
       } else if (event instanceof Failure failure) {
-        ended = true;
-        if (!closed) {
+        if (closed) {
+          ended = true;
+        } else if (!retried(failure.error())) {
+          ended = true;
           throw failure.error();
         }
       } else {
@@ -161,6 +201,9 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
         Chunk chunk = (Chunk) event;
         CbserveException rejected = raiseRejections ? Calls.rejection(chunk) : null;
         if (rejected != null) {
+          if (retried(rejected)) {
+            continue;
+          }
           close();
           ended = true;
           throw rejected;
@@ -168,6 +211,7 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
         if (chunk.isFinished() && chunk.index() >= 0 && requestId.equals(chunk.requestId())) {
           endedSequences.set(chunk.index()); // counted per index: a sequence ends once
         }
+        delivered = true;
         next = chunk;
         return true;
       }
@@ -186,6 +230,27 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
     return chunk;
   }
 
+  /**
+   * Whether the failed try is made again: on {@link UnavailableException} before the first chunk,
+   * after the backoff, while tries and time are left. The failed call is cancelled (a refused
+   * request's call ends by itself; cancelling it is harmless).
+   */
+  private boolean retried(CbserveException error) {
+    if (!(error instanceof UnavailableException) || delivered || retries == null) {
+      return false;
+    }
+    ClientCallStreamObserver<?> failed = call;
+    if (!retries.awaitNext() || closed) {
+      return false;
+    }
+    if (failed != null) {
+      failed.cancel("made again on another replica", null);
+    }
+    attempt++;
+    startAttempt.accept(attempt);
+    return true;
+  }
+
   /** Cancels the call (no-op once it has completed); idempotent, callable from any thread. */
   @Override
   public void close() {
@@ -199,7 +264,7 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
     }
   }
 
-  private Object take() {
+  private Event take() {
     try {
       return events.take();
     } catch (InterruptedException e) {

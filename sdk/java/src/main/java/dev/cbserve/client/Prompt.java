@@ -44,7 +44,7 @@ public final class Prompt {
   public static Prompt tokens(int... ids) {
     int[] copy = Objects.requireNonNull(ids, "ids").clone();
     for (int i = 0; i < copy.length; i++) {
-      checkTokenId("ids[" + i + "]", copy[i]);
+      ServerWording.checkInt("token_ids.ids[" + i + "]", copy[i], 0);
     }
     return new Prompt(Kind.TOKENS, null, copy, null, null);
   }
@@ -79,12 +79,6 @@ public final class Prompt {
       Objects.requireNonNull(copy.get(i), "messages[" + i + "]");
     }
     return new Prompt(Kind.CHAT, null, null, List.copyOf(copy), addGenerationPrompt);
-  }
-
-  static void checkTokenId(String name, int id) {
-    if (id < 0) {
-      throw new IllegalArgumentException(name + " must be >= 0, got " + id);
-    }
   }
 
   /** Sets this prompt on a GenerationRequest builder. */

@@ -88,12 +88,16 @@ public final class RequestOptions {
      */
     public Builder requestId(String requestId) {
       Objects.requireNonNull(requestId, "requestId");
-      if (requestId.isEmpty()
-          || requestId.length() > SamplingBounds.MAX_REQUEST_ID_BYTES
+      if (requestId.isEmpty()) {
+        // The server would pick one, which this client could not follow.
+        throw new IllegalArgumentException(
+            "request_id must not be empty: leave it unset for a random one");
+      }
+      if (requestId.length() > SamplingBounds.MAX_REQUEST_ID_BYTES
           || !requestId.chars().allMatch(c -> c > ' ' && c <= '~')) {
         throw new IllegalArgumentException(
-            "requestId must be 1 to " + SamplingBounds.MAX_REQUEST_ID_BYTES
-                + " bytes of printable ASCII (no spaces), got \"" + requestId + "\"");
+            "request_id must be at most " + SamplingBounds.MAX_REQUEST_ID_BYTES
+                + " bytes of printable ASCII, got \"" + requestId + "\"");
       }
       this.requestId = requestId;
       return this;
@@ -114,12 +118,13 @@ public final class RequestOptions {
      * results} (the request already has one).
      */
     public Builder priority(long priority) {
-      if (priority < SamplingBounds.MIN_PRIORITY || priority > SamplingBounds.MAX_PRIORITY) {
-        throw new IllegalArgumentException(
-            "priority must be in [" + SamplingBounds.MIN_PRIORITY + ", "
-                + SamplingBounds.MAX_PRIORITY + "], got " + priority);
-      }
-      this.priority = (int) priority;
+      this.priority =
+          ServerWording.checkInt(
+              "priority",
+              priority,
+              SamplingBounds.MIN_PRIORITY,
+              (long) SamplingBounds.MAX_PRIORITY,
+              "");
       return this;
     }
 

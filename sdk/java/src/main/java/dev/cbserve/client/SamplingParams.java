@@ -16,9 +16,11 @@ import java.util.TreeMap;
  * <p>Every field is optional: an unset field takes the server's default (normally the model's
  * generation config), which is not the same as zero. {@code SamplingParams.defaults()} leaves them
  * all unset. The setters refuse values outside the server's bounds ({@link SamplingBounds}, the
- * table every SDK shares) with an {@link IllegalArgumentException} naming the value and the bound;
- * bounds that depend on the model (token ids below the vocabulary size, a tokenizer for stop
- * strings) are checked by the server ({@link InvalidArgumentException}).
+ * table every SDK shares) with an {@link IllegalArgumentException} whose message is the server's
+ * own for that value, naming the wire field, the bound and the value ({@code
+ * sampling.temperature must be a finite number >= 0, got -1.0}); bounds that depend on the model
+ * (token ids below the vocabulary size, a tokenizer for stop strings) are checked by the server
+ * ({@link InvalidArgumentException}).
  *
  * <pre>{@code
  * SamplingParams greedy = SamplingParams.builder().maxNewTokens(32).temperature(0).build();
@@ -53,17 +55,19 @@ public final class SamplingParams {
   private final Constraint constraint;
   private final String constraintSpec;
 
-  /** The kinds of {@code structured_output}, named as the builder's setters. */
+  /** The kinds of {@code structured_output}, named as the builder's setters and the wire. */
   private enum Constraint {
-    JSON_SCHEMA("jsonSchema"),
-    JSON_OBJECT("jsonObject"),
-    REGEX("regex"),
-    GRAMMAR("grammar");
+    JSON_SCHEMA("jsonSchema", "json_schema"),
+    JSON_OBJECT("jsonObject", "json_object"),
+    REGEX("regex", "regex"),
+    GRAMMAR("grammar", "grammar");
 
     final String setter;
+    final String field;
 
-    Constraint(String setter) {
+    Constraint(String setter, String field) {
       this.setter = setter;
+      this.field = field;
     }
   }
 
@@ -323,29 +327,29 @@ public final class SamplingParams {
 
     /** Maximum number of tokens to generate, EOS included (>= 1). */
     public Builder maxNewTokens(int maxNewTokens) {
-      if (maxNewTokens < SamplingBounds.MIN_MAX_NEW_TOKENS) {
-        throw new IllegalArgumentException(
-            "maxNewTokens must be >= " + SamplingBounds.MIN_MAX_NEW_TOKENS + ", got " + maxNewTokens);
-      }
-      this.maxNewTokens = maxNewTokens;
+      this.maxNewTokens =
+          ServerWording.checkInt(
+              "sampling.max_new_tokens", maxNewTokens, SamplingBounds.MIN_MAX_NEW_TOKENS);
       return this;
     }
 
-    /** Softmax temperature; 0 is greedy decoding (argmax). */
+    /** Softmax temperature, finite and >= 0; 0 is greedy decoding (argmax). */
     public Builder temperature(double temperature) {
-      this.temperature = (float) temperature;
+      this.temperature =
+          ServerWording.checkNumber("sampling.temperature", temperature, ">= 0", t -> t >= 0);
       return this;
     }
 
     /** Sample among the k most likely tokens only; 0 disables the filter. */
     public Builder topK(int topK) {
-      this.topK = nonNegative("topK", topK);
+      this.topK = ServerWording.checkInt("sampling.top_k", topK, 0, null, " (0 disables it)");
       return this;
     }
 
     /** Nucleus sampling, in (0, 1]; 1 disables the filter. */
     public Builder topP(double topP) {
-      this.topP = (float) topP;
+      this.topP =
+          ServerWording.checkNumber("sampling.top_p", topP, "in (0, 1]", p -> p > 0 && p <= 1);
       return this;
     }
 
@@ -362,7 +366,7 @@ public final class SamplingParams {
     public Builder eos(int... tokenIds) {
       int[] copy = Objects.requireNonNull(tokenIds, "tokenIds").clone();
       for (int i = 0; i < copy.length; i++) {
-        Prompt.checkTokenId("eos[" + i + "]", copy[i]);
+        ServerWording.checkInt("sampling.eos_token_ids[" + i + "]", copy[i], 0);
       }
       this.eos = copy;
       return this;
@@ -385,11 +389,9 @@ public final class SamplingParams {
      * {@link SamplingBounds#MAX_TOP_LOGPROBS}.
      */
     public Builder topLogprobs(int topLogprobs) {
-      if (topLogprobs < 0 || topLogprobs > SamplingBounds.MAX_TOP_LOGPROBS) {
-        throw new IllegalArgumentException(
-            "topLogprobs must be in [0, " + SamplingBounds.MAX_TOP_LOGPROBS + "], got " + topLogprobs);
-      }
-      this.topLogprobs = topLogprobs;
+      this.topLogprobs =
+          ServerWording.checkInt(
+              "sampling.top_logprobs", topLogprobs, 0, (long) SamplingBounds.MAX_TOP_LOGPROBS, "");
       return this;
     }
 
@@ -410,14 +412,15 @@ public final class SamplingParams {
       List<String> copy = new ArrayList<>(Objects.requireNonNull(stop, "stop"));
       if (copy.size() > SamplingBounds.MAX_STOP_STRINGS) {
         throw new IllegalArgumentException(
-            "stop: at most " + SamplingBounds.MAX_STOP_STRINGS + " strings, got " + copy.size());
+            "sampling.stop: at most " + SamplingBounds.MAX_STOP_STRINGS + " strings, got "
+                + copy.size());
       }
       for (int i = 0; i < copy.size(); i++) {
         String s = Objects.requireNonNull(copy.get(i), "stop[" + i + "]");
         int chars = s.codePointCount(0, s.length());
         if (chars < 1 || chars > SamplingBounds.MAX_STOP_STRING_CHARS) {
           throw new IllegalArgumentException(
-              "stop[" + i + "] must be 1 to " + SamplingBounds.MAX_STOP_STRING_CHARS
+              "sampling.stop[" + i + "] must be 1 to " + SamplingBounds.MAX_STOP_STRING_CHARS
                   + " characters, got " + chars);
         }
       }
@@ -430,7 +433,9 @@ public final class SamplingParams {
      * or the output (transformers' semantics): > 1 discourages repeats. Finite and > 0; 1 disables.
      */
     public Builder repetitionPenalty(double repetitionPenalty) {
-      this.repetitionPenalty = (float) repetitionPenalty;
+      this.repetitionPenalty =
+          ServerWording.checkNumber(
+              "sampling.repetition_penalty", repetitionPenalty, "> 0 (1 disables it)", p -> p > 0);
       return this;
     }
 
@@ -440,7 +445,7 @@ public final class SamplingParams {
      * SamplingBounds#MAX_ABS_PRESENCE_FREQUENCY_PENALTY}); 0 disables.
      */
     public Builder presencePenalty(double presencePenalty) {
-      this.presencePenalty = penalty("presencePenalty", presencePenalty);
+      this.presencePenalty = penalty("sampling.presence_penalty", presencePenalty);
       return this;
     }
 
@@ -450,7 +455,7 @@ public final class SamplingParams {
      * SamplingBounds#MAX_ABS_PRESENCE_FREQUENCY_PENALTY}); 0 disables.
      */
     public Builder frequencyPenalty(double frequencyPenalty) {
-      this.frequencyPenalty = penalty("frequencyPenalty", frequencyPenalty);
+      this.frequencyPenalty = penalty("sampling.frequency_penalty", frequencyPenalty);
       return this;
     }
 
@@ -459,7 +464,7 @@ public final class SamplingParams {
      * can). At most maxNewTokens (checked by the server).
      */
     public Builder minNewTokens(int minNewTokens) {
-      this.minNewTokens = nonNegative("minNewTokens", minNewTokens);
+      this.minNewTokens = ServerWording.checkInt("sampling.min_new_tokens", minNewTokens, 0);
       return this;
     }
 
@@ -475,14 +480,16 @@ public final class SamplingParams {
       Objects.requireNonNull(logitBias, "logitBias");
       if (logitBias.size() > SamplingBounds.MAX_LOGIT_BIAS_ENTRIES) {
         throw new IllegalArgumentException(
-            "logitBias: at most " + SamplingBounds.MAX_LOGIT_BIAS_ENTRIES + " entries, got "
-                + logitBias.size());
+            "sampling.logit_bias: at most " + SamplingBounds.MAX_LOGIT_BIAS_ENTRIES
+                + " entries, got " + logitBias.size());
       }
-      for (Map.Entry<Integer, Double> e : logitBias.entrySet()) {
+      for (Map.Entry<Integer, Double> e : new TreeMap<>(logitBias).entrySet()) {
         Integer id = Objects.requireNonNull(e.getKey(), "logitBias token id");
-        Prompt.checkTokenId("logitBias token id", id);
+        ServerWording.checkInt("sampling.logit_bias key", id, 0);
         double bias = Objects.requireNonNull(e.getValue(), "logitBias[" + id + "]");
-        copy.put(id, bounded("logitBias[" + id + "]", bias, SamplingBounds.MAX_ABS_LOGIT_BIAS));
+        copy.put(
+            id,
+            bounded("sampling.logit_bias[" + id + "]", bias, SamplingBounds.MAX_ABS_LOGIT_BIAS));
       }
       this.logitBias = Collections.unmodifiableSortedMap(copy);
       return this;
@@ -495,11 +502,12 @@ public final class SamplingParams {
      * samples, else 0.
      */
     public Builder minP(double minP) {
-      if (!(minP >= 0 && minP <= SamplingBounds.MAX_MIN_P)) { // NaN fails too
-        throw new IllegalArgumentException(
-            "minP must be in [0.0, " + SamplingBounds.MAX_MIN_P + "], got " + minP);
-      }
-      this.minP = (float) minP;
+      this.minP =
+          ServerWording.checkNumber(
+              "sampling.min_p",
+              minP,
+              "in [0, " + ServerWording.bound(SamplingBounds.MAX_MIN_P) + "] (0 disables it)",
+              p -> p >= 0 && p <= SamplingBounds.MAX_MIN_P);
       return this;
     }
 
@@ -515,11 +523,11 @@ public final class SamplingParams {
       int[] copy = Objects.requireNonNull(tokenIds, "tokenIds").clone();
       if (copy.length > SamplingBounds.MAX_STOP_TOKEN_IDS) {
         throw new IllegalArgumentException(
-            "stopTokenIds: at most " + SamplingBounds.MAX_STOP_TOKEN_IDS + " ids, got "
-                + copy.length);
+            "sampling.stop_token_ids: at most " + SamplingBounds.MAX_STOP_TOKEN_IDS
+                + " token ids, got " + copy.length);
       }
       for (int i = 0; i < copy.length; i++) {
-        Prompt.checkTokenId("stopTokenIds[" + i + "]", copy[i]);
+        ServerWording.checkInt("sampling.stop_token_ids[" + i + "]", copy[i], 0);
       }
       this.stopTokenIds = copy;
       return this;
@@ -552,12 +560,13 @@ public final class SamplingParams {
      * request does not read the prefix cache for its prompt (every prompt position is computed).
      */
     public Builder promptLogprobs(int promptLogprobs) {
-      if (promptLogprobs < 0 || promptLogprobs > SamplingBounds.MAX_PROMPT_LOGPROBS) {
-        throw new IllegalArgumentException(
-            "promptLogprobs must be in [0, " + SamplingBounds.MAX_PROMPT_LOGPROBS + "], got "
-                + promptLogprobs);
-      }
-      this.promptLogprobs = promptLogprobs;
+      this.promptLogprobs =
+          ServerWording.checkInt(
+              "sampling.prompt_logprobs",
+              promptLogprobs,
+              0,
+              (long) SamplingBounds.MAX_PROMPT_LOGPROBS,
+              " (0: the prompt token's only)");
       return this;
     }
 
@@ -645,10 +654,14 @@ public final class SamplingParams {
                 + " jsonSchema, jsonObject, regex and grammar)");
       }
       if (kind != Constraint.JSON_OBJECT) {
+        String field = "sampling.structured_output." + kind.field;
         int chars = spec.codePointCount(0, spec.length());
-        if (chars < 1 || chars > SamplingBounds.MAX_STRUCTURED_OUTPUT_CHARS) {
+        if (chars < 1) {
+          throw new IllegalArgumentException(field + " must not be empty");
+        }
+        if (chars > SamplingBounds.MAX_STRUCTURED_OUTPUT_CHARS) {
           throw new IllegalArgumentException(
-              kind.setter + " must be 1 to " + SamplingBounds.MAX_STRUCTURED_OUTPUT_CHARS
+              field + " must be at most " + SamplingBounds.MAX_STRUCTURED_OUTPUT_CHARS
                   + " characters, got " + chars);
         }
       }
@@ -665,38 +678,25 @@ public final class SamplingParams {
     public SamplingParams build() {
       if (minNewTokens != null && maxNewTokens != null && minNewTokens > maxNewTokens) {
         throw new IllegalArgumentException(
-            "minNewTokens (" + minNewTokens + ") must be at most maxNewTokens (" + maxNewTokens
-                + ")");
+            "sampling.min_new_tokens (" + minNewTokens + ") must not exceed max_new_tokens ("
+                + maxNewTokens + ")");
       }
       return new SamplingParams(this);
     }
 
     /** {@code n} when it is a valid number of sequences, else an IllegalArgumentException. */
     static int checkN(int n) {
-      if (n < 1 || n > SamplingBounds.MAX_N) {
-        throw new IllegalArgumentException(
-            "n (sampling.n) must be in [1, " + SamplingBounds.MAX_N + "], got " + n);
-      }
-      return n;
+      return ServerWording.checkInt("sampling.n", n, 1, (long) SamplingBounds.MAX_N, "");
     }
 
-    private static float penalty(String name, double value) {
-      return bounded(name, value, SamplingBounds.MAX_ABS_PRESENCE_FREQUENCY_PENALTY);
+    private static float penalty(String field, double value) {
+      return bounded(field, value, SamplingBounds.MAX_ABS_PRESENCE_FREQUENCY_PENALTY);
     }
 
-    private static float bounded(String name, double value, double maxAbs) {
-      if (!(Math.abs(value) <= maxAbs)) { // NaN fails too
-        throw new IllegalArgumentException(
-            name + " must be finite, in [" + -maxAbs + ", " + maxAbs + "], got " + value);
-      }
-      return (float) value;
-    }
-
-    private static int nonNegative(String name, int value) {
-      if (value < 0) {
-        throw new IllegalArgumentException(name + " must be >= 0, got " + value);
-      }
-      return value;
+    private static float bounded(String field, double value, double maxAbs) {
+      String bound = ServerWording.bound(maxAbs);
+      return ServerWording.checkNumber(
+          field, value, "in [-" + bound + ", " + bound + "]", v -> Math.abs(v) <= maxAbs);
     }
   }
 }

@@ -85,35 +85,19 @@ final class CbserveServer implements AutoCloseable {
     return serve(model, null, name);
   }
 
+  /**
+   * A replica of {@code model} on these ports (generation, admin), returned at once: its ports
+   * open, and its health says NOT_SERVING, while its model loads; {@link #awaitServing()} waits.
+   */
+  static CbserveServer launch(Path model, String name, int[] ports) throws IOException {
+    return launch(model, null, name, ports);
+  }
+
   private static CbserveServer serve(Path model, Path tempDir, String name)
       throws IOException, InterruptedException {
-    Path repoRoot = repoRoot();
-    Path logDir = Paths.get(System.getProperty("cbserve.test.dir", "target/cbserve-test"));
-    Files.createDirectories(logDir);
     IOException last = null;
     for (int attempt = 1; attempt <= START_ATTEMPTS; attempt++) {
-      int[] ports = freePorts();
-      Path log = logDir.resolve(name + ".log");
-      ProcessBuilder builder =
-          new ProcessBuilder(
-                  python(), "-m", "service", "serve",
-                  "--model", model.toString(),
-                  "--host", "127.0.0.1",
-                  "--port", Integer.toString(ports[0]),
-                  "--admin-port", Integer.toString(ports[1]),
-                  "--num-blocks", "256",
-                  "--page-size", "16",
-                  "--grace-period", "1")
-              .directory(repoRoot.toFile())
-              .redirectErrorStream(true)
-              .redirectOutput(log.toFile());
-      builder.environment().put("CBSERVE_ADMIN_TOKEN", ADMIN_TOKEN);
-      builder.environment().put("PYTHONUNBUFFERED", "1");
-      Process process = builder.start();
-      CbserveServer server =
-          new CbserveServer(
-              process, "127.0.0.1:" + ports[0], "127.0.0.1:" + ports[1], model, tempDir, log);
-      Runtime.getRuntime().addShutdownHook(server.shutdownHook);
+      CbserveServer server = launch(model, tempDir, name, freePorts());
       try {
         server.awaitServing();
         return server;
@@ -125,7 +109,36 @@ final class CbserveServer implements AutoCloseable {
     throw last;
   }
 
-  private void awaitServing() throws IOException, InterruptedException {
+  private static CbserveServer launch(Path model, Path tempDir, String name, int[] ports)
+      throws IOException {
+    Path logDir = Paths.get(System.getProperty("cbserve.test.dir", "target/cbserve-test"));
+    Files.createDirectories(logDir);
+    Path log = logDir.resolve(name + ".log");
+    ProcessBuilder builder =
+        new ProcessBuilder(
+                python(), "-m", "service", "serve",
+                "--model", model.toString(),
+                "--host", "127.0.0.1",
+                "--port", Integer.toString(ports[0]),
+                "--admin-port", Integer.toString(ports[1]),
+                "--num-blocks", "256",
+                "--page-size", "16",
+                "--grace-period", "1")
+            .directory(repoRoot().toFile())
+            .redirectErrorStream(true)
+            .redirectOutput(log.toFile());
+    builder.environment().put("CBSERVE_ADMIN_TOKEN", ADMIN_TOKEN);
+    builder.environment().put("PYTHONUNBUFFERED", "1");
+    Process process = builder.start();
+    CbserveServer server =
+        new CbserveServer(
+            process, "127.0.0.1:" + ports[0], "127.0.0.1:" + ports[1], model, tempDir, log);
+    Runtime.getRuntime().addShutdownHook(server.shutdownHook);
+    return server;
+  }
+
+  /** Waits until the server reports SERVING on grpc.health.v1. */
+  void awaitServing() throws IOException, InterruptedException {
     ManagedChannel channel = Grpc.newChannelBuilder(target, InsecureChannelCredentials.create()).build();
     try {
       HealthGrpc.HealthBlockingStub health = HealthGrpc.newBlockingStub(channel);
@@ -239,7 +252,8 @@ final class CbserveServer implements AutoCloseable {
   }
 
   /** Two distinct free loopback ports (free when asked; the server binds them right after). */
-  private static int[] freePorts() throws IOException {
+  /** Two free loopback ports. */
+  static int[] freePorts() throws IOException {
     InetAddress loopback = InetAddress.getByName("127.0.0.1");
     try (ServerSocket a = new ServerSocket(0, 1, loopback);
         ServerSocket b = new ServerSocket(0, 1, loopback)) {

@@ -128,7 +128,7 @@ class SamplingFieldsTest extends ServerTest {
         assertThrows(
             IllegalArgumentException.class,
             () -> builder.priority((long) SamplingBounds.MAX_PRIORITY + 1));
-    assertTrue(above.getMessage().startsWith("priority must be in ["), above.getMessage());
+    assertTrue(above.getMessage().startsWith("priority must be an int in ["), above.getMessage());
     IllegalArgumentException below =
         assertThrows(
             IllegalArgumentException.class,
@@ -139,17 +139,19 @@ class SamplingFieldsTest extends ServerTest {
   @Test
   void theBuildersRefuseEachNewFieldOutOfBounds() {
     SamplingParams.Builder b = SamplingParams.builder();
-    assertNamed("minP", () -> b.minP(SamplingBounds.MAX_MIN_P + 0.5));
-    assertNamed("minP", () -> b.minP(-0.5));
+    assertNamed("sampling.min_p", () -> b.minP(SamplingBounds.MAX_MIN_P + 0.5));
+    assertNamed("sampling.min_p", () -> b.minP(-0.5));
     int[] tooMany = new int[SamplingBounds.MAX_STOP_TOKEN_IDS + 1];
-    assertNamed("stopTokenIds", () -> b.stopTokenIds(tooMany));
-    assertNamed("stopTokenIds", () -> b.stopTokenIds(-1));
-    assertNamed("promptLogprobs", () -> b.promptLogprobs(SamplingBounds.MAX_PROMPT_LOGPROBS + 1));
-    assertNamed("promptLogprobs", () -> b.promptLogprobs(-1));
+    assertNamed("sampling.stop_token_ids", () -> b.stopTokenIds(tooMany));
+    assertNamed("sampling.stop_token_ids", () -> b.stopTokenIds(-1));
+    assertNamed(
+        "sampling.prompt_logprobs",
+        () -> b.promptLogprobs(SamplingBounds.MAX_PROMPT_LOGPROBS + 1));
+    assertNamed("sampling.prompt_logprobs", () -> b.promptLogprobs(-1));
     String tooLong = "a".repeat(SamplingBounds.MAX_STRUCTURED_OUTPUT_CHARS + 1);
-    assertNamed("jsonSchema", () -> b.jsonSchema(tooLong));
-    assertNamed("regex", () -> b.regex(""));
-    assertNamed("grammar", () -> b.grammar(tooLong));
+    assertNamed("sampling.structured_output.json_schema", () -> b.jsonSchema(tooLong));
+    assertNamed("sampling.structured_output.regex", () -> b.regex(""));
+    assertNamed("sampling.structured_output.grammar", () -> b.grammar(tooLong));
     b.regex("[0-9]+");
     assertNamed("jsonSchema", () -> b.jsonSchema("{}"));
     assertNamed("jsonObject", b::jsonObject);

@@ -120,7 +120,7 @@ class SamplingParamsTest {
     SamplingParams.Builder builder = SamplingParams.builder();
     IllegalArgumentException e =
         assertThrows(IllegalArgumentException.class, () -> builder.minNewTokens(-1));
-    assertTrue(e.getMessage().contains("minNewTokens"), e.getMessage());
+    assertEquals("sampling.min_new_tokens must be an int >= 0, got -1", e.getMessage());
     assertFalse(builder.build().toProto().hasMinNewTokens());
   }
 
@@ -170,8 +170,7 @@ class SamplingParamsTest {
     IllegalArgumentException negative =
         assertThrows(
             IllegalArgumentException.class, () -> builder.logitBias(Map.of(2, 1.0, -1, 1.0)));
-    assertTrue(negative.getMessage().contains("logitBias"), negative.getMessage());
-    assertTrue(negative.getMessage().contains("-1"), negative.getMessage());
+    assertEquals("sampling.logit_bias key must be an int >= 0, got -1", negative.getMessage());
 
     Map<Integer, Double> nullId = new HashMap<>();
     nullId.put(null, 1.0);
@@ -215,16 +214,38 @@ class SamplingParamsTest {
   @Test
   void maxNewTokensBelowTheServerMinimumIsRefused() {
     String message = refused(() -> SamplingParams.builder().maxNewTokens(0));
-    assertEquals("maxNewTokens must be >= " + SamplingBounds.MIN_MAX_NEW_TOKENS + ", got 0", message);
-    assertTrue(message.contains(">= 1"), message);
+    assertEquals("sampling.max_new_tokens must be an int >= 1, got 0", message);
     assertEquals(1, SamplingParams.builder().maxNewTokens(1).build().toProto().getMaxNewTokens());
+  }
+
+  @Test
+  void temperatureTopPAndRepetitionPenaltyOutsideTheirBoundsAreRefused() {
+    assertEquals(
+        "sampling.temperature must be a finite number >= 0, got -1.0",
+        refused(() -> SamplingParams.builder().temperature(-1)));
+    assertEquals(
+        "sampling.temperature must be a finite number >= 0, got nan",
+        refused(() -> SamplingParams.builder().temperature(Double.NaN)));
+    assertEquals(
+        "sampling.top_p must be a finite number in (0, 1], got 1.5",
+        refused(() -> SamplingParams.builder().topP(1.5)));
+    assertEquals(
+        "sampling.repetition_penalty must be a finite number > 0 (1 disables it), got 0.0",
+        refused(() -> SamplingParams.builder().repetitionPenalty(0)));
+    assertEquals(
+        "sampling.top_k must be an int >= 0 (0 disables it), got -1",
+        refused(() -> SamplingParams.builder().topK(-1)));
+    Types.SamplingParams edges =
+        SamplingParams.builder().temperature(0).topP(1).repetitionPenalty(1).build().toProto();
+    assertEquals(0f, edges.getTemperature());
+    assertEquals(1f, edges.getTopP());
   }
 
   @Test
   void topLogprobsAboveTheBoundIsRefused() {
     int max = SamplingBounds.MAX_TOP_LOGPROBS;
     String message = refused(() -> SamplingParams.builder().topLogprobs(max + 1));
-    assertEquals("topLogprobs must be in [0, " + max + "], got " + (max + 1), message);
+    assertEquals("sampling.top_logprobs must be an int in [0, 20], got 21", message);
     refused(() -> SamplingParams.builder().topLogprobs(-1));
     assertEquals(max, SamplingParams.builder().topLogprobs(max).build().toProto().getTopLogprobs());
   }
@@ -233,7 +254,7 @@ class SamplingParamsTest {
   void presenceAndFrequencyPenaltiesOutsideTheBoundAreRefused() {
     double max = SamplingBounds.MAX_ABS_PRESENCE_FREQUENCY_PENALTY;
     String message = refused(() -> SamplingParams.builder().presencePenalty(max + 0.5));
-    assertEquals("presencePenalty must be finite, in [-2.0, 2.0], got 2.5", message);
+    assertEquals("sampling.presence_penalty must be a finite number in [-2, 2], got 2.5", message);
     refused(() -> SamplingParams.builder().frequencyPenalty(-max - 0.5));
     refused(() -> SamplingParams.builder().frequencyPenalty(Double.NaN));
     refused(() -> SamplingParams.builder().presencePenalty(Double.POSITIVE_INFINITY));
@@ -246,14 +267,15 @@ class SamplingParamsTest {
   void logitBiasOutsideTheBoundsIsRefused() {
     double max = SamplingBounds.MAX_ABS_LOGIT_BIAS;
     String message = refused(() -> SamplingParams.builder().logitBias(Map.of(3, max + 50)));
-    assertEquals("logitBias[3] must be finite, in [-100.0, 100.0], got 150.0", message);
+    assertEquals(
+        "sampling.logit_bias[3] must be a finite number in [-100, 100], got 150.0", message);
     refused(() -> SamplingParams.builder().logitBias(Map.of(3, Double.NaN)));
     Map<Integer, Double> tooMany = new HashMap<>();
     for (int id = 0; id <= SamplingBounds.MAX_LOGIT_BIAS_ENTRIES; id++) {
       tooMany.put(id, 1.0);
     }
     assertEquals(
-        "logitBias: at most 300 entries, got 301",
+        "sampling.logit_bias: at most 300 entries, got 301",
         refused(() -> SamplingParams.builder().logitBias(tooMany)));
     tooMany.remove(0);
     assertEquals(
@@ -266,9 +288,10 @@ class SamplingParamsTest {
     String[] tooMany = new String[SamplingBounds.MAX_STOP_STRINGS + 1];
     java.util.Arrays.fill(tooMany, "x");
     assertEquals(
-        "stop: at most 16 strings, got 17", refused(() -> SamplingParams.builder().stop(tooMany)));
+        "sampling.stop: at most 16 strings, got 17",
+        refused(() -> SamplingParams.builder().stop(tooMany)));
     assertEquals(
-        "stop[1] must be 1 to 256 characters, got 0",
+        "sampling.stop[1] must be 1 to 256 characters, got 0",
         refused(() -> SamplingParams.builder().stop("ok", "")));
     String longest = "x".repeat(SamplingBounds.MAX_STOP_STRING_CHARS);
     refused(() -> SamplingParams.builder().stop(longest + "x"));
@@ -280,7 +303,8 @@ class SamplingParamsTest {
   @Test
   void minNewTokensAboveMaxNewTokensIsRefused() {
     SamplingParams.Builder builder = SamplingParams.builder().maxNewTokens(4).minNewTokens(5);
-    assertEquals("minNewTokens (5) must be at most maxNewTokens (4)", refused(builder::build));
+    assertEquals(
+        "sampling.min_new_tokens (5) must not exceed max_new_tokens (4)", refused(builder::build));
     assertEquals(4, builder.minNewTokens(4).build().toProto().getMinNewTokens());
   }
 
@@ -289,7 +313,9 @@ class SamplingParamsTest {
     String longest = "i".repeat(SamplingBounds.MAX_REQUEST_ID_BYTES);
     assertEquals(longest, RequestOptions.builder().requestId(longest).build().requestId());
     String message = refused(() -> RequestOptions.builder().requestId(longest + "i"));
-    assertTrue(message.startsWith("requestId must be 1 to 128 bytes of printable ASCII"), message);
+    assertEquals(
+        "request_id must be at most 128 bytes of printable ASCII, got \"" + longest + "i\"",
+        message);
     refused(() -> RequestOptions.builder().requestId("with space"));
     refused(() -> RequestOptions.builder().requestId("caf\u00e9"));
     refused(() -> RequestOptions.builder().requestId(""));
@@ -395,10 +421,10 @@ class SamplingParamsTest {
   void structuredOutputSpecsOutsideTheBoundsAreRefused() {
     int max = SamplingBounds.MAX_STRUCTURED_OUTPUT_CHARS;
     assertEquals(
-        "jsonSchema must be 1 to " + max + " characters, got 0",
+        "sampling.structured_output.json_schema must not be empty",
         refused(() -> SamplingParams.builder().jsonSchema("")));
     assertEquals(
-        "regex must be 1 to " + max + " characters, got " + (max + 1),
+        "sampling.structured_output.regex must be at most 65536 characters, got 65537",
         refused(() -> SamplingParams.builder().regex("a".repeat(max + 1))));
     refused(() -> SamplingParams.builder().grammar(""));
     // Characters are code points, as the server counts them.
@@ -419,9 +445,11 @@ class SamplingParamsTest {
   @Test
   void minPOutsideTheBoundIsRefused() {
     assertEquals(
-        "minP must be in [0.0, 1.0], got 1.5", refused(() -> SamplingParams.builder().minP(1.5)));
+        "sampling.min_p must be a finite number in [0, 1] (0 disables it), got 1.5",
+        refused(() -> SamplingParams.builder().minP(1.5)));
     assertEquals(
-        "minP must be in [0.0, 1.0], got -0.1", refused(() -> SamplingParams.builder().minP(-0.1)));
+        "sampling.min_p must be a finite number in [0, 1] (0 disables it), got -0.1",
+        refused(() -> SamplingParams.builder().minP(-0.1)));
     refused(() -> SamplingParams.builder().minP(Double.NaN));
     refused(() -> SamplingParams.builder().minP(Double.POSITIVE_INFINITY));
     assertEquals(
@@ -433,10 +461,10 @@ class SamplingParamsTest {
   void stopTokenIdsOutsideTheBoundsAreRefused() {
     int[] tooMany = new int[SamplingBounds.MAX_STOP_TOKEN_IDS + 1];
     assertEquals(
-        "stopTokenIds: at most 64 ids, got 65",
+        "sampling.stop_token_ids: at most 64 token ids, got 65",
         refused(() -> SamplingParams.builder().stopTokenIds(tooMany)));
     assertEquals(
-        "stopTokenIds[1] must be >= 0, got -4",
+        "sampling.stop_token_ids[1] must be an int >= 0, got -4",
         refused(() -> SamplingParams.builder().stopTokenIds(1, -4)));
     refused(() -> SamplingParams.builder().stopTokenIds(List.of(2, -1)));
     assertEquals(
@@ -469,7 +497,7 @@ class SamplingParamsTest {
   void promptLogprobsOutsideTheBoundIsRefused() {
     int max = SamplingBounds.MAX_PROMPT_LOGPROBS;
     assertEquals(
-        "promptLogprobs must be in [0, " + max + "], got " + (max + 1),
+        "sampling.prompt_logprobs must be an int in [0, 20] (0: the prompt token's only), got 21",
         refused(() -> SamplingParams.builder().promptLogprobs(max + 1)));
     refused(() -> SamplingParams.builder().promptLogprobs(-1));
     assertEquals(
@@ -492,7 +520,7 @@ class SamplingParamsTest {
 
     long above = (long) SamplingBounds.MAX_PRIORITY + 1;
     assertEquals(
-        "priority must be in [-2147483648, 2147483647], got 2147483648",
+        "priority must be an int in [-2147483648, 2147483647], got 2147483648",
         refused(() -> RequestOptions.builder().priority(above)));
     refused(() -> RequestOptions.builder().priority((long) SamplingBounds.MIN_PRIORITY - 1));
     assertEquals(
@@ -572,10 +600,10 @@ class SamplingParamsTest {
     int max = SamplingBounds.MAX_N;
     assertEquals(128, max);
     assertEquals(
-        "n (sampling.n) must be in [1, " + max + "], got 0",
+        "sampling.n must be an int in [1, 128], got 0",
         refused(() -> SamplingParams.builder().n(0)));
     assertEquals(
-        "n (sampling.n) must be in [1, 128], got " + (max + 1),
+        "sampling.n must be an int in [1, 128], got 129",
         refused(() -> SamplingParams.builder().n(max + 1)));
     refused(() -> SamplingParams.builder().n(-1));
     refused(() -> SamplingParams.builder().n(Integer.MIN_VALUE));

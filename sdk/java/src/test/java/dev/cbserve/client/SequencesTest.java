@@ -219,7 +219,7 @@ class SequencesTest {
   void generateNChecksItsN() {
     SamplingParams params = SamplingParams.builder().maxNewTokens(4).build();
     assertEquals(
-        "n (sampling.n) must be in [1, 128], got 0",
+        "sampling.n must be an int in [1, 128], got 0",
         assertThrows(
                 IllegalArgumentException.class,
                 () -> offline.generateN(Prompt.text("x"), 0, params))
