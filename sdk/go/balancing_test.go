@@ -5,14 +5,18 @@ import (
 	"errors"
 	"net"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	grpchealth "google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
 
 	cbserve "github.com/cbserve/cbserve/sdk/go"
 )
@@ -180,7 +184,9 @@ func finishedRequests(t *testing.T, servers []*testServer) []uint64 {
 }
 
 // TestReplicaThatIsNotServingIsSkipped: a replica whose grpc.health.v1 status is NOT_SERVING (a
-// model still loading) gets no call, without a retry to hide one, until it turns SERVING.
+// model still loading) gets no call, without a retry to hide one, while another serves, and calls
+// it again once it turns SERVING; with no replica serving, a call reaches one anyway and returns
+// its reason.
 func TestReplicaThatIsNotServingIsSkipped(t *testing.T) {
 	loading, serving := &fakeGeneration{}, &fakeGeneration{}
 	health := grpchealth.NewServer()
@@ -203,21 +209,34 @@ func TestReplicaThatIsNotServingIsSkipped(t *testing.T) {
 		t.Errorf("the NOT_SERVING replica got %d of %d calls; want none", got, calls)
 	}
 
+	// With no replica serving, a call still reaches one, which says why it does not serve (as
+	// the Python SDK does): here, as a server that is loading its model.
 	lone, err := cbserve.NewClient(loadingAddr)
 	if err != nil {
 		t.Fatalf("NewClient: %v", err)
 	}
 	defer lone.Close()
+	loadingErr := status.Error(codes.Unavailable, "the model is still loading")
+	loading.mu.Lock()
+	loading.generateErrors = slices.Repeat([]error{loadingErr}, cbserve.DefaultRetryAttempts)
+	loading.infoErrors = slices.Repeat([]error{loadingErr}, cbserve.DefaultRetryAttempts)
+	loading.mu.Unlock()
 	_, err = lone.Generate(testContext(t), cbserve.Text("hi"))
-	want := "cbserve: Unavailable: no replica is serving: each one connected reports NOT_SERVING on grpc.health.v1 " +
-		"(its model loading, a drain or stop under way, asleep, or its weights incomplete)"
-	if !errors.Is(err, cbserve.ErrUnavailable) || err.Error() != want {
+	if want := "cbserve: Unavailable: the model is still loading"; err == nil || err.Error() != want {
 		t.Errorf("Generate with no replica serving:\n\t%v\nwant\n\t%s", err, want)
+	}
+	if _, err := lone.ModelInfo(testContext(t)); !errors.Is(err, cbserve.ErrUnavailable) ||
+		!strings.HasPrefix(err.Error(), "cbserve: Unavailable: the model is still loading") {
+		t.Errorf("ModelInfo with no replica serving: %v; want the replica's own reason", err)
+	}
+	if _, err := lone.ModelInfo(testContext(t)); err != nil {
+		t.Errorf("ModelInfo once the replica answers, though still NOT_SERVING: %v", err)
 	}
 
 	health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	before := loading.callCount()
 	deadline := time.Now().Add(10 * time.Second)
-	for loading.callCount() == 0 {
+	for loading.callCount() == before {
 		if time.Now().After(deadline) {
 			t.Fatalf("the replica got no call within 10 s of turning SERVING")
 		}

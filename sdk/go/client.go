@@ -8,6 +8,8 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -31,27 +33,88 @@ const (
 type Client struct {
 	conn          *grpc.ClientConn
 	gen           pb.GenerationServiceClient
+	anyReplica    *anyReplicaConn
 	timeout       clientTimeout // of unary calls
 	streamTimeout clientTimeout // of Generate, Stream and Results
 	retryAttempts int           // tries of a Generate call (see generate)
 }
 
+// anyReplicaConn is a connection like the client's but without health checking, made on first
+// use. A call that finds no replica serving is sent on it, so that a replica answers it: with its
+// own reason (the model is still loading, the server is asleep, ...), or by serving it, having
+// turned SERVING before the client's health watch said so.
+type anyReplicaConn struct {
+	target string
+	opts   []Option
+	mu     sync.Mutex
+	conn   *grpc.ClientConn // nil until first used
+	closed bool
+}
+
+// stub returns the generation stub of the connection, made now if it is not yet; nil once the
+// client is closed or if it cannot be made.
+func (a *anyReplicaConn) stub() pb.GenerationServiceClient {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.closed {
+		return nil
+	}
+	if a.conn == nil {
+		conn, _, err := newConn(a.target, false, a.opts)
+		if err != nil {
+			return nil
+		}
+		a.conn = conn
+	}
+	return pb.NewGenerationServiceClient(a.conn)
+}
+
+func (a *anyReplicaConn) close() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.closed = true
+	if a.conn != nil {
+		_ = a.conn.Close()
+	}
+}
+
+// noReplicaServing reports whether a call failed because every replica's health says
+// NOT_SERVING (grpc-go's pick failure), rather than on a replica.
+func noReplicaServing(err error) bool {
+	s, ok := status.FromError(err)
+	return ok && s.Code() == codes.Unavailable && strings.Contains(s.Message(), notServingPick)
+}
+
+// unary makes a unary call on the client's connection, and again on one to any replica when no
+// replica serves (see anyReplicaConn).
+func unary[T any](c *Client, call func(pb.GenerationServiceClient) (T, error)) (T, error) {
+	response, err := call(c.gen)
+	if noReplicaServing(err) {
+		if gen := c.anyReplica.stub(); gen != nil {
+			return call(gen)
+		}
+	}
+	return response, err
+}
+
 // NewClient returns a client of the cbserve server at target: one address ("127.0.0.1:50051"),
 // several replicas ("10.0.0.1:50051,10.0.0.2:50051"), or any gRPC target
-// ("dns:///cbserve-headless.ns.svc.cluster.local:50051"). Calls are spread over every address
-// the target lists or resolves to with gRPC's round_robin load balancing: one connection per
-// address, each call on the next ready one. A replica is ready while it is reachable and its
+// ("dns:///cbserve-headless.ns.svc.cluster.local:50051"). Calls are spread over every address the
+// target lists or resolves to with gRPC's round_robin load balancing: one connection per address,
+// each call on the next ready one. A replica is ready while it is reachable and its
 // grpc.health.v1 status is SERVING, so one that is unreachable, still loading, draining or asleep
-// is skipped until it serves again. Like grpc.NewClient, it does not wait for a connection: it
-// starts connecting in the background, and calls wait for one (or fail with ErrUnavailable).
-// Close the client when done with it.
+// is skipped until it serves again; when none serves, a call is sent to one anyway, which answers
+// with its reason (the model is still loading, ...). Like grpc.NewClient, it does not wait for a
+// connection: it starts connecting in the background, and calls wait for one (or fail with
+// ErrUnavailable). Close the client when done with it.
 func NewClient(target string, opts ...Option) (*Client, error) {
 	conn, cfg, err := newConn(target, true, opts)
 	if err != nil {
 		return nil, err
 	}
 	return &Client{conn: conn, gen: pb.NewGenerationServiceClient(conn), timeout: cfg.unaryDeadline(),
-		streamTimeout: cfg.streamDeadline(), retryAttempts: cfg.retryAttempts}, nil
+		streamTimeout: cfg.streamDeadline(), retryAttempts: cfg.retryAttempts,
+		anyReplica: &anyReplicaConn{target: target, opts: slices.Clone(opts)}}, nil
 }
 
 // Dial is NewClient, but first fails with ErrCanceled or ErrDeadlineExceeded if ctx is already
@@ -67,7 +130,10 @@ func Dial(ctx context.Context, target string, opts ...Option) (*Client, error) {
 
 // Close closes the connection; calls in flight fail with ErrCanceled, and their Generate and
 // Stream requests are cancelled on the server.
-func (c *Client) Close() error { return c.conn.Close() }
+func (c *Client) Close() error {
+	c.anyReplica.close()
+	return c.conn.Close()
+}
 
 // Conn returns the underlying connection, e.g. for the raw stubs of
 // github.com/cbserve/cbserve/sdk/go/gen/cbserve/v1.
@@ -225,10 +291,18 @@ func (c *Client) generate(ctx context.Context, prompt Prompt, opts []GenerateOpt
 	}
 	callCtx, cancel, deadline := c.streamTimeout.start(ctx)
 	defer cancel()
+	gen := c.gen
 	for attempt := 1; ; attempt++ {
-		yielded, stopped, err := c.generateOnce(callCtx, request, yield)
+		yielded, stopped, err := c.generateOnce(callCtx, gen, request, yield)
 		if err == nil || stopped {
 			return
+		}
+		if noReplicaServing(err) && gen == c.gen {
+			if fallback := c.anyReplica.stub(); fallback != nil {
+				gen = fallback // a replica says why it does not serve, or serves: not a try of its own
+				attempt--
+				continue
+			}
 		}
 		err = deadline.error(err)
 		retry := status.Code(err) == codes.Unavailable && (!yielded || (restart != nil && chosenID)) &&
@@ -246,8 +320,9 @@ func (c *Client) generate(ctx context.Context, prompt Prompt, opts []GenerateOpt
 
 // generateOnce makes one Generate call for request and yields its chunks: whether it yielded any,
 // whether the caller stopped the range, and the error that ended the call (not yielded).
-func (c *Client) generateOnce(ctx context.Context, request *pb.GenerationRequest, yield func(*Chunk, error) bool) (yielded, stopped bool, err error) {
-	stream, err := c.gen.Generate(ctx)
+func (c *Client) generateOnce(ctx context.Context, gen pb.GenerationServiceClient, request *pb.GenerationRequest,
+	yield func(*Chunk, error) bool) (yielded, stopped bool, err error) {
+	stream, err := gen.Generate(ctx)
 	if err != nil {
 		return false, false, err
 	}
@@ -336,7 +411,9 @@ func (c *Client) Submit(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 	defer cancel()
 	message := &pb.AddRequestRequest{Request: request}
 	for attempt := 0; ; attempt++ {
-		response, err := c.gen.AddRequest(callCtx, message)
+		response, err := unary(c, func(gen pb.GenerationServiceClient) (*pb.AddRequestResponse, error) {
+			return gen.AddRequest(callCtx, message)
+		})
 		if err == nil {
 			return response.GetRequestId(), nil
 		}
@@ -373,7 +450,10 @@ func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) i
 		}
 		callCtx, cancel, deadline := c.streamTimeout.start(ctx)
 		defer cancel()
-		stream, err := c.gen.StreamResults(callCtx, &pb.StreamResultsRequest{RequestId: requestID, FromTokenIndex: from})
+		message := &pb.StreamResultsRequest{RequestId: requestID, FromTokenIndex: from}
+		stream, err := unary(c, func(gen pb.GenerationServiceClient) (grpc.ServerStreamingClient[pb.StreamResultsResponse], error) {
+			return gen.StreamResults(callCtx, message)
+		})
 		if err != nil {
 			yield(nil, deadline.error(err))
 			return
@@ -402,7 +482,9 @@ func (c *Client) Results(ctx context.Context, requestID string, fromIndex int) i
 func (c *Client) Cancel(ctx context.Context, requestID string) (bool, error) {
 	callCtx, cancel, deadline := c.timeout.start(ctx)
 	defer cancel()
-	response, err := c.gen.Cancel(callCtx, &pb.CancelRequest{RequestId: requestID})
+	response, err := unary(c, func(gen pb.GenerationServiceClient) (*pb.CancelResponse, error) {
+		return gen.Cancel(callCtx, &pb.CancelRequest{RequestId: requestID})
+	})
 	if err != nil {
 		return false, deadline.error(err)
 	}
@@ -421,7 +503,9 @@ func (c *Client) CancelSequence(ctx context.Context, requestID string, index int
 	}
 	callCtx, cancel, deadline := c.timeout.start(ctx)
 	defer cancel()
-	response, err := c.gen.Cancel(callCtx, &pb.CancelRequest{RequestId: requestID, Index: &i})
+	response, err := unary(c, func(gen pb.GenerationServiceClient) (*pb.CancelResponse, error) {
+		return gen.Cancel(callCtx, &pb.CancelRequest{RequestId: requestID, Index: &i})
+	})
 	if err != nil {
 		return false, deadline.error(err)
 	}
@@ -432,7 +516,9 @@ func (c *Client) CancelSequence(ctx context.Context, requestID string, index int
 func (c *Client) ModelInfo(ctx context.Context) (*ModelInfo, error) {
 	callCtx, cancel, deadline := c.timeout.start(ctx)
 	defer cancel()
-	response, err := c.gen.GetModelInfo(callCtx, &pb.GetModelInfoRequest{})
+	response, err := unary(c, func(gen pb.GenerationServiceClient) (*pb.GetModelInfoResponse, error) {
+		return gen.GetModelInfo(callCtx, &pb.GetModelInfoRequest{})
+	})
 	if err != nil {
 		return nil, deadline.error(err)
 	}

@@ -144,8 +144,11 @@ func contextError(ctx context.Context, code codes.Code) error {
 	return nil
 }
 
-// notServing is the message of a call that found no replica serving: gRPC's own says only that a
-// health check failed.
+// notServingPick is in grpc-go's message of a call that found every replica NOT_SERVING.
+const notServingPick = "health check failed. status=NOT_SERVING"
+
+// notServing is the message of a call that found no replica serving (and could not ask one why):
+// gRPC's own says only that a health check failed.
 const notServing = "no replica is serving: each one connected reports NOT_SERVING on grpc.health.v1 " +
 	"(its model loading, a drain or stop under way, asleep, or its weights incomplete)"
 
@@ -186,7 +189,7 @@ func convertError(ctx context.Context, err error) error {
 		code, message = s.Code(), s.Message()
 	}
 	message = grpcErrorPrefix.ReplaceAllString(message, "")
-	if code == codes.Unavailable && strings.Contains(message, "health check failed. status=NOT_SERVING") {
+	if code == codes.Unavailable && strings.Contains(message, notServingPick) {
 		// Every connection is up, but health checking (NewClient's) takes each out of rotation.
 		message = notServing
 	}
