@@ -278,7 +278,8 @@ func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 // whose connection breaks after chunks were yielded, when the client chose the request's id:
 // restart tells the caller to forget what it got (Generate collects a completion the caller has
 // not seen), and the next call uses a fresh id, so a replica that still holds the old request
-// cannot refuse it as a duplicate.
+// cannot refuse it as a duplicate. A call that found no replica serving goes to any replica
+// (anyReplicaConn) before the tries count.
 func (c *Client) generate(ctx context.Context, prompt Prompt, opts []GenerateOption, restart func(), yield func(*Chunk, error) bool) {
 	request, err := buildRequest(prompt, opts)
 	if err != nil {
