@@ -108,10 +108,15 @@ final class Calls {
   private static final Pattern CLIENT_DEADLINE =
       Pattern.compile("(?i)(deadline|context timed out)");
 
-  /** What a call that found no replica serving says. */
+  /** What a call that found no replica serving (and could not ask one why) says. */
   static final String NOT_SERVING =
       "no replica is serving: each one connected reports NOT_SERVING on grpc.health.v1 (its model"
           + " loading, a drain or stop under way, asleep, or its weights incomplete)";
+
+  /** Whether a call failed because no replica was serving, rather than on a replica. */
+  static boolean noReplicaServing(CbserveException error) {
+    return error instanceof UnavailableException && NOT_SERVING.equals(error.details());
+  }
 
   /** Maps any failure of a call to the matching {@link CbserveException}. */
   static CbserveException map(Throwable error) {

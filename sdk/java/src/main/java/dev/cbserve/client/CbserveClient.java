@@ -12,6 +12,7 @@ import java.nio.file.Path;
 import java.time.Duration;
 import java.util.Arrays;
 import java.util.List;
+import java.util.Map;
 import java.util.Objects;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.TimeUnit;
@@ -63,7 +64,15 @@ public final class CbserveClient implements AutoCloseable {
   private final Duration streamTimeout;
   private final GenerationServiceGrpc.GenerationServiceStub asyncStub;
   private final GenerationServiceGrpc.GenerationServiceBlockingStub blockingStub;
+  /**
+   * The options of a channel like the client's but without health checking (null when the builder
+   * was given a channel). A call that finds no replica serving is made again on it, so that a
+   * replica answers it: with its own reason (the model is still loading, the server is asleep,
+   * ...), or by serving it, having turned SERVING before the client's health watch said so.
+   */
+  private final ChannelOptions anyReplicaOptions;
   private final ChannelOptions adminOptions;
+  private ManagedChannel anyReplicaChannel;
   private CbserveAdminClient admin;
   private boolean closed;
 
@@ -74,6 +83,12 @@ public final class CbserveClient implements AutoCloseable {
     this.streamTimeout = builder.options.streamTimeout;
     this.asyncStub = GenerationServiceGrpc.newStub(channel);
     this.blockingStub = GenerationServiceGrpc.newBlockingStub(channel);
+    if (builder.options.external()) {
+      this.anyReplicaOptions = null;
+    } else {
+      this.anyReplicaOptions = builder.options.copy();
+      this.anyReplicaOptions.healthChecked = false;
+    }
     if (builder.adminTarget != null) {
       ChannelOptions admin = builder.options.copy();
       admin.channel = null;
@@ -234,15 +249,25 @@ public final class CbserveClient implements AutoCloseable {
     ChunkIterator chunks = new ChunkIterator(request.getRequestId(), true, timeout, sequences);
     chunks.retryWith(
         retries,
-        attempt ->
+        (attempt, anyReplica) -> {
+          GenerationServiceGrpc.GenerationServiceStub stub = stub(anyReplica);
+          if (stub != null) {
             startGenerate(
+                stub,
                 request,
                 timeout,
                 options,
                 chunks.<Generation.GenerateRequest, Generation.GenerateResponse>observer(
-                    attempt, Generation.GenerateResponse::getChunk)));
+                    attempt, Generation.GenerateResponse::getChunk));
+          }
+          return stub != null;
+        });
     startGenerate(
-        request, timeout, options, chunks.observer(Generation.GenerateResponse::getChunk));
+        asyncStub,
+        request,
+        timeout,
+        options,
+        chunks.observer(Generation.GenerateResponse::getChunk));
     return chunks;
   }
 
@@ -315,7 +340,8 @@ public final class CbserveClient implements AutoCloseable {
           }
         });
     CallTimeout timeout = CallTimeout.of(options.timeout(), streamTimeout, "streamTimeout");
-    attemptAsync(request, options, n, result, future, current, timeout, new Retries(timeout));
+    attemptAsync(
+        request, options, n, result, future, current, timeout, new Retries(timeout), false);
     return future;
   }
 
@@ -328,13 +354,15 @@ public final class CbserveClient implements AutoCloseable {
       CompletableFuture<T> future,
       AtomicReference<ClientCallStreamObserver<?>> current,
       CallTimeout timeout,
-      Retries retries) {
+      Retries retries,
+      boolean anyReplica) {
     if (future.isDone()) {
       return;
     }
     String requestId = request.getRequestId();
     SequencesBuilder builder = new SequencesBuilder(requestId, n);
     startGenerate(
+        stub(anyReplica),
         request,
         timeout,
         options,
@@ -404,6 +432,11 @@ public final class CbserveClient implements AutoCloseable {
           /** Makes the call again where {@link #generateAll} would, else fails the future. */
           private void fail(CbserveException error) {
             over = true;
+            if (Calls.noReplicaServing(error) && !anyReplica && stub(true) != null) {
+              // Not a try of its own: a replica says why it does not serve, or serves.
+              attemptAsync(request, options, n, result, future, current, timeout, retries, true);
+              return;
+            }
             boolean again =
                 error instanceof UnavailableException
                     && (!received || options.requestId() == null);
@@ -418,7 +451,8 @@ public final class CbserveClient implements AutoCloseable {
                 .execute(
                     () ->
                         attemptAsync(
-                            next, options, n, result, future, current, timeout, retries));
+                            next, options, n, result, future, current, timeout, retries,
+                            anyReplica));
           }
         });
   }
@@ -451,14 +485,14 @@ public final class CbserveClient implements AutoCloseable {
     return request.toBuilder().setSampling(request.getSampling().toBuilder().setN(n)).build();
   }
 
-  private void startGenerate(
+  private static void startGenerate(
+      GenerationServiceGrpc.GenerationServiceStub stub,
       Types.GenerationRequest request,
       CallTimeout timeout,
       RequestOptions options,
       ClientResponseObserver<Generation.GenerateRequest, Generation.GenerateResponse> observer) {
     StreamObserver<Generation.GenerateRequest> out =
-        Calls.withTimeout(Calls.withHeaders(asyncStub, options.headers()), timeout)
-            .generate(observer);
+        Calls.withTimeout(Calls.withHeaders(stub, options.headers()), timeout).generate(observer);
     out.onNext(Generation.GenerateRequest.newBuilder().setAdd(request).build());
     // Half-close: the server keeps the call (and the request) until the request ends.
     out.onCompleted();
@@ -494,12 +528,11 @@ public final class CbserveClient implements AutoCloseable {
     CallTimeout timeout = CallTimeout.of(options.timeout(), defaultTimeout, "defaultTimeout");
     long deadline =
         timeout.duration() == null ? Long.MAX_VALUE : System.nanoTime() + timeout.leftNanos();
-    var headed = Calls.withHeaders(blockingStub, options.headers());
     for (int attempt = 0; ; attempt++) {
-      long left = deadline == Long.MAX_VALUE ? Long.MAX_VALUE : deadline - System.nanoTime();
       try {
-        var stub = left == Long.MAX_VALUE ? headed : Calls.withTimeoutNanos(headed, left);
-        return Calls.blocking(() -> stub.addRequest(message), timeout).getRequestId();
+        return blocking(
+                timeout, stub -> Calls.withHeaders(stub, options.headers()).addRequest(message))
+            .getRequestId();
       } catch (CbserveException e) {
         if (attempt > 0 && e instanceof AlreadyExistsException) {
           return request.getRequestId(); // an earlier try queued it; its answer was lost
@@ -538,13 +571,12 @@ public final class CbserveClient implements AutoCloseable {
     long deadline =
         timeout.duration() == null ? Long.MAX_VALUE : System.nanoTime() + timeout.leftNanos();
     CompletableFuture<String> result = new CompletableFuture<>();
-    var headed = Calls.withHeaders(asyncStub, options.headers());
-    submitAttempt(headed, message, timeout, deadline, 0, result);
+    submitAttempt(options.headers(), message, timeout, deadline, 0, result);
     return result;
   }
 
   private void submitAttempt(
-      GenerationServiceGrpc.GenerationServiceStub headed,
+      Map<String, String> headers,
       Generation.AddRequestRequest message,
       CallTimeout timeout,
       long deadline,
@@ -553,10 +585,10 @@ public final class CbserveClient implements AutoCloseable {
     if (result.isDone()) {
       return;
     }
-    long left = deadline == Long.MAX_VALUE ? Long.MAX_VALUE : deadline - System.nanoTime();
-    var stub = left == Long.MAX_VALUE ? headed : Calls.withTimeoutNanos(headed, left);
     CompletableFuture<Generation.AddRequestResponse> call =
-        Calls.unary(stub::addRequest, message, timeout);
+        unaryAsync(
+            timeout,
+            stub -> Calls.unary(Calls.withHeaders(stub, headers)::addRequest, message, timeout));
     result.whenComplete(
         (value, error) -> {
           if (result.isCancelled()) {
@@ -582,7 +614,7 @@ public final class CbserveClient implements AutoCloseable {
           }
           CompletableFuture.delayedExecutor(delay, TimeUnit.NANOSECONDS)
               .execute(
-                  () -> submitAttempt(headed, message, timeout, deadline, attempt + 1, result));
+                  () -> submitAttempt(headers, message, timeout, deadline, attempt + 1, result));
         });
   }
 
@@ -636,6 +668,19 @@ public final class CbserveClient implements AutoCloseable {
             .build();
     CallTimeout timeout = CallTimeout.of(options.timeout(), streamTimeout, "streamTimeout");
     ChunkIterator chunks = new ChunkIterator(requestId, false, timeout);
+    chunks.retryWith(
+        null,
+        (attempt, anyReplica) -> {
+          GenerationServiceGrpc.GenerationServiceStub stub = stub(anyReplica);
+          if (stub != null) {
+            Calls.withTimeout(Calls.withHeaders(stub, options.headers()), timeout)
+                .streamResults(
+                    message,
+                    chunks.<Generation.StreamResultsRequest, Generation.StreamResultsResponse>
+                        observer(attempt, Generation.StreamResultsResponse::getChunk));
+          }
+          return stub != null;
+        });
     ClientResponseObserver<Generation.StreamResultsRequest, Generation.StreamResultsResponse>
         observer = chunks.observer(Generation.StreamResultsResponse::getChunk);
     Calls.withTimeout(Calls.withHeaders(asyncStub, options.headers()), timeout)
@@ -652,16 +697,14 @@ public final class CbserveClient implements AutoCloseable {
    */
   public boolean cancel(String requestId) {
     Generation.CancelRequest message = cancelMessage(requestId);
-    CallTimeout timeout = unaryTimeout();
-    var stub = Calls.withTimeout(blockingStub, timeout);
-    return Calls.blocking(() -> stub.cancel(message), timeout).getCancelled();
+    return blocking(unaryTimeout(), stub -> stub.cancel(message)).getCancelled();
   }
 
   /** {@link #cancel(String)} without blocking. */
   public CompletableFuture<Boolean> cancelAsync(String requestId) {
     Generation.CancelRequest message = cancelMessage(requestId);
     CallTimeout timeout = unaryTimeout();
-    return Calls.unary(Calls.withTimeout(asyncStub, timeout)::cancel, message, timeout)
+    return unaryAsync(timeout, stub -> Calls.unary(stub::cancel, message, timeout))
         .thenApply(Generation.CancelResponse::getCancelled);
   }
 
@@ -685,16 +728,14 @@ public final class CbserveClient implements AutoCloseable {
    */
   public boolean cancelSequence(String requestId, int index) {
     Generation.CancelRequest message = cancelMessage(requestId, index);
-    CallTimeout timeout = unaryTimeout();
-    var stub = Calls.withTimeout(blockingStub, timeout);
-    return Calls.blocking(() -> stub.cancel(message), timeout).getCancelled();
+    return blocking(unaryTimeout(), stub -> stub.cancel(message)).getCancelled();
   }
 
   /** {@link #cancelSequence(String, int)} without blocking. */
   public CompletableFuture<Boolean> cancelSequenceAsync(String requestId, int index) {
     Generation.CancelRequest message = cancelMessage(requestId, index);
     CallTimeout timeout = unaryTimeout();
-    return Calls.unary(Calls.withTimeout(asyncStub, timeout)::cancel, message, timeout)
+    return unaryAsync(timeout, stub -> Calls.unary(stub::cancel, message, timeout))
         .thenApply(Generation.CancelResponse::getCancelled);
   }
 
@@ -710,17 +751,104 @@ public final class CbserveClient implements AutoCloseable {
   /** Describes the served model. */
   public ModelInfo modelInfo() {
     Generation.GetModelInfoRequest message = Generation.GetModelInfoRequest.getDefaultInstance();
-    CallTimeout timeout = unaryTimeout();
-    var stub = Calls.withTimeout(blockingStub, timeout);
-    return Convert.modelInfo(Calls.blocking(() -> stub.getModelInfo(message), timeout));
+    return Convert.modelInfo(blocking(unaryTimeout(), stub -> stub.getModelInfo(message)));
   }
 
   /** {@link #modelInfo()} without blocking. */
   public CompletableFuture<ModelInfo> modelInfoAsync() {
     Generation.GetModelInfoRequest message = Generation.GetModelInfoRequest.getDefaultInstance();
     CallTimeout timeout = unaryTimeout();
-    return Calls.unary(Calls.withTimeout(asyncStub, timeout)::getModelInfo, message, timeout)
+    return unaryAsync(timeout, stub -> Calls.unary(stub::getModelInfo, message, timeout))
         .thenApply(Convert::modelInfo);
+  }
+
+  /**
+   * The async stub of the client's channel, or with {@code anyReplica} of the channel without
+   * health checking (made on first use; null when the builder was given a channel, or once the
+   * client is closed).
+   */
+  private GenerationServiceGrpc.GenerationServiceStub stub(boolean anyReplica) {
+    if (!anyReplica) {
+      return asyncStub;
+    }
+    ManagedChannel any = anyReplicaChannel();
+    return any == null ? null : GenerationServiceGrpc.newStub(any);
+  }
+
+  private synchronized ManagedChannel anyReplicaChannel() {
+    if (anyReplicaOptions == null || closed) {
+      return null;
+    }
+    if (anyReplicaChannel == null) {
+      anyReplicaChannel = anyReplicaOptions.build();
+    }
+    return anyReplicaChannel;
+  }
+
+  /**
+   * Makes a blocking unary call with this deadline on {@code call}'s stub (the deadline applied),
+   * and again on a stub of any replica when no replica served it (see {@link #anyReplicaOptions}).
+   */
+  private <T> T blocking(
+      CallTimeout timeout,
+      Function<GenerationServiceGrpc.GenerationServiceBlockingStub, T> call) {
+    try {
+      return Calls.blocking(() -> call.apply(Calls.withTimeout(blockingStub, timeout)), timeout);
+    } catch (UnavailableException e) {
+      ManagedChannel any = Calls.noReplicaServing(e) ? anyReplicaChannel() : null;
+      if (any == null) {
+        throw e;
+      }
+      var stub = Calls.withTimeout(GenerationServiceGrpc.newBlockingStub(any), timeout);
+      return Calls.blocking(() -> call.apply(stub), timeout);
+    }
+  }
+
+  /**
+   * Starts an async unary call with {@code call} on a stub with this deadline, and again on a stub
+   * of any replica when no replica served it; cancelling the future cancels the call in flight.
+   */
+  private <T> CompletableFuture<T> unaryAsync(
+      CallTimeout timeout,
+      Function<GenerationServiceGrpc.GenerationServiceStub, CompletableFuture<T>> call) {
+    CompletableFuture<T> result = new CompletableFuture<>();
+    CompletableFuture<T> first = call.apply(Calls.withTimeout(asyncStub, timeout));
+    result.whenComplete(
+        (value, error) -> {
+          if (result.isCancelled()) {
+            first.cancel(false);
+          }
+        });
+    first.whenComplete(
+        (value, error) -> {
+          if (error == null) {
+            result.complete(value);
+            return;
+          }
+          CbserveException mapped = Calls.map(error, timeout);
+          GenerationServiceGrpc.GenerationServiceStub any =
+              Calls.noReplicaServing(mapped) ? stub(true) : null;
+          if (any == null || result.isDone()) {
+            result.completeExceptionally(mapped);
+            return;
+          }
+          CompletableFuture<T> second = call.apply(Calls.withTimeout(any, timeout));
+          result.whenComplete(
+              (value2, error2) -> {
+                if (result.isCancelled()) {
+                  second.cancel(false);
+                }
+              });
+          second.whenComplete(
+              (value2, error2) -> {
+                if (error2 == null) {
+                  result.complete(value2);
+                } else {
+                  result.completeExceptionally(Calls.map(error2, timeout));
+                }
+              });
+        });
+    return result;
   }
 
   /** The deadline of a unary call without RequestOptions: the client's default timeout. */
@@ -758,15 +886,20 @@ public final class CbserveClient implements AutoCloseable {
   @Override
   public void close() {
     CbserveAdminClient adminClient;
+    ManagedChannel any;
     synchronized (this) {
       if (closed) {
         return;
       }
       closed = true;
       adminClient = admin;
+      any = anyReplicaChannel;
     }
     if (adminClient != null) {
       adminClient.close();
+    }
+    if (any != null) {
+      ChannelShutdown.shutdown(any);
     }
     if (ownsChannel) {
       ChannelShutdown.shutdown(channel);

@@ -9,7 +9,6 @@ import java.util.NoSuchElementException;
 import java.util.concurrent.BlockingQueue;
 import java.util.concurrent.LinkedBlockingQueue;
 import java.util.function.Function;
-import java.util.function.IntConsumer;
 
 /**
  * The chunks of one streaming call ({@link CbserveClient#stream} or {@link
@@ -38,7 +37,9 @@ import java.util.function.IntConsumer;
  * <p>A {@code stream} call that fails with {@link UnavailableException} before its first chunk (a
  * replica refused the request as still loading, draining or asleep, or its connection broke) is
  * made again, after a backoff, on the next ready replica, within the call's deadline: nothing was
- * read, and the server cancels the request of a Generate call that ends.
+ * read, and the server cancels the request of a Generate call that ends. A call ({@code stream} or
+ * {@code results}) that found no replica serving is made again at once on a channel without health
+ * checking, so that a replica answers it: with its reason, or by serving it.
  */
 public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, AutoCloseable {
   private static final int PREFETCH = 8;
@@ -61,7 +62,9 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
   /** The try whose events count; a stale try's are dropped. */
   private volatile int attempt;
   private Retries retries;
-  private IntConsumer startAttempt;
+  private Starter starter;
+  /** Whether the tries go to any replica (not only SERVING ones): see {@link Starter}. */
+  private boolean anyReplica;
   private boolean delivered;
   private Chunk next;
   private boolean ended;
@@ -92,14 +95,23 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
     this.sequences = sequences;
   }
 
+  /** Starts try number {@code attempt} of the call, fed by {@link #observer(int, Function)}. */
+  interface Starter {
+    /**
+     * Starts the try, on the client's health-checked channel, or with {@code anyReplica} on its
+     * channel without health checking; false when it has none (the try is not started).
+     */
+    boolean start(int attempt, boolean anyReplica);
+  }
+
   /**
-   * Makes the call again, as try number 1, 2, ... with {@code startAttempt} (which starts a call
-   * fed by {@link #observer(int, Function)} of that number), when it fails with {@link
-   * UnavailableException} before its first chunk, as long as {@code retries} allows.
+   * Makes the call again, as try number 1, 2, ... with {@code starter}, when it fails before its
+   * first chunk: at once on any replica when no replica served it, and after a backoff on {@link
+   * UnavailableException} as long as {@code retries} allows (null: never).
    */
-  void retryWith(Retries retries, IntConsumer startAttempt) {
+  void retryWith(Retries retries, Starter starter) {
     this.retries = retries;
-    this.startAttempt = startAttempt;
+    this.starter = starter;
   }
 
   /** The observer to start the call with; it feeds this iterator. */
@@ -236,19 +248,26 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
    * request's call ends by itself; cancelling it is harmless).
    */
   private boolean retried(CbserveException error) {
-    if (!(error instanceof UnavailableException) || delivered || retries == null) {
+    if (delivered || starter == null || closed) {
       return false;
     }
     ClientCallStreamObserver<?> failed = call;
-    if (!retries.awaitNext() || closed) {
+    if (Calls.noReplicaServing(error) && !anyReplica) {
+      anyReplica = true; // not a try of its own: a replica says why it does not serve, or serves
+      return restart(failed);
+    }
+    if (!(error instanceof UnavailableException) || retries == null) {
       return false;
     }
+    return retries.awaitNext() && !closed && restart(failed);
+  }
+
+  private boolean restart(ClientCallStreamObserver<?> failed) {
     if (failed != null) {
       failed.cancel("made again on another replica", null);
     }
     attempt++;
-    startAttempt.accept(attempt);
-    return true;
+    return starter.start(attempt, anyReplica);
   }
 
   /** Cancels the call (no-op once it has completed); idempotent, callable from any thread. */

@@ -126,19 +126,26 @@ class ReplicaFailoverTest {
   }
 
   @Test
-  void noReplicaServingSaysSo() throws Exception {
-    try (FakeReplica loading = new FakeReplica();
-        CbserveClient client = client(loading.target())) {
-      loading.serving(false);
+  void withNoReplicaServingACallReachesOneWhichSaysWhy() throws Exception {
+    Status loading = Status.UNAVAILABLE.withDescription("the model is still loading");
+    try (FakeReplica lone = new FakeReplica();
+        CbserveClient client = client(lone.target())) {
+      lone.serving(false);
+      lone.failNextGenerates(loading, loading, loading, loading);
       UnavailableException e =
           assertThrows(
               UnavailableException.class, () -> client.generate(Prompt.text("hi"), PARAMS));
-      assertEquals(
-          "UNAVAILABLE: no replica is serving: each one connected reports NOT_SERVING on"
-              + " grpc.health.v1 (its model loading, a drain or stop under way, asleep, or its"
-              + " weights incomplete)",
-          e.getMessage());
-      assertEquals(0, loading.generated().size());
+      assertEquals("UNAVAILABLE: the model is still loading", e.getMessage());
+      assertEquals(Retries.MAX_ATTEMPTS, lone.generated().size(), "Generate calls");
+
+      // A replica that serves before its health says so serves the call.
+      assertEquals("ok", client.generate(Prompt.text("hi"), PARAMS).text());
+      assertEquals("ok", client.generateAsync(Prompt.text("hi"), PARAMS).get().text());
+      try (ChunkIterator stream = client.stream(Prompt.text("hi"), PARAMS)) {
+        assertEquals(RequestStatus.QUEUED, stream.next().status());
+      }
+      assertEquals("fake", client.modelInfo().modelName());
+      assertEquals("fake", client.modelInfoAsync().get().modelName());
     }
   }
 }
