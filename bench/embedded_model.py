@@ -45,7 +45,7 @@ from service.default_model import ensure_default_model
 from service.engine_host import load_pretrained
 
 BENCH_NAME = "embedded_model"
-ENGINES = ("cbserve", "transformers_cb", "cbserve_eager")
+ENGINES = ("cbserve", "transformers_cb", "cbserve_eager", "cbserve_batch_invariant")
 # What a run compares unless --engines says otherwise; cbserve_eager (cbserve on its defaults, never
 # compiled) is for runs with --compile-level or --no-pack-cpu-weights, to measure either against the
 # defaults in the same alternating rounds.
@@ -116,9 +116,9 @@ def run_engine(
     pack_cpu_weights: bool = True,
 ) -> list[list[int]]:
     """`compile_level` and `pack_cpu_weights` apply to the engine named cbserve; cbserve_eager keeps the
-    engine's defaults."""
+    engine's defaults; cbserve_batch_invariant is cbserve on its defaults with `batch_invariant=True`."""
     model.set_attn_implementation("sdpa")
-    if name in ("cbserve", "cbserve_eager"):
+    if name in ("cbserve", "cbserve_eager", "cbserve_batch_invariant"):
         outputs = engine.generate_batch(
             model,
             prompts,
@@ -128,6 +128,7 @@ def run_engine(
                 max_batch_tokens=2048,
                 default_compile_level=compile_level if name == "cbserve" else 0,
                 pack_cpu_weights=pack_cpu_weights or name != "cbserve",
+                batch_invariant=name == "cbserve_batch_invariant",
             ),
         )
     else:
@@ -222,6 +223,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "cbserve_pack_cpu_weights": args.pack_cpu_weights,
             "cbserve_vs_transformers_cb": ratio_to("transformers_cb"),
             "cbserve_vs_cbserve_eager": ratio_to("cbserve_eager"),
+            # How many times slower batch-invariant mode runs than cbserve on its defaults.
+            "batch_invariant_slowdown": ratio_to("cbserve_batch_invariant"),
             "max_new_tokens": args.max_new_tokens,
             "reference": "one-at-a-time model.generate, greedy, the model's EOS",
             "threads": torch.get_num_threads(),

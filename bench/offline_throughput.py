@@ -51,9 +51,10 @@ import engine
 from engine import call_on_steps_thread
 
 BENCH_NAME = "offline_throughput"
-ENGINES = ("cbserve", "transformers_cb", "static", "cbserve_defaults")
+ENGINES = ("cbserve", "transformers_cb", "static", "cbserve_defaults", "cbserve_batch_invariant")
 # What a run compares unless --engines says otherwise; cbserve_defaults is for runs that turn on cbserve's
-# opt-in paths, to measure them against cbserve without them in the same run.
+# opt-in paths, to measure them against cbserve without them in the same run, and cbserve_batch_invariant
+# (cbserve with the same flags and batch_invariant=True) measures what that mode costs.
 DEFAULT_ENGINES = ("cbserve", "transformers_cb", "static")
 
 
@@ -141,6 +142,7 @@ class EngineOptions:
     async_batching: bool = False
     max_blocks_per_request: int | None = None
     pack_cpu_weights: bool = True
+    batch_invariant: bool = False
     static_batch_size: int = 16
     transformers_cb_page_size: int = TRANSFORMERS_CB_PAGE_SIZE
     transformers_cb_num_blocks: int | None = TRANSFORMERS_CB_NUM_BLOCKS
@@ -225,6 +227,7 @@ def cbserve_config(options: EngineOptions) -> engine.ContinuousBatchingConfig:
         use_async_batching=options.async_batching,
         max_blocks_per_request=options.max_blocks_per_request,
         pack_cpu_weights=options.pack_cpu_weights,
+        batch_invariant=options.batch_invariant,
     )
 
 
@@ -260,6 +263,16 @@ def run_cbserve_defaults(
         pack_cpu_weights=True,
     )
     return run_cbserve(model, prompts, generation_config, defaults)
+
+
+def run_cbserve_batch_invariant(
+    model: CausalLM,
+    prompts: list[list[int]],
+    generation_config: GenerationConfig,
+    options: EngineOptions,
+) -> list[list[int]]:
+    """cbserve with the same options and `batch_invariant=True` (issue 33)."""
+    return run_cbserve(model, prompts, generation_config, dataclasses.replace(options, batch_invariant=True))
 
 
 def cbserve_step_breakdown(
@@ -346,6 +359,7 @@ RUNNERS: dict[str, EngineRunner] = {
     "transformers_cb": run_transformers_cb,
     "static": run_static,
     "cbserve_defaults": run_cbserve_defaults,
+    "cbserve_batch_invariant": run_cbserve_batch_invariant,
 }
 
 
@@ -570,6 +584,8 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
             "cbserve_vs_transformers_cb": ratio("transformers_cb"),
             "cbserve_vs_static": ratio("static"),
             "cbserve_vs_cbserve_defaults": ratio("cbserve_defaults"),
+            # How many times slower batch-invariant mode runs than cbserve with the same flags.
+            "batch_invariant_slowdown": ratio("cbserve_batch_invariant"),
             "parity_cbserve_vs_static": next(
                 (record.get("parity_vs_static") for record in records if record["engine"] == "cbserve"), None
             ),

@@ -48,8 +48,10 @@ from engine.parallel import tensor_parallel_size
 
 logger = logging.getLogger(__name__)
 
-# Row counts the startup check compares with one row alone (`check_linear_invariance`).
+# Row counts the startup check compares with one row alone (`check_linear_invariance`), and the shapes
+# (out, in, dtype, device type, packed) that passed it in this process.
 CHECKED_ROW_COUNTS = (2, 3, 5, 16, 33)
+_checked_shapes: set[tuple[int, int, torch.dtype, str, bool]] = set()
 # Rows a plain-weight oneDNN call needs for the packed kernels' bits: one row takes another kernel.
 MIN_ONEDNN_ROWS = 2
 
@@ -144,17 +146,23 @@ def _is_last_dim(dim: Any, ndim: int) -> bool:
 class BatchInvariantMode(TorchFunctionMode):
     """While active (on the thread that entered it), `F.linear` runs `invariant_linear`, and on CUDA a
     floating mean over the last dimension (the norms' `pow(2).mean(-1)`) runs a Triton kernel that reduces
-    each row in one fixed order. Every other function runs as it is."""
+    each row in one fixed order. Every other function runs as it is. `served` counts the calls it took."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.served = 0
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
         if func is F.linear:
+            self.served += 1
             return invariant_linear(*args, **kwargs)
         if func in (torch.mean, torch.Tensor.mean) and args:
             reduced = self._row_mean(args, kwargs)
             if reduced is not None:
+                self.served += 1
                 return reduced
         return func(*args, **kwargs)
 
@@ -224,22 +232,53 @@ def all_reduce_in_rank_order() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def batch_invariant_forward(model: torch.nn.Module) -> Iterator[None]:
-    """What a batch-invariant forward of `model` runs under: `BatchInvariantMode`, and over 3 or more
-    tensor-parallel ranks `all_reduce_in_rank_order`."""
+def batch_invariant_forward(model: torch.nn.Module, mode: BatchInvariantMode | None = None) -> Iterator[None]:
+    """What a batch-invariant forward of `model` runs under: `BatchInvariantMode` (`mode`, else a new one),
+    and over 3 or more tensor-parallel ranks `all_reduce_in_rank_order`."""
     with contextlib.ExitStack() as stack:
-        stack.enter_context(BatchInvariantMode())
+        stack.enter_context(mode if mode is not None else BatchInvariantMode())
         if tensor_parallel_size(model) > 2:
             stack.enter_context(all_reduce_in_rank_order())
         yield
+
+
+class EngineForwards:
+    """The context of each of the engine's forwards in batch-invariant mode.
+
+    On the CPU the engine packs every linear layer (engine.runner.packed_linear), whose packed forwards
+    already run the mode's kernels; the mode then only adds Python dispatch to every torch call (about 10 %
+    of SmolLM2's steps). So on an unsharded CPU model the first forward runs under the mode and counts the
+    calls it had to serve (an `F.linear` outside the packed layers); when there were none, later forwards
+    run without it. Elsewhere (CUDA, where the norms' means need it too; a sharded model) every forward
+    runs under it.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        # None: not known until the first forward.
+        self.needed: bool | None = None if on_cpu and tensor_parallel_size(model) == 1 else True
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self.needed is False:
+            yield
+            return
+        mode = BatchInvariantMode()
+        with batch_invariant_forward(self.model, mode):
+            yield
+        if self.needed is None:
+            self.needed = mode.served > 0
+            logger.debug("batch_invariant: the first forward's mode served %d calls", mode.served)
 
 
 def check_linear_invariance(model: torch.nn.Module, packed: bool) -> None:
     """Raises BatchInvariantUnsupported unless each distinct linear shape of `model` gives a row the same
     bits alone and among 2 to 33 rows, through the kernels the engine uses (`packed`: oneDNN on packed
     weights; on CUDA the Triton matmul) and those `trainer_exact` uses (`invariant_linear`). Measured on
-    one machine, checked on every one: another CPU may pick other kernels. Costs a few milliseconds per
-    shape. Sharded weights (tensor parallelism) are checked through their shapes' unsharded kin: skipped."""
+    one machine, checked on every one: another CPU may pick other kernels. A shape passes once per process
+    (SmolLM2's five take 1.7 s on 2 cores, its vocabulary-wide head most). Sharded weights (tensor
+    parallelism) are not checked."""
     shapes: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and type(module.weight.detach()) is torch.Tensor:
@@ -247,6 +286,9 @@ def check_linear_invariance(model: torch.nn.Module, packed: bool) -> None:
             shapes.setdefault((weight.shape[0], weight.shape[1], weight.dtype, weight.device), weight)
     generator = torch.Generator().manual_seed(0)
     for (out_features, in_features, dtype, device), weight in shapes.items():
+        key = (out_features, in_features, dtype, device.type, packed)
+        if key in _checked_shapes:
+            continue
         rows = torch.randn(max(CHECKED_ROW_COUNTS), in_features, generator=generator).to(device, dtype)
         weight = weight.detach()
         kernels = {"invariant_linear": lambda x, w=weight: _fixed_order_linear(x, w, None)}
@@ -273,6 +315,7 @@ def check_linear_invariance(model: torch.nn.Module, packed: bool) -> None:
                             f"(largest difference {(first - alone).abs().max().item():.3g}); the mode "
                             "cannot run here"
                         )
+        _checked_shapes.add(key)
 
 
 def check_table_width(config: Any, max_model_len: int | None) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.batch_invariant import BatchInvariantUnsupported, batch_invariant_forward
+from engine.batch_invariant import BatchInvariantUnsupported, EngineForwards
 from engine.config import ContinuousBatchingConfig
 from engine.runner.attention import AttentionBatch, KernelInputs, PagedAttentionMetadata
 from engine.runner.inputs import BatchInputs
@@ -60,14 +60,12 @@ def model_forward_functions(
     """The engine's forward for each path: packed tokens in, logits of `logits_indices` rows out ([L, V]).
 
     The two paths are distinct functions so that torch.compile keeps a separate cache (and recompile
-    budget) for each. With `batch_invariant`, the model runs under `engine.batch_invariant.
-    batch_invariant_forward`: its mode serves the linear layers the engine has not packed (all of them on
-    CUDA, the sharded ones under tensor parallelism) and, on CUDA, the norms' means; over 3 or more
-    tensor-parallel ranks, all-reduces add in rank order.
+    budget) for each. With `batch_invariant`, the model runs under `engine.batch_invariant.EngineForwards`:
+    its mode serves the linear layers the engine has not packed (all of them on CUDA, the sharded ones
+    under tensor parallelism) and, on CUDA, the norms' means; over 3 or more tensor-parallel ranks,
+    all-reduces add in rank order.
     """
-
-    def mode() -> contextlib.AbstractContextManager[None]:
-        return batch_invariant_forward(model) if batch_invariant else contextlib.nullcontext()
+    mode = EngineForwards(model) if batch_invariant else contextlib.nullcontext
 
     # A ready 4-D mask makes transformers skip mask creation; paged attention masks by itself.
     placeholder_mask = torch.zeros(1, 1, 0, 0, device=device)

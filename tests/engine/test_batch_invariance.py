@@ -191,6 +191,15 @@ def test_preemption_gives_the_same_bits(offload: bool) -> None:
         _assert_same_bits(expected, output, f"copy {index}, {'offload' if offload else 'recompute'}")
 
 
+@CPU_KERNELS
+def test_unpacked_weights_give_the_packed_bits() -> None:
+    """With `pack_cpu_weights=False` the mode's oneDNN calls on the plain weights serve every linear layer
+    (one row padded to two): the bits of the packed engine's needle alone."""
+    prompts, position = _random_batch(seed=12, size=8)
+    outputs = _generate(tiny_model("llama"), prompts, _config(pack_cpu_weights=False))
+    _assert_same_bits(_alone("llama"), outputs[position], "plain weights")
+
+
 def test_async_batching_gives_the_same_bits() -> None:
     prompts, position = _random_batch(seed=9, size=12)
     outputs = _generate(tiny_model("llama"), prompts, _config(use_async_batching=True))
@@ -320,6 +329,7 @@ def test_a_machine_whose_kernels_vary_refuses_the_mode(monkeypatch: pytest.Monke
     monkeypatch.setattr(
         batch_invariant_module, "_onednn_linear", lambda rows, weight, bias: F.linear(rows, weight, bias)
     )
+    monkeypatch.setattr(batch_invariant_module, "_checked_shapes", set())
     with pytest.raises(BatchInvariantUnsupported, match="other bits among 2 rows than alone"):
         EngineCore(fresh_tiny_model("llama"), _config())
 
