@@ -177,9 +177,11 @@ class EngineCore:
         self.async_batching = use_async_batching(config, self.device)
         # Intra-op threads of whichever thread runs the steps (`run_steps_thread`).
         self.num_threads = config.num_threads or default_num_threads(torch.get_num_threads())
-        # Fewer threads while other processes keep some of the CPUs busy, unless a count was configured.
+        # Fewer threads while other processes keep some of the CPUs busy, unless a count was configured
+        # or the results must not depend on the thread count (a reduction split over threads may not).
         self.thread_budget = ThreadBudget(
-            self.num_threads, adaptive=self.device.type == "cpu" and config.num_threads is None
+            self.num_threads,
+            adaptive=self.device.type == "cpu" and config.num_threads is None and not config.batch_invariant,
         )
         # The step launched but not yet resolved (async batching only).
         self._in_flight: _StepInFlight | None = None
