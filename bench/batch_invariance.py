@@ -10,10 +10,10 @@ model, then end to end through the engine:
   the plain weight and on the weight packed for it (what `engine.runner.packed_linear` calls), RMSNorm,
   the MLP's activation, RoPE's cos, the sampler's log_softmax over the vocabulary, and the activation at
   a width that is not a multiple of the vector width (the tail case).
-- `attention`: cbserve's CPU attention kernel (`engine.runner.paged_attention_cpu`) serving one
+- `attention`: cbserve's attention kernel (the C one on the CPU, the Triton one on CUDA) serving one
   sequence's queries three ways: as one prefill chunk (tiles of 16 queries), as two chunks split at
   another point, and one query at a time (decode tiles), compared row by row; with full attention and
-  with a sliding window.
+  with a sliding window; in the default order and in batch-invariant mode's fixed order.
 - `engine`: a needle prompt alone and among `--others` other prompts through `engine.generate_batch`
   (greedy, logprobs): tokens equal, and the largest logprob difference; and the engine's logprobs against
   a plain forward of prompt + output (`model(...)`), which is what a trainer computes.
@@ -22,9 +22,12 @@ Each measurement prints one JSON line (`--sections` picks which run); `varies` l
 splits) whose rows differ from the rows alone. `--model smollm2` (the embedded model, converted on first
 use) or `tiny` (the offline benchmark's tiny Llama). `--batch-invariant` runs the engine section in
 `ContinuousBatchingConfig(batch_invariant=True)` as well, with the plain forward under
-`engine.trainer_exact`.
+`engine.trainer_exact`. `--device cuda` measures the GPU's kernels instead (cuBLAS and the mode's Triton
+matmul, torch's reductions and the mode's row mean, the Triton attention kernel), as bench/gpu_check.sh
+does.
 
     PYTHONPATH=. python bench/batch_invariance.py --model smollm2
+    PYTHONPATH=. python bench/batch_invariance.py --device cuda --model tiny --batch-invariant
 """
 
 from __future__ import annotations
@@ -65,10 +68,10 @@ ATTENTION_WINDOW = 24
 Operation = Callable[[torch.Tensor], torch.Tensor]
 
 
-def row_variance(operation: Operation, width: int, seed: int) -> dict[str, Any]:
+def row_variance(operation: Operation, width: int, seed: int, device: torch.device) -> dict[str, Any]:
     """`operation` on the first rows of batches of every ROW_COUNTS size against each row alone."""
     generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(max(ROW_COUNTS), width, generator=generator)
+    inputs = torch.randn(max(ROW_COUNTS), width, generator=generator).to(device)
     alone = torch.cat([operation(inputs[row : row + 1]) for row in range(ROWS_COMPARED)])
     varies: list[int] = []
     largest = 0.0
@@ -81,19 +84,19 @@ def row_variance(operation: Operation, width: int, seed: int) -> dict[str, Any]:
     return {"varies": varies, "max_abs_diff": largest}
 
 
-def rms_norm(weight: torch.Tensor, eps: float) -> Operation:
-    """Llama's RMSNorm, as transformers writes it."""
+def rms_norm(weight: torch.Tensor, eps: float, mean: Callable[[torch.Tensor], torch.Tensor]) -> Operation:
+    """Llama's RMSNorm, as transformers writes it, with `mean` for its `pow(2).mean(-1, keepdim=True)`."""
 
     def operation(hidden: torch.Tensor) -> torch.Tensor:
-        variance = hidden.pow(2).mean(-1, keepdim=True)
+        variance = mean(hidden.pow(2))
         return weight * (hidden * torch.rsqrt(variance + eps))
 
     return operation
 
 
-def rope_cos(head_dim: int) -> Operation:
+def rope_cos(head_dim: int, device: torch.device) -> Operation:
     """cos of RoPE's angles for rows of positions, as the rotary embedding computes them."""
-    inverse_frequencies = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    inverse_frequencies = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
 
     def operation(positions: torch.Tensor) -> torch.Tensor:
         angles = positions[:, :1].abs() * 100 * inverse_frequencies
@@ -102,56 +105,83 @@ def rope_cos(head_dim: int) -> Operation:
     return operation
 
 
-def measure_ops(model: torch.nn.Module) -> list[dict[str, Any]]:
+def linear_libraries(weight: torch.Tensor) -> list[tuple[str, Operation]]:
+    """The ways a linear layer can run on `weight`'s device: what the default mode and batch-invariant mode
+    call there."""
+    if weight.device.type == "cuda":
+        from engine.runner.batch_invariant_cuda import matmul
+
+        return [
+            ("cublas", lambda rows: F.linear(rows, weight)),
+            ("triton_fixed_tile", lambda rows: matmul(rows, weight)),
+        ]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return [
+        ("blas", lambda rows: F.linear(rows, weight)),
+        ("onednn", lambda rows: torch.ops.mkldnn._linear_pointwise(rows, weight, None, "none", [], "")),
+        (
+            "onednn_packed",
+            lambda rows: torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], ""),
+        ),
+    ]
+
+
+def measure_ops(model: torch.nn.Module, device: torch.device) -> list[dict[str, Any]]:
     text_config = model.config.get_text_config()
     records = []
     shapes = sorted(
         {tuple(module.weight.shape) for module in model.modules() if isinstance(module, torch.nn.Linear)}
     )
     for out_features, in_features in shapes:
-        weight = torch.randn(out_features, in_features) / in_features**0.5
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        for library, operation in (
-            ("blas", lambda rows, w=weight: F.linear(rows, w)),
-            (
-                "onednn",
-                lambda rows, w=weight: torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], ""),
-            ),
-            (
-                "onednn_packed",
-                lambda rows, w=packed: torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], ""),
-            ),
-        ):
-            record = row_variance(operation, in_features, seed=out_features)
+        weight = (torch.randn(out_features, in_features) / in_features**0.5).to(device)
+        for library, operation in linear_libraries(weight):
+            record = row_variance(operation, in_features, out_features, device)
             records.append({"op": f"linear {in_features}->{out_features}", "library": library, **record})
     hidden, intermediate = text_config.hidden_size, text_config.intermediate_size
     head_dim = getattr(text_config, "head_dim", None) or hidden // text_config.num_attention_heads
+    norm_weight = torch.randn(hidden).to(device)
+    means: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = [
+        ("torch", lambda x: x.mean(-1, keepdim=True))
+    ]
+    if device.type == "cuda":
+        from engine.runner.batch_invariant_cuda import row_mean
+
+        means.append(("triton_row_mean", lambda x: row_mean(x, keepdim=True)))
+    for library, mean in means:
+        record = row_variance(rms_norm(norm_weight, 1e-5, mean), hidden, 1, device)
+        records.append({"op": f"rms_norm {hidden}", "library": library, **record})
+    for width, seed in ((intermediate, 2), (MISALIGNED_WIDTH, 3)):
+        records.append(
+            {"op": f"silu(x) * x {width}", **row_variance(lambda x: F.silu(x) * x, width, seed, device)}
+        )
     records.append(
-        {"op": f"rms_norm {hidden}", **row_variance(rms_norm(torch.randn(hidden), 1e-5), hidden, 1)}
+        {"op": f"rope cos {head_dim}", **row_variance(rope_cos(head_dim, device), head_dim, 4, device)}
     )
-    records.append(
-        {"op": f"silu(x) * x {intermediate}", **row_variance(lambda x: F.silu(x) * x, intermediate, 2)}
-    )
-    records.append(
-        {
-            "op": f"silu(x) * x {MISALIGNED_WIDTH}",
-            **row_variance(lambda x: F.silu(x) * x, MISALIGNED_WIDTH, 3),
-        }
-    )
-    records.append({"op": f"rope cos {head_dim}", **row_variance(rope_cos(head_dim), head_dim, 4)})
     vocab = text_config.vocab_size
-    log_softmax = row_variance(lambda x: torch.log_softmax(x, dim=-1), vocab, 5)
-    records.append({"op": f"log_softmax {vocab}", **log_softmax})
+    for name, function in (("log_softmax", torch.log_softmax), ("softmax", torch.softmax)):
+        record = row_variance(lambda x, f=function: f(x, dim=-1), vocab, 5, device)
+        records.append({"op": f"{name} {vocab}", **record})
     return records
 
 
-def measure_attention(model: torch.nn.Module, sliding_window: int | None) -> dict[str, Any]:
-    """The CPU kernel on one sequence: one chunk, two chunks, one query at a time."""
+def attention_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    if device.type == "cuda":
+        from engine.runner.paged_attention_kernel import paged_attention
+
+        return paged_attention
     from engine.runner import paged_attention_cpu
 
-    kernel = paged_attention_cpu.load(torch.float32)
+    return paged_attention_cpu.load(torch.float32)
+
+
+def measure_attention(
+    model: torch.nn.Module, sliding_window: int | None, device: torch.device
+) -> dict[str, Any]:
+    """The kernel on one sequence: one chunk, two chunks, one query at a time; in the default order and
+    in the fixed one (where every tile holds up to 16 queries, as batch-invariant steps' do)."""
+    kernel = attention_kernel(device)
     if kernel is None:
-        return {"op": "paged_attention_cpu", "error": "the kernel could not be built here"}
+        return {"op": "paged_attention", "error": "the kernel could not be built here"}
     text_config = model.config.get_text_config()
     num_heads = text_config.num_attention_heads
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
@@ -159,13 +189,16 @@ def measure_attention(model: torch.nn.Module, sliding_window: int | None) -> dic
     generator = torch.Generator().manual_seed(0)
     length, page = ATTENTION_LENGTH, ATTENTION_PAGE_SIZE
     num_pages = -(-length // page)
-    keys = torch.randn(num_pages * page, num_kv_heads, head_dim, generator=generator)
-    values = torch.randn(num_pages * page, num_kv_heads, head_dim, generator=generator)
-    queries = torch.randn(length, num_heads, head_dim, generator=generator)
-    table = torch.arange(num_pages, dtype=torch.int32).unsqueeze(0)
+    keys = torch.randn(num_pages * page, num_kv_heads, head_dim, generator=generator).to(device)
+    values = torch.randn(num_pages * page, num_kv_heads, head_dim, generator=generator).to(device)
+    queries = torch.randn(length, num_heads, head_dim, generator=generator).to(device)
+    table = torch.arange(num_pages, dtype=torch.int32, device=device).unsqueeze(0)
     scale = head_dim**-0.5
 
-    def chunk(start: int, end: int, queries_per_tile: int) -> torch.Tensor:
+    def int32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    def chunk(start: int, end: int, queries_per_tile: int, fixed_order: bool) -> torch.Tensor:
         """Queries of positions [start, end) as one request's chunk, the keys before them cached."""
         tiles = list(range(0, end - start, queries_per_tile))
         return kernel(
@@ -173,40 +206,47 @@ def measure_attention(model: torch.nn.Module, sliding_window: int | None) -> dic
             keys,
             values,
             table,
-            torch.tensor([0, end - start], dtype=torch.int32),
-            torch.tensor([end], dtype=torch.int32),
-            torch.zeros(len(tiles), dtype=torch.int32),
-            torch.tensor(tiles, dtype=torch.int32),
+            int32([0, end - start]),
+            int32([end]),
+            int32([0] * len(tiles)),
+            int32(tiles),
             queries_per_tile,
             page,
             scale,
             None,
             sliding_window,
+            False,
+            fixed_order,
         )
 
-    whole = chunk(0, length, 16)
-    results = {
-        "two chunks (37 + 63)": torch.cat([chunk(0, 37, 16), chunk(37, length, 16)]),
-        "one query at a time (decode tiles)": torch.cat([chunk(p, p + 1, 1) for p in range(length)]),
-    }
-    varies = {
-        name: (result - whole).abs().max().item()
-        for name, result in results.items()
-        if not torch.equal(result, whole)
-    }
+    varies: dict[str, dict[str, float]] = {}
+    for order, fixed, decode_tile in (("default", False, 1), ("fixed_order", True, 16)):
+        whole = chunk(0, length, 16, fixed)
+        results = {
+            "two chunks (37 + 63)": torch.cat([chunk(0, 37, 16, fixed), chunk(37, length, 16, fixed)]),
+            "one query at a time (decode tiles)": torch.cat(
+                [chunk(p, p + 1, decode_tile, fixed) for p in range(length)]
+            ),
+        }
+        varies[order] = {
+            name: (result - whole).abs().max().item()
+            for name, result in results.items()
+            if not torch.equal(result, whole)
+        }
     return {
-        "op": "paged_attention_cpu",
+        "op": "paged_attention",
+        "device": device.type,
         "sliding_window": sliding_window,
         "against": "one chunk, tiles of 16 queries",
         "varies": varies,
     }
 
 
-def smollm2() -> tuple[torch.nn.Module, list[list[int]]]:
+def smollm2(device: torch.device) -> tuple[torch.nn.Module, list[list[int]]]:
     from service.default_model import ensure_default_model
     from service.engine_host import load_pretrained
 
-    model, tokenizer = load_pretrained(str(ensure_default_model()), "cpu", "float32")
+    model, tokenizer = load_pretrained(str(ensure_default_model()), str(device), "float32")
     questions = (
         "What is the capital of France?",
         "Write a haiku about the sea.",
@@ -263,13 +303,13 @@ def measure_engine(
     common = min(len(alone_logprobs), len(batched_logprobs))
     difference = torch.tensor(alone_logprobs[:common]) - torch.tensor(batched_logprobs[:common])
     with torch.no_grad():
-        sequence = torch.tensor([needle + alone_tokens])
+        sequence = torch.tensor([needle + alone_tokens], device=next(model.parameters()).device)
         if batch_invariant:
             with engine.trainer_exact(model):
                 logits = model(sequence).logits[0].float()
         else:
             logits = model(sequence).logits[0].float()
-        log_probs = torch.log_softmax(logits, dim=-1)
+        log_probs = torch.log_softmax(logits, dim=-1).cpu()
         rows = torch.arange(len(needle) - 1, len(needle) - 1 + len(alone_tokens))
         trainer = log_probs[rows, torch.tensor(alone_tokens)]
     return {
@@ -291,25 +331,27 @@ def measure_engine(
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     if args.model == "smollm2":
-        model, prompts = on_own_thread(smollm2)
+        model, prompts = on_own_thread(smollm2, device)
         needle = prompts[0]
     else:
-        model = on_own_thread(build_model, "tiny")
+        model = on_own_thread(build_model, "tiny", device)
         needle = other_prompts(1, model.config.vocab_size, seed=1)[0]
     context = {
         "bench": BENCH_NAME,
         "model": args.model,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
     records: list[dict[str, Any]] = []
     if "ops" in args.sections:
-        records.extend({**context, **record} for record in on_own_thread(measure_ops, model))
+        records.extend({**context, **record} for record in on_own_thread(measure_ops, model, device))
     if "attention" in args.sections:
         for sliding_window in (None, ATTENTION_WINDOW):
-            records.append({**context, **on_own_thread(measure_attention, model, sliding_window)})
+            records.append({**context, **on_own_thread(measure_attention, model, sliding_window, device)})
     modes = [False, True] if args.batch_invariant else [False]
     for batch_invariant in modes if "engine" in args.sections else []:
         record = on_own_thread(measure_engine, model, needle, args.others, args.new_tokens, batch_invariant)
@@ -320,6 +362,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--others", type=int, default=31, help="prompts batched with the needle")
     parser.add_argument("--new-tokens", type=int, default=48)

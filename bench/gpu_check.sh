@@ -8,6 +8,12 @@
 #             CUDA graphs (parity, warmup capture), static-shape compilation and the Triton attention kernel, less the
 #             inductor compile test (its CPU run covers it)
 #   async     tests/engine/test_async_batching.py on the GPU: steps launched ahead of their predecessor's tokens
+#   batch_invariant  tests/engine/test_batch_invariance.py on the GPU (issue 33): a needle alone and in random
+#             batches, prefix hits, chunked prefill, preemption, n = 4, the trainer's forward, bitwise, through
+#             the Triton matmul, row mean and fixed-tile attention; and the negative control
+#   batch_invariance_probe  bench/batch_invariance.py --device cuda: which of the GPU's kernels give a row other
+#             bits with the batch (cuBLAS, torch's reductions and softmaxes, the attention kernel's tiles)
+#             and which of the mode's do not, then the engine end to end in both modes
 #   bench     bench/offline_throughput.py: Qwen3-0.6B shapes (random weights), bf16, 256 requests, prompts
 #             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with CUDA graphs of both paths and the attention
 #             kernel when the paths step passed, unless GPU_CHECK_CUDA_GRAPHS=0; with async batching when the
@@ -29,7 +35,8 @@
 # Knobs (environment): OUT (default bench/results/gpu_check), GPU_CHECK_DEVICE (cuda), GPU_CHECK_DTYPE
 # (bfloat16), GPU_CHECK_SMALL (0; 1 = tiny model, 8 requests, a few tests), GPU_CHECK_REPEATS (1),
 # GPU_CHECK_BUDGET_S (450: steps are cut to fit it, and the check ends within about 15 s of it),
-# GPU_CHECK_WHEELS (.whl), GPU_CHECK_CUDA_GRAPHS (1), PYTHON (python3).
+# GPU_CHECK_WHEELS (.whl), GPU_CHECK_CUDA_GRAPHS (1), GPU_CHECK_BATCH_INVARIANT (1; 0 skips its two steps),
+# PYTHON (python3).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,6 +49,7 @@ REPEATS=${GPU_CHECK_REPEATS:-1}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-450}
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
 CUDA_GRAPHS=${GPU_CHECK_CUDA_GRAPHS:-1}
+BATCH_INVARIANT=${GPU_CHECK_BATCH_INVARIANT:-1}
 PYTHON=${PYTHON:-python3}
 # Seconds kept back at the end for the last merge, and the least a step is started with.
 RESERVE_S=5
@@ -197,6 +205,12 @@ result = {
     "async": pytest_counts("async"),
     "sampling": pytest_counts("sampling"),
     "cuda_ipc": pytest_counts("cuda_ipc"),
+    "batch_invariant": pytest_counts("batch_invariant"),
+    "batch_invariance_probe": [
+        json.loads(line)
+        for line in (read("batch_invariance.jsonl") or "").splitlines()
+        if line.startswith("{")
+    ],
     "bench": bench(),
     "weight_sync": [
         json.loads(line) for line in (read("weight_sync.jsonl") or "").splitlines() if line.startswith("{")
@@ -207,7 +221,7 @@ summary["steps"] = {step["name"]: step["status"] for step in steps}
 summary["all_passed"] = state == "finished" and all(
     step["status"] in ("passed", "skipped") for step in steps
 )
-for name in ("parity", "paths", "async", "sampling", "cuda_ipc"):
+for name in ("parity", "paths", "async", "sampling", "cuda_ipc", "batch_invariant"):
     counts = result[name]
     if counts and "tests" in counts:
         finished_tests = " (stopped early: of the tests that finished)" if counts.get("incomplete") else ""
@@ -223,6 +237,23 @@ if result["bench"]:
         summary["cbserve_vs_transformers_cb"] = result["bench"]["summary"].get("cbserve_vs_transformers_cb")
         summary["cbserve_vs_static"] = result["bench"]["summary"].get("cbserve_vs_static")
         summary["cbserve_vs_cbserve_defaults"] = result["bench"]["summary"].get("cbserve_vs_cbserve_defaults")
+probe = result["batch_invariance_probe"]
+if probe:
+    # What varies with the batch on this device, and whether the engine's needle kept its bits in each mode.
+    summary["batch_invariance_varies"] = [
+        " ".join(str(part) for part in (record["op"], record.get("library", ""), record.get("sliding_window", "")))
+        + f": {record['varies']}"
+        for record in probe
+        if record.get("varies") and record["op"] != "engine"
+    ]
+    summary["batch_invariance_engine"] = {
+        f"batch_invariant={record['batch_invariant']}": {
+            key: record[key]
+            for key in ("tokens_equal", "logprobs_bitwise_equal", "trainer_forward_bitwise_equal")
+        }
+        for record in probe
+        if record["op"] == "engine"
+    }
 temporary = json_path + ".tmp"
 with open(temporary, "w", encoding="utf-8") as file:
     json.dump(result, file, indent=1)
@@ -373,6 +404,24 @@ async_select=()
 run_step async 60 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_async_batching.py \
   -v -p no:cacheprovider -o timeout=50 --junitxml="$WORK/async.xml" "${async_select[@]}"
 async_passed=$?
+
+# 4c. Batch-invariant mode on the device (issue 33): its tests, then what varies on this GPU and what does not.
+if [[ $BATCH_INVARIANT == 1 ]]; then
+  invariant_select=()
+  probe_workload=(--others 31 --new-tokens 32)
+  if [[ $SMALL == 1 ]]; then
+    invariant_select=(-k "llama-1 or default_mode or cuda_kernels or trains and llama")
+    probe_workload=(--others 7 --new-tokens 8)
+  fi
+  run_step batch_invariant 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest \
+    tests/engine/test_batch_invariance.py -v -p no:cacheprovider -o timeout=80 \
+    --junitxml="$WORK/batch_invariant.xml" "${invariant_select[@]}"
+  run_step batch_invariance_probe 60 bash -c '"$@" > "$0"' "$WORK/batch_invariance.jsonl" "$PYTHON" \
+    bench/batch_invariance.py --device "$DEVICE" --model tiny --batch-invariant "${probe_workload[@]}"
+else
+  skip_step batch_invariant "GPU_CHECK_BATCH_INVARIANT=0"
+  skip_step batch_invariance_probe "GPU_CHECK_BATCH_INVARIANT=0"
+fi
 
 # 5. Offline throughput.
 if [[ $SMALL == 1 ]]; then

@@ -84,6 +84,8 @@ def matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     num_rows, depth = rows.shape
     num_outputs = weight.shape[0]
     output = torch.empty((num_rows, num_outputs), dtype=rows.dtype, device=rows.device)
+    if num_rows == 0:
+        return output
     grid = (triton.cdiv(num_rows, BLOCK_M), triton.cdiv(num_outputs, BLOCK_N))
     _matmul_kernel[grid](
         rows,
