@@ -161,8 +161,9 @@ class ContinuousBatchingConfig:
     with a fixed order (engine.batch_invariant has the measurements and the causes). A trainer holding
     the same model gets the same bits under `engine.trainer_exact`. Needs eager forwards (no compile
     config, `default_compile_level` 0) and the attention kernel (`max_blocks_per_request` not 0, and
-    wide enough for the longest request); on the CPU, weights oneDNN can pack (fp32; bf16 on CPUs with
-    AVX-512). Slower than the default: the README's Benchmarks section has the cost.
+    wide enough for the longest request; on CUDA, None turns the Triton kernel on for any width); on the
+    CPU, weights oneDNN can pack (fp32; bf16 on CPUs with AVX-512). Its cost is in the README's
+    Benchmarks section.
 
     Deprecated fields, accepted at construction only and reset to None once applied:
     `use_default_compile_configs` (since transformers 5.11, use `default_compile_level`; True raises a level
