@@ -230,7 +230,10 @@ def _structured_output(message: types_pb2.StructuredOutput) -> StructuredOutput:
         if not message.json_object:
             raise invalid("sampling.structured_output.json_object must be true when it is the one set")
         return StructuredOutput("json_object")
-    return StructuredOutput(kind, getattr(message, kind))
+    spec = getattr(message, kind)
+    if not spec:  # checked here, where the wire field it is missing from has a name
+        raise invalid(f"sampling.structured_output.{kind} must not be empty")
+    return StructuredOutput(kind, spec)
 
 
 _LOGPROBS_MODES = {

@@ -100,7 +100,7 @@ def test_a_value_at_the_bound_passes_both(values: dict[str, Any]) -> None:
     ("prompt", "values", "message"),
     [
         (PROMPT, {"max_new_tokens": 2**32}, "sampling.max_new_tokens must be at most 4294967295"),
-        (PROMPT, {"top_k": -1}, "sampling.top_k must be an int >= 0, got -1"),
+        (PROMPT, {"top_k": -1}, "sampling.top_k must be an int >= 0 (0 disables it), got -1"),
         (PROMPT, {"seed": -1}, "sampling.seed must be an int >= 0, got -1"),
         (PROMPT, {"eos_token_ids": [-2]}, "sampling.eos_token_ids[0] must be an int >= 0, got -2"),
         (PROMPT, {"logit_bias": {-1: 1.0}}, "sampling.logit_bias key must be an int >= 0, got -1"),

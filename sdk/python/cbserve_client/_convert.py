@@ -176,9 +176,10 @@ def _check_bounds(
     max_new_tokens = values.get("max_new_tokens")
     if max_new_tokens is not None:
         _check_int_range("sampling.max_new_tokens", max_new_tokens, _bounds.MIN_MAX_NEW_TOKENS)
-    for name in ("top_k", "min_new_tokens"):
-        if values.get(name) is not None:
-            _check_int_range(f"sampling.{name}", values[name], 0)
+    if values.get("top_k") is not None:
+        _check_int_range("sampling.top_k", values["top_k"], 0, note=" (0 disables it)")
+    if values.get("min_new_tokens") is not None:
+        _check_int_range("sampling.min_new_tokens", values["min_new_tokens"], 0)
     if values.get("seed") is not None:
         _check_int_range("sampling.seed", values["seed"], 0, wire_max=_UINT64_MAX)
     if values.get("top_logprobs") is not None:
