@@ -382,8 +382,14 @@ def _all_reduce_on_rank(rank: int, init_file: str, out: str) -> None:
 
 def test_all_reduce_in_rank_order_gives_every_rank_the_rank_order_sum(tmp_path: Path) -> None:
     """Tensor parallelism over 3 or more ranks: the row-parallel layers' partial sums add in rank order."""
-    mp.spawn(
-        _all_reduce_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=len(RANK_PARTS), join=True
+    # Forked, not spawned: a spawned rank imports this module's dependencies again (seconds each); a rank
+    # runs no parallel region, so the parent's OpenMP team does not matter.
+    mp.start_processes(
+        _all_reduce_on_rank,
+        args=(str(tmp_path / "init"), str(tmp_path)),
+        nprocs=len(RANK_PARTS),
+        join=True,
+        start_method="fork",
     )
     expected = (torch.tensor(RANK_PARTS[0]) + RANK_PARTS[1]) + RANK_PARTS[2]
     for rank in range(len(RANK_PARTS)):
