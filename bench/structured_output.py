@@ -1,4 +1,5 @@
-"""Throughput of a batch with half its requests under a grammar (engine.structured_output) against none.
+"""Throughput of a batch with half its requests under a grammar
+(engine.sampling.structured_output) against none.
 
 Both workloads run the same random-weight llama (with the vocabulary of the embedded SmolLM2's tokenizer,
 whose tokenizer the grammars are compiled for) on the same prompts, in alternating rounds (none, half,

@@ -10,15 +10,11 @@ from engine.api import (
     generate_batch,
     init_continuous_batching,
 )
-from engine.batch_invariant import BatchInvariantUnsupported, sequence_logprobs, trainer_exact
-from engine.cache_root import CACHE_DIR_ENV, cache_root
-from engine.commands import PauseHandle, PauseMode, PrefixCacheReset, SleepOutcome
 from engine.config import ContinuousBatchingConfig
-from engine.container_limits import default_num_threads
-from engine.cuda_ipc import CudaIpcHandle
 from engine.engine_core import call_on_steps_thread
 from engine.errors import EngineBusyError, QueueFullError, WeightTransferError, WeightTransferTimeout
 from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from engine.loop.commands import PauseHandle, PauseMode, PrefixCacheReset, SleepOutcome
 from engine.manager import ContinuousBatchingManager
 from engine.parallel import (
     check_tensor_parallel_size,
@@ -29,7 +25,8 @@ from engine.parallel import (
     torchrun_world_size,
 )
 from engine.request import FinishReason, GenerationOutput, RequestStatus, sequence_request_id
-from engine.sampling_params import (
+from engine.runner.batch_invariant import BatchInvariantUnsupported, sequence_logprobs, trainer_exact
+from engine.sampling.params import (
     MAX_SEQUENCES_PER_REQUEST,
     InvalidParameterError,
     LogprobsMode,
@@ -41,15 +38,18 @@ from engine.sampling_params import (
     sequence_seed,
 )
 from engine.stats import ManagerStats
-from engine.weight_transfer import (
+from engine.system.cache_root import CACHE_DIR_ENV, cache_root
+from engine.system.container_limits import default_num_threads
+from engine.weights.checksum import TensorChecksum, WeightsChecksum
+from engine.weights.cuda_ipc import CudaIpcHandle
+from engine.weights.tensors import dtype_from_name, safetensors_files
+from engine.weights.transfer import (
     DEFAULT_GROUP_NAME,
     DEFAULT_GROUP_TIMEOUT_S,
     BucketPlan,
     BucketTensor,
     WeightBucket,
 )
-from engine.weights import dtype_from_name, safetensors_files
-from engine.weights_checksum import TensorChecksum, WeightsChecksum
 
 __all__ = [
     "CACHE_DIR_ENV",

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import check_logprobs_mode
+from engine.sampling.params import check_logprobs_mode
 
 if TYPE_CHECKING:
     from transformers import CompileConfig
@@ -108,7 +108,7 @@ class ContinuousBatchingConfig:
     return_logprobs: return the log-probability of each generated token, of the distribution `logprobs_mode`
     names.
 
-    logprobs_mode: the default of requests that set none (engine.sampling_params.LogprobsMode; vLLM's
+    logprobs_mode: the default of requests that set none (engine.sampling.params.LogprobsMode; vLLM's
     names): "raw_logprobs", log_softmax of the model's logits, or "processed_logprobs", of the distribution
     the token was drawn from (after logit bias, penalties, temperature, top-k, top-p and min-p).
 
@@ -158,7 +158,7 @@ class ContinuousBatchingConfig:
     a prefix-cache hit, a preemption (recompute or offload), async batching or its n > 1 siblings; seeded
     sampling included. Every linear layer runs on kernels whose reduction order is fixed per row (oneDNN
     on packed weights on the CPU, a fixed-tile Triton matmul on CUDA) and attention on the kernel path
-    with a fixed order (engine.batch_invariant has the measurements and the causes). A trainer holding
+    with a fixed order (engine.runner.batch_invariant has the measurements and the causes). A trainer holding
     the same model gets the same bits under `engine.trainer_exact`. Needs eager forwards (no compile
     config, `default_compile_level` 0) and the attention kernel (`max_blocks_per_request` not 0, and
     wide enough for the longest request; on CUDA, None turns the Triton kernel on for any width); on the

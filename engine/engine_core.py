@@ -16,22 +16,22 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine.batch_invariant import check_linear_invariance, check_table_width
-from engine.cache_plan import CachePlan, plan_cache
 from engine.config import ContinuousBatchingConfig
-from engine.container_limits import default_num_threads
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.offload import HostBlockPool
 from engine.parallel import TensorParallelGroup, tensor_parallel_size
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
+from engine.runner.batch_invariant import check_linear_invariance, check_table_width
+from engine.runner.cache_plan import CachePlan, plan_cache
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.runner.model_runner import LaunchedStep, ModelRunner
 from engine.runner.packed_linear import PackedLinears
-from engine.sampling import Sampler
+from engine.sampling.sampler import Sampler
+from engine.sampling.structured_output import GrammarCompiler, accept_token, is_complete
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.structured_output import GrammarCompiler, accept_token, is_complete
-from engine.thread_budget import ThreadBudget
+from engine.system.container_limits import default_num_threads
+from engine.system.thread_budget import ThreadBudget
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def use_async_batching(config: ContinuousBatchingConfig, device: torch.device) -
 
     Only an explicit request turns it on (None means off). On the CPU it runs the same steps with the
     same results and no overlap (the forward pass runs on the calling thread). Under tensor parallelism
-    every rank launches and resolves the same steps at the same ticks (engine.lockstep flushes on every
+    every rank launches and resolves the same steps at the same ticks (engine.loop.lockstep flushes on every
     rank where the driver does).
     """
     if not config.use_async_batching:

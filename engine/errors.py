@@ -10,7 +10,7 @@ class EngineBusyError(RuntimeError):
 
 
 class WeightTransferError(RuntimeError):
-    """A weight-update group could not be joined, or a transfer over it failed (engine.weight_transfer)."""
+    """A weight-update group could not be joined, or a transfer over it failed (engine.weights.transfer)."""
 
 
 class WeightTransferTimeout(WeightTransferError, TimeoutError):

@@ -1,7 +1,8 @@
 """`ContinuousBatchingManager`: the engine's user-facing lifecycle, submissions and results.
 
-The manager validates what callers pass and posts it to the generation loop (engine.loop), which owns
-the engine on a thread of its own; outputs come back through the `OutputRouter`.
+The manager validates what callers pass and posts it to the generation loop
+(engine.loop.generation_loop), which owns the engine on a thread of its own; outputs come back through
+the `OutputRouter`.
 
     add_request / cancel_request ──> GenerationLoop: engine.step() ──> OutputRouter ──> get_result,
     pause / update_weights                                                          request_id_iter,
@@ -22,19 +23,19 @@ from typing import Any
 
 import torch
 
-from engine.commands import PauseHandle, PauseMode, PrefixCacheReset
 from engine.config import ContinuousBatchingConfig
-from engine.container_limits import default_num_threads
 from engine.engine_core import EngineCore, call_on_steps_thread, cb_attention_implementation
 from engine.kv.events import KVCacheEvent
-from engine.lockstep import LockstepDriverLoop, LockstepFollowerLoop
-from engine.loop import IDLE_WAIT_S, GenerationLoop
-from engine.manager_weights import WeightsAndMemory
-from engine.output_router import OutputRouter
+from engine.loop.commands import PauseHandle, PauseMode, PrefixCacheReset
+from engine.loop.generation_loop import IDLE_WAIT_S, GenerationLoop
+from engine.loop.lockstep import LockstepDriverLoop, LockstepFollowerLoop
+from engine.loop.output_router import OutputRouter
 from engine.parallel import DRIVER_RANK, TensorParallelGroup, global_rank, tensor_parallel_size
 from engine.request import GenerationOutput, Request, sequence_request_id
-from engine.sampling_params import SamplingParams, build_sampling_params, check_token_ids, sequence_seed
+from engine.sampling.params import SamplingParams, build_sampling_params, check_token_ids, sequence_seed
 from engine.stats import ManagerStats
+from engine.system.container_limits import default_num_threads
+from engine.weights.manager_weights import WeightsAndMemory
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
 
         Generation parameters come either as generate's keyword arguments (`max_new_tokens`,
         `eos_token_id`, temperature, ...; the model's generation config fills the rest), or as one
-        `sampling_params` built with `engine.sampling_params.build_sampling_params`, not both.
+        `sampling_params` built with `engine.sampling.params.build_sampling_params`, not both.
         `priority` orders requests under `scheduler_type="priority"` (smaller first; ignored otherwise).
 
         With `num_return_sequences` (or `n`) > 1, the request samples that many completions of the prompt,

@@ -4,7 +4,7 @@ The model is split with transformers' own tensor-parallel support (`DistributedC
 `torchrun`): every rank holds a shard of every layer, and each forward all-reduces over the model's
 device mesh (NCCL on GPU, gloo on CPU). Every rank therefore runs every step, on the same batch.
 
-The loop that keeps the ranks in step is engine.lockstep; this module is the group itself and loading.
+The loop that keeps the ranks in step is engine.loop.lockstep; this module is the group itself and loading.
 """
 
 from __future__ import annotations

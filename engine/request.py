@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.kv.offload import OffloadedKV
@@ -180,7 +180,8 @@ class Request:
         self.prompt_logprobs: list[tuple[float, dict[int, float]]] | None = (
             [] if sampling.prompt_logprobs is not None else None
         )
-        # The grammar matcher of a request with SamplingParams.structured_output (engine.structured_output).
+        # The grammar matcher of a request with SamplingParams.structured_output
+        # (engine.sampling.structured_output).
         self.structured_state: object | None = None
         # n > 1: on the first sequence, the others until they are forked from its prompt's KV; on each of
         # those, the first sequence, until its own first token lands (a failure of the step that wrote

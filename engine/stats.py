@@ -37,7 +37,7 @@ class ManagerStats:
     weight_version_label: str | None = None
     # Tokens sampled since the engine was built.
     num_generated_tokens: int = 0
-    # 0 awake; 1 KV cache freed; 2 weights in host memory too (engine.sleep). Steps run only at 0.
+    # 0 awake; 1 KV cache freed; 2 weights in host memory too (engine.weights.sleep). Steps run only at 0.
     sleep_level: int = 0
     # Why the weights are a mix of two versions (a transfer failed midway); None when whole. Steps run
     # only when None.

@@ -1,6 +1,6 @@
 """The AdminService's weight sync and memory RPCs: the trainer's weight-update group, CUDA IPC updates,
-sleep and wake. Each maps onto one call of the engine's manager (engine.manager_weights) run off the event
-loop; health follows the outcome (asleep, or weights left incomplete, is NOT_SERVING)."""
+sleep and wake. Each maps onto one call of the engine's manager (engine.weights.manager_weights) run off
+the event loop; health follows the outcome (asleep, or weights left incomplete, is NOT_SERVING)."""
 
 from __future__ import annotations
 

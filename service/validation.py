@@ -1,7 +1,7 @@
 """Turns a wire GenerationRequest into the engine's typed request, refusing a bad field with
 INVALID_ARGUMENT naming it.
 
-The sampling rules and their bounds are the engine's (engine.sampling_params, with the wire's field
+The sampling rules and their bounds are the engine's (engine.sampling.params, with the wire's field
 names); this module adds only what the wire has and the engine does not: request ids, the prompt's three
 forms, stop strings, and a cap on logit_bias entries.
 """
@@ -43,7 +43,7 @@ def invalid(message: str) -> RequestRejected:
 class ModelLimits:
     vocab_size: int
     max_context_length: int
-    # engine.sampling_params.default_max_new_tokens of the model's generation config.
+    # engine.sampling.params.default_max_new_tokens of the model's generation config.
     default_max_new_tokens: int
     # Supplies the defaults of the sampling fields a request leaves unset, as in `generate`.
     generation_config: Any = None

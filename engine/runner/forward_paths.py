@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.batch_invariant import BatchInvariantUnsupported, EngineForwards
 from engine.config import ContinuousBatchingConfig
 from engine.runner.attention import AttentionBatch, KernelInputs, PagedAttentionMetadata
+from engine.runner.batch_invariant import BatchInvariantUnsupported, EngineForwards
 from engine.runner.inputs import BatchInputs
 from engine.runner.padding import Padding, padded_sizes
 
@@ -60,7 +60,8 @@ def model_forward_functions(
     """The engine's forward for each path: packed tokens in, logits of `logits_indices` rows out ([L, V]).
 
     The two paths are distinct functions so that torch.compile keeps a separate cache (and recompile
-    budget) for each. With `batch_invariant`, the model runs under `engine.batch_invariant.EngineForwards`:
+    budget) for each. With `batch_invariant`, the model runs under
+    `engine.runner.batch_invariant.EngineForwards`:
     its mode serves the linear layers the engine has not packed (all of them on CUDA, the sharded ones
     under tensor parallelism) and, on CUDA, the norms' means; over 3 or more tensor-parallel ranks,
     all-reduces add in rank order.

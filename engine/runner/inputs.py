@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.device_copies import to_device
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
@@ -35,6 +34,7 @@ from engine.runner.attention import (
 )
 from engine.runner.padding import PackedTokens, Padding, VarlenShape, round_up
 from engine.scheduler import SchedulerOutput
+from engine.system.device_copies import to_device
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from engine.container_limits import read_container_limits
-from engine.device_copies import HostCopies, to_device
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.full_attention import blocks_for_tokens
 from engine.kv.layer_groups import KVCacheGroupSpec
+from engine.system.container_limits import read_container_limits
+from engine.system.device_copies import HostCopies, to_device
 
 logger = logging.getLogger(__name__)
 

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import ContinuousBatchingConfig
-from engine.device_copies import HostCopies
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
 from engine.request import Request
 from engine.runner.forward_paths import ForwardPaths
 from engine.runner.inputs import BatchInputs, InputBuilder, PreviousTokens, PromptLogprobSpan
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
-from engine.sampling import SampledTokens, Sampler, request_generator
+from engine.sampling.sampler import SampledTokens, Sampler, request_generator
 from engine.scheduler import SchedulerOutput
+from engine.system.device_copies import HostCopies
 
 logger = logging.getLogger(__name__)
 

@@ -79,7 +79,7 @@ class PackedLinears:
     of another dtype or device), and repacks first when the weight changed in place.
 
     Batch-invariant mode packs every layer whatever its size (`min_elements=0`): oneDNN on a packed weight
-    gives a row the same bits however many rows share the call (engine.batch_invariant).
+    gives a row the same bits however many rows share the call (engine.runner.batch_invariant).
     """
 
     def __init__(self, model: torch.nn.Module, min_elements: int | None = None) -> None:

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from engine.cache_root import cache_root
 from engine.runner.attention import kernel_queries_and_output
+from engine.system.cache_root import cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ from engine import (
     sequence_logprobs,
     trainer_exact,
 )
-from engine import batch_invariant as batch_invariant_module
+from engine.runner import batch_invariant as batch_invariant_module
 from engine.engine_core import EngineCore
 from engine.request import sequence_request_id
-from engine.sampling_params import sequence_seed
+from engine.sampling.params import sequence_seed
 from tests.conftest import TEST_DEVICE, VOCAB_SIZE, fresh_tiny_model, random_prompt, tiny_model
 
 FAMILIES = ("llama", "qwen3", "mistral", "gemma2")

@@ -11,7 +11,7 @@ from engine.kv.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlo
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.prefix_hash import hash_block
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def ids(blocks: list[KVBlock]) -> list[int]:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager, blocks_for_tokens
 from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 3

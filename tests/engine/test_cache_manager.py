@@ -8,7 +8,7 @@ import engine.kv.prefix_hash as prefix_hash
 from engine.kv.block_pool import KVBlock
 from engine.kv.cache_manager import KVCacheManager, PrefixCacheStats, blocks_for_tokens
 from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def make_request(request_id: str, prompt: list[int], max_new_tokens: int = 4) -> Request:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.container_limits as container_limits
-from engine.container_limits import ContainerLimits, read_container_limits, usable_cpu_count
+import engine.system.container_limits as container_limits
 from engine.runner import kv_cache
+from engine.system.container_limits import ContainerLimits, read_container_limits, usable_cpu_count
 
 GIB = 1 << 30
 

@@ -9,7 +9,7 @@ from engine.kv.cache_manager import KVCacheManager
 from engine.kv.offload import HostBlockPool
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.kv_cache import HostKVCache, KVCacheShape, PagedKVCache
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler
 from tests.conftest import random_prompt, reference_greedy, tiny_model
 

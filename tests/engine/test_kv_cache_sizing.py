@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine import ContinuousBatchingConfig, cache_plan
+from engine import ContinuousBatchingConfig
+from engine.runner import cache_plan
 from engine.engine_core import EngineCore
 from engine.kv.layer_groups import kv_cache_groups
 from engine.runner.kv_cache import DEFAULT_CPU_CACHE_BUDGET_BYTES, KVCacheShape, resolve_cache_sizes

@@ -172,8 +172,8 @@ def _one_sequence_three_ways(fixed_order: bool, sliding_window: int | None) -> d
 
 @pytest.mark.parametrize("sliding_window", [None, 24], ids=["full", "sliding"])
 def test_fixed_order_gives_each_query_the_same_bits_whatever_tile_serves_it(compiled, sliding_window) -> None:
-    """Batch-invariant mode (engine.batch_invariant): the split of a sequence into chunks and tiles does
-    not change a query's bits; without `fixed_order`, a decode tile rounds differently (the control)."""
+    """Batch-invariant mode (engine.runner.batch_invariant): the split of a sequence into chunks and tiles
+    does not change a query's bits; without `fixed_order`, a decode tile rounds differently (the control)."""
     fixed = _one_sequence_three_ways(True, sliding_window)
     for name in ("two chunks", "decode tiles"):
         difference = (fixed[name] - fixed["one chunk"]).abs().max().item()

@@ -12,7 +12,7 @@ import pytest
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus, generate_batch
 from engine.engine_core import EngineCore
 from engine.request import Request, sequence_request_id
-from engine.sampling_params import MAX_SEED, SamplingParams, sequence_seed
+from engine.sampling.params import MAX_SEED, SamplingParams, sequence_seed
 from tests.conftest import random_prompt, reference_greedy, tiny_model
 
 FAMILIES = ("llama", "qwen3", "mistral", "gemma2")

@@ -17,7 +17,7 @@ import torch
 from engine import ContinuousBatchingConfig, GenerationOutput, init_continuous_batching
 from engine.request import Request, sequence_request_id
 from engine.runner.model_runner import PromptLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from tests.conftest import assert_greedy_parity, random_prompt, tiny_model
 
 TIMEOUT = 120

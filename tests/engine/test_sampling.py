@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, RequestStatus, continuous_batching_context_manager
-from engine.sampling import GREEDY_BLOCK_COLUMNS, greedy_tokens
+from engine.sampling.sampler import GREEDY_BLOCK_COLUMNS, greedy_tokens
 from tests.conftest import random_prompt, reference_greedy, tiny_model
 
 TIMEOUT = 60
@@ -101,8 +101,8 @@ def test_logprobs_equal_log_softmax_of_the_models_logits(model):
 
 def test_min_p_never_samples_a_token_below_its_threshold():
     from engine.request import Request
-    from engine.sampling import Sampler
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
+    from engine.sampling.sampler import Sampler
 
     # Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.5 keeps the tokens at >= 0.25, i.e. 0 and 1 only.
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
@@ -168,7 +168,7 @@ def test_greedy_tokens_are_argmaxs_first_of_tied_maxima_on_every_path():
 
 def _sample_rows(logits, params, seed=0):
     from engine.request import Request
-    from engine.sampling import Sampler
+    from engine.sampling.sampler import Sampler
 
     requests = [Request(f"r{row}", [1], each) for row, each in enumerate(params)]
     sampler = Sampler(torch.device("cpu"), seed=seed)
@@ -176,7 +176,7 @@ def _sample_rows(logits, params, seed=0):
 
 
 def test_each_row_of_a_batch_gets_the_logprobs_of_its_own_mode():
-    from engine.sampling_params import LogprobsMode, SamplingParams
+    from engine.sampling.params import LogprobsMode, SamplingParams
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
     processed = LogprobsMode.PROCESSED
@@ -218,7 +218,7 @@ def test_each_row_of_a_batch_gets_the_logprobs_of_its_own_mode():
 
 
 def test_processed_logprobs_of_a_single_token_top_k_are_certain():
-    from engine.sampling_params import LogprobsMode, SamplingParams
+    from engine.sampling.params import LogprobsMode, SamplingParams
 
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(

@@ -10,7 +10,7 @@ import pytest
 
 from engine.kv.cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 99

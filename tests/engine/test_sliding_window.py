@@ -17,7 +17,7 @@ from engine.kv.offload import HostBlockPool
 from engine.kv.sliding_window import SlidingWindowManager
 from engine.request import Request, RequestStatus
 from engine.runner.kv_cache import KVCacheShape
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from tests.conftest import random_prompt, reference_greedy, tiny_config, tiny_model
 

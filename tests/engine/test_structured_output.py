@@ -1,4 +1,4 @@
-"""Structured output (engine.structured_output): JSON schema, json_object, regex and EBNF grammars.
+"""Structured output (engine.sampling.structured_output): JSON schema, json_object, regex and EBNF grammars.
 
 A tiny random llama with the vocabulary of the embedded SmolLM2's tokenizer writes garbage, but under the
 grammar's mask its output must still be valid. The schemas are bounded (maxLength, maxItems, enums,
@@ -338,7 +338,8 @@ def test_engine_core_fails_a_bad_grammar_request_without_raising(
 
 
 def test_a_request_pickled_for_other_ranks_leaves_its_matcher_behind(tokenizer: Any) -> None:
-    """engine.lockstep pickles added requests for the other tensor-parallel ranks, which make their own."""
+    """engine.loop.lockstep pickles added requests for the other tensor-parallel ranks, which make their
+    own."""
     engine = EngineCore.__new__(EngineCore)  # only the grammars: no model, no cache
     engine.grammars = None
     engine.vocab_size = len(tokenizer)

@@ -172,7 +172,7 @@ def test_weight_updates_reach_every_shard(lockstep: list[dict[str, Any]]) -> Non
 def test_the_weights_checksum_of_a_sharded_model_is_the_unsharded_models(
     lockstep: list[dict[str, Any]],
 ) -> None:
-    from engine.weights_checksum import weights_checksum
+    from engine.weights.checksum import weights_checksum
 
     results = lockstep[0]["results"]
     expected = weights_checksum(build_model(1).state_dict()).digest
@@ -204,7 +204,7 @@ class _RecordingGroup:
 
 
 def test_a_stopped_driver_beats_until_it_restarts_or_ends() -> None:
-    from engine.lockstep import StoppedDriverNews, StoppedHeartbeat
+    from engine.loop.lockstep import StoppedDriverNews, StoppedHeartbeat
 
     for decision in (StoppedDriverNews.RESTART, StoppedDriverNews.END):
         group = _RecordingGroup()
@@ -216,7 +216,7 @@ def test_a_stopped_driver_beats_until_it_restarts_or_ends() -> None:
 
 
 def test_a_rank_lost_while_stopped_makes_the_restart_fail_saying_so() -> None:
-    from engine.lockstep import StoppedDriverNews, StoppedHeartbeat
+    from engine.loop.lockstep import StoppedDriverNews, StoppedHeartbeat
 
     heartbeat = StoppedHeartbeat(_RecordingGroup(lost=True), interval_s=0.01)  # type: ignore[arg-type]
     with pytest.raises(
@@ -230,8 +230,8 @@ def test_a_weight_update_tick_names_its_tensors_and_leaves_their_bytes_to_follow
     hold several copies of the whole model while it travels (the lockstep test above runs it for real)."""
     from concurrent.futures import Future
 
-    from engine.commands import UpdateWeights, WeightUpdate
-    from engine.lockstep import TensorBroadcast, TensorSpec, encode_commands, replayable
+    from engine.loop.commands import UpdateWeights, WeightUpdate
+    from engine.loop.lockstep import TensorBroadcast, TensorSpec, encode_commands, replayable
 
     weights = [("model.embed_tokens.weight", torch.zeros(4096, 1024)), ("model.norm.weight", torch.ones(8))]
     command = replayable(UpdateWeights(WeightUpdate(weights, "step-7"), Future()))

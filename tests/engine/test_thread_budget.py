@@ -1,5 +1,5 @@
 """The steps' thread count follows other processes' load on the CPUs the engine may use: fewer threads
-while a neighbour keeps a core busy, all of them again once it is gone (engine.thread_budget). Fed with
+while a neighbour keeps a core busy, all of them again once it is gone (engine.system.thread_budget). Fed with
 a fake clock and fake CPU counters; /proc/stat's parsing with a fake file."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.thread_budget import SAMPLE_INTERVAL_S, ThreadBudget, busy_seconds
+from engine.system.thread_budget import SAMPLE_INTERVAL_S, ThreadBudget, busy_seconds
 
 
 class FakeMachine:

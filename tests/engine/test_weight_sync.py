@@ -22,7 +22,7 @@ from bench.ports import free_port
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
 from engine.errors import WeightTransferError
 from engine.runner import packed_linear
-from engine.weight_transfer import BUCKET_ALIGNMENT, BucketPlan, BucketTensor, JoinedGroup, WeightBucket
+from engine.weights.transfer import BUCKET_ALIGNMENT, BucketPlan, BucketTensor, JoinedGroup, WeightBucket
 from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama, tiny_model
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

@@ -1,4 +1,4 @@
-"""The weights' digest (engine.weights_checksum): equal weights, equal digests; any difference shows, in the
+"""The weights' digest (engine.weights.checksum): equal weights, equal digests; any difference shows, in the
 tensor it is in."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager
-from engine.weights_checksum import ALGORITHM, combined_digest, tensor_digest, weights_checksum
+from engine.weights.checksum import ALGORITHM, combined_digest, tensor_digest, weights_checksum
 from tests.conftest import fresh_tiny_model, seeded_tiny_llama
 
 CONFIG = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=64)
@@ -70,7 +70,7 @@ def test_the_dtype_held_counts_and_the_memory_layout_does_not() -> None:
 
 
 def test_the_digest_spans_tensors_larger_than_a_chunk(monkeypatch) -> None:
-    from engine import weights_checksum as module
+    from engine.weights import checksum as module
 
     weights = torch.randn(1003, generator=torch.Generator().manual_seed(3))
     whole = tensor_digest(weights)

@@ -179,7 +179,7 @@ def test_the_trainers_checksum_of_what_it_pushed_equals_the_servers_after_the_pu
 def test_the_trainers_digest_equals_the_engines_for_every_dtype_and_layout(monkeypatch) -> None:
     from cbserve_client import checksum as trainer_side
 
-    from engine import weights_checksum as server_side
+    from engine.weights import checksum as server_side
 
     generator = torch.Generator().manual_seed(0)
     values = torch.randn(7, 13, generator=generator) * 100

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine import sampling_params
+from engine.sampling import params as sampling_params
 from service import validation
 
 ROOT = Path(__file__).resolve().parents[2]

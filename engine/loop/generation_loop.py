@@ -7,7 +7,7 @@ Threads: every field below `_cond` is shared with callers and read or written on
 the engine itself is touched by the loop thread alone while the thread runs (so it needs no locks), and
 by callers only while it does not.
 
-Tensor parallelism (engine.lockstep) subclasses this loop: the `_share_*` and `_on_*` hooks are where
+Tensor parallelism (engine.loop.lockstep) subclasses this loop: the `_share_*` and `_on_*` hooks are where
 the other ranks are kept in step; in a single process they do nothing.
 """
 
@@ -22,7 +22,10 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from engine.commands import (
+from engine.engine_core import EngineCore, StepResult, call_on_steps_thread, run_steps_thread
+from engine.errors import EngineBusyError, QueueFullError, WeightTransferError
+from engine.kv.events import KVCacheEvent
+from engine.loop.commands import (
     COLLECTIVE_COMMANDS,
     AbortAll,
     AddRequest,
@@ -44,12 +47,11 @@ from engine.commands import (
     WeightUpdate,
     caller_futures,
 )
-from engine.engine_core import EngineCore, StepResult, call_on_steps_thread, run_steps_thread
-from engine.errors import EngineBusyError, QueueFullError, WeightTransferError
-from engine.kv.events import KVCacheEvent
-from engine.output_router import OutputRouter
+from engine.loop.output_router import OutputRouter
 from engine.request import FinishReason, Request, RequestStatus
-from engine.sleep import (
+from engine.stats import ManagerStats
+from engine.weights.checksum import WeightsChecksum, model_weights, weights_checksum
+from engine.weights.sleep import (
     SleepLevel,
     SleepTag,
     offload_weights,
@@ -58,8 +60,8 @@ from engine.sleep import (
     resident_memory,
     restore_kv_cache,
 )
-from engine.stats import ManagerStats
-from engine.weight_transfer import (
+from engine.weights.tensors import apply_weights, model_tensors, stage_weights
+from engine.weights.transfer import (
     BucketPlan,
     GroupSpec,
     IncompleteWeights,
@@ -68,8 +70,6 @@ from engine.weight_transfer import (
     WeightsUpdateGroup,
     receive_buckets,
 )
-from engine.weights import apply_weights, model_tensors, stage_weights
-from engine.weights_checksum import WeightsChecksum, model_weights, weights_checksum
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -113,7 +113,7 @@ class GenerationLoop:
         # The trainer's weight-update group this rank joined, and the ranks this engine holds in it.
         self._weights_update_group: WeightsUpdateGroup | None = None
         self._weights_update_group_ranks: tuple[int, ...] = ()
-        # What sleep gave back (engine.sleep); empty when awake. Steps wait while it is not empty.
+        # What sleep gave back (engine.weights.sleep); empty when awake. Steps wait while it is not empty.
         self._asleep: set[SleepTag] = set()
         # Set when a transfer failed after writing some weights; steps wait until an update covers it.
         self._incomplete_weights: IncompleteWeights | None = None
@@ -289,7 +289,7 @@ class GenerationLoop:
             group.abort()
 
     def sleep(self, level: SleepLevel, mode: PauseMode) -> SleepOutcome:
-        """Gives memory back (engine.sleep) once `mode` has dealt with the requests in flight."""
+        """Gives memory back (engine.weights.sleep) once `mode` has dealt with the requests in flight."""
         with self._update_lock, self.pause(mode) as handle:
             outcome: SleepOutcome = self._call(lambda result: Sleep(level, result))
         return replace(outcome, cancelled_requests=handle.cancelled)
@@ -758,7 +758,7 @@ class GenerationLoop:
             weights_update_group_ranks=self._weights_update_group_ranks,
         )
 
-    # ------------------------------------------------------------------ hooks (engine.lockstep)
+    # ------------------------------------------------------------------ hooks (engine.loop.lockstep)
 
     # Whether this loop's outputs reach callers (replaying tensor-parallel ranks have no readers).
     _publishes_outputs = True
@@ -802,7 +802,7 @@ class GenerationLoop:
 
 def split_collective(commands: list[LoopCommand]) -> tuple[list[LoopCommand], list[LoopCommand]]:
     """(the commands each rank applies before the tick is shared, those every rank applies after it,
-    together: engine.commands.COLLECTIVE_COMMANDS), each in posting order."""
+    together: engine.loop.commands.COLLECTIVE_COMMANDS), each in posting order."""
     local: list[LoopCommand] = []
     collective: list[LoopCommand] = []
     for command in commands:

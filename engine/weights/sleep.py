@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.engine_core import EngineCore
 from engine.kv.block_pool import NULL_BLOCK_ID
-from engine.weights import model_tensors
+from engine.weights.tensors import model_tensors
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What callers post to the generation loop, and what the loop decides to do each iteration.
 
 Callers never touch the engine: they post a command, and the loop thread applies it between two steps.
-Under tensor parallelism the same commands are replayed on every rank (engine.lockstep), so a command
+Under tensor parallelism the same commands are replayed on every rank (engine.loop.lockstep), so a command
 carries plain data only, plus the caller's `Future` where it waits for an answer.
 """
 
@@ -13,9 +13,9 @@ from enum import Enum, StrEnum
 from typing import Any
 
 from engine.request import Request
-from engine.sleep import SleepLevel, SleepTag
-from engine.weight_transfer import BucketPlan, GroupSpec, JoinedGroup
-from engine.weights_checksum import WeightsChecksum
+from engine.weights.checksum import WeightsChecksum
+from engine.weights.sleep import SleepLevel, SleepTag
+from engine.weights.transfer import BucketPlan, GroupSpec, JoinedGroup
 
 
 class LoopAction(Enum):
@@ -48,7 +48,8 @@ class PauseHandle:
 @dataclass(frozen=True)
 class WeightUpdate:
     """New weights as the loop applies them: a safetensors path, or a list of (name, tensor) pairs (on
-    the other tensor-parallel ranks, an `engine.lockstep.TensorBroadcast` whose bytes follow the tick)."""
+    the other tensor-parallel ranks, an `engine.loop.lockstep.TensorBroadcast` whose bytes follow the
+    tick)."""
 
     source: Any
     label: str | None
@@ -100,7 +101,7 @@ class ResetPrefixCache:
 
 @dataclass(frozen=True)
 class ChecksumWeights:
-    """Digest the weights (engine.weights_checksum; every tensor-parallel rank at once: collective, since a
+    """Digest the weights (engine.weights.checksum; every tensor-parallel rank at once: collective, since a
     sharded tensor is gathered whole)."""
 
     result: Future[WeightsChecksum] | None
@@ -139,8 +140,8 @@ class SleepOutcome:
     requeued_requests: int
     # Requests the sleep's pause cancelled (mode "abort").
     cancelled_requests: int = 0
-    # How much the memory in use fell, as the system counts it (engine.sleep.resident_memory): less than
-    # `released_bytes` where the cache was never written in full. None where it cannot be measured.
+    # How much the memory in use fell, as the system counts it (engine.weights.sleep.resident_memory):
+    # less than `released_bytes` where the cache was never written in full. None where it cannot be measured.
     resident_bytes_released: int | None = None
 
 
@@ -173,7 +174,7 @@ LoopCommand = (
 
 # Commands every tensor-parallel rank carries out at the same time, since they run collectives (with the
 # trainer, or among the ranks to gather sharded weights): each rank applies them only once the iteration's
-# tick is shared (engine.lockstep), never before.
+# tick is shared (engine.loop.lockstep), never before.
 COLLECTIVE_COMMANDS = (JoinWeightsUpdateGroup, UpdateWeightsFromGroup, ChecksumWeights)
 
 _CALLER_FIELDS = ("result", "ready")

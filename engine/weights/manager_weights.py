@@ -13,13 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.commands import PauseMode, SleepOutcome, WeightUpdate
-from engine.cuda_ipc import CudaIpcHandle, open_ipc_tensor
 from engine.engine_core import model_device
-from engine.loop import GenerationLoop
+from engine.loop.commands import PauseMode, SleepOutcome, WeightUpdate
+from engine.loop.generation_loop import GenerationLoop
 from engine.parallel import tensor_parallel_size
-from engine.sleep import check_sleep_level, check_wake_tags
-from engine.weight_transfer import (
+from engine.weights.checksum import WeightsChecksum
+from engine.weights.cuda_ipc import CudaIpcHandle, open_ipc_tensor
+from engine.weights.sleep import check_sleep_level, check_wake_tags
+from engine.weights.tensors import check_tensor, model_tensors
+from engine.weights.transfer import (
     DEFAULT_GROUP_NAME,
     DEFAULT_GROUP_TIMEOUT_S,
     BucketPlan,
@@ -27,8 +29,6 @@ from engine.weight_transfer import (
     JoinedGroup,
     check_bucket_plan,
 )
-from engine.weights import check_tensor, model_tensors
-from engine.weights_checksum import WeightsChecksum
 
 
 class WeightsAndMemory:
@@ -60,7 +60,7 @@ class WeightsAndMemory:
 
     def weights_checksum(self) -> WeightsChecksum:
         """A digest of every tensor of the model's state dict and of them all, computed on the device
-        that holds them, between two steps, with the weight version it is of (engine.weights_checksum
+        that holds them, between two steps, with the weight version it is of (engine.weights.checksum
         defines it; a trainer computes the same of its own tensors with `cbserve_client.weights_checksum`).
         Equal weights give equal digests, on any device."""
         return self._require_driver("weights_checksum").weights_checksum()

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.errors import WeightTransferError, WeightTransferTimeout
-from engine.weights import StagedTensor, apply_weights, cast_for_target, check_tensor, dtype_from_name
+from engine.weights.tensors import StagedTensor, apply_weights, cast_for_target, check_tensor, dtype_from_name
 
 logger = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from typing import Any, NamedTuple
 import torch
 import xgrammar as xgr
 
-from engine.device_copies import to_device
 from engine.request import Request
-from engine.sampling_params import StructuredOutput
+from engine.sampling.params import StructuredOutput
+from engine.system.device_copies import to_device
 
 # Compiled grammars kept per tokenizer (least recently used dropped first).
 MAX_CACHED_GRAMMARS = 256
@@ -130,7 +130,8 @@ class GrammarState:
         self.words = (vocab_size + _BITS - 1) // _BITS
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
-        # A request pickled for the other tensor-parallel ranks (engine.lockstep) arrives without its matcher:
+        # A request pickled for the other tensor-parallel ranks (engine.loop.lockstep) arrives without its
+        # matcher:
         # each rank's engine gives it a fresh one, from its own tokenizer, when it adds the request.
         return (type(None), ())
 

@@ -94,7 +94,7 @@ class InvalidParameterError(ValueError):
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A constraint on the output (engine.structured_output): `kind` is "json_schema" (`spec`, a JSON
+    """A constraint on the output (engine.sampling.structured_output): `kind` is "json_schema" (`spec`, a JSON
     schema), "json_object" (any JSON object; `spec` empty), "regex" (`spec`, a regular expression) or
     "grammar" (`spec`, an EBNF grammar in GBNF style: rules `name ::= ...`, starting at `root`)."""
 
@@ -114,7 +114,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
-    # engine.penalties: None (or 1.0 / 0.0) leaves the logits alone.
+    # engine.sampling.penalties: None (or 1.0 / 0.0) leaves the logits alone.
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -140,7 +140,7 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the engine processes this request's logits before sampling (engine.penalties)."""
+        """Whether the engine processes this request's logits before sampling (engine.sampling.penalties)."""
         return (
             self.repetition_penalty not in (None, 1.0)
             or bool(self.presence_penalty)
@@ -343,7 +343,7 @@ def _sampler_settings(settings: Mapping[str, Any], generation_config: Any, field
 def _penalties(
     settings: Mapping[str, Any], generation_config: Any, max_new_tokens: int, fields: _Fields
 ) -> dict[str, Any]:
-    """engine.penalties' parameters; as in `generate`, the model's generation config supplies
+    """engine.sampling.penalties' parameters; as in `generate`, the model's generation config supplies
     `repetition_penalty` and `min_new_tokens` when the call does not."""
     repetition_penalty = settings.get(
         "repetition_penalty", getattr(generation_config, "repetition_penalty", None)

@@ -6,7 +6,7 @@ next (a `LoopAction`), the scheduler's admission hold, and a digest of its state
 steps, tokens sampled) that every rank checks against its own. The other ranks apply the same commands to
 the same state, so their schedulers make the same decisions without ever talking about them.
 
-Invariants the lockstep relies on, kept by `EngineCore` (engine.cache_plan) and the loop:
+Invariants the lockstep relies on, kept by `EngineCore` (engine.runner.cache_plan) and the loop:
 - every rank builds its cache with the same number of blocks and the same token budget (the smallest any
   rank can afford), and its sampler with the same seed (the driver's);
 - a rank's scheduler depends only on its inputs (commands and model outputs), never on time or memory;
@@ -39,10 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.commands import LoopAction, LoopCommand, UpdateWeights, WeightUpdate, without_callers
 from engine.engine_core import EngineCore, StepResult
-from engine.loop import GenerationLoop, split_collective
-from engine.output_router import OutputRouter
+from engine.loop.commands import LoopAction, LoopCommand, UpdateWeights, WeightUpdate, without_callers
+from engine.loop.generation_loop import GenerationLoop, split_collective
+from engine.loop.output_router import OutputRouter
 from engine.parallel import DRIVER_RANK, TensorParallelGroup
 
 logger = logging.getLogger(__name__)

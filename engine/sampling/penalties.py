@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.device_copies import to_device
 from engine.request import Request
+from engine.system.device_copies import to_device
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.weights import dtype_from_name
+from engine.weights.tensors import dtype_from_name
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,13 @@
 """Per-request sampling, vectorised over the batch.
 
-Penalties and `min_new_tokens` (engine.penalties) come first, for the rows that set them, then the
-grammar masks of structured output (engine.structured_output); then temperature, top-k, top-p and min-p
-are applied to all sampled rows in one pass. The random draw uses the exponential race (`argmax(p / E)`,
-E ~ Exp(1)), which samples from `p` without a cumulative sum; each seeded request draws its noise from its
-own generator, so its tokens depend on its seed alone, never on which requests share its batch.
+Penalties and `min_new_tokens` (engine.sampling.penalties) come first, for the rows that set them, then the
+grammar masks of structured output (engine.sampling.structured_output); then temperature, top-k, top-p
+and min-p are applied to all sampled rows in one pass. The random draw uses the exponential race
+(`argmax(p / E)`, E ~ Exp(1)), which samples from `p` without a cumulative sum; each seeded request draws its
+noise from its own generator, so its tokens depend on its seed alone, never on which requests share its batch.
 
 Logprobs are of the raw logits, or, for a request in `processed_logprobs` mode
-(engine.sampling_params.LogprobsMode), of the very logits its token was drawn from.
+(engine.sampling.params.LogprobsMode), of the very logits its token was drawn from.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.device_copies import HostCopies, to_device
-from engine.penalties import LogitsPenalties
 from engine.request import Request, SamplingParams
-from engine.structured_output import apply_grammar_masks, constrained_rows
+from engine.sampling.penalties import LogitsPenalties
+from engine.sampling.structured_output import apply_grammar_masks, constrained_rows
+from engine.system.device_copies import HostCopies, to_device
 
 # Columns per block in the CPU's two-stage greedy pick (greedy_tokens).
 GREEDY_BLOCK_COLUMNS = 128
@@ -113,7 +113,7 @@ class Sampler:
         """logits [R, V] (any float dtype) for the R requests that sample a token this step, in order.
         Queues the work and the copies back to the host; never waits for the device.
 
-        Log-probabilities follow each request's `logprobs_mode` (engine.sampling_params.LogprobsMode):
+        Log-probabilities follow each request's `logprobs_mode` (engine.sampling.params.LogprobsMode):
         of the raw logits, or of the logits its token was drawn from.
         """
         logits = logits.float()
@@ -122,7 +122,7 @@ class Sampler:
         want_raw = any((p.logprobs or p.top_logprobs) and not p.wants_processed_logprobs for p in params)
         # Penalties work in place, through flat indices: a step that has them works on a contiguous copy
         # when the raw logits are still needed for logprobs or are not contiguous. Others copy nothing.
-        # Rows a grammar constrains (engine.structured_output) are masked after the penalties.
+        # Rows a grammar constrains (engine.sampling.structured_output) are masked after the penalties.
         grammar_rows = constrained_rows(requests)
         processed = logits
         if (any(p.processes_logits for p in params) or grammar_rows) and (

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from engine.weights import SAFETENSORS_DTYPES
+from engine.weights.tensors import SAFETENSORS_DTYPES
 
 ALGORITHM = "cbserve-wsum-v1"
 POSITION_MULTIPLIER = 0x9E3779B1

@@ -1,0 +1,2 @@
+"""What the engine reads from the machine it runs on: container CPU and memory limits, the thread budget
+beside other processes, the cache directory, and pinned host copies to the device."""
