@@ -217,6 +217,37 @@ class Request:
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED
 
+    # Status transitions. Invariant: these methods are the only writers of `status` (and of
+    # `finish_reason` / `error`), so a request's life can be read in one place:
+    # PENDING -> PREFILLING (scheduled) -> DECODING (first token landed); PREFILLING/DECODING -> PENDING
+    # (preempted); any live status -> FINISHED / CANCELLED / FAILED (`finish`), after which none changes it.
+
+    def start_running(self) -> None:
+        """Scheduled: from the queue (fresh, preempted or restored from host memory) or forked (n > 1)."""
+        assert not self.is_finished, self
+        self.status = RequestStatus.PREFILLING
+
+    def mark_decoding(self) -> None:
+        """A token of its own landed; a request preempted since (PENDING again) waits to run again."""
+        if self.status == RequestStatus.PREFILLING:
+            self.status = RequestStatus.DECODING
+
+    def mark_preempted(self) -> None:
+        """Its KV was freed (offloaded or to recompute): it waits in the queue again."""
+        assert not self.is_finished, self
+        self.status = RequestStatus.PENDING
+
+    def finish(self, status: RequestStatus, reason: FinishReason, error: str | None = None) -> bool:
+        """Ends the request with `status` (FINISHED, CANCELLED or FAILED); returns False, changing nothing,
+        when it had already ended (the first ending wins)."""
+        assert status >= RequestStatus.FINISHED, status
+        if self.is_finished:
+            return False
+        self.status = status
+        self.finish_reason = reason
+        self.error = error
+        return True
+
     def to_output(self) -> GenerationOutput:
         return GenerationOutput(
             request_id=self.request_id,
