@@ -16,6 +16,7 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 LAYERING_TEST = ROOT / "tests" / "engine" / "test_layering.py"
 DOCUMENTS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "bench").glob("*.md")])
 SOURCE_SUFFIXES = {".py", ".c"}
+README_MAX_LINES = 300
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE_CODE = re.compile(r"`[^`]*`")
@@ -108,6 +109,20 @@ def test_the_link_check_catches_a_missing_file_and_a_missing_anchor(tmp_path: Pa
         "[self](#page) `[in code](missing-too.md)`\n\n```\n[in a fence](missing-three.md)\n```\n"
     )
     assert [entry.split(":")[0] for entry in broken_links(page)] == ["missing.md", "other.md#nowhere"]
+
+
+def test_the_readme_stays_short_enough_for_a_newcomer() -> None:
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines, more than {README_MAX_LINES}: move the detail into docs/ and link it"
+    )
+
+
+def test_the_readme_links_every_document_in_docs() -> None:
+    readme = ROOT / "README.md"
+    linked = {(readme.parent / link.partition("#")[0]).resolve() for link in relative_links(readme)}
+    unlinked = sorted(path.name for path in (ROOT / "docs").glob("*.md") if path.resolve() not in linked)
+    assert not unlinked, f"README.md links no way to these documents in docs/: {unlinked}"
 
 
 def design_map_files() -> list[str]:
