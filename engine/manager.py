@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,21 +26,26 @@ import torch
 from engine.config import ContinuousBatchingConfig
 from engine.engine_core import EngineCore, call_on_steps_thread, cb_attention_implementation
 from engine.kv.events import KVCacheEvent
-from engine.loop.commands import PauseHandle, PauseMode, PrefixCacheReset
+from engine.loop.admission import RejectionReason, build_request
+from engine.loop.commands import PauseHandle, PauseMode, PrefixCacheReset, SleepOutcome
 from engine.loop.generation_loop import IDLE_WAIT_S, GenerationLoop
-from engine.loop.lockstep import LockstepDriverLoop, LockstepFollowerLoop
+from engine.loop.listeners import LoopListeners
+from engine.loop.lockstep import generation_loop_for
 from engine.loop.output_router import OutputRouter
 from engine.parallel import DRIVER_RANK, TensorParallelGroup, global_rank, tensor_parallel_size
-from engine.request import GenerationOutput, Request, sequence_request_id
-from engine.sampling.params import SamplingParams, build_sampling_params, check_token_ids, sequence_seed
+from engine.request import GenerationOutput
+from engine.sampling.params import SamplingParams, build_sampling_params
 from engine.stats import ManagerStats
 from engine.system.container_limits import default_num_threads
-from engine.weights.manager_weights import WeightsAndMemory
+from engine.weights.checksum import WeightsChecksum
+from engine.weights.cuda_ipc import CudaIpcHandle
+from engine.weights.operations import WeightsAndMemory
+from engine.weights.transfer import DEFAULT_GROUP_NAME, DEFAULT_GROUP_TIMEOUT_S, BucketPlan, JoinedGroup
 
 logger = logging.getLogger(__name__)
 
 
-class ContinuousBatchingManager(WeightsAndMemory):
+class ContinuousBatchingManager:
     """Submits requests to a background generation loop and hands their results back.
 
     Create it with `init_continuous_batching`, `continuous_batching_context_manager` or
@@ -66,11 +71,11 @@ class ContinuousBatchingManager(WeightsAndMemory):
         self._destroyed = False
         self._id_counter = itertools.count()
         self._original_attn_implementation: str | None = None
-        self._loop_exit_handlers: list[Callable[[], None]] = []
-        self._kv_event_listeners: list[Callable[[list[KVCacheEvent]], None]] = []
+        self._listeners = LoopListeners()
         self.warmed_up = False
         # Tensor parallelism: only the driver (rank 0) takes requests; the group is made with the engine.
         self.is_driver = tensor_parallel_size(model) == 1 or global_rank() == DRIVER_RANK
+        self._weights = WeightsAndMemory(model, self.is_driver, self._running_loop, self._built_loop)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -107,7 +112,9 @@ class ContinuousBatchingManager(WeightsAndMemory):
                 "cbserve-build",
             )
             engine.set_tokenizer(self._tokenizer)
-            self._loop = self._make_loop(engine, group)
+            self._loop = generation_loop_for(
+                engine, self._router, self._listeners, self.config.max_queue_size, group
+            )
             self._engine = engine
         return self._engine
 
@@ -118,21 +125,9 @@ class ContinuousBatchingManager(WeightsAndMemory):
         if self._engine is not None:
             self._engine.set_tokenizer(tokenizer)
 
-    def _make_loop(self, engine: EngineCore, group: TensorParallelGroup | None) -> GenerationLoop:
-        max_queue_size = self.config.max_queue_size
-        if group is None:
-            loop = GenerationLoop(engine, self._router, max_queue_size)
-        elif group.is_driver:
-            loop = LockstepDriverLoop(engine, self._router, max_queue_size, group)
-        else:
-            loop = LockstepFollowerLoop(engine, self._router, max_queue_size, group)
-        for handler in self._loop_exit_handlers:
-            loop.add_exit_handler(handler)
-        for listener in self._kv_event_listeners:
-            loop.add_kv_event_listener(listener)
-        return loop
+    def _built_loop(self) -> GenerationLoop | None:
+        return self._loop
 
-    @property
     def _running_loop(self) -> GenerationLoop:
         self._ensure_engine()
         assert self._loop is not None
@@ -149,39 +144,13 @@ class ContinuousBatchingManager(WeightsAndMemory):
             logger.info("warmup() is skipped under tensor parallelism: the first steps warm the engine")
             return
 
-        prompt_length = self._warmup_prompt_length()
-
-        def warm() -> None:
-            # Two requests, so that a compiled forward meets every shape class before real requests
-            # arrive: the first alone (a varlen step sampling one row), then the second joins it (a varlen
-            # step sampling two), then decode steps of two rows and of one. Dynamic compilation specialises
-            # sizes 0 and 1, rows and block-table widths alike: with tables one page wide, the first request
-            # past its first page would compile again in the middle of serving.
-            # Different prompts, so that the second's prefill is not a prefix-cache hit of one token.
-            first, second = (
-                Request(f"__warmup_{index}__", [index] * prompt_length, SamplingParams(max_new_tokens=3))
-                for index in range(2)
-            )
-            engine.add_request(first)
-            engine.step()
-            engine.add_request(second)
-            while engine.has_unfinished_requests():
-                engine.step()
-            engine.runner.capture_decode_graphs(engine.max_requests_per_batch)
-
-        call_on_steps_thread(warm, engine.num_threads, "cbserve-warmup")
-        engine.kv_cache_manager.reset_prefix_cache()
-        engine.kv_cache_manager.prefix_cache_stats.queried_tokens = 0
-        engine.kv_cache_manager.prefix_cache_stats.hit_tokens = 0
-        self.warmed_up = True
-
-    def _warmup_prompt_length(self) -> int:
-        """Long enough that warmup's decode steps read block tables two pages wide, short enough that each
-        warmup request (3 new tokens at most) fits the cache and the model's positions."""
-        engine = self._ensure_engine()
+        # Long enough that warmup's decode steps read block tables two pages wide, short enough that each
+        # warmup request (3 new tokens at most) fits the cache and the model's positions.
         wanted = engine.config.page_size + 1
-        longest = self.max_tokens_per_request()
-        return wanted if longest is None else max(1, min(wanted, longest - 3))
+        longest = engine.max_tokens_per_request
+        prompt_length = wanted if longest is None else max(1, min(wanted, longest - 3))
+        call_on_steps_thread(lambda: engine.warm_up(prompt_length), engine.num_threads, "cbserve-warmup")
+        self.warmed_up = True
 
     def start(self) -> None:
         """Starts the background loop; works again after `stop()`.
@@ -190,7 +159,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
         and the driver's `start()` restarts them all (the other ranks' loop threads wait for it, and end
         with the driver's `destroy()`). A group that lost a rank cannot start again.
         """
-        loop = self._running_loop
+        loop = self._running_loop()
         if loop.is_running():
             logger.warning("ContinuousBatchingManager.start(): already running")
             return
@@ -267,7 +236,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
         modes = tuple(PauseMode)
         if mode not in modes:
             raise ValueError(f"pause mode must be one of {tuple(str(each) for each in modes)}, got {mode!r}")
-        with self._running_loop.pause(PauseMode(mode)) as handle:
+        with self._running_loop().pause(PauseMode(mode)) as handle:
             yield handle
 
     # ------------------------------------------------------------------ submissions
@@ -316,36 +285,24 @@ class ContinuousBatchingManager(WeightsAndMemory):
             raise TypeError("add_request takes sampling_params or generation keyword arguments, not both")
         elif self.config.return_logprobs and not sampling_params.logprobs:
             sampling_params = dataclasses.replace(sampling_params, logprobs=True)
-        request_id = self._request_id(request_id)
-        prompt_ids = self._prompt_ids(input_ids, engine.vocab_size)
-        priority = self._priority(priority)
-        sequences = [
-            Request(
-                sequence_request_id(request_id, index),
-                prompt_ids,
-                dataclasses.replace(sampling_params, seed=sequence_seed(sampling_params.seed, index)),
-                streaming=streaming,
-                record_timestamps=record_timestamps,
-                priority=priority,
-                index=index,
-            )
-            for index in range(sampling_params.n)
-        ]
-        request = sequences[0]
-        request.pending_forks = sequences[1:]
-        for sequence in request.pending_forks:
-            sequence.prompt_logprobs = request.prompt_logprobs  # one prompt: its logprobs are shared
-        # Sizes only (blocks in the pool, positions of the model): fixed once the engine exists, so this
-        # thread may read them while the loop runs.
-        error = engine.scheduler.admission_error(request)
-        if error is not None:
-            raise ValueError(error)
-        for sequence in sequences:
+        request = build_request(
+            f"req_{next(self._id_counter)}" if request_id is None else request_id,
+            input_ids,
+            sampling_params,
+            engine.vocab_size,
+            streaming=streaming,
+            record_timestamps=record_timestamps,
+            priority=priority,
+        )
+        for sequence in (request, *request.pending_forks):
             engine.init_structured_output(sequence)  # its grammar compiles here (once), or ValueError
-        if not self._running_loop.submit(request):
+        rejection = self._running_loop().submit(request)  # engine.loop.admission.admit decides
+        if rejection is None:
+            return request.request_id
+        if rejection.reason == RejectionReason.STOPPED:
             warnings.warn("the manager is stopped: request ignored; call start() first", stacklevel=2)
             return None
-        return request.request_id
+        raise rejection.error()
 
     def sampling_params(self, field_prefix: str = "", **settings: Any) -> SamplingParams:
         """The `SamplingParams` that generate's keyword arguments `settings` give with this model's
@@ -359,27 +316,6 @@ class ContinuousBatchingManager(WeightsAndMemory):
             field_prefix=field_prefix,
             default_logprobs_mode=self.config.logprobs_mode,
         )
-
-    @staticmethod
-    def _priority(priority: Any) -> int:
-        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
-            raise ValueError(f"priority must be an int in [-2**31, 2**31), got {priority!r}")
-        return priority
-
-    def _request_id(self, request_id: Any) -> str:
-        if request_id is None:
-            return f"req_{next(self._id_counter)}"
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        return request_id
-
-    @staticmethod
-    def _prompt_ids(input_ids: Any, vocab_size: int) -> list[int]:
-        if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.flatten().tolist()
-        if not isinstance(input_ids, (list, tuple)) or not input_ids:
-            raise ValueError("input_ids must be a non-empty list of token ids")
-        return check_token_ids("input_ids", input_ids, vocab_size)
 
     def add_requests(
         self,
@@ -397,7 +333,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
         engine = self._ensure_engine()
         ids = [f"req_{next(self._id_counter)}" for _ in inputs]
         order = list(range(len(inputs)))
-        if engine.kv_cache_manager.enable_prefix_caching:
+        if engine.prefix_caching_enabled:
             order.sort(key=lambda index: inputs[index])
         for index in order:
             self.add_request(
@@ -438,17 +374,15 @@ class ContinuousBatchingManager(WeightsAndMemory):
     def add_loop_exit_handler(self, callback: Callable[[], None]) -> None:
         """Calls `callback()` from the loop thread when the loop ends, for whatever reason (`loop_error`
         says whether it failed); a server turns its health NOT_SERVING on it."""
-        self._loop_exit_handlers.append(callback)
-        if self._loop is not None:
-            self._loop.add_exit_handler(callback)
+        self._listeners.add_exit_handler(callback)
 
     def add_kv_event_listener(self, listener: Callable[[list[KVCacheEvent]], None]) -> None:
         """Calls `listener(events)` from the loop thread after each iteration that changed the prefix
         cache: the blocks stored, removed or all cleared, in order (engine.kv.events), for a router
         that routes by prefix. Events are recorded only once a listener exists."""
-        self._kv_event_listeners.append(listener)
-        if self._loop is not None:
-            self._loop.add_kv_event_listener(listener)
+        self._listeners.add_kv_event_listener(listener)
+        if self._engine is not None:
+            self._engine.record_kv_events()
 
     def reset_prefix_cache(self, abort: bool = False) -> PrefixCacheReset:
         """Drops every reusable prefix block (SGLang's flush_cache, vLLM's reset_prefix_cache), so that no
@@ -458,7 +392,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
         EngineBusyError and changes nothing, unless `abort`, which cancels them first (each ends
         CANCELLED). Returns how many blocks were dropped and requests cancelled.
         """
-        return self._running_loop.reset_prefix_cache(abort)
+        return self._running_loop().reset_prefix_cache(abort)
 
     @property
     def max_requests_per_batch(self) -> int:
@@ -467,9 +401,7 @@ class ContinuousBatchingManager(WeightsAndMemory):
     def max_tokens_per_request(self) -> int | None:
         """The most tokens (prompt + generated) one request can ever hold: the smaller of the whole KV
         cache and the model's positions; None when neither bounds it."""
-        engine = self._ensure_engine()
-        bounds = [bound for bound in (engine.kv_cache_manager.capacity_tokens, engine.max_model_len) if bound]
-        return min(bounds) if bounds else None
+        return self._ensure_engine().max_tokens_per_request
 
     def register_result_handler(
         self, request_id: str, callback: Callable[[GenerationOutput], object]
@@ -491,4 +423,70 @@ class ContinuousBatchingManager(WeightsAndMemory):
 
     def stats(self) -> ManagerStats:
         """Counters as of the end of the last step."""
-        return self._running_loop.stats()
+        return self._running_loop().stats()
+
+    # ------------------------------------------------------------------ weights and memory
+    # Each forwards to `engine.weights.operations.WeightsAndMemory`, whose docstrings say the rest.
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights served: 1 at start, +1 per update."""
+        return self._weights.weight_version
+
+    @property
+    def weight_version_label(self) -> str | None:
+        """The label the last update gave its weights; None at start."""
+        return self._weights.weight_version_label
+
+    def weights_checksum(self) -> WeightsChecksum:
+        """A digest of every tensor of the model and of them all, with the weight version it is of."""
+        return self._weights.weights_checksum()
+
+    def update_weights(self, state_dict_or_path: Any, version: str | None = None) -> int:
+        """Replaces weights in place (tensors or safetensors files); returns the new `weight_version`."""
+        return self._weights.update_weights(state_dict_or_path, version)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "auto",
+        group_name: str = DEFAULT_GROUP_NAME,
+        timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    ) -> JoinedGroup:
+        """Joins the weight-update group a trainer created at `master_address:master_port`."""
+        return self._weights.init_weights_update_group(
+            master_address, master_port, rank_offset, world_size, backend, group_name, timeout_s
+        )
+
+    def check_weights_update(self, plan: BucketPlan) -> None:
+        """Raises ValueError naming the first tensor or bucket of `plan` the model cannot take."""
+        self._weights.check_weights_update(plan)
+
+    def update_weights_from_distributed(
+        self, plan: BucketPlan, version: str | None = None, on_ready: Callable[[], None] | None = None
+    ) -> int:
+        """Receives new weights the trainer broadcasts over the group; returns the new `weight_version`."""
+        return self._weights.update_weights_from_distributed(plan, version, on_ready)
+
+    def abort_weights_transfer(self) -> None:
+        """Ends a transfer in progress (its caller gave up before the trainer broadcast)."""
+        self._weights.abort_weights_transfer()
+
+    def destroy_weights_update_group(self) -> bool:
+        """Leaves the trainer's group; False when in none."""
+        return self._weights.destroy_weights_update_group()
+
+    def update_weights_from_ipc(self, handles: Iterable[CudaIpcHandle], version: str | None = None) -> int:
+        """Copies new weights from a colocated trainer's CUDA tensors; returns the new `weight_version`."""
+        return self._weights.update_weights_from_ipc(handles, version)
+
+    def sleep(self, level: int = 1, mode: str = "keep") -> SleepOutcome:
+        """Frees memory for a colocated trainer: level 1 the KV cache, level 2 the weights too."""
+        return self._weights.sleep(level, mode)
+
+    def wake_up(self, tags: list[str] | tuple[str, ...] | None = None) -> int:
+        """Takes back what sleep freed; returns the sleep level left (0: serving)."""
+        return self._weights.wake_up(tags)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from engine.engine_core import EngineCore, StepResult
 from engine.loop.commands import LoopAction, LoopCommand, UpdateWeights, WeightUpdate, without_callers
 from engine.loop.generation_loop import GenerationLoop, split_collective
+from engine.loop.listeners import LoopListeners
 from engine.loop.output_router import OutputRouter
 from engine.parallel import DRIVER_RANK, TensorParallelGroup
 
@@ -146,9 +147,14 @@ class _LockstepLoop(GenerationLoop):
     """What the driver and the other ranks share: the group, and the digest of the tokens sampled."""
 
     def __init__(
-        self, engine: EngineCore, router: OutputRouter, max_queue_size: int, group: TensorParallelGroup
+        self,
+        engine: EngineCore,
+        router: OutputRouter,
+        listeners: LoopListeners,
+        max_queue_size: int,
+        group: TensorParallelGroup,
     ) -> None:
-        super().__init__(engine, router, max_queue_size)
+        super().__init__(engine, router, listeners, max_queue_size, agreement=group)
         self.group = group
         self._tokens_emitted = 0
         self._token_sum = 0
@@ -165,7 +171,7 @@ class _LockstepLoop(GenerationLoop):
 
     def _digest(self) -> tuple[int, int, int, int]:
         """What every rank must agree on after each iteration; a mismatch means the lockstep broke."""
-        return (self.weight_version, self.engine.num_failed_steps, self._tokens_emitted, self._token_sum)
+        return (self.weights.version, self.engine.num_failed_steps, self._tokens_emitted, self._token_sum)
 
     def _check_can_apply_stopped(self) -> None:
         raise RuntimeError(
@@ -173,25 +179,12 @@ class _LockstepLoop(GenerationLoop):
             "loop (every rank applies them in step): start the engine first"
         )
 
-    def _tensor_parallel_rank(self) -> int:
-        return self.group.rank
-
-    def _tensor_parallel_size(self) -> int:
-        return self.group.tp_size
-
-    def _smallest(self, values: list[int]) -> list[int]:
-        return self.group.smallest(values)
-
 
 class LockstepDriverLoop(_LockstepLoop):
     """Rank 0: runs the loop as in a single process and tells the other ranks what each iteration did."""
 
-    def __init__(
-        self, engine: EngineCore, router: OutputRouter, max_queue_size: int, group: TensorParallelGroup
-    ) -> None:
-        super().__init__(engine, router, max_queue_size, group)
-        # While the loop is stopped: tells the other ranks that the driver still lives.
-        self._stopped_heartbeat: StoppedHeartbeat | None = None
+    # While the loop is stopped: tells the other ranks that the driver still lives.
+    _stopped_heartbeat: StoppedHeartbeat | None = None
 
     def _tick_interval_s(self) -> float:
         """How often an idle, parked or stopped driver tells the other ranks it lives."""
@@ -280,8 +273,8 @@ class LockstepFollowerLoop(_LockstepLoop):
         local, collective = split_collective(commands)
         for command in local:
             self._apply(command)
-        if tick.action != LoopAction.STEP and self.engine.has_step_in_flight:
-            self._flush()
+        if tick.action != LoopAction.STEP:
+            self._flush_step_in_flight()
         self.engine.hold_admission = tick.hold_admission
         self._paused = tick.action == LoopAction.PARK
         for command in collective:  # with the driver, which applies them right after the tick
@@ -344,3 +337,19 @@ class StoppedHeartbeat:
                 f"a tensor-parallel rank was lost while the engine was stopped ({self.error}); "
                 "restart the processes to serve again"
             )
+
+
+def generation_loop_for(
+    engine: EngineCore,
+    router: OutputRouter,
+    listeners: LoopListeners,
+    max_queue_size: int,
+    group: TensorParallelGroup | None,
+) -> GenerationLoop:
+    """The loop this process runs: the plain one in a single process; under tensor parallelism the
+    driver's on rank 0 and a follower's on every other rank."""
+    if group is None:
+        return GenerationLoop(engine, router, listeners, max_queue_size)
+    if group.is_driver:
+        return LockstepDriverLoop(engine, router, listeners, max_queue_size, group)
+    return LockstepFollowerLoop(engine, router, listeners, max_queue_size, group)

@@ -33,6 +33,8 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.system.cache_root",
         "engine.system.container_limits",
         "engine.system.thread_budget",
+        # How tensor-parallel ranks agree on a collective outcome: a protocol and its one-process identity.
+        "engine.loop.agreement",
         # Plain records of host-resident blocks, which a request carries while preempted.
         "engine.kv.offload",
     },
@@ -47,6 +49,8 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.kv.cache_manager",
         "engine.kv.layer_groups",
     },
+    # The one admission decision: what a request must fit (the cache's sizes) and the ledger of live ids.
+    {"engine.loop.admission"},
     {"engine.scheduler"},
     {"engine.sampling.penalties", "engine.sampling.structured_output", "engine.sampling.sampler"},
     {
@@ -68,10 +72,17 @@ ENGINE_LAYERS: list[set[str]] = [
     },
     {"engine.runner.cache_plan"},
     {"engine.engine_core"},
-    {"engine.loop.commands", "engine.loop.output_router", "engine.stats", "engine.weights.sleep"},
+    {
+        "engine.loop.commands",
+        "engine.loop.output_router",
+        "engine.loop.listeners",
+        "engine.stats",
+        "engine.weights.sleep",
+    },
+    {"engine.loop.weights_and_sleep"},
     {"engine.loop.generation_loop"},
     {"engine.loop.lockstep"},
-    {"engine.weights.manager_weights"},
+    {"engine.weights.operations"},
     {"engine.manager"},
     {"engine.api"},
     {"engine"},
