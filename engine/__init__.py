@@ -24,7 +24,6 @@ from engine.parallel import (
     torchrun_rank,
     torchrun_world_size,
 )
-from engine.quantization.gguf_blocks import load_gguf_linears
 from engine.request import FinishReason, GenerationOutput, RequestStatus, sequence_request_id
 from engine.runner.batch_invariant import BatchInvariantUnsupported, sequence_logprobs, trainer_exact
 from engine.sampling.params import (
@@ -98,7 +97,6 @@ __all__ = [
     "dtype_from_name",
     "generate_batch",
     "init_continuous_batching",
-    "load_gguf_linears",
     "load_sharded_model",
     "safetensors_files",
     "sequence_logprobs",

@@ -20,7 +20,6 @@ from engine.config import ContinuousBatchingConfig
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.offload import HostBlockPool
 from engine.parallel import TensorParallelGroup, tensor_parallel_size
-from engine.quantization.model import quantize_model
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
 from engine.runner.batch_invariant import check_linear_invariance, check_table_width
@@ -163,8 +162,6 @@ class EngineCore:
         self.config = config
         self.device = model_device(model)
         self.vocab_size: int = model.config.get_text_config().vocab_size  # type: ignore[operator, union-attr]
-        # Quantized before packing, which then takes the linear layers that stay full precision.
-        quantize_model(model, config.quantization)
         packs = packs_linear_weights(model, config, self.device)
         if config.batch_invariant:
             check_linear_invariance(model, packed=packs)
@@ -239,16 +236,16 @@ class EngineCore:
         self.scheduler.hold_new_admissions = value
 
     def add_request(self, request: Request) -> bool:
-        """Queues `request` and its `pending_forks` (n > 1), or fails them all at once (returns False) when
-        it can never fit."""
+        """Queues `request` and its `pending_forks` (n > 1), which admission took (engine.loop.admission.admit
+        decided that they fit), or fails them all at once (returns False) when a grammar does not compile:
+        a tensor-parallel rank that replays the request compiles its grammar again here."""
         sequences = [request, *request.pending_forks]
-        error = self.scheduler.admission_error(request)
-        if error is None:
-            try:
-                for sequence in sequences:
-                    self.init_structured_output(sequence)
-            except ValueError as exc:
-                error = str(exc)
+        error = None
+        try:
+            for sequence in sequences:
+                self.init_structured_output(sequence)
+        except ValueError as exc:
+            error = str(exc)
         if error is not None:
             for sequence in sequences:
                 sequence.status = RequestStatus.FAILED

@@ -127,41 +127,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting)
 
-    def admission_error(self, request: Request) -> str | None:
-        """Why `request` can never run, or None. Checked once, when it is added.
-
-        It can never run when the full-attention group cannot hold all its tokens, or when a
-        sliding-window group cannot hold one window plus one step of it.
-        """
-        manager = self.kv_cache_manager
-        max_tokens = request.num_prompt_tokens + request.sampling.max_new_tokens
-        capacity = manager.capacity_tokens
-        if capacity is not None and max_tokens > capacity:
-            return (
-                f"request {request.request_id!r} needs up to {max_tokens} tokens of KV cache "
-                f"({request.num_prompt_tokens} prompt + {request.sampling.max_new_tokens} max_new_tokens) "
-                f"but the whole cache holds {capacity} tokens "
-                f"({manager.block_pool.num_usable_blocks} blocks of "
-                f"{manager.page_size}); raise num_blocks or lower max_new_tokens"
-            )
-        step = min(self.max_batch_tokens, max_tokens)
-        for group in manager.sliding_window_groups:
-            needed = group.max_blocks_per_step(step)
-            if needed > group.block_pool.num_usable_blocks:
-                return (
-                    f"request {request.request_id!r} needs {needed} sliding-window KV blocks (a window of "
-                    f"{group.sliding_window} tokens plus a step of {step}, in blocks of {manager.page_size}) "
-                    f"but the sliding-window cache holds {group.block_pool.num_usable_blocks}; "
-                    "raise num_blocks or lower max_batch_tokens"
-                )
-        if self.max_model_len is not None and max_tokens > self.max_model_len:
-            return (
-                f"request {request.request_id!r} needs {max_tokens} positions "
-                f"({request.num_prompt_tokens} prompt + {request.sampling.max_new_tokens} max_new_tokens) "
-                f"but the model supports at most {self.max_model_len} (max_position_embeddings)"
-            )
-        return None
-
     def add_request(self, request: Request) -> None:
         """Queues `request`; its `pending_forks` (n > 1) wait on it to be forked."""
         request.arrival_index = next(self._arrivals)
@@ -470,7 +435,8 @@ class Scheduler:
         needed = blocks_for_tokens(request.num_tokens, page_size)
         request.status = RequestStatus.FAILED
         request.finish_reason = FinishReason.ERROR
-        # Only the primary group is named: admission already ruled out a too small sliding-window group.
+        # Only the primary group is named: admission (engine.loop.admission.admit) already ruled out a too
+        # small sliding-window group.
         request.error = (
             f"request {request.request_id!r} needs {needed} KV blocks for its {request.num_tokens} tokens "
             f"but only {self.kv_cache_manager.block_pool.num_free_blocks} of "

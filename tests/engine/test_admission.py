@@ -40,7 +40,9 @@ def test_a_request_larger_than_the_whole_cache_is_refused_naming_max_new_tokens_
         "max_new_tokens",
         16,
     )
-    assert "needs up to 17 tokens" in rejection.message and "holds 16 tokens" in rejection.message
+    fragments = ("'big'", "17 tokens", "10 prompt + 7 max_new_tokens", "holds 16 tokens", "4 blocks of 4")
+    for fragment in fragments:
+        assert fragment in rejection.message, f"{fragment!r} missing from {rejection.message!r}"
     assert admit(make_request("fits", 10, max_new_tokens=6), scheduler, AdmissionLedger(0)) is None
 
 
@@ -53,7 +55,10 @@ def test_a_request_past_the_models_positions_is_refused_naming_max_model_len() -
         "max_new_tokens",
         12,
     )
+    for fragment in ("'long'", "13 positions", "10 prompt + 3 max_new_tokens", "at most 12"):
+        assert fragment in rejection.message, f"{fragment!r} missing from {rejection.message!r}"
     assert isinstance(rejection.error(), ValueError)
+    assert admit(make_request("ok", 10, max_new_tokens=2), scheduler, AdmissionLedger(0)) is None
 
 
 def test_an_id_is_a_duplicate_while_any_sequence_of_its_request_lives_and_free_once_all_ended() -> None:

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.cache_manager import KVCacheManager, blocks_for_tokens
+from engine.loop.admission import size_rejection
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -192,9 +193,9 @@ def add(world: World, prompt: list[int], max_new_tokens: int) -> None:
         SamplingParams(max_new_tokens=max_new_tokens, eos_token_ids=frozenset({EOS})),
     )
     world.next_id += 1
-    error = world.scheduler.admission_error(request)
-    if error is not None:
-        assert request.request_id in error
+    rejection = size_rejection(request, world.scheduler)
+    if rejection is not None:
+        assert request.request_id in rejection.message
         return
     world.scheduler.add_request(request)
     world.live[request.request_id] = request

@@ -390,41 +390,13 @@ def test_update_from_output_returns_the_items_that_gained_a_token() -> None:
     assert [item.request.request_id for item in advanced] == ["a"]
 
 
-# --- admission errors -----------------------------------------------------------------------------
-
-
-def test_admission_error_names_sizes_for_a_request_larger_than_the_whole_cache() -> None:
-    scheduler = make_scheduler(num_blocks=5, page_size=4)  # 4 blocks of 4 = 16 tokens
-    error = scheduler.admission_error(make_request("big", prompt(0, 10), max_new_tokens=7))
-    assert error is not None
-    for fragment in (
-        "'big'",
-        "17 tokens",
-        "10 prompt + 7 max_new_tokens",
-        "holds 16 tokens",
-        "4 blocks of 4",
-    ):
-        assert fragment in error, f"{fragment!r} missing from {error!r}"
-
-
-def test_a_request_exactly_the_size_of_the_cache_is_admissible() -> None:
-    scheduler = make_scheduler(num_blocks=5, page_size=4)
-    assert scheduler.admission_error(make_request("fits", prompt(0, 10), max_new_tokens=6)) is None
-
-
-def test_admission_error_names_sizes_for_a_request_past_max_model_len() -> None:
-    scheduler = make_scheduler(num_blocks=64, page_size=4, max_model_len=12)
-    error = scheduler.admission_error(make_request("long", prompt(0, 10), max_new_tokens=3))
-    assert error is not None
-    for fragment in ("'long'", "13 positions", "10 prompt + 3 max_new_tokens", "at most 12"):
-        assert fragment in error, f"{fragment!r} missing from {error!r}"
-    assert scheduler.admission_error(make_request("ok", prompt(0, 10), max_new_tokens=2)) is None
+# --- requests that can never fit ------------------------------------------------------------------
 
 
 def test_a_queued_request_that_can_never_fit_fails_when_scheduled() -> None:
     scheduler = make_scheduler(num_blocks=3, page_size=4, max_batch_tokens=64)
     request = make_request("huge", prompt(0, 12))
-    scheduler.add_request(request)  # admission_error is the caller's check; the scheduler still copes
+    scheduler.add_request(request)  # admission is the caller's check (engine.loop.admission); this copes
     output = scheduler.schedule()
     assert output.failed == [request]
     assert output.scheduled == []

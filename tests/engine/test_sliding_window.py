@@ -15,6 +15,7 @@ from engine.kv.cache_manager import KVCacheManager, blocks_for_tokens
 from engine.kv.layer_groups import KVCacheGroupSpec, kv_cache_groups
 from engine.kv.offload import HostBlockPool
 from engine.kv.sliding_window import SlidingWindowManager
+from engine.loop.admission import RejectionReason, size_rejection
 from engine.request import Request, RequestStatus
 from engine.runner.kv_cache import KVCacheShape
 from engine.sampling.params import SamplingParams
@@ -99,7 +100,7 @@ def test_allocation_is_atomic_across_groups():
 def _run_scheduler(scheduler: Scheduler, requests: list[Request], cancel: str | None = None) -> int:
     """Steps the scheduler with dummy sampled tokens until every request ends; returns the steps."""
     for request in requests:
-        assert scheduler.admission_error(request) is None
+        assert size_rejection(request, scheduler) is None
         scheduler.add_request(request)
     manager = scheduler.kv_cache_manager
     steps = 0
@@ -167,10 +168,11 @@ def test_a_restored_request_gets_null_pages_before_its_window():
 def test_admission_rejects_a_sliding_group_too_small_for_one_window_and_step():
     manager = KVCacheManager(5, PAGE, enable_prefix_caching=False, sliding_windows=[WINDOW])
     scheduler = Scheduler(manager, max_batch_tokens=32, max_requests_per_batch=8, safety_margin=0.0)
-    error = scheduler.admission_error(make_request("r", 100))
-    assert error is not None and "sliding-window" in error
+    rejection = size_rejection(make_request("r", 100), scheduler)
+    assert rejection is not None and rejection.reason == RejectionReason.SLIDING_WINDOW_CACHE_TOO_SMALL
+    assert "sliding-window" in rejection.message and rejection.field == "max_batch_tokens"
     small_step = Scheduler(manager, max_batch_tokens=1, max_requests_per_batch=8, safety_margin=0.0)
-    assert small_step.admission_error(make_request("r", 100, max_new_tokens=500)) is None, (
+    assert size_rejection(make_request("r", 100, max_new_tokens=500), small_step) is None, (
         "a sliding-only model has no length bound from its cache"
     )
 
