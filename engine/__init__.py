@@ -24,6 +24,7 @@ from engine.parallel import (
     torchrun_rank,
     torchrun_world_size,
 )
+from engine.quantization.gguf_blocks import load_gguf_linears
 from engine.request import FinishReason, GenerationOutput, RequestStatus, sequence_request_id
 from engine.runner.batch_invariant import BatchInvariantUnsupported, sequence_logprobs, trainer_exact
 from engine.sampling.params import (
@@ -97,6 +98,7 @@ __all__ = [
     "dtype_from_name",
     "generate_batch",
     "init_continuous_batching",
+    "load_gguf_linears",
     "load_sharded_model",
     "safetensors_files",
     "sequence_logprobs",

@@ -18,9 +18,11 @@ from engine.sampling.params import check_logprobs_mode
 if TYPE_CHECKING:
     from transformers import CompileConfig
 
-__all__ = ["DEFAULT_SAFETY_MARGIN", "SCHEDULER_TYPES", "ContinuousBatchingConfig"]
+__all__ = ["DEFAULT_SAFETY_MARGIN", "QUANTIZATION_CHOICES", "SCHEDULER_TYPES", "ContinuousBatchingConfig"]
 
 SCHEDULER_TYPES: tuple[str, ...] = ("fifo", "prefill_first", "priority")
+# Weight-only quantization of the linear layers (engine.quantization); "none" keeps the model's own weights.
+QUANTIZATION_CHOICES: tuple[str, ...] = ("none", "int8", "int4")
 DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0, "priority": 0.15}
 
 _DEFAULT_PAGE_SIZE = 256
@@ -165,6 +167,13 @@ class ContinuousBatchingConfig:
     CPU, weights oneDNN can pack (fp32; bf16 on CPUs with AVX-512). Its cost is in the README's
     Benchmarks section.
 
+    quantization: serve the linear layers from weight-only quantized weights on the CPU, read packed by
+    the engine's kernel (engine.quantization): "int8" (a scale per 32 weights), "int4" (a scale and a min
+    per 32 weights), or "none" (the default: the model's own weights). The engine quantizes the model's
+    full-precision linear layers in place when it starts (the model stays quantized after it stops) and
+    keeps layers already loaded quantized, such as a GGUF file's own blocks. Weight updates stay full
+    precision on the wire and are quantized as they are applied. Not with `batch_invariant`.
+
     Deprecated fields, accepted at construction only and reset to None once applied:
     `use_default_compile_configs` (since transformers 5.11, use `default_compile_level`; True raises a level
     of 0 to 1), `max_cached_graphs` (since 5.13, ignored) and `block_size` (since 5.17, copied into
@@ -201,6 +210,7 @@ class ContinuousBatchingConfig:
     num_threads: int | None = None
     pack_cpu_weights: bool = True
     batch_invariant: bool = False
+    quantization: str = "none"
     use_default_compile_configs: bool | None = None
     max_cached_graphs: int | None = None
     block_size: int | None = None
@@ -301,6 +311,14 @@ class ContinuousBatchingConfig:
         _check_bool("batch_invariant", self.batch_invariant)
         if self.batch_invariant:
             self._check_batch_invariant_settings()
+        if self.quantization not in QUANTIZATION_CHOICES:
+            allowed = ", ".join(repr(choice) for choice in QUANTIZATION_CHOICES)
+            raise ValueError(f"quantization must be one of {allowed}, got {self.quantization!r}")
+        if self.batch_invariant and self.quantization != "none":
+            raise ValueError(
+                "batch_invariant needs full-precision linear layers, got quantization "
+                f"{self.quantization!r}; set quantization to 'none'"
+            )
         _check_bool("per_request_processors", self.per_request_processors)
         _check_bool("drop_unsupported_processors", self.drop_unsupported_processors)
         _check_bool("disable_nccl_graph_mixing", self.disable_nccl_graph_mixing)

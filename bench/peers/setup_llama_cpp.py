@@ -32,6 +32,8 @@ CMAKE_FLAGS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DBUILD_SHARED_LIBS=OFF",
 )
+# As the vendored converter's requirements file pins it.
+CONVERTER_SENTENCEPIECE = "sentencepiece>=0.1.98,<0.3.0"
 F32_GGUF_NAME = "SmolLM2-135M-Instruct-F32.gguf"
 
 
@@ -122,6 +124,22 @@ def _convert_f32(cache: PeerCache) -> Path:
         run_step(
             "creating the converter's virtual environment",
             [sys.executable, "-m", "venv", "--system-site-packages", venv],
+            "llama-convert",
+            cache,
+        )
+        # The converter imports sentencepiece before it looks for a SentencePiece model (the embedded
+        # model has none: it falls back to the BPE vocabulary); the project's environment lacks it.
+        run_step(
+            "installing the converter's sentencepiece",
+            [
+                venv / "bin" / "python",
+                "-m",
+                "pip",
+                "install",
+                "--progress-bar",
+                "off",
+                CONVERTER_SENTENCEPIECE,
+            ],
             "llama-convert",
             cache,
         )

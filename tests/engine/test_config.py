@@ -38,6 +38,7 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "num_threads": None,
     "pack_cpu_weights": True,
     "batch_invariant": False,
+    "quantization": "none",
     "use_default_compile_configs": None,
     "max_cached_graphs": None,
     "block_size": None,
@@ -110,6 +111,8 @@ INVALID_VALUES: list[tuple[str, Any]] = [
     ("num_threads", 1.5),
     ("pack_cpu_weights", "yes"),
     ("batch_invariant", 1),
+    ("quantization", "int3"),
+    ("quantization", None),
 ]
 
 

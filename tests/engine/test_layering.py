@@ -33,6 +33,14 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.system.cache_root",
         "engine.system.container_limits",
         "engine.system.thread_budget",
+        "engine.system.native_library",
+        # Quantized linear layers: their formats, kernel and loaders; weight updates quantize through them.
+        "engine.quantization",
+        "engine.quantization.formats",
+        "engine.quantization.kernel",
+        "engine.quantization.linear",
+        "engine.quantization.model",
+        "engine.quantization.gguf_blocks",
         # How tensor-parallel ranks agree on a collective outcome: a protocol and its one-process identity.
         "engine.loop.agreement",
         # Plain records of host-resident blocks, which a request carries while preempted.

@@ -1,0 +1,123 @@
+"""The C kernel for linear layers on quantized weights (`quantized_linear_cpu.c`), called via ctypes.
+
+Measured against torch's own CPU kernels on SmolLM2's shapes (bench/quantization.py): on this AVX2 CPU
+`aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` ran several times slower than `F.linear`
+in float32, so neither reaches the weight-reading floor; this kernel reads the packed weights once per call
+and dequantizes them a few channels at a time in cache. Built like the attention kernel
+(engine.system.native_library). No compiler, no kernel: quantizing then fails with a message saying so
+(dequantizing every weight on every call would be slower than not quantizing).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.quantization.formats import QuantizedWeight
+from engine.system.native_library import load_library
+
+SOURCE = Path(__file__).with_name("quantized_linear_cpu.c")
+# No -fassociative-math: each output's sum runs in the order the source writes it, so a row's result does
+# not depend on how many rows share the call.
+COMPILE_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+)
+FORMAT_CODES = {"int8": 0, "int4": 1}
+
+_int64, _pointer = ctypes.c_int64, ctypes.c_void_p
+_ARGUMENT_TYPES: list[Any] = [
+    ctypes.c_int,  # format
+    _pointer, _int64, _int64,  # x, rows, row stride
+    _pointer, _pointer, _pointer,  # packed, scales, mins (NULL for int8)
+    _int64, _int64,  # out_features, in_features
+    _pointer,  # bias (NULL: none)
+    _pointer, _int64,  # output, row stride
+    ctypes.c_int,  # threads
+]  # fmt: skip
+
+_library: ctypes.CDLL | None = None
+
+
+def load() -> ctypes.CDLL:
+    """The built kernel; raises engine.system.native_library.KernelUnavailable when it cannot be built."""
+    global _library
+    if _library is None:
+        _library = load_library(SOURCE, COMPILE_FLAGS, {"quantized_linear": _ARGUMENT_TYPES})
+    return _library
+
+
+def _pointer_of(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def quantized_matmul(
+    inputs: torch.Tensor,
+    weight_format: int,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """inputs [rows, in] float32 (unit stride along in) -> [rows, out] float32: inputs @ w.T + bias, for the
+    weight `packed`/`scales`/`mins` of format code `weight_format` (`FORMAT_CODES`)."""
+    library = load()
+    rows, in_features = inputs.shape
+    out_features = packed.shape[0]
+    output = torch.empty(rows, out_features, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.detach().to(torch.float32).contiguous()
+    status = library.quantized_linear(
+        weight_format,
+        inputs.data_ptr(),
+        rows,
+        inputs.stride(0),
+        packed.data_ptr(),
+        scales.data_ptr(),
+        _pointer_of(mins),
+        out_features,
+        in_features,
+        _pointer_of(bias),
+        output.data_ptr(),
+        output.stride(0),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError("quantized linear: a worker thread could not allocate its scratch buffer")
+    return output
+
+
+def linear(inputs: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(inputs, weight.dequantize(), bias)` computed on the packed weight; any leading dims, any
+    float dtype (computed in float32, returned in the inputs' dtype)."""
+    leading = inputs.shape[:-1]
+    rows = inputs.reshape(-1, weight.in_features).to(torch.float32)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    code = FORMAT_CODES[weight.weight_format]
+    if torch.compiler.is_compiling():
+        output = quantized_matmul_op(rows, code, weight.packed, weight.scales, weight.mins, bias)
+    else:
+        output = quantized_matmul(rows, code, weight.packed, weight.scales, weight.mins, bias)
+    return output.view(*leading, weight.out_features).to(inputs.dtype)
+
+
+# A custom op, so that compiled graphs call the kernel as one opaque node.
+quantized_matmul_op = torch.library.custom_op(
+    "cbserve::quantized_matmul_cpu", mutates_args=(), device_types="cpu"
+)(quantized_matmul)
+
+
+@quantized_matmul_op.register_fake
+def _(
+    inputs: torch.Tensor, weight_format: int, packed: torch.Tensor, *tensors: torch.Tensor | None
+) -> torch.Tensor:
+    return inputs.new_empty(inputs.shape[0], packed.shape[0])

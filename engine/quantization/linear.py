@@ -1,0 +1,47 @@
+"""`QuantizedLinear`: a linear layer whose weight is held only in a quantized format and read packed."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.quantization import kernel
+from engine.quantization.formats import QuantizedWeight
+
+
+class QuantizedLinear(torch.nn.Module):
+    """Stands in for an `nn.Linear` [out_features, in_features]: same call, same output up to float32
+    summation order, on `weight.dequantize()`.
+
+    The packed tensors are buffers (`packed`, `scales`, and `mins` for int4), so they move with the model's
+    state dict and a weight update can write them in place; `bias`, when present, stays a full-precision
+    parameter. A full-precision update of the layer's weight is quantized on the way in
+    (engine.quantization.model.quantize_update).
+    """
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    def __init__(self, weight: QuantizedWeight, bias: torch.nn.Parameter | None, name: str) -> None:
+        super().__init__()
+        weight.validate(name)
+        self.weight_format = weight.weight_format
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.register_buffer("packed", weight.packed)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+        self.bias = bias
+
+    @property
+    def quantized_weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.weight_format, self.packed, self.scales, self.mins, self.in_features)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return kernel.linear(hidden_states, self.quantized_weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={self.weight_format}, bias={self.bias is not None}"
+        )

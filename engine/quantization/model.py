@@ -1,0 +1,151 @@
+"""Quantizing a model's linear layers where the engine prepares the model, and weight updates into them.
+
+`quantize_model` replaces each plain `nn.Linear` with a `QuantizedLinear` in the model object itself: the
+full-precision weight is dropped (that is the memory quantization saves), so the model stays quantized
+after the engine that asked for it stops. Layers that are already quantized (loaded from GGUF blocks by
+engine.quantization.gguf_blocks) are kept as they are, and the engine's oneDNN packing
+(engine.runner.packed_linear) only takes plain `nn.Linear`, so it packs whatever stays full precision.
+
+A tied output layer (lm_head sharing the input embedding's weight) is quantized too: the embedding keeps
+its full-precision table, which a lookup reads one row of per token, while the output layer reads all of
+it every step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from engine.config import QUANTIZATION_CHOICES
+from engine.quantization import kernel
+from engine.quantization.formats import GROUP_SIZE, QuantizationError, quantize
+from engine.quantization.linear import QuantizedLinear
+from engine.system.native_library import KernelUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+def quantized_layers(model: torch.nn.Module) -> dict[str, QuantizedLinear]:
+    """The model's quantized layers by module name."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+
+
+def _check_quantizable(model: torch.nn.Module, weight_format: str) -> None:
+    if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
+        raise ValueError(
+            f"quantization {weight_format!r} does not shard: serve a tensor-parallel model with quantization "
+            "'none'"
+        )
+    devices = {parameter.device.type for parameter in model.parameters()}
+    if devices - {"cpu"}:
+        raise ValueError(
+            f"quantization {weight_format!r} runs on the CPU only; the model is on {sorted(devices)} "
+            "(serve it with quantization 'none')"
+        )
+    try:
+        kernel.load()
+    except KernelUnavailable as error:
+        raise ValueError(
+            f"quantization {weight_format!r} needs its C kernel, which cannot be built here ({error}); "
+            "set CC to a C compiler or serve with quantization 'none'"
+        ) from error
+
+
+def replace_module(model: torch.nn.Module, name: str, replacement: torch.nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, replacement)
+
+
+def quantize_model(model: torch.nn.Module, weight_format: str) -> int:
+    """Quantizes the model's plain linear layers to `weight_format` in place; returns how many.
+
+    'none' changes nothing. Layers whose in_features is not a multiple of the group size stay full
+    precision (logged). Raises QuantizationError naming a layer that cannot be quantized, ValueError for
+    a model off the CPU or without the kernel.
+    """
+    if weight_format not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {weight_format!r}")
+    if weight_format == "none":
+        return 0
+    _check_quantizable(model, weight_format)
+    linears = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    kept = [name for name, module in linears if module.in_features % GROUP_SIZE]
+    if kept:
+        logger.info(
+            "%d linear layers stay full precision: in_features not a multiple of %d (%s)",
+            len(kept),
+            GROUP_SIZE,
+            ", ".join(kept[:4]),
+        )
+    quantized_bytes = 0
+    for name, module in linears:
+        if module.in_features % GROUP_SIZE:
+            continue
+        weight = quantize(f"{name}.weight", module.weight, weight_format)
+        replace_module(model, name, QuantizedLinear(weight, module.bias, f"{name}.weight"))
+        quantized_bytes += weight.nbytes
+    count = len(linears) - len(kept)
+    logger.info(
+        "%d linear layers quantized to %s (%.1f MiB of packed weights)",
+        count,
+        weight_format,
+        quantized_bytes / 2**20,
+    )
+    return count
+
+
+def _tied_output_name(model: torch.nn.Module, layers: dict[str, QuantizedLinear]) -> tuple[str, str] | None:
+    """(input embedding's weight name, quantized output layer's name) when the model ties them."""
+    config = getattr(model, "config", None)
+    get_text_config = getattr(config, "get_text_config", None)
+    text_config = get_text_config() if get_text_config is not None else config
+    if not getattr(text_config, "tie_word_embeddings", False):
+        return None
+    get_output, get_input = (
+        getattr(model, "get_output_embeddings", None),
+        getattr(model, "get_input_embeddings", None),
+    )
+    if get_output is None or get_input is None:
+        return None
+    output, embedding = get_output(), get_input()
+    output_name = next((name for name, layer in layers.items() if layer is output), None)
+    embedding_weight = getattr(embedding, "weight", None)
+    weight_name = next(
+        (name for name, parameter in model.named_parameters() if parameter is embedding_weight), None
+    )
+    if output_name is None or weight_name is None:
+        return None
+    return weight_name, output_name
+
+
+def quantized_update_targets(model: torch.nn.Module) -> dict[str, QuantizedLinear]:
+    """The full-precision tensor names a weight update may carry for quantized layers: `<layer>.weight`
+    for each, and the input embedding's weight for a tied output layer (an update of the embedding
+    updates both)."""
+    layers = quantized_layers(model)
+    targets = {f"{name}.weight": layer for name, layer in layers.items()}
+    tied = _tied_output_name(model, layers)
+    if tied is not None:
+        targets[tied[0]] = layers[tied[1]]
+    return targets
+
+
+def quantize_update(
+    name: str, layer: QuantizedLinear, value: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A full-precision update `value` of `layer`'s weight, quantized to the layer's format: (buffer, new
+    value) pairs to copy in place. Raises QuantizationError naming `name` for a wrong shape or dtype."""
+    expected = [layer.out_features, layer.in_features]
+    if list(value.shape) != expected:
+        raise QuantizationError(
+            name,
+            layer.weight_format,
+            f"shape {list(value.shape)} does not match the quantized layer's {expected}",
+        )
+    weight = quantize(name, value, layer.weight_format)
+    pairs = [(layer.packed, weight.packed), (layer.scales, weight.scales)]
+    if layer.mins is not None and weight.mins is not None:
+        pairs.append((layer.mins, weight.mins))
+    return pairs

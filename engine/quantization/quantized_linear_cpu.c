@@ -1,0 +1,162 @@
+/* Linear layers on weight-only quantized weights, read in their packed form (engine.quantization.kernel).
+
+   out[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]), where w is never stored in full precision: each group of
+   GROUP consecutive weights of one output channel is
+     int8 (format 0):  w = scale * q,        q int8, one byte a weight;
+     int4 (format 1):  w = scale * q + min,  q in 0..15, two a byte in GGUF's order (byte j of a group holds
+                                             weight j in its low nibble and weight j + 16 in its high one).
+   Scales and mins are float32, one per group ([N, K / GROUP], row-major); GGUF's Q8_0, Q4_0 and Q4_1 blocks
+   map onto these exactly (engine.quantization.gguf_blocks).
+
+   Work is split over output channels. A worker dequantizes CHANNEL_TILE channels at a time into a small
+   float scratch (it stays in L1/L2) and multiplies every row of x by them, ROW_TILE rows at once: the
+   packed weights are read from memory once per call whatever the number of rows, which is what one
+   request's decode is bound by, and each dequantized value feeds ROW_TILE multiply-adds.
+   Within a channel the products are summed in a fixed order that does not depend on the number of rows or
+   threads: a row's output has the same bits whatever else shares the call. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 32
+#define CHANNEL_TILE 4
+#define ROW_TILE 3
+#define LANES 8
+
+typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
+
+static inline lanes_t load_lanes(const float *source) {
+    lanes_t value;
+    memcpy(&value, source, sizeof(value));
+    return value;
+}
+
+static inline float sum_lanes(lanes_t value) {
+    float total = 0.0f;
+    for (int lane = 0; lane < LANES; lane++) total += value[lane];
+    return total;
+}
+
+#define PARTS (GROUP / LANES)
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* A group's quantized values as floats, LANES at a time, in weight order. GCC turns a portable conversion
+   of eight bytes into eight scalar conversions, hence the intrinsics on x86. */
+static inline void unpack_group(int format, const uint8_t *group, lanes_t values[PARTS]) {
+    if (format == 0) {
+        for (int part = 0; part < PARTS; part++)
+            values[part] = (lanes_t)_mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(group + part * LANES))));
+        return;
+    }
+    __m128i bytes = _mm_loadu_si128((const __m128i *)group);
+    __m128i mask = _mm_set1_epi8(15);
+    /* Weights 0..15 are the low nibbles, 16..31 the high ones. */
+    __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    values[0] = (lanes_t)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+    values[1] = (lanes_t)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+    values[2] = (lanes_t)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+    values[3] = (lanes_t)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+}
+#else
+static inline void unpack_group(int format, const uint8_t *group, lanes_t values[PARTS]) {
+    for (int j = 0; j < GROUP; j++) {
+        float value;
+        if (format == 0)
+            value = (float)((const int8_t *)group)[j];
+        else
+            value = (float)(j < GROUP / 2 ? group[j] & 15 : group[j - GROUP / 2] >> 4);
+        values[j / LANES][j % LANES] = value;
+    }
+}
+#endif
+
+/* One channel's weights as floats: `in_features` of them into `target`. */
+static void dequantize_channel(int format, const uint8_t *packed, const float *scales, const float *mins,
+                               int64_t in_features, float *target) {
+    int64_t groups = in_features / GROUP;
+    int64_t group_bytes = format == 0 ? GROUP : GROUP / 2;
+    for (int64_t group = 0; group < groups; group++) {
+        lanes_t values[PARTS];
+        unpack_group(format, packed + group * group_bytes, values);
+        lanes_t scale = (lanes_t){0} + scales[group];
+        lanes_t min = (lanes_t){0} + (format == 0 ? 0.0f : mins[group]);
+        for (int part = 0; part < PARTS; part++) {
+            lanes_t weights = scale * values[part] + min;
+            memcpy(target + group * GROUP + part * LANES, &weights, sizeof(weights));
+        }
+    }
+}
+
+/* rows x CHANNEL_TILE dot products of length in_features; `rows` is a constant at each call site, so the
+   compiler keeps the accumulators in registers. */
+static inline __attribute__((always_inline)) void multiply_tile(
+    const int rows, const float *x, int64_t x_stride, const float *weights, int64_t in_features,
+    float results[ROW_TILE][CHANNEL_TILE]) {
+    lanes_t accumulators[ROW_TILE][CHANNEL_TILE];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < CHANNEL_TILE; c++) accumulators[r][c] = (lanes_t){0};
+    for (int64_t k = 0; k < in_features; k += LANES) {
+        lanes_t channel[CHANNEL_TILE];
+        for (int c = 0; c < CHANNEL_TILE; c++) channel[c] = load_lanes(weights + c * in_features + k);
+        for (int r = 0; r < rows; r++) {
+            lanes_t row = load_lanes(x + r * x_stride + k);
+            for (int c = 0; c < CHANNEL_TILE; c++) accumulators[r][c] += row * channel[c];
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < CHANNEL_TILE; c++) results[r][c] = sum_lanes(accumulators[r][c]);
+}
+
+/* Returns 0, or 1 when a worker could not allocate its scratch. */
+int quantized_linear(int format, const float *x, int64_t rows, int64_t x_stride, const uint8_t *packed,
+                     const float *scales, const float *mins, int64_t out_features, int64_t in_features,
+                     const float *bias, float *out, int64_t out_stride, int threads) {
+    int64_t packed_row_bytes = format == 0 ? in_features : in_features / 2;
+    int64_t groups = in_features / GROUP;
+    int64_t tiles = (out_features + CHANNEL_TILE - 1) / CHANNEL_TILE;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *scratch = aligned_alloc(64, (size_t)(CHANNEL_TILE * in_features * sizeof(float)));
+        failed = scratch == NULL;
+        /* Every worker reaches the loop (a work-sharing construct), even one without scratch. */
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            if (scratch == NULL) continue;
+            int64_t first = tile * CHANNEL_TILE;
+            int channels = out_features - first < CHANNEL_TILE ? (int)(out_features - first) : CHANNEL_TILE;
+            for (int c = 0; c < CHANNEL_TILE; c++) {
+                float *target = scratch + c * in_features;
+                if (c >= channels) {
+                    memset(target, 0, (size_t)in_features * sizeof(float));
+                    continue;
+                }
+                int64_t channel = first + c;
+                dequantize_channel(format, packed + channel * packed_row_bytes, scales + channel * groups,
+                                   mins == NULL ? NULL : mins + channel * groups, in_features, target);
+            }
+            for (int64_t row = 0; row < rows; row += ROW_TILE) {
+                float results[ROW_TILE][CHANNEL_TILE];
+                int64_t left = rows - row;
+                const float *x_rows = x + row * x_stride;
+                if (left >= 3)
+                    multiply_tile(3, x_rows, x_stride, scratch, in_features, results);
+                else if (left == 2)
+                    multiply_tile(2, x_rows, x_stride, scratch, in_features, results);
+                else
+                    multiply_tile(1, x_rows, x_stride, scratch, in_features, results);
+                int tile_rows = left >= ROW_TILE ? ROW_TILE : (int)left;
+                for (int r = 0; r < tile_rows; r++)
+                    for (int c = 0; c < channels; c++)
+                        out[(row + r) * out_stride + first + c] =
+                            results[r][c] + (bias == NULL ? 0.0f : bias[first + c]);
+            }
+        }
+        free(scratch);
+    }
+    return failed;
+}
