@@ -10,16 +10,16 @@ import time
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from bench.offline_throughput import on_own_thread
-from service.model_loading import load_pretrained
 
 REPEATS = 30
 
 
 def _linear_step_ms(model_dir: str, threads: int) -> float:
     torch.set_num_threads(threads)
-    model, _ = load_pretrained(model_dir, "cpu", "float32")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     layers = [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
     inputs = [torch.randn(1, layer.in_features) for layer in layers]
     timings = []
