@@ -2,7 +2,9 @@
 
 The manager validates what callers pass and posts it to the generation loop
 (engine.loop.generation_loop), which owns the engine on a thread of its own; outputs come back through
-the `OutputRouter`.
+the `OutputRouter`. Whether a request is taken is decided once, by `engine.loop.admission.admit`; weight
+updates, the trainer's group and sleep go through a composed `engine.weights.operations.WeightsAndMemory`,
+whose methods the manager forwards with their signatures unchanged.
 
     add_request / cancel_request ──> GenerationLoop: engine.step() ──> OutputRouter ──> get_result,
     pause / update_weights                                                          request_id_iter,
