@@ -46,8 +46,9 @@ class Rejection:
     """Why a request was refused, in words a caller can act on (`message`) and as data."""
 
     reason: RejectionReason
-    # The request's field or the setting at fault: "max_new_tokens", "request_id", "max_queue_size".
-    field: str
+    # The request's field or the setting at fault: "max_new_tokens", "request_id", "max_queue_size"; None
+    # where neither is (a stopped engine).
+    field: str | None
     # The limit the request broke (tokens, blocks, positions, queued requests); None where none applies.
     bound: int | None
     message: str
@@ -87,7 +88,7 @@ class AdmissionLedger:
     def rejection(self, ids: tuple[str, ...]) -> Rejection | None:
         """Why sequences with `ids` cannot be taken now, or None."""
         if not self.accepting:
-            return Rejection(RejectionReason.STOPPED, "", None, "the manager is stopped")
+            return Rejection(RejectionReason.STOPPED, None, None, "the manager is stopped")
         for request_id in ids:
             if request_id in self.live_ids or request_id in self.sequence_ids:
                 return Rejection(

@@ -97,6 +97,7 @@ def test_a_stopped_engine_refuses_quietly() -> None:
     ledger.accepting = False
     rejection = admit(make_request("late"), make_scheduler(), ledger)
     assert isinstance(rejection, Rejection) and rejection.reason == RejectionReason.STOPPED
+    assert rejection.field is None and rejection.bound is None
 
 
 @pytest.mark.parametrize(
