@@ -10,14 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import FinishReason
-from tests.conftest import TEST_DEVICE
-from tests.engine.test_structured_output import _json_schema, _manager, _obj, _results
+from tests.helpers.models import TEST_DEVICE
+from tests.helpers.structured_output import json_schema_output, object_schema, results, started_manager
 
 
 def test_embedded_smollm2_follows_schemas(model_dir: str) -> None:
     smol_tokenizer = AutoTokenizer.from_pretrained(model_dir)
     smol = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(TEST_DEVICE).eval()
-    person = _obj(
+    person = object_schema(
         {
             "name": {"type": "string", "maxLength": 40},
             "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -25,7 +25,7 @@ def test_embedded_smollm2_follows_schemas(model_dir: str) -> None:
         },
         ["name", "age", "city"],
     )
-    colors = _obj(
+    colors = object_schema(
         {"colors": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 5}}, ["colors"]
     )
     asks = [
@@ -33,7 +33,7 @@ def test_embedded_smollm2_follows_schemas(model_dir: str) -> None:
         ("List three colors of the French flag as JSON.", colors),
     ]
     eos = smol_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    manager = _manager(smol, smol_tokenizer, max_requests_per_batch=4)
+    manager = started_manager(smol, smol_tokenizer, max_requests_per_batch=4)
     try:
         ids = []
         for question, schema in asks:
@@ -45,10 +45,10 @@ def test_embedded_smollm2_follows_schemas(model_dir: str) -> None:
                     [int(token) for token in prompt],
                     max_new_tokens=120,
                     eos_token_id=eos,
-                    structured_output=_json_schema(schema),
+                    structured_output=json_schema_output(schema),
                 )
             )
-        outputs = _results(manager, ids)
+        outputs = results(manager, ids)
     finally:
         manager.destroy()
     values = []

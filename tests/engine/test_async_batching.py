@@ -13,15 +13,9 @@ import torch
 
 from engine import ContinuousBatchingConfig, RequestStatus, init_continuous_batching
 from engine.engine_core import EngineCore
-from tests.conftest import (
-    TEST_DEVICE,
-    assert_greedy_parity,
-    fail_forward_once,
-    generate_greedy,
-    random_prompt,
-    reference_greedy,
-    tiny_model,
-)
+from tests.helpers.engine_runs import fail_forward_once, generate_greedy
+from tests.helpers.models import TEST_DEVICE, random_prompt, tiny_model
+from tests.helpers.oracle import assert_greedy_parity, reference_greedy
 
 TIMEOUT = 120
 

@@ -32,11 +32,11 @@ from engine import (
     sequence_logprobs,
     trainer_exact,
 )
-from engine.runner import batch_invariant as batch_invariant_module
 from engine.engine_core import EngineCore
 from engine.request import sequence_request_id
+from engine.runner import batch_invariant as batch_invariant_module
 from engine.sampling.params import sequence_seed
-from tests.conftest import TEST_DEVICE, VOCAB_SIZE, fresh_tiny_model, random_prompt, tiny_model
+from tests.helpers.models import TEST_DEVICE, VOCAB_SIZE, fresh_tiny_model, random_prompt, tiny_model
 
 FAMILIES = ("llama", "qwen3", "mistral", "gemma2")
 NEEDLE = random_prompt(45, seed=4500)

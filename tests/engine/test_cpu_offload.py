@@ -11,7 +11,8 @@ from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.kv_cache import HostKVCache, KVCacheShape, PagedKVCache
 from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler
-from tests.conftest import random_prompt, reference_greedy, tiny_model
+from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.oracle import reference_greedy
 
 TIMEOUT = 120
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, CudaIpcHandle
-from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama
+from tests.helpers.models import random_prompt, seeded_tiny_llama
+from tests.helpers.oracle import reference_greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA device")
 

@@ -16,15 +16,9 @@ from transformers import CompileConfig
 from engine import ContinuousBatchingConfig
 from engine.runner.forward_paths import MAX_VARLEN_GRAPH_TOKENS, StepGraphs
 from engine.runner.padding import Padding, padded_size, padded_sizes
-from tests.conftest import (
-    TEST_DEVICE,
-    assert_greedy_parity,
-    fresh_tiny_model,
-    generate_greedy,
-    random_prompt,
-    run_greedy,
-    tiny_model,
-)
+from tests.helpers.engine_runs import generate_greedy, run_greedy
+from tests.helpers.models import TEST_DEVICE, fresh_tiny_model, random_prompt, tiny_model
+from tests.helpers.oracle import assert_greedy_parity
 
 PROMPT_LENGTHS = (1, 3, 16, 17, 40, 90, 130)
 NEW_TOKENS = (20, 9, 33, 1, 25, 12, 18)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, generate_batch, init_continuous_batching
-from tests.conftest import random_prompt, reference_greedy
+from tests.helpers.models import random_prompt
+from tests.helpers.oracle import reference_greedy
 
 PROMPT_LENGTHS = (1, 2, 3, 7, 16, 17, 31, 64, 100, 129, 200, 300)
 NEW_TOKENS = (1, 64, 5, 16, 64, 2, 33, 64, 8, 64, 24, 40)

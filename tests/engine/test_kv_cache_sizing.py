@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from engine import ContinuousBatchingConfig
-from engine.runner import cache_plan
 from engine.engine_core import EngineCore
 from engine.kv.layer_groups import kv_cache_groups
+from engine.runner import cache_plan
 from engine.runner.kv_cache import DEFAULT_CPU_CACHE_BUDGET_BYTES, KVCacheShape, resolve_cache_sizes
-from tests.conftest import tiny_config, tiny_model
+from tests.helpers.models import tiny_config, tiny_model
 
 GiB = 1 << 30
 

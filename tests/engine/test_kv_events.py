@@ -22,7 +22,7 @@ from engine import (
 )
 from engine.kv.block_pool import BlockPool
 from engine.kv.prefix_hash import extend_block_hashes
-from tests.conftest import random_prompt, tiny_model
+from tests.helpers.models import random_prompt, tiny_model
 
 PAGE_SIZE = 4
 TIMEOUT = 60

@@ -18,14 +18,9 @@ from engine import (
     generate_batch,
     init_continuous_batching,
 )
-from tests.conftest import (
-    VOCAB_SIZE,
-    fail_forward_once,
-    random_prompt,
-    reference_greedy,
-    tiny_config,
-    tiny_model,
-)
+from tests.helpers.engine_runs import fail_forward_once
+from tests.helpers.models import VOCAB_SIZE, random_prompt, tiny_config, tiny_model
+from tests.helpers.oracle import reference_greedy
 
 TIMEOUT = 60
 

@@ -17,7 +17,8 @@ from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestS
 from engine.engine_core import packs_linear_weights
 from engine.runner import packed_linear
 from engine.runner.packed_linear import PackedLinears
-from tests.conftest import fresh_tiny_model, random_prompt, reference_greedy, seeded_tiny_llama
+from tests.helpers.models import fresh_tiny_model, random_prompt, seeded_tiny_llama
+from tests.helpers.oracle import reference_greedy
 
 CPU = torch.device("cpu")
 

@@ -10,7 +10,9 @@ import torch
 
 from engine import ContinuousBatchingConfig
 from engine.runner import paged_attention_cpu
-from tests.conftest import TEST_DEVICE, assert_greedy_parity, generate_greedy, random_prompt, tiny_model
+from tests.helpers.engine_runs import generate_greedy
+from tests.helpers.models import TEST_DEVICE, random_prompt, tiny_model
+from tests.helpers.oracle import assert_greedy_parity
 
 # The tests that go through the engine need its test models on the CPU, where the C kernel serves them;
 # the kernel's own tests take CPU tensors on any machine.

@@ -15,14 +15,9 @@ import torch
 
 from engine import ContinuousBatchingConfig
 from engine.runner.attention import PREFILL_QUERIES_PER_TILE
-from tests.conftest import (
-    TEST_DEVICE,
-    assert_greedy_parity,
-    generate_greedy,
-    random_prompt,
-    run_greedy,
-    tiny_model,
-)
+from tests.helpers.engine_runs import generate_greedy, run_greedy
+from tests.helpers.models import TEST_DEVICE, random_prompt, tiny_model
+from tests.helpers.oracle import assert_greedy_parity
 
 pytest.importorskip("triton")
 

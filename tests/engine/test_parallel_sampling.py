@@ -13,7 +13,8 @@ from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestS
 from engine.engine_core import EngineCore
 from engine.request import Request, sequence_request_id
 from engine.sampling.params import MAX_SEED, SamplingParams, sequence_seed
-from tests.conftest import random_prompt, reference_greedy, tiny_model
+from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.oracle import reference_greedy
 
 FAMILIES = ("llama", "qwen3", "mistral", "gemma2")
 

@@ -9,7 +9,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from engine import ContinuousBatchingConfig, RequestStatus, generate_batch, init_continuous_batching
-from tests.conftest import random_prompt, reference_generate, tiny_model
+from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.oracle import reference_generate
 
 TIMEOUT = 600
 

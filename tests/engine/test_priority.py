@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
-from tests.conftest import random_prompt, reference_greedy, tiny_model
+from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.oracle import reference_greedy
 
 
 def test_requests_queued_together_run_in_priority_order() -> None:

@@ -18,7 +18,8 @@ from engine import ContinuousBatchingConfig, GenerationOutput, init_continuous_b
 from engine.request import Request, sequence_request_id
 from engine.runner.model_runner import PromptLogprobs
 from engine.sampling.params import SamplingParams
-from tests.conftest import assert_greedy_parity, random_prompt, tiny_model
+from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.oracle import assert_greedy_parity
 
 TIMEOUT = 120
 ATOL = 1e-5

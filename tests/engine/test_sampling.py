@@ -7,7 +7,8 @@ import torch
 
 from engine import ContinuousBatchingConfig, RequestStatus, continuous_batching_context_manager
 from engine.sampling.sampler import GREEDY_BLOCK_COLUMNS, greedy_tokens
-from tests.conftest import random_prompt, reference_greedy, tiny_model
+from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.oracle import reference_greedy
 
 TIMEOUT = 60
 CONFIG = dict(page_size=8, num_blocks=256, max_batch_tokens=256)

@@ -20,7 +20,8 @@ from engine.request import Request, RequestStatus
 from engine.runner.kv_cache import KVCacheShape
 from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from tests.conftest import random_prompt, reference_greedy, tiny_config, tiny_model
+from tests.helpers.models import random_prompt, tiny_config, tiny_model
+from tests.helpers.oracle import reference_greedy
 
 WINDOW = 24
 PAGE = 8

@@ -31,11 +31,16 @@ from engine import (
 from engine.engine_core import EngineCore
 from engine.request import Request, sequence_request_id
 from service.default_model import DefaultModelUnavailable, default_model_dir, find_gguf, is_converted
-from tests.conftest import COMMON, TEST_DEVICE
+from tests.helpers.models import COMMON, TEST_DEVICE
+from tests.helpers.structured_output import (
+    STRUCTURED_OUTPUT_CONFIG,
+    json_schema_output,
+    object_schema,
+    results,
+    started_manager,
+)
 
-TIMEOUT = 120
 EOS = 2  # SmolLM2's <|im_end|>, its tokenizer's eos_token_id
-CONFIG = dict(page_size=16, num_blocks=512, max_batch_tokens=512, max_requests_per_batch=64)
 
 
 @functools.cache
@@ -70,25 +75,8 @@ def model(tokenizer: Any) -> torch.nn.Module:
     return _model()
 
 
-def _manager(model: torch.nn.Module, tokenizer: Any = None, **overrides: Any) -> ContinuousBatchingManager:
-    config = ContinuousBatchingConfig(**{**CONFIG, **overrides})
-    manager = ContinuousBatchingManager(model, continuous_batching_config=config, tokenizer=tokenizer)
-    manager.start()
-    return manager
-
-
 def _prompt(tokenizer: Any, index: int) -> list[int]:
     return tokenizer.encode(f"Request {index}: answer in the requested format about item {index * 7}.")
-
-
-def _results(manager: ContinuousBatchingManager, ids: list[str | None]) -> list[GenerationOutput]:
-    outputs = []
-    for request_id in ids:
-        assert request_id is not None
-        output = manager.get_result(request_id, timeout=TIMEOUT)
-        assert output is not None, f"{request_id}: no result in {TIMEOUT} s"
-        outputs.append(output)
-    return outputs
 
 
 def _text(tokenizer: Any, output: GenerationOutput) -> str:
@@ -99,32 +87,25 @@ def _text(tokenizer: Any, output: GenerationOutput) -> str:
     return tokenizer.decode(output.generated_tokens[:-1])
 
 
-def _obj(properties: dict[str, Any], required: list[str] | None = None, **extra: Any) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": properties, **extra}
-    if required is not None:
-        schema["required"] = required
-    return schema
-
-
 SHORT = {"type": "string", "maxLength": 6}
 SCHEMAS: list[dict[str, Any]] = [
-    _obj({"name": SHORT}, ["name"]),
-    _obj({"age": {"type": "integer", "minimum": 0, "maximum": 120}}, ["age"]),
-    _obj({"price": {"type": "number", "minimum": 0.5, "maximum": 99.5}}, ["price"]),
-    _obj({"ok": {"type": "boolean"}, "nothing": {"type": "null"}}, ["ok", "nothing"]),
-    _obj({"color": {"enum": ["red", "green", "blue"]}}, ["color"]),
-    _obj(
+    object_schema({"name": SHORT}, ["name"]),
+    object_schema({"age": {"type": "integer", "minimum": 0, "maximum": 120}}, ["age"]),
+    object_schema({"price": {"type": "number", "minimum": 0.5, "maximum": 99.5}}, ["price"]),
+    object_schema({"ok": {"type": "boolean"}, "nothing": {"type": "null"}}, ["ok", "nothing"]),
+    object_schema({"color": {"enum": ["red", "green", "blue"]}}, ["color"]),
+    object_schema(
         {"version": {"const": "v1"}, "count": {"type": "integer", "minimum": -5, "maximum": 5}}, ["version"]
     ),
-    _obj(
+    object_schema(
         {
-            "address": _obj(
+            "address": object_schema(
                 {"city": SHORT, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, ["city", "zip"]
             )
         },
         ["address"],
     ),
-    _obj(
+    object_schema(
         {
             "scores": {
                 "type": "array",
@@ -135,18 +116,18 @@ SCHEMAS: list[dict[str, Any]] = [
         },
         ["scores"],
     ),
-    _obj({"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}}, ["tags"]),
+    object_schema({"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}}, ["tags"]),
     # Optional fields: any subset may appear.
-    _obj(
+    object_schema(
         {"nick": SHORT, "level": {"type": "integer", "minimum": 1, "maximum": 3}, "vip": {"type": "boolean"}}
     ),
-    _obj({"code": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]{2}$"}}, ["code"]),
-    _obj({"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, SHORT]}}, ["id"]),
-    _obj(
+    object_schema({"code": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]{2}$"}}, ["code"]),
+    object_schema({"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, SHORT]}}, ["id"]),
+    object_schema(
         {
             "items": {
                 "type": "array",
-                "items": _obj(
+                "items": object_schema(
                     {"sku": {"type": "integer", "minimum": 1, "maximum": 9}, "in_stock": {"type": "boolean"}},
                     ["sku", "in_stock"],
                 ),
@@ -155,18 +136,22 @@ SCHEMAS: list[dict[str, Any]] = [
         },
         ["items"],
     ),
-    _obj({"a": _obj({"b": _obj({"c": {"enum": [1, 2, 3]}}, ["c"])}, ["b"])}, ["a"]),
-    _obj({"value": {"enum": [1, "two", None, True]}}, ["value"]),
+    object_schema(
+        {"a": object_schema({"b": object_schema({"c": {"enum": [1, 2, 3]}}, ["c"])}, ["b"])}, ["a"]
+    ),
+    object_schema({"value": {"enum": [1, "two", None, True]}}, ["value"]),
     {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 4},
     {"enum": ["north", "south", "east", "west"]},
-    _obj(
+    object_schema(
         {"word": {"type": "string", "minLength": 2, "maxLength": 4}, "flag": {"type": "boolean"}},
         ["word", "flag"],
         additionalProperties=False,
     ),
     {
-        "$defs": {"point": _obj({"x": {"type": "integer", "minimum": 0, "maximum": 9}}, ["x"])},
-        **_obj({"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}}, ["start", "end"]),
+        "$defs": {"point": object_schema({"x": {"type": "integer", "minimum": 0, "maximum": 9}}, ["x"])},
+        **object_schema(
+            {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}}, ["start", "end"]
+        ),
     },
     {
         "type": "array",
@@ -176,10 +161,6 @@ SCHEMAS: list[dict[str, Any]] = [
 ]
 NUM_PLAIN = 6
 PLAIN_NEW_TOKENS = 24
-
-
-def _json_schema(schema: dict[str, Any]) -> StructuredOutput:
-    return StructuredOutput("json_schema", json.dumps(schema))
 
 
 def _add_plain(manager: ContinuousBatchingManager, tokenizer: Any) -> list[str | None]:
@@ -192,7 +173,7 @@ def _add_plain(manager: ContinuousBatchingManager, tokenizer: Any) -> list[str |
 def test_json_schemas_greedy_and_sampled_in_one_batch_with_unconstrained_requests(
     model: torch.nn.Module, tokenizer: Any
 ) -> None:
-    manager = _manager(model, tokenizer)
+    manager = started_manager(model, tokenizer)
     try:
         constrained = []
         for index, schema in enumerate(SCHEMAS):
@@ -202,13 +183,13 @@ def test_json_schemas_greedy_and_sampled_in_one_batch_with_unconstrained_request
                     _prompt(tokenizer, index),
                     max_new_tokens=300,
                     eos_token_id=EOS,
-                    structured_output=_json_schema(schema),
+                    structured_output=json_schema_output(schema),
                     **sampling,
                 )
                 constrained.append((schema, sampled, request_id))
         plain_ids = _add_plain(manager, tokenizer)
-        outputs = _results(manager, [request_id for _, _, request_id in constrained])
-        plain = [output.generated_tokens for output in _results(manager, plain_ids)]
+        outputs = results(manager, [request_id for _, _, request_id in constrained])
+        plain = [output.generated_tokens for output in results(manager, plain_ids)]
         grammars = manager._engine.grammars
         assert grammars is not None
         # One compile per schema: the sampled request of each found the greedy one's grammar.
@@ -222,9 +203,9 @@ def test_json_schemas_greedy_and_sampled_in_one_batch_with_unconstrained_request
         except (ValueError, jsonschema.ValidationError) as exc:
             raise AssertionError(f"sampled={sampled} schema={schema}: invalid output {text!r}") from exc
 
-    alone = _manager(model)  # no tokenizer: unconstrained requests do not need one
+    alone = started_manager(model)  # no tokenizer: unconstrained requests do not need one
     try:
-        expected = [output.generated_tokens for output in _results(alone, _add_plain(alone, tokenizer))]
+        expected = [output.generated_tokens for output in results(alone, _add_plain(alone, tokenizer))]
     finally:
         alone.destroy()
     assert plain == expected, "constrained companions changed unconstrained requests' greedy tokens"
@@ -235,7 +216,7 @@ def test_regex_and_ebnf_grammar(model: torch.nn.Module, tokenizer: Any, async_ba
     regex = r"[a-z]{3}-\d{2,3}( [A-Z]{2})?"
     # GBNF-style EBNF: sums of one-digit numbers in parentheses.
     grammar = 'root ::= "(" expr ")"\nexpr ::= num | num "+" expr\nnum ::= [0-9]'
-    manager = _manager(model, tokenizer, use_async_batching=async_batching)
+    manager = started_manager(model, tokenizer, use_async_batching=async_batching)
     try:
         ids = []
         for seed in range(4):
@@ -250,7 +231,7 @@ def test_regex_and_ebnf_grammar(model: torch.nn.Module, tokenizer: Any, async_ba
                         **sampling,
                     )
                 )
-        outputs = _results(manager, ids)
+        outputs = results(manager, ids)
     finally:
         manager.destroy()
     for index, output in enumerate(outputs):
@@ -265,7 +246,7 @@ def test_json_object(model: torch.nn.Module, tokenizer: Any) -> None:
     """Any JSON object. A random model seldom closes one, so it is steered (logit_bias) towards tokens that
     the grammar allows only where JSON does: '{"' to open, '"' (closing a string soon) above it, then '}'."""
     open_key, quote, close = (tokenizer.convert_tokens_to_ids(token) for token in ('{"', '"', "}"))
-    manager = _manager(model, tokenizer)
+    manager = started_manager(model, tokenizer)
     try:
         steered = manager.add_request(
             _prompt(tokenizer, 1),
@@ -281,7 +262,7 @@ def test_json_object(model: torch.nn.Module, tokenizer: Any) -> None:
             structured_output=StructuredOutput("json_object"),
             logit_bias={close: 50.0},
         )
-        outputs = _results(manager, [steered, closed])
+        outputs = results(manager, [steered, closed])
     finally:
         manager.destroy()
     steered_value = json.loads(_text(tokenizer, outputs[0]))
@@ -290,25 +271,27 @@ def test_json_object(model: torch.nn.Module, tokenizer: Any) -> None:
 
 
 def test_a_schema_that_does_not_compile_fails_alone(model: torch.nn.Module, tokenizer: Any) -> None:
-    manager = _manager(model, tokenizer)
+    manager = started_manager(model, tokenizer)
     try:
         good = manager.add_request(
             _prompt(tokenizer, 0),
             max_new_tokens=100,
             eos_token_id=EOS,
-            structured_output=_json_schema(SCHEMAS[1]),
+            structured_output=json_schema_output(SCHEMAS[1]),
         )
         plain = _add_plain(manager, tokenizer)
         with pytest.raises(ValueError, match='does not compile: Unsupported type "strin"'):
             manager.add_request(
-                _prompt(tokenizer, 1), structured_output=_json_schema({"type": "strin"}), eos_token_id=EOS
+                _prompt(tokenizer, 1),
+                structured_output=json_schema_output({"type": "strin"}),
+                eos_token_id=EOS,
             )
         with pytest.raises(ValueError, match=r"does not compile: .*not defined"):
             manager.add_request(
                 _prompt(tokenizer, 1),
                 structured_output=StructuredOutput("grammar", "root ::= undefined_rule"),
             )
-        outputs = _results(manager, [good, *plain])
+        outputs = results(manager, [good, *plain])
     finally:
         manager.destroy()
     jsonschema.validate(json.loads(_text(tokenizer, outputs[0])), SCHEMAS[1])
@@ -318,17 +301,19 @@ def test_a_schema_that_does_not_compile_fails_alone(model: torch.nn.Module, toke
 def test_engine_core_fails_a_bad_grammar_request_without_raising(
     model: torch.nn.Module, tokenizer: Any
 ) -> None:
-    manager = ContinuousBatchingManager(model, continuous_batching_config=ContinuousBatchingConfig(**CONFIG))
+    manager = ContinuousBatchingManager(
+        model, continuous_batching_config=ContinuousBatchingConfig(**STRUCTURED_OUTPUT_CONFIG)
+    )
     try:
         engine: EngineCore = manager._ensure_engine()  # not started: this test steps the engine itself
-        bad = Request("bad", [5, 6, 7], _sampling(_json_schema({"type": "strin"})))
+        bad = Request("bad", [5, 6, 7], _sampling(json_schema_output({"type": "strin"})))
         assert not engine.add_request(bad)
         assert bad.status == RequestStatus.FAILED and "needs the model's tokenizer" in (bad.error or "")
         engine.set_tokenizer(tokenizer)
-        bad = Request("bad", [5, 6, 7], _sampling(_json_schema({"type": "strin"})))
+        bad = Request("bad", [5, 6, 7], _sampling(json_schema_output({"type": "strin"})))
         assert not engine.add_request(bad)
         assert bad.finish_reason == FinishReason.ERROR and 'Unsupported type "strin"' in (bad.error or "")
-        good = Request("good", [5, 6, 7], _sampling(_json_schema(SCHEMAS[4])))
+        good = Request("good", [5, 6, 7], _sampling(json_schema_output(SCHEMAS[4])))
         assert engine.add_request(good)
         while engine.has_unfinished_requests():
             engine.step()
@@ -360,7 +345,7 @@ def _sampling(structured_output: StructuredOutput, **kwargs: Any) -> SamplingPar
 
 
 def test_without_a_tokenizer_a_constrained_request_is_refused(model: torch.nn.Module, tokenizer: Any) -> None:
-    manager = _manager(model)
+    manager = started_manager(model)
     try:
         with pytest.raises(ValueError, match="needs the model's tokenizer"):
             manager.add_request([5, 6, 7], structured_output=StructuredOutput("regex", "a+"))
@@ -368,14 +353,14 @@ def test_without_a_tokenizer_a_constrained_request_is_refused(model: torch.nn.Mo
         request_id = manager.add_request(
             [5, 6, 7], max_new_tokens=10, eos_token_id=EOS, structured_output=StructuredOutput("regex", "ab?")
         )
-        [output] = _results(manager, [request_id])
+        [output] = results(manager, [request_id])
     finally:
         manager.destroy()
     assert _text(tokenizer, output) in ("a", "ab")
 
 
 def test_grammars_are_cached_per_kind_and_spec(model: torch.nn.Module, tokenizer: Any) -> None:
-    manager = _manager(model, tokenizer)
+    manager = started_manager(model, tokenizer)
     try:
         specs = [("regex", "[0-9]{2}"), ("regex", "[0-9]{3}"), ("grammar", 'root ::= "yes" | "no"')]
         ids = [
@@ -388,7 +373,7 @@ def test_grammars_are_cached_per_kind_and_spec(model: torch.nn.Module, tokenizer
             for index in range(3)
             for kind, spec in specs
         ]
-        outputs = _results(manager, ids)
+        outputs = results(manager, ids)
         grammars = manager._engine.grammars
         assert grammars is not None
         info = grammars.cache_info()
@@ -400,12 +385,12 @@ def test_grammars_are_cached_per_kind_and_spec(model: torch.nn.Module, tokenizer
 
 def test_a_terminated_grammar_ends_a_request_that_ignores_eos(model: torch.nn.Module, tokenizer: Any) -> None:
     """With no EOS ids of its own the request ends once its grammar accepts the tokenizer's EOS."""
-    manager = _manager(model, tokenizer)
+    manager = started_manager(model, tokenizer)
     try:
         request_id = manager.add_request(
             [5, 6, 7], max_new_tokens=50, eos_token_id=[], structured_output=StructuredOutput("regex", "x{4}")
         )
-        [output] = _results(manager, [request_id])
+        [output] = results(manager, [request_id])
     finally:
         manager.destroy()
     assert output.finish_reason == FinishReason.EOS
@@ -416,17 +401,17 @@ def test_padded_vocabulary_ids_are_never_sampled(tokenizer: Any) -> None:
     """A head with more rows than the tokenizer has tokens: the extra ids are masked, even when favoured."""
     padded = _model(extra_vocab=64)
     favoured = len(tokenizer) + 10
-    manager = _manager(padded, tokenizer)
+    manager = started_manager(padded, tokenizer)
     try:
         request_id = manager.add_request(
             [5, 6, 7],
             max_new_tokens=40,
             eos_token_id=EOS,
             logit_bias={favoured: 100.0},
-            structured_output=_json_schema(SCHEMAS[0]),
+            structured_output=json_schema_output(SCHEMAS[0]),
         )
         free = manager.add_request([5, 6, 7], max_new_tokens=3, eos_token_id=[], logit_bias={favoured: 100.0})
-        constrained, unconstrained = _results(manager, [request_id, free])
+        constrained, unconstrained = results(manager, [request_id, free])
     finally:
         manager.destroy()
     assert unconstrained.generated_tokens == [favoured] * 3  # the bias works where no grammar masks it
@@ -441,7 +426,9 @@ def test_preemption_and_async_batching_keep_greedy_constrained_outputs(
     digits = {"type": "integer", "minimum": 1000, "maximum": 9999}
     schemas = [
         {"type": "array", "items": digits, "minItems": 8, "maxItems": 8},
-        _obj({"a": {"type": "array", "items": digits, "minItems": 6, "maxItems": 6}, "b": SHORT}, ["a", "b"]),
+        object_schema(
+            {"a": {"type": "array", "items": digits, "minItems": 6, "maxItems": 6}, "b": SHORT}, ["a", "b"]
+        ),
         *SCHEMAS[6:8],
     ]
     generator = torch.Generator().manual_seed(5)
@@ -451,15 +438,15 @@ def test_preemption_and_async_batching_keep_greedy_constrained_outputs(
     ]
 
     def run(**overrides: Any) -> tuple[list[list[int]], int]:
-        manager = _manager(model, tokenizer, **overrides)
+        manager = started_manager(model, tokenizer, **overrides)
         try:
             ids = [
                 manager.add_request(
-                    prompt, max_new_tokens=80, eos_token_id=EOS, structured_output=_json_schema(schema)
+                    prompt, max_new_tokens=80, eos_token_id=EOS, structured_output=json_schema_output(schema)
                 )
                 for prompt, schema in zip(prompts, schemas, strict=True)
             ]
-            tokens = [output.generated_tokens for output in _results(manager, ids)]
+            tokens = [output.generated_tokens for output in results(manager, ids)]
             return tokens, manager.stats().preemptions
         finally:
             manager.destroy()
@@ -479,19 +466,19 @@ def test_each_of_n_sampled_sequences_follows_the_schema_with_its_own_matcher(
     model: torch.nn.Module, tokenizer: Any
 ) -> None:
     schema = SCHEMAS[7]  # an array of 1..3 bounded integers: sequences diverge early
-    manager = _manager(model, tokenizer)
+    manager = started_manager(model, tokenizer)
     try:
         request_id = manager.add_request(
             _prompt(tokenizer, 3),
             max_new_tokens=300,
             eos_token_id=EOS,
-            structured_output=_json_schema(schema),
+            structured_output=json_schema_output(schema),
             temperature=1.0,
             seed=5,
             n=4,
         )
         assert request_id is not None
-        outputs = _results(manager, [sequence_request_id(request_id, index) for index in range(4)])
+        outputs = results(manager, [sequence_request_id(request_id, index) for index in range(4)])
     finally:
         manager.destroy()
     texts = [_text(tokenizer, output) for output in outputs]

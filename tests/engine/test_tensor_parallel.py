@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM
 
 from bench.ports import free_port
 from engine.parallel import check_tensor_parallel_size, torchrun_environment
-from tests.conftest import random_prompt, reference_greedy, tiny_config
+from tests.helpers.models import random_prompt, tiny_config
+from tests.helpers.oracle import reference_greedy
 
 WORKER = Path(__file__).with_name("tensor_parallel_worker.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 from transformers import GenerationConfig
 
 from engine import InvalidParameterError, generate_batch
-from tests.conftest import fresh_tiny_model, random_prompt
+from tests.helpers.models import fresh_tiny_model, random_prompt
 
 NEW_TOKENS = 6
 PROMPTS = [random_prompt(7, 1), random_prompt(12, 2), random_prompt(5, 3)]

@@ -23,7 +23,8 @@ from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestS
 from engine.errors import WeightTransferError
 from engine.runner import packed_linear
 from engine.weights.transfer import BUCKET_ALIGNMENT, BucketPlan, BucketTensor, JoinedGroup, WeightBucket
-from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama, tiny_model
+from tests.helpers.models import random_prompt, seeded_tiny_llama, tiny_model
+from tests.helpers.oracle import reference_greedy
 
 SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
-from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama, tiny_model
+from tests.helpers.models import random_prompt, seeded_tiny_llama, tiny_model
+from tests.helpers.oracle import reference_greedy
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

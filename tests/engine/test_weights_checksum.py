@@ -8,7 +8,7 @@ import torch
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager
 from engine.weights.checksum import ALGORITHM, combined_digest, tensor_digest, weights_checksum
-from tests.conftest import fresh_tiny_model, seeded_tiny_llama
+from tests.helpers.models import fresh_tiny_model, seeded_tiny_llama
 
 CONFIG = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=64)
 

@@ -10,8 +10,8 @@ import pytest
 
 import engine
 from service.default_model import ensure_default_model
-from tests.gateway.gateway_harness import Gateway, save_tiny_model_with_tokenizer
-from tests.service.service_harness import ServerProcess, serving_replicas
+from tests.helpers.gateway import Gateway, save_tiny_model_with_tokenizer
+from tests.helpers.servers import ServerProcess, serving_replicas
 
 # Small pages, so a 200-token prefix fills a dozen blocks that the gateway's index can match.
 PAGE_SIZE = "16"

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import openai
 
-from tests.gateway.gateway_harness import Gateway
-from tests.service.service_harness import ServerProcess
+from tests.helpers.gateway import Gateway
+from tests.helpers.servers import ServerProcess
 
 
 def test_the_embedded_model_answers_a_chat_through_the_gateway(

@@ -29,8 +29,8 @@ from cbserve_client import AdminClient, Client
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 from transformers import AutoTokenizer
 
-from tests.gateway.gateway_harness import Gateway
-from tests.service.service_harness import ADMIN_TOKEN, ServerProcess, wait_until
+from tests.helpers.gateway import Gateway
+from tests.helpers.servers import ADMIN_TOKEN, ServerProcess, wait_until
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"

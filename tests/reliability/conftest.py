@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from reliability_harness import FIGURES, PoolEntry, build_prompt_pool
 
-from tests.conftest import tiny_model
+from tests.helpers.models import tiny_model
+from tests.helpers.reliability import FIGURES, PoolEntry, build_prompt_pool
 
 
 @pytest.fixture(scope="session")

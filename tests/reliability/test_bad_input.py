@@ -18,10 +18,10 @@ from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
-from reliability_harness import PoolEntry, final_outcomes, mismatch, read_to_end, report
 
-from tests.conftest import VOCAB_SIZE, tiny_model
-from tests.service.service_harness import (
+from tests.helpers.models import VOCAB_SIZE, tiny_model
+from tests.helpers.reliability import PoolEntry, final_outcomes, mismatch, read_to_end, report
+from tests.helpers.servers import (
     ADMIN_TOKEN,
     SERVING,
     ByteTokenizer,

@@ -31,7 +31,9 @@ from cbserve_client import (
     DeadlineExceededError,
     NotFoundError,
 )
-from reliability_harness import (
+
+from tests.helpers.models import tiny_model
+from tests.helpers.reliability import (
     EXTRA_TOKENS,
     INTERNAL,
     REQUEST_TIMEOUT_S,
@@ -42,9 +44,7 @@ from reliability_harness import (
     read_to_end,
     report,
 )
-
-from tests.conftest import tiny_model
-from tests.service.service_harness import (
+from tests.helpers.servers import (
     ADMIN_TOKEN,
     SERVING,
     RunningServer,

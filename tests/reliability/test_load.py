@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from cbserve_client import AdminClient, AsyncClient, CbserveError, Client, UnavailableError
-from reliability_harness import (
+
+from tests.helpers.reliability import (
     MIB,
     REQUEST_TIMEOUT_S,
     Outcome,
@@ -24,8 +25,7 @@ from reliability_harness import (
     read_to_end_async,
     report,
 )
-
-from tests.service.service_harness import ADMIN_TOKEN, NOT_SERVING, ServerProcess, probe_health, wait_until
+from tests.helpers.servers import ADMIN_TOKEN, NOT_SERVING, ServerProcess, probe_health, wait_until
 
 pytestmark = pytest.mark.reliability
 

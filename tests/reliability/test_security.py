@@ -14,18 +14,12 @@ import pytest
 import torch
 from cbserve_client import AdminClient, Client
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc, types_pb2
-from reliability_harness import report
 
 from service.tls import ServerTls, load_server_tls
-from tests.conftest import tiny_model
-from tests.service.service_harness import (
-    ADMIN_TOKEN,
-    ByteTokenizer,
-    Pki,
-    RunningServer,
-    loaded_server,
-    make_pki,
-)
+from tests.helpers.certificates import Pki, make_pki
+from tests.helpers.models import tiny_model
+from tests.helpers.reliability import report
+from tests.helpers.servers import ADMIN_TOKEN, ByteTokenizer, RunningServer, loaded_server
 
 pytestmark = pytest.mark.reliability
 

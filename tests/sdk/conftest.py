@@ -1,4 +1,4 @@
-"""Fixtures of the Python SDK tests (the fakes live in sdk_fakes.py)."""
+"""Fixtures of the Python SDK tests (the fakes live in tests/helpers/sdk_fakes.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 if importlib.util.find_spec("cbserve_client") is None:
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "sdk" / "python"))
 
-from sdk_fakes import FakeServer, start_fake_server
+from tests.helpers.sdk_fakes import FakeServer, start_fake_server
 
 
 @pytest.fixture

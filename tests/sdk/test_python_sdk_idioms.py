@@ -13,7 +13,8 @@ import grpc
 import grpc.aio
 import pytest
 from cbserve_client import AdminClient, AdminFleet, AsyncClient, Client, PauseLease
-from sdk_fakes import ADMIN_TOKEN, FakeServer
+
+from tests.helpers.sdk_fakes import ADMIN_TOKEN, FakeServer
 
 # -- per-call metadata ------------------------------------------------------------------------------
 

@@ -35,8 +35,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from service import validation
-from tests.conftest import tiny_model
-from tests.service.service_harness import (
+from tests.helpers.models import tiny_model
+from tests.helpers.servers import (
     ADMIN_TOKEN,
     RunningServer,
     engine_config_for_tests,

@@ -23,8 +23,8 @@ from cbserve_client import (
 )
 from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
 
-from tests.conftest import fresh_tiny_model, random_prompt, seeded_tiny_llama
-from tests.service.service_harness import ADMIN_TOKEN, RunningServer, engine_config_for_tests, loaded_server
+from tests.helpers.models import fresh_tiny_model, random_prompt, seeded_tiny_llama
+from tests.helpers.servers import ADMIN_TOKEN, RunningServer, engine_config_for_tests, loaded_server
 
 TIMEOUT = 60
 CHANGED = "model.layers.0.mlp.up_proj.weight"

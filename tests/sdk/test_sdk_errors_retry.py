@@ -12,7 +12,8 @@ import pytest
 from cbserve_client import AsyncClient, Client, errors
 from cbserve_client._call import RETRYABLE_CODES, backoff_delay, call_with_retry
 from cbserve_client.proto import generation_pb2
-from sdk_fakes import FakeRpcError
+
+from tests.helpers.sdk_fakes import FakeRpcError
 
 EXPECTED = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,

@@ -25,14 +25,8 @@ from cbserve_client.proto import admin_pb2, admin_pb2_grpc, generation_pb2, gene
 from grpc_health.v1 import health, health_pb2_grpc
 
 from bench.ports import free_ports
-from tests.conftest import tiny_model
-from tests.service.service_harness import (
-    ADMIN_TOKEN,
-    NOT_SERVING,
-    SERVING,
-    ServerProcess,
-    wait_until,
-)
+from tests.helpers.models import tiny_model
+from tests.helpers.servers import ADMIN_TOKEN, NOT_SERVING, SERVING, ServerProcess, wait_until
 
 # -- the target and the channel options --------------------------------------------------------------
 

@@ -18,7 +18,8 @@ from cbserve_client import (
     NotFoundError,
     UnauthenticatedError,
 )
-from sdk_fakes import ADMIN_TOKEN, FakeServer
+
+from tests.helpers.sdk_fakes import ADMIN_TOKEN, FakeServer
 
 
 def test_generate(fake_server: FakeServer) -> None:

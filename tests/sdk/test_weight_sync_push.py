@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 from cbserve_client import AdminClient, WeightSyncGroup
-from sdk_fakes import ADMIN_TOKEN, FakeServer
+
+from tests.helpers.sdk_fakes import ADMIN_TOKEN, FakeServer
 
 torch = pytest.importorskip("torch")
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 from cbserve_client import AdminClient, Client
-from service_harness import ADMIN_TOKEN, ByteTokenizer, RunningServer
 
-from tests.conftest import tiny_model
+from tests.helpers.models import tiny_model
+from tests.helpers.servers import ADMIN_TOKEN, ByteTokenizer, RunningServer
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from cbserve_client import AdminClient, Client, UnauthenticatedError, UnavailableError
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc
-from service_harness import RunningServer, spawn_pause_holder, wait_until
 
-from tests.conftest import random_prompt
+from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.servers import ADMIN_TOKEN, RunningServer, spawn_pause_holder, wait_until
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token"])
@@ -55,8 +55,6 @@ def _status_generated(client: Client, request_id: str) -> int:
 
 
 def test_a_cancelled_pause_call_releases_the_pause(served: RunningServer, admin: AdminClient) -> None:
-    from service_harness import ADMIN_TOKEN
-
     with grpc.insecure_channel(served.admin_target) as channel:
         call = admin_pb2_grpc.AdminServiceStub(channel).Pause(
             admin_pb2.PauseRequest(), metadata=[("authorization", f"Bearer {ADMIN_TOKEN}")]
@@ -68,8 +66,6 @@ def test_a_cancelled_pause_call_releases_the_pause(served: RunningServer, admin:
 
 
 def test_pause_lease_expires(served: RunningServer, admin: AdminClient) -> None:
-    from service_harness import ADMIN_TOKEN
-
     with grpc.insecure_channel(served.admin_target) as channel:
         messages = list(
             admin_pb2_grpc.AdminServiceStub(channel).Pause(
@@ -81,8 +77,6 @@ def test_pause_lease_expires(served: RunningServer, admin: AdminClient) -> None:
 
 
 def test_stop_then_start(model) -> None:
-    from service_harness import ADMIN_TOKEN
-
     running = RunningServer(model)
     try:
         running.load()
@@ -118,10 +112,6 @@ def test_a_pause_holder_killed_with_sigkill_releases_the_pause(
 
 @pytest.mark.parametrize(("family", "enabled"), [("llama", True), ("mistral", False)])
 def test_status_says_whether_prefix_caching_is_on(family: str, enabled: bool) -> None:
-    from service_harness import ADMIN_TOKEN
-
-    from tests.conftest import tiny_model
-
     running = RunningServer(tiny_model(family))
     try:
         running.load()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from cbserve_client import AdminClient, CbserveError, UnauthenticatedError
-from service_harness import RunningServer
+
+from tests.helpers.servers import RunningServer
 
 
 def test_a_wrong_token_is_called_wrong(served: RunningServer) -> None:

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from cbserve_client import AdminClient, AdminFleet, FleetError, UnavailableError, replica_targets
-from service_harness import ADMIN_TOKEN, ByteTokenizer, RunningServer, wait_until
 
-from tests.conftest import tiny_model
+from tests.helpers.models import tiny_model
+from tests.helpers.servers import ADMIN_TOKEN, ByteTokenizer, RunningServer, wait_until
 
 # Two replicas of different models, so that one tensor name exists on one replica only.
 FAMILIES = ("llama", "qwen3")

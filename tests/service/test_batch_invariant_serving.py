@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from cbserve_client import Client, Completion
-from service_harness import RunningServer, engine_config_for_tests
 
-from tests.conftest import random_prompt, tiny_model
+from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.servers import RunningServer, engine_config_for_tests
 
 NEEDLE = random_prompt(45, seed=4500)
 CALLERS = 16

@@ -2,7 +2,7 @@
 line saying what is wrong and what to do, with a non-zero exit status and no traceback (unless --debug).
 
 The CLI runs as users run it, `python -m service ...` in a subprocess; servers it talks to run in this
-process (service_harness.RunningServer) on loopback free ports.
+process (tests.helpers.servers.RunningServer) on loopback free ports.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 from cbserve_client import AdminClient
-from service_harness import ADMIN_TOKEN, REPO_ROOT, ByteTokenizer, RunningServer, loaded_server
 
 from bench.ports import free_port
 from service import cli
-from tests.conftest import fresh_tiny_model
+from tests.helpers.models import fresh_tiny_model
+from tests.helpers.servers import ADMIN_TOKEN, REPO_ROOT, ByteTokenizer, RunningServer, loaded_server
 
 CLI_TIMEOUT_S = 120
 # Lines of the server's log ("2026-12-01 16:03:10,697 INFO ..."), which are not part of an error message.

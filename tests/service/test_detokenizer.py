@@ -6,11 +6,11 @@ import functools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from service_harness import ByteTokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from service.detokenizer import IncrementalDetokenizer
+from tests.helpers.servers import ByteTokenizer
 
 CORPUS = [
     "The capital of France is Paris. Don't split café, naïve, Zürich or 東京 across tokens!",

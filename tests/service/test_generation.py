@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from cbserve_client import AdminClient, Client, DeadlineExceededError
-from service_harness import ByteTokenizer, RunningServer, wait_all_blocks_free
 
-from tests.conftest import fresh_tiny_model, random_prompt, reference_generate, reference_greedy
+from tests.helpers.models import fresh_tiny_model, random_prompt
+from tests.helpers.oracle import reference_generate, reference_greedy
+from tests.helpers.servers import ByteTokenizer, RunningServer, wait_all_blocks_free
 
 # Long enough that a request is still decoding when the test acts on it.
 LONG = 900

@@ -9,16 +9,10 @@ import pytest
 import torch
 from cbserve_client import AdminClient, Client, InvalidArgumentError
 from prometheus_client.parser import text_string_to_metric_families
-from service_harness import (
-    ADMIN_TOKEN,
-    ByteTokenizer,
-    RunningServer,
-    wait_all_blocks_free,
-    wait_until,
-)
 
 from bench.ports import free_port
-from tests.conftest import random_prompt
+from tests.helpers.models import random_prompt
+from tests.helpers.servers import ADMIN_TOKEN, ByteTokenizer, RunningServer, wait_all_blocks_free, wait_until
 
 LONG = 900
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

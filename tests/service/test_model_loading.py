@@ -9,7 +9,7 @@ import torch
 
 from service import engine_host
 from service.engine_host import load_pretrained, resolve_placement
-from tests.conftest import tiny_model
+from tests.helpers.models import tiny_model
 
 
 @pytest.mark.parametrize("has_amx", [False, True])

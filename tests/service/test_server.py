@@ -8,7 +8,8 @@ import torch
 from cbserve_client import AdminClient, Client
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_harness import (
+
+from tests.helpers.servers import (
     ADMIN_TOKEN,
     NOT_SERVING,
     SERVING,

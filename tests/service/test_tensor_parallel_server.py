@@ -11,10 +11,11 @@ import psutil
 import pytest
 import torch
 from cbserve_client import AdminClient, Client, InvalidArgumentError
-from service_harness import ADMIN_TOKEN, NOT_SERVING, SERVING, ServerProcess, probe_health, wait_until
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import random_prompt, reference_greedy, tiny_config
+from tests.helpers.models import random_prompt, tiny_config
+from tests.helpers.oracle import reference_greedy
+from tests.helpers.servers import ADMIN_TOKEN, NOT_SERVING, SERVING, ServerProcess, probe_health, wait_until
 
 ENGINE_FLAGS = ("--tp", "2", "--num-blocks", "64", "--page-size", "16")
 MAX_NEW_TOKENS = 12

@@ -12,19 +12,11 @@ from cbserve_client import AdminClient, Client
 from cbserve_client.errors import UnavailableError
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
-from service_harness import (
-    ADMIN_TOKEN,
-    ByteTokenizer,
-    Pki,
-    RunningServer,
-    loaded_server,
-    make_certificate,
-    make_pki,
-    write_pem,
-)
 
 from service import cli
 from service.tls import TlsConfigError, client_credentials, load_server_tls
+from tests.helpers.certificates import Pki, make_certificate, make_pki, write_pem
+from tests.helpers.servers import ADMIN_TOKEN, ByteTokenizer, RunningServer, loaded_server
 
 # Failing handshakes surface as UNAVAILABLE well before this.
 FAIL_TIMEOUT_S = 10

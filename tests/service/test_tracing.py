@@ -24,9 +24,9 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from service_harness import ADMIN_TOKEN, ByteTokenizer, RunningServer, wait_until
 
 from service import tracing
+from tests.helpers.servers import ADMIN_TOKEN, ByteTokenizer, RunningServer, wait_until
 
 EVENTS = ["queued", "scheduled", "first_token"]
 

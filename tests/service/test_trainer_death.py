@@ -28,7 +28,10 @@ from pathlib import Path
 import pytest
 from cbserve_client import AdminClient, Client, UnavailableError
 from killable_trainer import trainer_model
-from service_harness import (
+
+from tests.helpers.models import random_prompt
+from tests.helpers.oracle import reference_greedy
+from tests.helpers.servers import (
     ADMIN_TOKEN,
     NOT_SERVING,
     REPO_ROOT,
@@ -37,8 +40,6 @@ from service_harness import (
     probe_health,
     wait_until,
 )
-
-from tests.conftest import random_prompt, reference_greedy
 
 ENGINE_FLAGS = ("--num-blocks", "64", "--page-size", "16")
 ONE_BUCKET = 1 << 30

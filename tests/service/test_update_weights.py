@@ -10,10 +10,11 @@ import pytest
 import torch
 from cbserve_client import AdminClient, Client, WeightsUpdate
 from safetensors.torch import save_file
-from service_harness import ADMIN_TOKEN, ByteTokenizer, RunningServer
 from transformers import AutoModelForCausalLM
 
-from tests.conftest import random_prompt, reference_greedy, tiny_config, tiny_model
+from tests.helpers.models import random_prompt, tiny_config, tiny_model
+from tests.helpers.oracle import reference_greedy
+from tests.helpers.servers import ADMIN_TOKEN, ByteTokenizer, RunningServer
 
 
 def _other_model(seed: int) -> torch.nn.Module:

@@ -7,7 +7,8 @@ import pytest
 import torch
 from cbserve_client import AdminClient, Client, ResourceExhaustedError
 from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
-from service_harness import ADMIN_TOKEN, RunningServer, engine_config_for_tests
+
+from tests.helpers.servers import ADMIN_TOKEN, RunningServer, engine_config_for_tests
 
 OK_PROMPT = types_pb2.TokenIds(ids=[5, 6, 7])
 

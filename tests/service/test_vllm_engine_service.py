@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from cbserve_client import AdminClient, Client
-from service_harness import ADMIN_TOKEN, wait_all_blocks_free
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from tests.conftest import random_prompt
+from tests.helpers.models import random_prompt
+from tests.helpers.servers import ADMIN_TOKEN, wait_all_blocks_free
 
 TIMEOUT = 30
 _REQUEST_NUMBERS = itertools.count()

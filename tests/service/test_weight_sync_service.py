@@ -16,7 +16,10 @@ from cbserve_client import (
     UnavailableError,
     WeightSyncGroup,
 )
-from service_harness import (
+
+from tests.helpers.models import random_prompt, seeded_tiny_llama
+from tests.helpers.oracle import reference_greedy
+from tests.helpers.servers import (
     ADMIN_TOKEN,
     NOT_SERVING,
     SERVING,
@@ -25,8 +28,6 @@ from service_harness import (
     serving_replicas,
     wait_until,
 )
-
-from tests.conftest import random_prompt, reference_greedy, seeded_tiny_llama
 
 ENGINE_FLAGS = ("--num-blocks", "64", "--page-size", "16")
 MAX_NEW_TOKENS = 10

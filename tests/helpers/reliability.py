@@ -13,9 +13,10 @@ import psutil
 import torch
 from cbserve_client import AsyncChunkStream, Chunk, ChunkStream, Client
 
-from tests.conftest import random_prompt, reference_greedy
+from tests.helpers.models import random_prompt
+from tests.helpers.oracle import reference_greedy
 
-# What every suite measured, by suite name; printed in the terminal summary (see conftest.py).
+# What every suite measured, by suite name; tests/reliability/conftest.py prints it in the terminal summary.
 FIGURES: dict[str, dict[str, Any]] = {}
 
 INTERNAL = grpc.StatusCode.INTERNAL.value[0]

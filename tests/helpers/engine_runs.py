@@ -1,0 +1,69 @@
+"""Greedy runs through a `ContinuousBatchingManager`, injected forward faults, and `engine_core`: the one
+place that knows where a manager keeps its `EngineCore`, for white-box tests of the engine core."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from engine import ContinuousBatchingManager, init_continuous_batching
+from engine.engine_core import EngineCore
+
+
+def engine_core(manager: ContinuousBatchingManager) -> EngineCore:
+    """The manager's engine core, built (not started) if it was not yet: for tests that look at which
+    path the engine took, or step it themselves."""
+    return manager._ensure_engine()
+
+
+def generate_greedy(
+    model: torch.nn.Module,
+    config: Any,
+    prompts: list[list[int]],
+    new_tokens: Sequence[int],
+    warmup: bool = False,
+) -> tuple[list[list[int]], EngineCore]:
+    """Greedy tokens of every prompt through one started manager (EOS ignored), and the engine they ran
+    on, for tests that look at which path it took."""
+    manager = init_continuous_batching(model, continuous_batching_config=config)
+    if warmup:
+        manager.warmup()
+    manager.start()
+    try:
+        generated = run_greedy(manager, prompts, new_tokens)
+        engine = engine_core(manager)
+    finally:
+        manager.destroy()
+    return generated, engine
+
+
+def run_greedy(
+    manager: ContinuousBatchingManager, prompts: list[list[int]], new_tokens: Sequence[int]
+) -> list[list[int]]:
+    """Greedy tokens of every prompt (EOS ignored), all added at once to a started manager; asserts that
+    none failed."""
+    ids = [
+        manager.add_request(prompt, max_new_tokens=count, eos_token_id=[])
+        for prompt, count in zip(prompts, new_tokens, strict=True)
+    ]
+    outputs = [manager.get_result(request_id, timeout=600) for request_id in ids]
+    for output in outputs:
+        assert output is not None and output.error is None, output
+    return [list(output.generated_tokens) for output in outputs]
+
+
+def fail_forward_once(monkeypatch: pytest.MonkeyPatch, runner: Any, on_call: int) -> None:
+    """Makes the `on_call`-th forward pass of `runner` (counting from 1) raise "injected fault"."""
+    original_forward = runner.forward
+    calls = {"count": 0}
+
+    def forward(inputs: Any) -> Any:
+        calls["count"] += 1
+        if calls["count"] == on_call:
+            raise RuntimeError("injected fault")
+        return original_forward(inputs)
+
+    monkeypatch.setattr(runner, "forward", forward)
