@@ -244,7 +244,7 @@ def measure_attention(
 
 def smollm2(device: torch.device) -> tuple[torch.nn.Module, list[list[int]]]:
     from service.default_model import ensure_default_model
-    from service.engine_host import load_pretrained
+    from service.model_loading import load_pretrained
 
     model, tokenizer = load_pretrained(str(ensure_default_model()), str(device), "float32")
     questions = (

@@ -42,7 +42,7 @@ from bench.offline_throughput import (
     transformers_cb_config,
 )
 from service.default_model import ensure_default_model
-from service.engine_host import load_pretrained
+from service.model_loading import load_pretrained
 
 BENCH_NAME = "embedded_model"
 ENGINES = ("cbserve", "transformers_cb", "cbserve_eager", "cbserve_batch_invariant")

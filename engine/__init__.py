@@ -49,6 +49,7 @@ from engine.weights.transfer import (
     DEFAULT_GROUP_TIMEOUT_S,
     BucketPlan,
     BucketTensor,
+    JoinedGroup,
     WeightBucket,
 )
 
@@ -70,6 +71,7 @@ __all__ = [
     "FinishReason",
     "GenerationOutput",
     "InvalidParameterError",
+    "JoinedGroup",
     "KVCacheEvent",
     "LogprobsMode",
     "ManagerStats",

@@ -1,6 +1,6 @@
 """The AdminService: pause (held while the call is open), stop, start, status, weight updates, the
-weights' checksum and prefix-cache resets (the trainer's weight-update group, CUDA IPC, sleep and wake are
-in service.admin_weight_sync)."""
+weights' checksum and prefix-cache resets; the trainer's weight-update group, CUDA IPC, sleep and wake are
+answered by its `WeightSync` (service.admin_weight_sync)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from cbserve_client.proto import admin_pb2, admin_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from engine import dtype_from_name
-from service.admin_weight_sync import PAUSE_MODES, WeightSyncRpcs, call_manager, weight_sync_status
+from service.admin_weight_sync import PAUSE_MODES, WeightSync, call_engine, weight_sync_status
 from service.host_slot import HostSlot
 from service.metrics import NO_METRICS, MetricsObserver
 
@@ -27,13 +27,14 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
+class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     def __init__(
         self, slot: HostSlot, max_pause_lease_s: float, metrics: MetricsObserver = NO_METRICS
     ) -> None:
         self.slot = slot
         self.max_pause_lease_s = max_pause_lease_s
         self.metrics = metrics
+        self.weight_sync = WeightSync(slot, metrics)
         # Open Pause calls holding the engine; the engine's own snapshot is stale while its loop is parked.
         self.pause_holders = 0
         # The weight version the last Pause message reported (read from the engine when it is sent).
@@ -53,7 +54,7 @@ class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pause mode {request.mode}")
             raise AssertionError("context.abort raises")
         self.weight_version = host.weight_version
-        async with _held_pause(host.manager.pause(mode)) as handle:
+        async with _held_pause(host.admin.pause(mode)) as handle:
             held_since = time.monotonic()
             self.pause_holders += 1
             cancelled = handle.cancelled if handle is not None else 0
@@ -85,7 +86,7 @@ class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.StopRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.StopResponse:
         host = await self.slot.require(context)
-        if not host.manager.is_running():
+        if not host.admin.is_running():
             return admin_pb2.StopResponse(already_stopped=True)
         timeout = request.drain_timeout_s if request.HasField("drain_timeout_s") else None
         drained, failed = await host.stop(hard=request.hard, drain_timeout_s=timeout)
@@ -109,7 +110,7 @@ class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
         stats = host.stats()
         counters = host.counters
         return admin_pb2.GetStatusResponse(
-            running=host.manager.is_running(),
+            running=host.admin.is_running(),
             paused=stats.paused,
             pause_holders=self.pause_holders,
             queued_requests=stats.num_waiting,
@@ -149,7 +150,7 @@ class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
             raise AssertionError("context.abort raises") from exc
         loop = asyncio.get_running_loop()
         try:
-            version = await loop.run_in_executor(None, host.update_weights, source, label)
+            version = await loop.run_in_executor(None, host.admin.update_weights, source, label)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             raise AssertionError("context.abort raises") from exc
@@ -169,7 +170,7 @@ class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
     ) -> admin_pb2.ResetPrefixCacheResponse:
         host = await self.slot.require(context)
         # EngineBusyError (requests in flight, no abort) is a RuntimeError: FAILED_PRECONDITION.
-        reset = await call_manager(context, lambda: host.manager.reset_prefix_cache(abort=request.abort))
+        reset = await call_engine(context, lambda: host.admin.reset_prefix_cache(abort=request.abort))
         logger.info(
             "ResetPrefixCache: %d blocks dropped, %d requests aborted", reset.num_blocks, reset.num_aborted
         )
@@ -181,7 +182,7 @@ class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.GetWeightsChecksumRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.GetWeightsChecksumResponse:
         host = await self.slot.require(context)
-        checksum = await call_manager(context, host.manager.weights_checksum)
+        checksum = await call_engine(context, host.admin.weights_checksum)
         response = admin_pb2.GetWeightsChecksumResponse(
             digest=checksum.digest,
             algorithm=checksum.algorithm,
@@ -196,6 +197,39 @@ class AdminServicer(WeightSyncRpcs, admin_pb2_grpc.AdminServiceServicer):
                 for tensor in checksum.tensors
             )
         return response
+
+    # ------------------------------------------------------------------ weight sync and memory (WeightSync)
+
+    async def InitWeightsUpdateGroup(
+        self, request: admin_pb2.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.InitWeightsUpdateGroupResponse:
+        return await self.weight_sync.init_weights_update_group(request, context)
+
+    async def UpdateWeightsFromDistributed(
+        self, request: admin_pb2.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[admin_pb2.UpdateWeightsFromDistributedResponse]:
+        async for response in self.weight_sync.update_weights_from_distributed(request, context):
+            yield response
+
+    async def DestroyWeightsUpdateGroup(
+        self, request: admin_pb2.DestroyWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.DestroyWeightsUpdateGroupResponse:
+        return await self.weight_sync.destroy_weights_update_group(request, context)
+
+    async def UpdateWeightsFromIpc(
+        self, request: admin_pb2.UpdateWeightsFromIpcRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.UpdateWeightsFromIpcResponse:
+        return await self.weight_sync.update_weights_from_ipc(request, context)
+
+    async def Sleep(
+        self, request: admin_pb2.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.SleepResponse:
+        return await self.weight_sync.sleep(request, context)
+
+    async def WakeUp(
+        self, request: admin_pb2.WakeUpRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.WakeUpResponse:
+        return await self.weight_sync.wake_up(request, context)
 
 
 class _PendingTensor:

@@ -1,6 +1,6 @@
 """The AdminService's weight sync and memory RPCs: the trainer's weight-update group, CUDA IPC updates,
-sleep and wake. Each maps onto one call of the engine's manager (engine.weights.manager_weights) run off
-the event loop; health follows the outcome (asleep, or weights left incomplete, is NOT_SERVING)."""
+sleep and wake. Each maps onto one call of the engine's admin handle (service.engine_admin) run off the
+event loop; health follows the outcome (asleep, or weights left incomplete, is NOT_SERVING)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from engine import (
     WeightBucket,
     WeightTransferError,
     WeightTransferTimeout,
-    tensor_parallel_size,
 )
 from service.engine_host import EngineHost
 from service.host_slot import HostSlot
@@ -45,7 +44,7 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
 
 
 def status_code_of(exc: Exception) -> grpc.StatusCode | None:
-    """The status a failed manager call ends with; None for an exception that is a server bug."""
+    """The status a failed engine call ends with; None for an exception that is a server bug."""
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, WeightTransferTimeout):
@@ -57,13 +56,13 @@ def status_code_of(exc: Exception) -> grpc.StatusCode | None:
     return None
 
 
-async def call_manager(context: grpc.aio.ServicerContext, call: Callable[[], T]) -> T:
-    """Runs a blocking manager call in a worker thread; its errors end the RPC with their status."""
+async def call_engine(context: grpc.aio.ServicerContext, call: Callable[[], T]) -> T:
+    """Runs a blocking engine call in a worker thread; its errors end the RPC with their status."""
     return await outcome(context, asyncio.get_running_loop().run_in_executor(None, call))
 
 
 async def outcome(context: grpc.aio.ServicerContext, running: asyncio.Future[T]) -> T:
-    """The result of a manager call running in a worker thread, or the RPC ended with its error's status.
+    """The result of an engine call running in a worker thread, or the RPC ended with its error's status.
     Shielded: a cancelled RPC does not cancel the call's future (the thread runs on regardless, and a
     transfer's end is what health waits for)."""
     try:
@@ -123,20 +122,22 @@ def ipc_handle(tensor: admin_pb2.CudaIpcTensor) -> CudaIpcHandle:
     )
 
 
-class WeightSyncRpcs:
-    """The AdminServicer's RPCs for RL trainers; the servicer provides `slot` and `metrics`."""
+class WeightSync:
+    """The AdminServicer's RPCs for RL trainers, one method each (the servicer's RPC of the same name in
+    snake case calls it)."""
 
-    slot: HostSlot
-    metrics: MetricsObserver
+    def __init__(self, slot: HostSlot, metrics: MetricsObserver) -> None:
+        self.slot = slot
+        self.metrics = metrics
 
-    async def InitWeightsUpdateGroup(
+    async def init_weights_update_group(
         self, request: admin_pb2.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.InitWeightsUpdateGroupResponse:
         host = await self.slot.require(context)
         timeout_s = request.timeout_s if request.HasField("timeout_s") else DEFAULT_GROUP_TIMEOUT_S
-        joined = await call_manager(
+        joined = await call_engine(
             context,
-            lambda: host.manager.init_weights_update_group(
+            lambda: host.admin.init_weights_update_group(
                 request.master_address,
                 request.master_port,
                 request.rank_offset,
@@ -148,13 +149,13 @@ class WeightSyncRpcs:
         )
         return admin_pb2.InitWeightsUpdateGroupResponse(ranks=joined.ranks, backend=joined.backend)
 
-    async def UpdateWeightsFromDistributed(
+    async def update_weights_from_distributed(
         self, request: admin_pb2.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admin_pb2.UpdateWeightsFromDistributedResponse]:
         started = time.monotonic()
         host = await self.slot.require(context)
         plan = bucket_plan(request)
-        await call_manager(context, lambda: host.manager.check_weights_update(plan))
+        await call_engine(context, lambda: host.admin.check_weights_update(plan))
         if request.validate_only:
             return
         loop = asyncio.get_running_loop()
@@ -165,7 +166,7 @@ class WeightSyncRpcs:
             loop.call_soon_threadsafe(_resolve, ready)
 
         update = loop.run_in_executor(
-            None, lambda: host.manager.update_weights_from_distributed(plan, version=label, on_ready=on_ready)
+            None, lambda: host.admin.update_weights_from_distributed(plan, label, on_ready)
         )
         # Health follows the outcome when the transfer ends, which may be after this call was cancelled
         # (its error is then taken here, not left for asyncio to report as never retrieved).
@@ -182,7 +183,7 @@ class WeightSyncRpcs:
             version = await outcome(context, update)
         except asyncio.CancelledError:
             # The trainer gave up (its call ended): a receive still waiting fails now, not at the timeout.
-            host.manager.abort_weights_transfer()
+            host.admin.abort_weights_transfer()
             raise
         finally:
             ready.cancel()
@@ -195,14 +196,14 @@ class WeightSyncRpcs:
             )
         )
 
-    async def DestroyWeightsUpdateGroup(
+    async def destroy_weights_update_group(
         self, request: admin_pb2.DestroyWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.DestroyWeightsUpdateGroupResponse:
         host = await self.slot.require(context)
-        destroyed = await call_manager(context, host.manager.destroy_weights_update_group)
+        destroyed = await call_engine(context, host.admin.destroy_weights_update_group)
         return admin_pb2.DestroyWeightsUpdateGroupResponse(destroyed=destroyed)
 
-    async def UpdateWeightsFromIpc(
+    async def update_weights_from_ipc(
         self, request: admin_pb2.UpdateWeightsFromIpcRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.UpdateWeightsFromIpcResponse:
         started = time.monotonic()
@@ -211,14 +212,14 @@ class WeightSyncRpcs:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "tensors: the update has no tensors")
         handles = [ipc_handle(tensor) for tensor in request.tensors]
         label = request.version_label or None
-        version = await call_manager(context, lambda: host.manager.update_weights_from_ipc(handles, label))
+        version = await call_engine(context, lambda: host.admin.update_weights_from_ipc(handles, label))
         host.state_changed()
         self.metrics.observe_weight_update(time.monotonic() - started)
         return admin_pb2.UpdateWeightsFromIpcResponse(
             weight_version=version, tensors_updated=len(handles), version_label=request.version_label
         )
 
-    async def Sleep(
+    async def sleep(
         self, request: admin_pb2.SleepRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.SleepResponse:
         host = await self.slot.require(context)
@@ -226,7 +227,7 @@ class WeightSyncRpcs:
         if mode is None:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"mode: unknown pause mode {request.mode}")
         try:
-            outcome = await call_manager(context, lambda: host.manager.sleep(request.level, mode))
+            outcome = await call_engine(context, lambda: host.admin.sleep(request.level, mode))
         finally:
             host.state_changed()
         affected = outcome.cancelled_requests if mode == "abort" else outcome.requeued_requests
@@ -243,12 +244,12 @@ class WeightSyncRpcs:
             resident_bytes_released=resident,
         )
 
-    async def WakeUp(
+    async def wake_up(
         self, request: admin_pb2.WakeUpRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.WakeUpResponse:
         host = await self.slot.require(context)
         try:
-            level = await call_manager(context, lambda: host.manager.wake_up(list(request.tags)))
+            level = await call_engine(context, lambda: host.admin.wake_up(request.tags))
         finally:
             host.state_changed()
         return admin_pb2.WakeUpResponse(sleep_level=level)
@@ -266,5 +267,5 @@ def weight_sync_status(host: EngineHost) -> dict[str, Any]:
         "sleep_level": stats.sleep_level,
         "weights_incomplete": stats.weights_incomplete or "",
         "weights_update_group_ranks": stats.weights_update_group_ranks,
-        "tensor_parallel_size": tensor_parallel_size(host.model),
+        "tensor_parallel_size": host.admin.tensor_parallel_size,
     }

@@ -38,7 +38,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "default_compile_level": 0,
     "logprobs_mode": "raw_logprobs",
 }
-# The precisions of --dtype (service.engine_host.DTYPES, checked by the same test).
+# The precisions of --dtype (service.model_loading.DTYPES, checked by the same test).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # The engine fields set by a flag of the same name (--page-size sets page_size).
 ENGINE_KNOBS = (
@@ -416,7 +416,7 @@ async def serve(
     then drains. Whatever fails once the servers exist, they are shut down before the error goes up, so
     the process ends without asyncio's complaints about servers never stopped."""
     from service.default_model import ensure_default_model
-    from service.engine_host import EngineHost
+    from service.model_loading import load_host
     from service.ports import PortError
     from service.server import CbserveServer, ServerOptions
 
@@ -450,7 +450,7 @@ async def serve(
         # health reports NOT_SERVING.
         loading = asyncio.ensure_future(
             server.load(
-                lambda: EngineHost.from_path(
+                lambda: load_host(
                     args.model or ensure_default_model(), config, device=args.device, dtype=args.dtype
                 )
             )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,10 +20,9 @@ from engine import (
     QueueFullError,
     RequestStatus,
     default_max_new_tokens,
-    load_sharded_model,
     sequence_request_id,
-    torchrun_world_size,
 )
+from service.engine_admin import EngineAdmin
 from service.engine_load import GenerationRate, engine_load
 from service.kv_event_stream import KvEventStream
 from service.request_record import RequestRecord
@@ -35,59 +33,6 @@ logger = logging.getLogger(__name__)
 
 # How long an ended request's outputs stay readable through StreamResults.
 DEFAULT_RETENTION_S = 300.0
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_bf16_matrix_units() -> bool:
-    """Whether this CPU multiplies bf16 matrices in AMX tiles (and the OS lets this process use them).
-
-    Without AMX a CPU's bf16 matmuls run on vector dot products at about half its fp32 rate, so bf16
-    does not pay there (README, Benchmarks); with it they run several times faster than fp32.
-    """
-    return bool(torch.cpu._is_amx_tile_supported())
-
-
-def resolve_placement(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
-    """Where and in what precision the model runs: "auto" is the GPU when there is one, else the CPU,
-    and bfloat16 on a GPU and on a CPU with AMX, float32 on other CPUs."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = torch.device(device)
-    if dtype == "auto":
-        bf16_pays = resolved.type == "cuda" or (resolved.type == "cpu" and cpu_has_bf16_matrix_units())
-        dtype = "bfloat16" if bf16_pays else "float32"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {dtype!r}")
-    return resolved, DTYPES[dtype]
-
-
-def load_pretrained(
-    path: str, device: str = "auto", dtype: str = "auto"
-) -> tuple[torch.nn.Module, Any | None]:
-    """The model at `path` with SDPA attention (placed by `resolve_placement`), and its tokenizer when the
-    folder has one.
-
-    Under `torchrun` (or `cbserve serve --tp N`) the model is sharded over every rank, each on its own
-    accelerator (LOCAL_RANK) or on the CPU.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    resolved_device, resolved_dtype = resolve_placement(device, dtype)
-    if torchrun_world_size() > 1:
-        model = load_sharded_model(path, resolved_dtype, "sdpa")
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolved_dtype, attn_implementation="sdpa", device_map=str(resolved_device)
-        )
-    logger.info("model %s on %s in %s", path, next(model.parameters()).device, resolved_dtype)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
-        logger.info("no tokenizer at %s: only token-id prompts will be accepted", path)
-        tokenizer = None
-    return model.eval(), tokenizer
 
 
 @dataclass
@@ -148,18 +93,8 @@ class EngineHost:
         # subscriber's snapshot holds every block the engine can reuse.
         self.kv_events = KvEventStream(self.page_size, self.engine_load)
         self.manager.add_kv_event_listener(self.kv_events.publish)
-
-    @classmethod
-    def from_path(
-        cls,
-        path: str,
-        config: ContinuousBatchingConfig | None = None,
-        device: str = "auto",
-        dtype: str = "auto",
-    ) -> EngineHost:
-        model, tokenizer = load_pretrained(path, device, dtype)
-        name = os.path.basename(os.path.normpath(path))
-        return cls(model, tokenizer, config, model_name=name, model_path=os.path.abspath(path))
+        # What the AdminService may do to the engine; servicers reach the engine through it and this host.
+        self.admin = EngineAdmin(self.manager, model)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -173,7 +108,10 @@ class EngineHost:
         stopped, its loop failed (a tensor-parallel rank lost), a drain or stop is under way, it sleeps,
         or its weights are a mix of two versions (a transfer from the trainer failed midway). A router
         retries the request on another replica."""
-        if not self.manager.is_running() or self.manager.loop_error is not None or self._draining:
+        loop_error = self.manager.loop_error
+        if loop_error is not None:
+            return f"the engine failed: {loop_error}"
+        if not self.manager.is_running() or self._draining:
             return "the server is stopped or draining"
         stats = self.manager.stats()
         if stats.sleep_level:
@@ -263,7 +201,10 @@ class EngineHost:
         records of its sequences (one unless n > 1).
 
         Without `detokenize` (and without stop strings, which match on text) the records decode no text:
-        a gateway detokenizes itself, and decoding every token twice would cost the engine's cores."""
+        a gateway detokenizes itself, and decoding every token twice would cost the engine's cores.
+
+        Availability is checked here, once, for every door; the engine makes the remaining checks (a
+        request that can never run, a full queue) and answers None once it has stopped."""
         unavailable = self.unavailable_reason()
         if unavailable is not None:
             raise RequestRejected(grpc.StatusCode.UNAVAILABLE, unavailable)
@@ -385,11 +326,7 @@ class EngineHost:
     @property
     def weight_version(self) -> int:
         """Version of the weights served now (1 at start, +1 per update)."""
-        return self.manager.weight_version
-
-    def update_weights(self, source: Any, version_label: str | None = None) -> int:
-        """Applies new weights through the engine (blocking: call it from a worker thread)."""
-        return self.manager.update_weights(source, version=version_label)
+        return self.admin.weight_version
 
 
 def _as_list(eos_token_id: Any) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import grpc
 from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
@@ -13,9 +14,12 @@ from opentelemetry.context import Context
 from service.engine_host import EngineHost
 from service.host_slot import HostSlot
 from service.metrics import NO_METRICS, MetricsObserver
+from service.request_intake import RequestIntake
 from service.sequence_group import SequenceGroup
-from service.tracing import RequestTracer, parent_context
+from service.tracing import RequestTracer, parent_context, span_attributes
 from service.validation import RequestRejected, invalid, prepare
+
+T = TypeVar("T")
 
 # Marks the end of a Generate stream's output queue.
 _END = object()
@@ -26,8 +30,7 @@ logger = logging.getLogger(__name__)
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, slot: HostSlot, tracer: RequestTracer, metrics: MetricsObserver = NO_METRICS) -> None:
         self.slot = slot
-        self.tracer = tracer
-        self.metrics = metrics
+        self.intake = RequestIntake(tracer, metrics)
 
     async def AddRequest(
         self, request: generation_pb2.AddRequestRequest, context: grpc.aio.ServicerContext
@@ -37,7 +40,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         host = await self.slot.require(context)
         trace_parent = parent_context(context.invocation_metadata())
         try:
-            group = submit(host, request.request, self.tracer, self.metrics, trace_parent)
+            group = _submit(self.intake, host, request.request, trace_parent)
         except RequestRejected as exc:
             await context.abort(exc.code, exc.message)
         return generation_pb2.AddRequestResponse(request_id=group.request_id)
@@ -83,10 +86,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         request_iterator: AsyncIterator[generation_pb2.GenerateRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        # The first request is read before any refusal: a client still writing it when the call ends
+        # would get grpc-core's INTERNAL "Internal error from Core" instead of this call's status.
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
         host = await self.slot.require(context)
+        if first is None:
+            return  # half-closed without a request: nothing to answer
         trace_parent = parent_context(context.invocation_metadata())
-        stream = _GenerateStream(host, self.tracer, self.metrics, trace_parent)
-        reader = asyncio.create_task(stream.read(request_iterator))
+        stream = _GenerateStream(host, self.intake, trace_parent)
+        reader = asyncio.create_task(stream.read(_prepended(first, requests)))
         try:
             while True:
                 item = await stream.outbox.get()
@@ -106,12 +115,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 class _GenerateStream:
     """The requests of one Generate call, their readers, and the queue that interleaves their chunks."""
 
-    def __init__(
-        self, host: EngineHost, tracer: RequestTracer, metrics: MetricsObserver, trace_parent: Context
-    ) -> None:
+    def __init__(self, host: EngineHost, intake: RequestIntake, trace_parent: Context) -> None:
         self.host = host
-        self.tracer = tracer
-        self.metrics = metrics
+        self.intake = intake
         # The caller's trace context, read from the call's metadata: the parent of every request's span.
         self.trace_parent = trace_parent
         self.outbox: asyncio.Queue[object] = asyncio.Queue()
@@ -152,7 +158,7 @@ class _GenerateStream:
 
     def _add(self, request: types_pb2.GenerationRequest) -> None:
         try:
-            group = submit(self.host, request, self.tracer, self.metrics, self.trace_parent)
+            group = _submit(self.intake, self.host, request, self.trace_parent)
         except RequestRejected as exc:
             self.outbox.put_nowait(_rejection(request.request_id, exc))
             return
@@ -175,39 +181,19 @@ class _GenerateStream:
                 self.host.cancel(request_id)
 
 
-def submit(
-    host: EngineHost,
-    request: types_pb2.GenerationRequest,
-    tracer: RequestTracer,
-    metrics: MetricsObserver,
-    trace_parent: Context,
-    detokenize: bool = True,
+def _submit(
+    intake: RequestIntake, host: EngineHost, request: types_pb2.GenerationRequest, trace_parent: Context
 ) -> SequenceGroup:
-    """Validates and queues one request; raises RequestRejected with the caller's status code.
+    """Checks and queues one of cbserve's requests; raises RequestRejected with the caller's status code."""
+    return intake.submit(
+        host, span_attributes(request), lambda: prepare(request, host.limits, host.tokenizer), trace_parent
+    )
 
-    The request's span starts here and ends with the request (or now, with an error, if it is refused).
-    `detokenize=False` leaves the output without text (stop strings still match on it), for callers
-    that decode tokens themselves.
-    """
-    span = tracer.start(request, host.model_name, trace_parent)
-    # Refusals are counted here because AddRequest and each request added on a Generate stream pass through
-    # submit exactly once; a call refused before it carries a request (model loading, malformed message)
-    # has no request to count.
-    try:
-        unavailable = host.unavailable_reason()
-        if unavailable is not None:
-            raise RequestRejected(grpc.StatusCode.UNAVAILABLE, unavailable)
-        group = host.submit(prepare(request, host.limits, host.tokenizer), detokenize=detokenize)
-    except RequestRejected as exc:
-        metrics.observe_rejected(exc.code.name)
-        span.reject(exc.code.name, exc.message)
-        raise
-    except Exception as exc:
-        metrics.observe_rejected("INTERNAL")
-        span.reject("INTERNAL", str(exc) or type(exc).__name__)
-        raise
-    span.attach(group)
-    return group
+
+async def _prepended(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 def _rejection(request_id: str, exc: RequestRejected) -> types_pb2.GenerationChunk:

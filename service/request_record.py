@@ -60,7 +60,8 @@ class RequestRecord:
         self.index = index
         self.prompt_len = prompt_len
         self.weight_version = weight_version
-        self.status = RequestStatus.PENDING
+        # The engine's latest output of this sequence: the one source of its status (see `status`).
+        self._latest_output: GenerationOutput | None = None
         self.token_ids: list[int] = []
         # The weight version that produced each token.
         self._token_versions: list[int] = []
@@ -100,6 +101,15 @@ class RequestRecord:
     def token_times(self) -> list[float]:
         """When each token arrived (the engine's stamp if recorded, else when its output came): read-only."""
         return self._token_times
+
+    @property
+    def status(self) -> RequestStatus:
+        """The engine's status of the sequence as of its latest output (only engine.request assigns a
+        status), except that a stop string matched here ends it FINISHED: the engine, which sees only
+        tokens, is then told to cancel it, and its later outputs are not recorded."""
+        if self.stopped_by_text:
+            return RequestStatus.FINISHED
+        return self._latest_output.status if self._latest_output is not None else RequestStatus.PENDING
 
     @property
     def finished(self) -> bool:
@@ -146,7 +156,7 @@ class RequestRecord:
         if output.prompt_logprobs and not self.prompt_logprobs:
             self.prompt_logprobs = _prompt_logprobs(output)
             self.prompt_token_ids = list(output.prompt_ids)
-        self.status = RequestStatus.FINISHED if self.stopped_by_text else output.status
+        self._latest_output = output
         if self.finished:
             self._finish(output, now)
         self._notify()
@@ -161,7 +171,7 @@ class RequestRecord:
             self._tail_text = self._released_text(self._detokenizer.flush(self.token_ids))
             if self._stop_matcher is not None:
                 self._tail_text += self._stop_matcher.flush()
-        if self.stopped_by_text and self.status == RequestStatus.FINISHED:
+        if self.stopped_by_text:
             self.finish_reason = FinishReason.STOP
             self.stop_reason = self.matched_stop_string
             self.error = ""

@@ -31,7 +31,7 @@ from engine import (
     default_num_threads,
     torchrun_environment,
 )
-from service.engine_host import load_pretrained
+from service.model_loading import load_pretrained
 
 logger = logging.getLogger(__name__)
 

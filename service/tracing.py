@@ -105,7 +105,7 @@ def parent_context(metadata: Iterable[tuple[str, Any]] | None) -> Context:
         return Context()
 
 
-def _float32(value: float) -> float:
+def float32(value: float) -> float:
     """A proto float field as the caller wrote it (0.7, not 0.699999988079071)."""
     return float(f"{value:.7g}")
 
@@ -117,31 +117,41 @@ class RequestTracer:
         self.provider = provider
         self.tracer: Tracer = provider.get_tracer(INSTRUMENTATION_SCOPE)
 
-    def start(self, request: types_pb2.GenerationRequest, model: str, parent: Context) -> RequestSpan:
-        chat = request.WhichOneof("prompt") == "messages"
-        operation = OPERATION_CHAT if chat else OPERATION_TEXT_COMPLETION
-        attributes: dict[str, Any] = {OPERATION_NAME: operation, REQUEST_MODEL: model}
-        params = request.sampling
-        if params.HasField("max_new_tokens"):
-            attributes[REQUEST_MAX_TOKENS] = params.max_new_tokens
-        if params.HasField("temperature"):
-            attributes[REQUEST_TEMPERATURE] = _float32(params.temperature)
-        if params.HasField("top_p"):
-            attributes[REQUEST_TOP_P] = _float32(params.top_p)
-        if params.HasField("top_k"):
-            attributes[REQUEST_TOP_K] = params.top_k
-        if params.HasField("seed"):
-            attributes[REQUEST_SEED] = params.seed
-        if params.stop:
-            attributes[REQUEST_STOP_SEQUENCES] = list(params.stop)
-        if params.HasField("presence_penalty"):
-            attributes[REQUEST_PRESENCE_PENALTY] = _float32(params.presence_penalty)
-        if params.HasField("frequency_penalty"):
-            attributes[REQUEST_FREQUENCY_PENALTY] = _float32(params.frequency_penalty)
+    def start(self, requested: Mapping[str, Any], model: str, parent: Context) -> RequestSpan:
+        """The span of a request that just arrived; `requested` holds the operation and what the caller
+        asked for (`span_attributes` of cbserve's request, or its twin for the gateways' protocol)."""
+        attributes = {**requested, REQUEST_MODEL: model}
         span = self.tracer.start_span(
-            f"{operation} {model}", context=parent, kind=SpanKind.SERVER, attributes=attributes
+            f"{requested[OPERATION_NAME]} {model}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
         )
         return RequestSpan(span, model)
+
+
+def span_attributes(request: types_pb2.GenerationRequest) -> dict[str, Any]:
+    """What the caller of cbserve's GenerationService asked for, as the request's span records it."""
+    chat = request.WhichOneof("prompt") == "messages"
+    attributes: dict[str, Any] = {OPERATION_NAME: OPERATION_CHAT if chat else OPERATION_TEXT_COMPLETION}
+    params = request.sampling
+    if params.HasField("max_new_tokens"):
+        attributes[REQUEST_MAX_TOKENS] = params.max_new_tokens
+    if params.HasField("temperature"):
+        attributes[REQUEST_TEMPERATURE] = float32(params.temperature)
+    if params.HasField("top_p"):
+        attributes[REQUEST_TOP_P] = float32(params.top_p)
+    if params.HasField("top_k"):
+        attributes[REQUEST_TOP_K] = params.top_k
+    if params.HasField("seed"):
+        attributes[REQUEST_SEED] = params.seed
+    if params.stop:
+        attributes[REQUEST_STOP_SEQUENCES] = list(params.stop)
+    if params.HasField("presence_penalty"):
+        attributes[REQUEST_PRESENCE_PENALTY] = float32(params.presence_penalty)
+    if params.HasField("frequency_penalty"):
+        attributes[REQUEST_FREQUENCY_PENALTY] = float32(params.frequency_penalty)
+    return attributes
 
 
 def _nanoseconds(seconds: float) -> int:

@@ -1,21 +1,30 @@
 """Turns a wire GenerationRequest into the engine's typed request, refusing a bad field with
-INVALID_ARGUMENT naming it.
+INVALID_ARGUMENT naming it; the checks both protocols share (service.vllm_requests is the other door).
 
-The sampling rules and their bounds are the engine's (engine.sampling.params, with the wire's field
-names); this module adds only what the wire has and the engine does not: request ids, the prompt's three
-forms, stop strings, and a cap on logit_bias entries.
+The sampling rules and their bounds are the engine's (engine.sampling.params); a refusal of the engine's
+names the protocol's field through that protocol's `WireNames`. This module adds only what the wire has
+and the engine does not: request ids, the prompt's forms, the room the model's context leaves, stop
+strings, and a cap on logit_bias entries.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from cbserve_client.proto import types_pb2
 
-from engine import LogprobsMode, SamplingParams, StructuredOutput, build_sampling_params, check_token_ids
+from engine import (
+    InvalidParameterError,
+    LogprobsMode,
+    SamplingParams,
+    StructuredOutput,
+    build_sampling_params,
+    check_token_ids,
+)
 
 MAX_REQUEST_ID_BYTES = 128
 MAX_STOP_STRINGS = 16
@@ -37,6 +46,33 @@ class RequestRejected(Exception):
 
 def invalid(message: str) -> RequestRejected:
     return RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True)
+class WireNames:
+    """How one protocol names the engine's sampling parameters (generate's keyword arguments) in its
+    errors: `prefix` and the engine's name, unless `renamed` gives the whole field name. A parameter's
+    part (`logit_bias[5]`, `structured_output.spec`) keeps its suffix after the renamed parameter."""
+
+    prefix: str
+    renamed: Mapping[str, str] = field(default_factory=dict)
+
+    def __call__(self, parameter: str) -> str:
+        whole = self.renamed.get(parameter)
+        if whole is not None:
+            return whole
+        cut = min((index for index in (parameter.find("["), parameter.find(".")) if index >= 0), default=None)
+        base, suffix = (parameter, "") if cut is None else (parameter[:cut], parameter[cut:])
+        return self.renamed.get(base, self.prefix + base) + suffix
+
+    def rejected(self, error: InvalidParameterError) -> RequestRejected:
+        """The engine's refusal of a parameter, naming the protocol's field (the engine's message starts
+        with its own name of the parameter)."""
+        return invalid(self(error.field) + str(error)[len(error.field) :])
+
+
+# cbserve's GenerationRequest.sampling names the engine's parameters after generate's keyword arguments.
+CBSERVE_NAMES = WireNames("sampling.", {"eos_token_id": "sampling.eos_token_ids"})
 
 
 @dataclass(frozen=True)
@@ -70,39 +106,17 @@ def prepare(
     request: types_pb2.GenerationRequest, limits: ModelLimits, tokenizer: Any | None
 ) -> PreparedRequest:
     """Validates every field (INVALID_ARGUMENT naming the first bad one) and fills the defaults."""
-    request_id = _request_id(request.request_id)
-    input_ids = _prompt_ids(request, limits, tokenizer)
-    if len(input_ids) >= limits.max_context_length:
-        raise invalid(
-            f"prompt: {len(input_ids)} tokens leave no room to generate within the model's context of "
-            f"{limits.max_context_length} tokens"
-        )
+    request_id = checked_request_id(request.request_id)
+    input_ids = checked_prompt(*_prompt_ids(request, tokenizer), limits)
     params = request.sampling
-    room = limits.max_context_length - len(input_ids)
-    if params.HasField("max_new_tokens"):
-        if params.max_new_tokens > room:
-            raise invalid(
-                f"sampling.max_new_tokens: {len(input_ids)} prompt tokens + {params.max_new_tokens} exceed "
-                f"the model's context of {limits.max_context_length} tokens"
-            )
-        max_new_tokens = params.max_new_tokens
-    else:
-        max_new_tokens = min(limits.default_max_new_tokens, room)
-    stop_strings = _stop_strings(params, tokenizer)
-    try:
-        sampling = build_sampling_params(
-            _sampling_settings(params, max_new_tokens, limits),
-            limits.generation_config,
-            limits.vocab_size,
-            field_prefix="sampling.",
-            default_logprobs_mode=limits.default_logprobs_mode,
-        )
-    except ValueError as exc:
-        raise invalid(str(exc)) from exc
+    requested = params.max_new_tokens if params.HasField("max_new_tokens") else None
+    max_new_tokens = checked_max_new_tokens(requested, len(input_ids), limits, CBSERVE_NAMES)
+    stop_strings = checked_stop_strings(list(params.stop), tokenizer, CBSERVE_NAMES)
+    settings = _sampling_settings(params, max_new_tokens, limits)
     return PreparedRequest(
         request_id=request_id,
         input_ids=input_ids,
-        sampling=sampling,
+        sampling=sampling_params(settings, limits, CBSERVE_NAMES),
         record_timestamps=request.record_timestamps,
         stop_strings=stop_strings,
         skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
@@ -110,7 +124,8 @@ def prepare(
     )
 
 
-def _request_id(request_id: str) -> str:
+def checked_request_id(request_id: str) -> str:
+    """The caller's id, or a fresh one when it left it empty."""
     if not request_id:
         return uuid.uuid4().hex
     if len(request_id.encode()) > MAX_REQUEST_ID_BYTES or not all(" " < c <= "~" for c in request_id):
@@ -118,9 +133,78 @@ def _request_id(request_id: str) -> str:
     return request_id
 
 
-def _prompt_ids(
-    request: types_pb2.GenerationRequest, limits: ModelLimits, tokenizer: Any | None
-) -> list[int]:
+def checked_prompt(field_name: str, ids: list[int], limits: ModelLimits) -> list[int]:
+    """The prompt `field_name` carried, every id in the vocabulary and room left to generate."""
+    ids = _checked_token_ids(field_name, ids, limits)
+    if len(ids) >= limits.max_context_length:
+        raise invalid(
+            f"prompt: {len(ids)} tokens leave no room to generate within the model's context of "
+            f"{limits.max_context_length} tokens"
+        )
+    return ids
+
+
+def checked_max_new_tokens(
+    requested: int | None, prompt_len: int, limits: ModelLimits, names: WireNames
+) -> int:
+    """`requested` if the context has room for it; unset, the model's default within that room."""
+    room = limits.max_context_length - prompt_len
+    if requested is None:
+        return min(limits.default_max_new_tokens, room)
+    if requested > room:
+        raise invalid(
+            f"{names('max_new_tokens')}: {prompt_len} prompt tokens + {requested} exceed "
+            f"the model's context of {limits.max_context_length} tokens"
+        )
+    return requested
+
+
+def sampling_params(settings: dict[str, Any], limits: ModelLimits, names: WireNames) -> SamplingParams:
+    """The engine's SamplingParams of `settings` (generate's keyword arguments), the model's generation
+    config supplying the rest; a refusal names the protocol's field."""
+    try:
+        return build_sampling_params(
+            settings,
+            limits.generation_config,
+            limits.vocab_size,
+            default_logprobs_mode=limits.default_logprobs_mode,
+        )
+    except InvalidParameterError as exc:
+        raise names.rejected(exc) from exc
+
+
+def checked_logit_bias(logit_bias: Mapping[int, float], names: WireNames) -> dict[int, float]:
+    """At most MAX_LOGIT_BIAS_ENTRIES entries (the engine checks each id and bias)."""
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(
+            f"{names('logit_bias')}: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(logit_bias)}"
+        )
+    return dict(logit_bias)
+
+
+def checked_stop_strings(stop_strings: list[str], tokenizer: Any | None, names: WireNames) -> list[str]:
+    """Stop strings the service can match: the model has a tokenizer to decode text with, and each is
+    within the bounds."""
+    if not stop_strings:
+        return []
+    field_name = names("stop")
+    if tokenizer is None:
+        raise invalid(
+            f"{field_name}: the served model has no tokenizer to decode text with; end the output with "
+            f"{names('stop_token_ids')} instead"
+        )
+    if len(stop_strings) > MAX_STOP_STRINGS:
+        raise invalid(f"{field_name}: at most {MAX_STOP_STRINGS} strings, got {len(stop_strings)}")
+    for index, stop in enumerate(stop_strings):
+        if not 1 <= len(stop) <= MAX_STOP_STRING_CHARS:
+            raise invalid(
+                f"{field_name}[{index}] must be 1 to {MAX_STOP_STRING_CHARS} characters, got {len(stop)}"
+            )
+    return stop_strings
+
+
+def _prompt_ids(request: types_pb2.GenerationRequest, tokenizer: Any | None) -> tuple[str, list[int]]:
+    """The prompt's field and its token ids (not yet checked against the vocabulary)."""
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise invalid("prompt: exactly one of token_ids, text or messages must be set")
@@ -136,7 +220,7 @@ def _prompt_ids(
         ids = list(tokenizer(request.text)["input_ids"])
     else:
         ids = _chat_ids(request.messages, tokenizer)
-    return _checked_token_ids(kind, ids, limits)
+    return kind, ids
 
 
 def _checked_token_ids(field_name: str, ids: list[int], limits: ModelLimits) -> list[int]:
@@ -162,24 +246,6 @@ def _chat_ids(chat: types_pb2.ChatMessages, tokenizer: Any | None) -> list[int]:
     if not ids:
         raise invalid("messages: the chat template rendered an empty prompt")
     return ids
-
-
-def _stop_strings(params: types_pb2.SamplingParams, tokenizer: Any | None) -> list[str]:
-    stop_strings = list(params.stop)
-    if not stop_strings:
-        return []
-    if tokenizer is None:
-        raise invalid(
-            "sampling.stop: the served model has no tokenizer to decode text with; use eos_token_ids"
-        )
-    if len(stop_strings) > MAX_STOP_STRINGS:
-        raise invalid(f"sampling.stop: at most {MAX_STOP_STRINGS} strings, got {len(stop_strings)}")
-    for index, stop in enumerate(stop_strings):
-        if not 1 <= len(stop) <= MAX_STOP_STRING_CHARS:
-            raise invalid(
-                f"sampling.stop[{index}] must be 1 to {MAX_STOP_STRING_CHARS} characters, got {len(stop)}"
-            )
-    return stop_strings
 
 
 def _sampling_settings(
@@ -208,11 +274,7 @@ def _sampling_settings(
             )
         settings["logprobs_mode"] = mode
     if params.logit_bias:
-        if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise invalid(
-                f"sampling.logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(params.logit_bias)}"
-            )
-        settings["logit_bias"] = dict(params.logit_bias)
+        settings["logit_bias"] = checked_logit_bias(params.logit_bias, CBSERVE_NAMES)
     if params.stop_token_ids:
         settings["stop_token_ids"] = list(params.stop_token_ids)
     if params.HasField("structured_output"):

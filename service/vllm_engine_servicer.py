@@ -3,7 +3,7 @@ gateway's endpoint picker, Dynamo), served beside cbserve's own GenerationServic
 
 Token ids in, token ids out: the gateway tokenizes, applies chat templates and detokenizes. Requests from
 both protocols share the engine, its queue and prefix cache, the metrics and the traces
-(service.generation_servicer.submit). Stubs come from the PyPI package `smg-grpc-proto`.
+(service.request_intake). Stubs come from the PyPI package `smg-grpc-proto`.
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ from cbserve_client.proto import types_pb2
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from engine import EngineBusyError, FinishReason, RequestStatus
-from service.generation_servicer import submit
 from service.host_slot import HostSlot
 from service.kv_event_stream import StreamAborted
 from service.metrics import NO_METRICS, MetricsObserver
+from service.request_intake import RequestIntake
 from service.request_record import RequestRecord
 from service.sequence_group import merged
 from service.tokenizer_archive import archive_chunks, build_tokenizer_archive
 from service.tracing import RequestTracer, parent_context
-from service.validation import RequestRejected
-from service.vllm_requests import reject_with_vllm_names, to_generation_request
+from service.vllm_requests import prepare_vllm_request, vllm_span_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +50,7 @@ FLUSH_RETRY_INTERVAL_S = 0.05
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, slot: HostSlot, tracer: RequestTracer, metrics: MetricsObserver = NO_METRICS) -> None:
         self.slot = slot
-        self.tracer = tracer
-        self.metrics = metrics
+        self.intake = RequestIntake(tracer, metrics)
         self.started_at = time.monotonic()
         self.last_receive_timestamp = 0.0
         self._tokenizer_archive: tuple[bytes, str] | None = None
@@ -66,19 +64,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         host = await self.slot.require(context)
         self.last_receive_timestamp = time.time()
         wants_logprobs = request.sampling_params.HasField("logprobs")
-        try:
-            translated = to_generation_request(request, host)
-        except RequestRejected as exc:
-            # A field only this protocol has: refused before `submit`, so counted here.
-            self.metrics.observe_rejected(exc.code.name)
-            await context.abort(exc.code, exc.message)
-        try:
-            # The gateway detokenizes: text is decoded here only to match stop strings.
-            trace_parent = parent_context(context.invocation_metadata())
-            group = submit(host, translated, self.tracer, self.metrics, trace_parent, detokenize=False)
-        except RequestRejected as exc:
-            renamed = reject_with_vllm_names(exc)
-            await context.abort(renamed.code, renamed.message)
+        # The gateway detokenizes: text is decoded here only to match stop strings. A refusal escapes as
+        # RequestRejected, which ends the call with its status (service.message_decoding).
+        group = self.intake.submit(
+            host,
+            vllm_span_attributes(request),
+            lambda: prepare_vllm_request(request, host),
+            parent_context(context.invocation_metadata()),
+            detokenize=False,
+        )
         # With n > 1, each sequence streams its chunks and ends with its own completion, marked with its
         # index; the call ends after the last.
         updates = merged([record.token_ranges(0, send_current=False) for record in group.records])
@@ -131,8 +125,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         unavailable = host.unavailable_reason()
         if unavailable is None:
             return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
-        reason = host.manager.loop_error or unavailable
-        return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=reason)
+        return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=unavailable)
 
     async def GetModelInfo(
         self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -243,7 +236,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                reset = await loop.run_in_executor(None, host.manager.reset_prefix_cache)
+                reset = await loop.run_in_executor(None, host.admin.reset_prefix_cache)
             except EngineBusyError as exc:
                 if time.monotonic() >= deadline:
                     return common_pb2.FlushCacheResponse(success=False, message=str(exc))

@@ -1,105 +1,126 @@
-"""A `vllm.grpc.engine` GenerateRequest as cbserve's own GenerationRequest, with vLLM's defaults.
+"""A `vllm.grpc.engine` GenerateRequest as the engine's request, with vLLM's defaults, in one translation.
 
-Both protocols then share one path into the engine (service.generation_servicer.submit: validation, the
-queue, traces and metrics). The differences are vLLM's, applied here:
+The checks the two protocols share are service.validation's, with vLLM's field names (`VLLM_NAMES`); the
+differences are vLLM's, applied here:
 
-- an unset temperature samples at 1.0; top_p 0, top_k 0 and repetition_penalty 0 mean "off";
+- an unset temperature samples at 1.0; top_p 0, top_k 0, min_p 0 and the penalties 0 mean "off";
 - an unset max_tokens generates until the context (or the KV cache) is full, not to the model's default;
 - stop_token_ids end the output in addition to the model's EOS ids, and still do under ignore_eos;
 - skip_special_tokens and spaces_between_special_tokens are the gateway's: it detokenizes.
 
-A field cbserve does not serve (n > 1, a structural tag or a choice constraint, multimodal input, KV
-transfer, a pinned data-parallel rank, all-vocabulary logprobs) fails the request with INVALID_ARGUMENT
-naming it, never ignored. Errors name vLLM's fields, not cbserve's.
+A field cbserve does not serve (a structural tag or a choice constraint, multimodal input, KV transfer, a
+pinned data-parallel rank, all-vocabulary logprobs) fails the request with INVALID_ARGUMENT naming it,
+never ignored. Errors name vLLM's fields, not cbserve's.
 """
 
 from __future__ import annotations
 
-import re
+from typing import Any
 
-from cbserve_client.proto import types_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2
 
+from engine import StructuredOutput
 from service.engine_host import EngineHost
-from service.validation import RequestRejected, invalid
+from service.tracing import (
+    OPERATION_NAME,
+    OPERATION_TEXT_COMPLETION,
+    REQUEST_FREQUENCY_PENALTY,
+    REQUEST_MAX_TOKENS,
+    REQUEST_PRESENCE_PENALTY,
+    REQUEST_SEED,
+    REQUEST_STOP_SEQUENCES,
+    REQUEST_TEMPERATURE,
+    REQUEST_TOP_K,
+    REQUEST_TOP_P,
+    float32,
+)
+from service.validation import (
+    PreparedRequest,
+    WireNames,
+    checked_logit_bias,
+    checked_max_new_tokens,
+    checked_prompt,
+    checked_request_id,
+    checked_stop_strings,
+    invalid,
+    sampling_params,
+)
 
 # vLLM's default temperature when a request leaves it unset.
 VLLM_DEFAULT_TEMPERATURE = 1.0
 
-# cbserve's wire field -> vLLM's, for error messages.
-_FIELD_NAMES = {
-    "sampling.max_new_tokens": "sampling_params.max_tokens",
-    "sampling.min_new_tokens": "sampling_params.min_tokens",
-    "sampling.top_logprobs": "sampling_params.logprobs",
-    "sampling.structured_output.spec": "sampling_params.constraint",
-    "sampling.structured_output": "sampling_params.constraint",
-    "max_new_tokens": "max_tokens",
-    "token_ids": "tokenized.input_ids",
-    "sampling.": "sampling_params.",
-}
-# A name only where a field name starts: "token_ids" inside "stop_token_ids" is not the prompt's.
-_FIELD_PATTERN = re.compile("(?<![A-Za-z_.])(?:" + "|".join(re.escape(name) for name in _FIELD_NAMES) + ")")
+# The engine's parameter -> vLLM's field, where the names differ (the others are "sampling_params." and
+# the engine's name).
+VLLM_NAMES = WireNames(
+    "sampling_params.",
+    {
+        "max_new_tokens": "sampling_params.max_tokens",
+        "min_new_tokens": "sampling_params.min_tokens",
+        "top_logprobs": "sampling_params.logprobs",
+        "structured_output": "sampling_params.constraint",
+        "structured_output.spec": "sampling_params.constraint",
+    },
+)
+
+# Sampling fields whose name is the engine's and whose zero (proto3's unset) means "off".
+_ZERO_IS_OFF = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
-def vllm_field_names(message: str) -> str:
-    """`message` with cbserve's field names replaced by vLLM's."""
-    return _FIELD_PATTERN.sub(lambda match: _FIELD_NAMES[match.group(0)], message)
-
-
-def to_generation_request(
-    request: vllm_engine_pb2.GenerateRequest, host: EngineHost
-) -> types_pb2.GenerationRequest:
-    """Raises RequestRejected (INVALID_ARGUMENT) naming the first field cbserve cannot serve."""
+def prepare_vllm_request(request: vllm_engine_pb2.GenerateRequest, host: EngineHost) -> PreparedRequest:
+    """Raises RequestRejected (INVALID_ARGUMENT) naming the first field cbserve cannot serve or refuses."""
     _refuse_unsupported(request)
     params = request.sampling_params
-    translated = types_pb2.GenerationRequest(request_id=request.request_id)
-    prompt_ids = _prompt_ids(request, host)
-    translated.token_ids.ids.extend(prompt_ids)
-    sampling = translated.sampling
-    sampling.temperature = params.temperature if params.HasField("temperature") else VLLM_DEFAULT_TEMPERATURE
-    if params.top_p:
-        sampling.top_p = params.top_p
-    if params.top_k:
-        sampling.top_k = params.top_k
-    if params.repetition_penalty:
-        sampling.repetition_penalty = params.repetition_penalty
-    if params.presence_penalty:
-        sampling.presence_penalty = params.presence_penalty
-    if params.frequency_penalty:
-        sampling.frequency_penalty = params.frequency_penalty
+    request_id = checked_request_id(request.request_id)
+    input_ids = checked_prompt(*_prompt_ids(request, host), host.limits)
     if params.HasField("max_tokens"):
-        sampling.max_new_tokens = params.max_tokens
+        requested = params.max_tokens
     else:
-        sampling.max_new_tokens = max(1, host.max_request_tokens - len(prompt_ids))
+        requested = max(1, host.max_request_tokens - len(input_ids))
+    max_new_tokens = checked_max_new_tokens(requested, len(input_ids), host.limits, VLLM_NAMES)
+    return PreparedRequest(
+        request_id=request_id,
+        input_ids=input_ids,
+        sampling=sampling_params(_sampling_settings(params, max_new_tokens), host.limits, VLLM_NAMES),
+        record_timestamps=False,
+        stop_strings=checked_stop_strings(list(params.stop), host.tokenizer, VLLM_NAMES),
+    )
+
+
+def _sampling_settings(params: vllm_engine_pb2.SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    """The fields the request set, as generate's keyword arguments, with vLLM's defaults."""
+    settings: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": params.temperature if params.HasField("temperature") else VLLM_DEFAULT_TEMPERATURE,
+    }
+    for name in _ZERO_IS_OFF:
+        if getattr(params, name):
+            settings[name] = getattr(params, name)
     if params.min_tokens:
-        sampling.min_new_tokens = params.min_tokens
+        settings["min_new_tokens"] = params.min_tokens
+    if params.ignore_eos:
+        settings["eos_token_id"] = []  # no EOS id: the request runs to max_tokens (or a stop token id)
+    if params.stop_token_ids:
+        settings["stop_token_ids"] = list(params.stop_token_ids)
     if params.HasField("seed"):
         if params.seed < 0:
             raise invalid(f"sampling_params.seed must be >= 0, got {params.seed}")
-        sampling.seed = params.seed
+        settings["seed"] = params.seed
     if params.HasField("logprobs"):
-        sampling.logprobs = True
+        settings["logprobs"] = True
         if params.logprobs:
-            sampling.top_logprobs = params.logprobs
-    for token, bias in params.logit_bias.items():
-        if token < 0:
-            raise invalid(f"sampling_params.logit_bias: token id {token} is negative")
-        sampling.logit_bias[token] = bias
-    sampling.stop.extend(params.stop)
-    sampling.ignore_eos = params.ignore_eos
-    sampling.stop_token_ids.extend(params.stop_token_ids)
-    if params.min_p:
-        sampling.min_p = params.min_p
+            settings["top_logprobs"] = params.logprobs
     if params.HasField("prompt_logprobs"):
-        sampling.prompt_logprobs = params.prompt_logprobs
+        settings["prompt_logprobs"] = params.prompt_logprobs
+    if params.logit_bias:
+        settings["logit_bias"] = checked_logit_bias(params.logit_bias, VLLM_NAMES)
     if params.n:
-        sampling.n = params.n
+        settings["n"] = params.n
     constraint = params.WhichOneof("constraint")
-    if constraint in ("json_schema", "regex", "grammar"):
-        setattr(sampling.structured_output, constraint, getattr(params, constraint))
-    elif constraint == "json_object":
-        sampling.structured_output.json_object = True
-    return translated
+    if constraint == "json_object":
+        settings["structured_output"] = StructuredOutput("json_object")
+    elif constraint is not None:
+        settings["structured_output"] = StructuredOutput(constraint, getattr(params, constraint))
+    return settings
 
 
 def _refuse_unsupported(request: vllm_engine_pb2.GenerateRequest) -> None:
@@ -143,21 +164,44 @@ def _refuse_unsupported(request: vllm_engine_pb2.GenerateRequest) -> None:
             raise invalid(message)
 
 
-def _prompt_ids(request: vllm_engine_pb2.GenerateRequest, host: EngineHost) -> list[int]:
+def _prompt_ids(request: vllm_engine_pb2.GenerateRequest, host: EngineHost) -> tuple[str, list[int]]:
+    """The prompt's field and its token ids (not yet checked against the vocabulary)."""
     kind = request.WhichOneof("input")
     if kind == "tokenized":
         ids = list(request.tokenized.input_ids)
         if not ids:
             raise invalid("tokenized.input_ids must not be empty")
-        return ids
+        return "tokenized.input_ids", ids
     if kind == "text":
         if host.tokenizer is None:
             raise invalid("text: the served model has no tokenizer; send tokenized.input_ids")
         if not request.text:
             raise invalid("text must not be empty")
-        return list(host.tokenizer(request.text)["input_ids"])
+        return "text", list(host.tokenizer(request.text)["input_ids"])
     raise invalid("input: one of tokenized or text must be set")
 
 
-def reject_with_vllm_names(exc: RequestRejected) -> RequestRejected:
-    return RequestRejected(exc.code, vllm_field_names(exc.message))
+def vllm_span_attributes(request: vllm_engine_pb2.GenerateRequest) -> dict[str, Any]:
+    """What the caller asked for, as the request's span records it (service.tracing)."""
+    params = request.sampling_params
+    attributes: dict[str, Any] = {
+        OPERATION_NAME: OPERATION_TEXT_COMPLETION,
+        REQUEST_TEMPERATURE: float32(
+            params.temperature if params.HasField("temperature") else VLLM_DEFAULT_TEMPERATURE
+        ),
+    }
+    if params.HasField("max_tokens"):
+        attributes[REQUEST_MAX_TOKENS] = params.max_tokens
+    if params.top_p:
+        attributes[REQUEST_TOP_P] = float32(params.top_p)
+    if params.top_k:
+        attributes[REQUEST_TOP_K] = params.top_k
+    if params.HasField("seed"):
+        attributes[REQUEST_SEED] = params.seed
+    if params.stop:
+        attributes[REQUEST_STOP_SEQUENCES] = list(params.stop)
+    if params.presence_penalty:
+        attributes[REQUEST_PRESENCE_PENALTY] = float32(params.presence_penalty)
+    if params.frequency_penalty:
+        attributes[REQUEST_FREQUENCY_PENALTY] = float32(params.frequency_penalty)
+    return attributes

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, generate_batch, sequence_logprobs
-from service.engine_host import load_pretrained
+from service.model_loading import load_pretrained
 
 QUESTIONS = (
     "What is the capital of France?",

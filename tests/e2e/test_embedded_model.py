@@ -28,7 +28,7 @@ from service.default_model import (
     ensure_default_model,
     is_converted,
 )
-from service.engine_host import load_pretrained
+from service.model_loading import load_pretrained
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = "The capital of France is Paris."

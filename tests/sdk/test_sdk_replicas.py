@@ -313,8 +313,10 @@ class NamedGenerationService(generation_pb2_grpc.GenerationServiceServicer):
         return generation_pb2.GetModelInfoResponse(model_name=self.name)
 
     def Generate(self, request_iterator: Any, context: Any) -> Iterator[generation_pb2.GenerateResponse]:
-        self._refuse_unless_serving(context)
+        # As a cbserve server does, the request is read before the call is refused: a client still
+        # writing it would otherwise get grpc-core's INTERNAL "Internal error from Core", not the reason.
         add = next(request_iterator).add
+        self._refuse_unless_serving(context)
         yield generation_pb2.GenerateResponse(
             chunk=types_pb2.GenerationChunk(
                 request_id=add.request_id,

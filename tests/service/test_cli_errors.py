@@ -294,7 +294,7 @@ def test_every_flag_has_help_that_gives_its_default(command: str) -> None:
 
 def test_the_defaults_that_help_names_are_the_engines() -> None:
     from engine import ContinuousBatchingConfig
-    from service.engine_host import DTYPES
+    from service.model_loading import DTYPES
 
     config = ContinuousBatchingConfig()
     assert {name: getattr(config, name) for name in cli.ENGINE_DEFAULTS} == cli.ENGINE_DEFAULTS

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from service import engine_host
-from service.engine_host import load_pretrained, resolve_placement
+from service import model_loading
+from service.model_loading import load_pretrained, resolve_placement
 from tests.helpers.models import tiny_model
 
 
@@ -16,7 +16,7 @@ from tests.helpers.models import tiny_model
 def test_auto_is_bfloat16_on_a_gpu_and_on_a_cpu_with_amx(
     monkeypatch: pytest.MonkeyPatch, has_amx: bool
 ) -> None:
-    monkeypatch.setattr(engine_host, "cpu_has_bf16_matrix_units", lambda: has_amx)
+    monkeypatch.setattr(model_loading, "cpu_has_bf16_matrix_units", lambda: has_amx)
     cpu_dtype = torch.bfloat16 if has_amx else torch.float32
     assert resolve_placement("cpu", "auto") == (torch.device("cpu"), cpu_dtype)
     assert resolve_placement("cuda:1", "auto") == (torch.device("cuda", 1), torch.bfloat16)

@@ -135,6 +135,9 @@ UNSUPPORTED = {
     "max_tokens past the context": (dict(max_tokens=5000), "sampling_params.max_tokens"),
     "negative seed": (dict(seed=-1), "sampling_params.seed"),
     "token id outside the vocabulary": (dict(stop_token_ids=[999]), "sampling_params.stop_token_ids"),
+    "min_tokens above max_tokens": (dict(min_tokens=9), "sampling_params.min_tokens (9)"),
+    "a logit bias past its bound": (dict(logit_bias={5: 200.0}), "sampling_params.logit_bias[5] must"),
+    "an empty regex": (dict(regex=""), "sampling_params.constraint must not be empty"),
 }
 
 
