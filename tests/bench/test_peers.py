@@ -96,6 +96,14 @@ def test_equal_outputs_counts_requests_with_exactly_the_same_tokens():
         equal_outputs([[1, 2, 3], [4, 5]], reference)
 
 
+def test_a_final_eos_is_left_out_of_the_comparison_on_either_side():
+    with_eos = [[7, 8, 2], [9, 2], [5, 6]]
+    without_eos = [[7, 8], [9, 2], [5, 6, 2]]  # llama.cpp does not return the EOS it stopped at
+    assert equal_outputs(without_eos, with_eos, end_tokens=frozenset({2})) == 3
+    assert equal_outputs(without_eos, with_eos) == 1
+    assert equal_outputs([[7, 2, 8]], [[7, 8]], end_tokens=frozenset({2})) == 0  # only a final EOS
+
+
 def test_vllm_requirements_swap_the_cpu_only_torch_pin_and_drop_extras_and_other_machines():
     metadata = "\n".join(
         [
