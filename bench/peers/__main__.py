@@ -9,6 +9,7 @@ import service  # noqa: F401
 
 # isort: on
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    # SIGTERM unwinds like Ctrl-C, so that the servers (each in a session of its own, which a terminal's
+    # Ctrl-C does not reach) are stopped by the run's cleanup.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     args = parse_args(argv)
     if args.command == "setup":
         cache = PeerCache(Path(args.cache_dir)) if args.cache_dir else PeerCache.default()
