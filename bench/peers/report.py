@@ -50,6 +50,14 @@ def _command_output(command: Sequence[str]) -> str:
         return "unknown"
 
 
+def _commit() -> str:
+    """HEAD's short hash, marked when tracked files differ from it (the figures are then not HEAD's)."""
+    commit = _command_output(["git", "rev-parse", "--short", "HEAD"])
+    if _command_output(["git", "status", "--porcelain", "--untracked-files=no"]) not in ("", "unknown"):
+        commit += " with uncommitted changes"
+    return commit
+
+
 def machine() -> dict[str, Any]:
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -58,7 +66,7 @@ def machine() -> dict[str, Any]:
     model, flags = cpu_model_and_flags(cpuinfo)
     return {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _command_output(["git", "rev-parse", "--short", "HEAD"]),
+        "commit": _commit(),
         "cpu": model,
         "cpu_flags": flags,
         "cores": os.cpu_count(),
