@@ -222,6 +222,8 @@ def markdown(
     failed = [row for row in rows if row.failed_requests]
     if failed:
         lines += ["", "Failed requests: " + ", ".join(f"{row.label} {row.failed_requests}" for row in failed)]
+    if settings.get("note"):
+        lines += ["", f"Note: {settings['note']}"]
     lines += ["", "![throughput and latency per engine](peers.png)", ""]
     return "\n".join(lines)
 

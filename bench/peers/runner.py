@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
             "concurrent": args.concurrent,
             "concurrent_new_tokens": args.concurrent_new_tokens,
             "threads": args.threads,
+            "note": args.note,
         }
 
     cache = PeerCache(Path(args.cache_dir)) if args.cache_dir else PeerCache.default()
