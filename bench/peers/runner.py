@@ -1,4 +1,5 @@
-"""One run: set the peers up, start every engine's server, warm each up, run the workloads in alternating
+"""One run: set each peer up and start its servers (cbserve's first, then vLLM's, which compiles while
+llama.cpp builds, then llama.cpp's), warm each up, run the workloads in alternating
 rounds, then print JSON and write the table and the plot.
 
 A peer that fails to set up, to start or to warm up is reported with its error and the others still run.
@@ -60,14 +61,18 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+# Each peer's setup, the quickest first: a run starts the servers of each peer as soon as it is set up, so
+# that vLLM compiles its model while llama.cpp is still being built.
+SETUP_STEPS: dict[str, Callable[[PeerCache], Any]] = {"vllm": setup_vllm, "llama.cpp": setup_llama_cpp}
+
+
 def setup_peers(cache: PeerCache, peers: set[str]) -> tuple[dict[str, Any], dict[str, str]]:
     """Each needed peer's install, or its error: one peer's failure leaves the others to run."""
     installs: dict[str, Any] = {}
     errors: dict[str, str] = {}
-    steps: dict[str, Callable[[PeerCache], Any]] = {"llama.cpp": setup_llama_cpp, "vllm": setup_vllm}
-    for peer in sorted(peers & steps.keys()):
+    for peer in [peer for peer in SETUP_STEPS if peer in peers]:
         try:
-            installs[peer] = steps[peer](cache)
+            installs[peer] = SETUP_STEPS[peer](cache)
         except (SetupError, OSError, RuntimeError) as error:
             errors[peer] = _first_line(error)
             print(f"peers setup: {peer} is not available: {error}", file=sys.stderr, flush=True)
@@ -131,8 +136,7 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
 
     cache = PeerCache(Path(args.cache_dir)) if args.cache_dir else PeerCache.default()
     specs = [ENGINES[name] for name in args.engines]
-    installs, errors_by_peer = setup_peers(cache, {spec.peer for spec in specs})
-    errors = {spec.name: errors_by_peer[spec.peer] for spec in specs if spec.peer in errors_by_peer}
+    errors: dict[str, str] = {}
     model_dir = ensure_default_model()
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -149,8 +153,13 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
     report = ReportWriter(specs, errors, about, floor_ms, end_tokens, out)
     with contextlib.ExitStack() as running:
         started: dict[str, tuple[ServerProcess, Callable[[], StreamRequest]]] = {}
-        for spec in specs:
-            if spec.name not in errors:
+        for peer in ["cbserve", *SETUP_STEPS]:
+            peer_specs = [spec for spec in specs if spec.peer == peer]
+            installs, setup_errors = setup_peers(cache, {peer}) if peer_specs else ({}, {})
+            for spec in peer_specs:
+                if peer in setup_errors:
+                    errors[spec.name] = setup_errors[peer]
+                    continue
                 try:
                     started[spec.name] = _start(spec, installs, model_dir, log_dir, args.threads)
                     running.callback(started[spec.name][0].stop)
