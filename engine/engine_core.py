@@ -12,12 +12,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from engine.config import ContinuousBatchingConfig
-from engine.kv.cache_manager import KVCacheManager
+from engine.kv.cache_manager import KVCacheManager, KVCacheStats
+from engine.kv.events import KVCacheEvent
 from engine.kv.offload import HostBlockPool
 from engine.parallel import TensorParallelGroup, tensor_parallel_size
 from engine.quantization.model import quantize_model
@@ -26,13 +27,15 @@ from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_att
 from engine.runner.batch_invariant import check_linear_invariance, check_table_width
 from engine.runner.cache_plan import CachePlan, plan_cache
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
-from engine.runner.model_runner import LaunchedStep, ModelRunner
+from engine.runner.model_runner import LaunchedStep, ModelRunner, StepTimings
 from engine.runner.packed_linear import PackedLinears
+from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import Sampler
-from engine.sampling.structured_output import GrammarCompiler, accept_token, is_complete
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sampling.structured_output import GrammarCompiler
+from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.system.container_limits import default_num_threads
 from engine.system.thread_budget import ThreadBudget
+from engine.weights.sleep import move_weights, return_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,24 @@ class StepResult:
     num_scheduled_tokens: int = 0
     # Requests scheduled for the first time this step (they left the queue).
     num_newly_scheduled: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters, each part's made by that part (`EngineCore.make_stats`)."""
+
+    scheduler: SchedulerStats
+    kv_cache: KVCacheStats
+    step_timings: StepTimings
+    failed_steps: int
+
+
+class KVCacheRelease(NamedTuple):
+    """What freeing the KV cache did (`EngineCore.release_kv_cache`)."""
+
+    bytes_released: int
+    # Running requests put back in the queue, to be recomputed once the cache is back.
+    num_requeued: int
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -149,7 +170,10 @@ def _kv_cache_manager(plan: CachePlan, config: ContinuousBatchingConfig) -> KVCa
 
 
 class EngineCore:
-    """`parallel`: this rank's tensor-parallel group when the model is sharded. Every rank then builds
+    """The engine's front door: its callers (the loop, the manager) use these methods, never the parts
+    (scheduler, cache manager, runner) behind them, and each part makes its own stats (`make_stats`).
+
+    `parallel`: this rank's tensor-parallel group when the model is sharded. Every rank then builds
     the same cache (the smallest any rank affords) and samples with the same seed (see engine.parallel).
     """
 
@@ -223,7 +247,6 @@ class EngineCore:
             model,
             self.kv_cache_groups,
             self.kv_caches,
-            self.kv_cache_manager,
             Sampler(self.device, plan.seed),
             config,
             self.host_kv_caches,
@@ -251,9 +274,7 @@ class EngineCore:
             error = str(exc)
         if error is not None:
             for sequence in sequences:
-                sequence.status = RequestStatus.FAILED
-                sequence.finish_reason = FinishReason.ERROR
-                sequence.error = error
+                sequence.finish(RequestStatus.FAILED, FinishReason.ERROR, error)
             return False
         for sequence in sequences:
             self.requests[sequence.request_id] = sequence
@@ -302,6 +323,101 @@ class EngineCore:
         if self.packed_linears is not None:
             self.packed_linears.restore()
             self.packed_linears = None
+
+    # ------------------------------------------------------------------ operations
+
+    @property
+    def prefix_caching_enabled(self) -> bool:
+        return self.kv_cache_manager.enable_prefix_caching
+
+    @property
+    def max_tokens_per_request(self) -> int | None:
+        """The most tokens (prompt + generated) one request can ever hold: the smaller of the whole KV
+        cache and the model's positions; None when neither bounds it."""
+        bounds = [bound for bound in (self.kv_cache_manager.capacity_tokens, self.max_model_len) if bound]
+        return min(bounds) if bounds else None
+
+    def reset_prefix_cache(self) -> int:
+        """Drops the prefix cache (its KV was computed by weights now replaced, or is not wanted); returns
+        how many blocks it held. Blocks live requests hold are never shared again."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def record_kv_events(self) -> None:
+        """From now on, keeps the prefix cache's changes for `take_kv_events` (engine.kv.events)."""
+        self.kv_cache_manager.record_kv_events()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.kv_cache_manager.take_kv_events()
+
+    def make_stats(self) -> EngineStats:
+        return EngineStats(
+            scheduler=self.scheduler.make_stats(),
+            kv_cache=self.kv_cache_manager.make_stats(),
+            step_timings=self.runner.make_stats(),
+            failed_steps=self.num_failed_steps,
+        )
+
+    def warm_up(self, prompt_length: int) -> None:
+        """Runs two tiny requests through the engine so that the first real step is not slow, captures the
+        decode CUDA graphs of every batch size when graphs are on, and leaves no trace in the prefix cache
+        or its counters. Runs on a steps thread (`call_on_steps_thread`), with no request live.
+
+        The first request runs alone (a varlen step sampling one row), then the second joins it (a varlen
+        step sampling two), then decode steps of two rows and of one: a compiled forward meets every shape
+        class before real requests arrive. Dynamic compilation specialises sizes 0 and 1, rows and
+        block-table widths alike, so `prompt_length` should reach a second page: with tables one page wide,
+        the first request past its first page would compile again in the middle of serving. The prompts
+        differ, so that the second's prefill is not a prefix-cache hit of one token.
+        """
+        first, second = (
+            Request(f"__warmup_{index}__", [index] * prompt_length, SamplingParams(max_new_tokens=3))
+            for index in range(2)
+        )
+        self.add_request(first)
+        self.step()
+        self.add_request(second)
+        while self.has_unfinished_requests():
+            self.step()
+        self.runner.capture_decode_graphs(self.max_requests_per_batch)
+        self.kv_cache_manager.reset_prefix_cache()
+        self.kv_cache_manager.reset_prefix_cache_stats()
+
+    def release_kv_cache(self) -> KVCacheRelease:
+        """Sleep, level 1: puts every running request back in the queue to be recomputed, drops the prefix
+        cache and frees the cache tensors' storage (and the CUDA graphs that hold its addresses). The
+        caller has flushed the step in flight."""
+        assert self._in_flight is None, "flush the step in flight before freeing the KV cache"
+        num_requeued = self.scheduler.preempt_all_for_recompute()
+        self.kv_cache_manager.reset_prefix_cache()
+        released = self.runner.release_kv_cache()
+        return_freed_memory(self.device)
+        logger.info("KV cache freed: %.1f MiB", released / 2**20)
+        return KVCacheRelease(released, num_requeued)
+
+    def restore_kv_cache(self) -> None:
+        """Gives the cache tensors their storage back (uninitialised, as at start, but the null block)."""
+        self.runner.restore_kv_cache()
+
+    def offload_weights(self) -> int:
+        """Sleep, level 2: the weights to host memory, or on the CPU (where they live already) their
+        copies packed for oneDNN freed, which the layers make again on their first step after waking;
+        returns the bytes freed. The caller has flushed the step in flight."""
+        assert self._in_flight is None, "flush the step in flight before moving the weights"
+        if self.device.type == "cpu":
+            freed = self.packed_linears.drop_copies() if self.packed_linears is not None else 0
+            return_freed_memory(self.device)
+            logger.info("packed copies of the weights freed: %.1f MiB", freed / 2**20)
+            return freed
+        moved = move_weights(self.model, torch.device("cpu"))
+        self.runner.drop_cuda_graphs()  # they hold the weights' device addresses
+        return_freed_memory(self.device)
+        logger.info("weights moved to host memory: %.1f MiB", moved / 2**20)
+        return moved
+
+    def reload_weights(self) -> None:
+        """The weights back on the engine's device after `offload_weights`."""
+        if self.device.type != "cpu":
+            move_weights(self.model, self.device)
 
     def _release_host_blocks(self) -> None:
         if self.scheduler.host_block_pool is not None:
@@ -409,25 +525,11 @@ class EngineCore:
                 request.first_token_time = now
             if request.record_timestamps:
                 request.timestamps.append(now)
-            if request.structured_state is not None:
-                self._advance_grammar(request)
             result.advanced.append(request)
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
                 result.finished.append(request)
         timings.update_s += time.perf_counter() - updating
-
-    def _advance_grammar(self, request: Request) -> None:
-        """Feeds a request's new token to its grammar. A refused token fails the request; a grammar that
-        ended (on an EOS id the request does not stop on: it had none) ends it with EOS all the same."""
-        error = accept_token(request, request.all_token_ids[-1])
-        if error is not None:
-            self.scheduler.finish_request(request, RequestStatus.FAILED, FinishReason.ERROR, error)
-        elif not request.is_finished and is_complete(request):
-            self.scheduler.finish_request(request, RequestStatus.FINISHED, FinishReason.EOS)
-        else:
-            return
-        self.scheduler.remove_finished_running()
 
     def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception, result: StepResult) -> None:
         live = [item.request for item in scheduler_output.scheduled if not item.request.is_finished]

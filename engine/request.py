@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from engine.sampling.params import SamplingParams
 
@@ -34,6 +34,28 @@ class FinishReason(StrEnum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
+
+
+class Grammar(Protocol):
+    """What the stop check needs of a request's grammar (`Request.structured_state`; engine.sampling.
+    structured_output implements it)."""
+
+    def accept_token(self, token_id: int) -> str | None:
+        """Feeds a sampled token; why the request must fail when the grammar refuses it, else None."""
+        ...
+
+    def is_complete(self) -> bool:
+        """Whether the grammar has ended, so the request ends too."""
+        ...
+
+
+class Stop(NamedTuple):
+    """How a request ends (`check_stop`): the arguments of `Request.finish`."""
+
+    status: RequestStatus
+    reason: FinishReason
+    error: str | None = None
+    stop_reason: int | None = None
 
 
 @dataclass
@@ -182,7 +204,7 @@ class Request:
         )
         # The grammar matcher of a request with SamplingParams.structured_output
         # (engine.sampling.structured_output).
-        self.structured_state: object | None = None
+        self.structured_state: Grammar | None = None
         # n > 1: on the first sequence, the others until they are forked from its prompt's KV; on each of
         # those, the first sequence, until its own first token lands (a failure of the step that wrote
         # the shared KV fails it too: engine.engine_core).
@@ -219,7 +241,7 @@ class Request:
 
     # Status transitions. Invariant: these methods are the only writers of `status` (and of
     # `finish_reason` / `error`), so a request's life can be read in one place:
-    # PENDING -> PREFILLING (scheduled) -> DECODING (first token landed); PREFILLING/DECODING -> PENDING
+    # PENDING -> PREFILLING (scheduled) -> DECODING (a token landed); PREFILLING/DECODING -> PENDING
     # (preempted); any live status -> FINISHED / CANCELLED / FAILED (`finish`), after which none changes it.
 
     def start_running(self) -> None:
@@ -227,8 +249,12 @@ class Request:
         assert not self.is_finished, self
         self.status = RequestStatus.PREFILLING
 
-    def mark_decoding(self) -> None:
-        """A token of its own landed; a request preempted since (PENDING again) waits to run again."""
+    def append_token(self, token_id: int) -> None:
+        """The token a step sampled landed: it replaces the request's oldest placeholder. A request
+        preempted since (PENDING again) keeps waiting; one that was prefilling is decoding now."""
+        self.num_output_placeholders -= 1
+        self.all_token_ids.append(token_id)
+        self.fork_source = None  # its own token landed: the KV it was forked from was sound
         if self.status == RequestStatus.PREFILLING:
             self.status = RequestStatus.DECODING
 
@@ -237,15 +263,24 @@ class Request:
         assert not self.is_finished, self
         self.status = RequestStatus.PENDING
 
-    def finish(self, status: RequestStatus, reason: FinishReason, error: str | None = None) -> bool:
+    def finish(
+        self,
+        status: RequestStatus,
+        reason: FinishReason,
+        error: str | None = None,
+        stop_reason: int | None = None,
+    ) -> bool:
         """Ends the request with `status` (FINISHED, CANCELLED or FAILED); returns False, changing nothing,
-        when it had already ended (the first ending wins)."""
+        when it had already ended (the first ending wins). `stop_reason`: the stop token id that ended
+        it (FinishReason.STOP)."""
         assert status >= RequestStatus.FINISHED, status
         if self.is_finished:
             return False
         self.status = status
         self.finish_reason = reason
         self.error = error
+        if stop_reason is not None:
+            self.stop_reason = stop_reason
         return True
 
     def to_output(self) -> GenerationOutput:
@@ -274,3 +309,31 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens})"
         )
+
+
+def check_stop(request: Request) -> Stop | None:
+    """How `request` ends now that its newest token landed, or None when it goes on: the one place a
+    generated token stops a request (the engine's stop strings are the service's, on decoded text).
+
+    In order: one of its EOS ids, one of its stop token ids, `max_new_tokens` reached; then its grammar
+    (structured output), which is fed the token here: a refused token fails the request, and a grammar
+    that ended (on an EOS id the request does not stop on: it had none) ends it with EOS all the same.
+    A request that stops on the token never feeds it to the grammar: the grammar is done with.
+    """
+    token_id = request.all_token_ids[-1]
+    sampling = request.sampling
+    if token_id in sampling.eos_token_ids:
+        return Stop(RequestStatus.FINISHED, FinishReason.EOS)
+    if token_id in sampling.stop_token_ids:
+        return Stop(RequestStatus.FINISHED, FinishReason.STOP, stop_reason=token_id)
+    if request.num_generated_tokens >= sampling.max_new_tokens:
+        return Stop(RequestStatus.FINISHED, FinishReason.LENGTH)
+    grammar = request.structured_state
+    if grammar is None:
+        return None
+    error = grammar.accept_token(token_id)
+    if error is not None:
+        return Stop(RequestStatus.FAILED, FinishReason.ERROR, error)
+    if grammar.is_complete():
+        return Stop(RequestStatus.FINISHED, FinishReason.EOS)
+    return None

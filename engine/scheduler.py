@@ -26,11 +26,11 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.kv.cache_manager import DeviceBlockCopy, KVCacheManager, blocks_for_tokens
-from engine.kv.offload import BlockCopy, HostBlockPool, OffloadedKV
-from engine.request import FinishReason, Request, RequestStatus
+from engine.kv.offload import BlockCopy, HostBlockPool
+from engine.request import FinishReason, Request, RequestStatus, check_stop
 
 SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority")
 
@@ -46,6 +46,12 @@ class ScheduledRequest:
     num_new_tokens: int
     # Tokens of this request already in the cache when the step starts (after prefix hits).
     num_computed_tokens: int
+    # Its block table in each cache group (null-block entries before a sliding window): the cache
+    # manager's own lists, not copies, so a step costs nothing for tables that did not change. They are
+    # current until the next `schedule()`, which may grow them: the runner reads them while launching
+    # the step, before the next one is scheduled, and a copy sent elsewhere (a tensor-parallel follower)
+    # is made then too.
+    block_ids: tuple[list[int], ...]
     # True when this step catches the request up, so its last position yields the next token.
     samples_token: bool = field(init=False)
 
@@ -81,6 +87,15 @@ class SchedulerCounters:
     restored_blocks: int = 0
     # Sequences of n > 1 requests forked from their first sequence's prompt KV instead of computing it.
     forked_sequences: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The queues now and the counters since the scheduler was built (`Scheduler.make_stats`)."""
+
+    num_running: int
+    num_waiting: int
+    counters: SchedulerCounters
 
 
 class Scheduler:
@@ -126,6 +141,9 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or bool(self.waiting)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(self.num_running, self.num_waiting, replace(self.counters))
 
     def add_request(self, request: Request) -> None:
         """Queues `request`; its `pending_forks` (n > 1) wait on it to be forked."""
@@ -190,7 +208,7 @@ class Scheduler:
                 output.forked.append(sequence)
                 sequence.num_computed_tokens = num_shared
                 sequence.num_cached_tokens = num_shared
-                sequence.status = RequestStatus.PREFILLING
+                sequence.start_running()
                 self._add_running(sequence)
                 self.counters.admitted += 1
                 self.counters.forked_sequences += 1
@@ -247,7 +265,7 @@ class Scheduler:
                     break
             else:
                 self._count_recompute(request, request.num_computed_tokens, num_new_tokens)
-                self._commit(output, ScheduledRequest(request, num_new_tokens, request.num_computed_tokens))
+                self._commit(output, request, num_new_tokens, request.num_computed_tokens)
                 budget -= num_new_tokens
                 index += 1
                 continue
@@ -308,9 +326,9 @@ class Scheduler:
                 self.counters.admitted += 1
             self._count_recompute(request, num_hit_tokens, num_new_tokens)
             request.num_computed_tokens = num_hit_tokens
-            request.status = RequestStatus.PREFILLING
+            request.start_running()
             self._add_running(request)
-            self._commit(output, ScheduledRequest(request, num_new_tokens, num_hit_tokens))
+            self._commit(output, request, num_new_tokens, num_hit_tokens)
             budget -= num_new_tokens
         return budget
 
@@ -320,13 +338,16 @@ class Scheduler:
         else:
             self.running.append(request)
 
-    @staticmethod
-    def _commit(output: SchedulerOutput, item: ScheduledRequest) -> None:
-        """Adds `item` to the step: its tokens count as computed from now on, and a sampled token as a
-        placeholder until the step's output comes back."""
+    def _commit(
+        self, output: SchedulerOutput, request: Request, num_new_tokens: int, num_computed_tokens: int
+    ) -> None:
+        """Adds `request`'s `num_new_tokens` to the step, with its block tables as they now are: its tokens
+        count as computed from now on, and a sampled token as a placeholder until the step's output comes
+        back."""
+        block_ids = self.kv_cache_manager.block_ids_per_group(request.request_id)
+        item = ScheduledRequest(request, num_new_tokens, num_computed_tokens, block_ids)
         output.scheduled.append(item)
-        request = item.request
-        request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+        request.num_computed_tokens = num_computed_tokens + num_new_tokens
         if item.samples_token:
             request.num_output_placeholders += 1
 
@@ -341,46 +362,27 @@ class Scheduler:
             request.num_computed_tokens = 0
             return False
         self.waiting.remove(request)
-        for group, host_block_ids in enumerate(offloaded.host_block_ids):
-            device_block_ids = self.kv_cache_manager.resume_block_ids(
-                request.request_id, group, offloaded.num_tokens
-            )
-            output.restores.append(BlockCopy(tuple(device_block_ids), host_block_ids, group))
+        output.restores.extend(self.kv_cache_manager.restore_copies(request, offloaded))
         all_host_block_ids = offloaded.all_host_block_ids
         self.host_block_pool.free_after_step(all_host_block_ids)
         request.offloaded = None
-        request.status = RequestStatus.PREFILLING
+        request.start_running()
         self._add_running(request)
         self.counters.restored_blocks += len(all_host_block_ids)
-        self._commit(output, ScheduledRequest(request, num_new_tokens, offloaded.num_tokens))
+        self._commit(output, request, num_new_tokens, offloaded.num_tokens)
         return True
 
     def _offload(self, request: Request, output: SchedulerOutput) -> bool:
-        """Parks a request's computed KV in host blocks, if the host pool has room for it.
-
-        Only the pages each group reads again are copied: all of them for full attention, the window
-        of the next query for sliding-window groups.
-        """
-        num_tokens = request.num_computed_tokens
-        if self.host_block_pool is None or num_tokens == 0:
+        """Parks a request's computed KV in host blocks, if the host pool has room for it
+        (`KVCacheManager.offload`)."""
+        if self.host_block_pool is None or request.num_computed_tokens == 0:
             return False
-        manager = self.kv_cache_manager
-        device_blocks = [
-            manager.resume_block_ids(request.request_id, group, num_tokens)
-            for group in range(len(manager.groups))
-        ]
-        host_blocks = self.host_block_pool.allocate(sum(len(blocks) for blocks in device_blocks))
-        if host_blocks is None:
+        offload = self.kv_cache_manager.offload(request, self.host_block_pool)
+        if offload is None:
             return False
-        host_blocks_per_group = []
-        start = 0
-        for group, blocks in enumerate(device_blocks):
-            group_host_blocks = host_blocks[start : start + len(blocks)]
-            start += len(blocks)
-            host_blocks_per_group.append(group_host_blocks)
-            output.offloads.append(BlockCopy(tuple(blocks), group_host_blocks, group))
-        request.offloaded = OffloadedKV(tuple(host_blocks_per_group), num_tokens)
-        self.counters.offloaded_blocks += len(host_blocks)
+        request.offloaded, copies = offload
+        output.offloads.extend(copies)
+        self.counters.offloaded_blocks += len(request.offloaded.all_host_block_ids)
         return True
 
     def forget_offloads(self, output: SchedulerOutput) -> None:
@@ -422,7 +424,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        request.status = RequestStatus.PENDING
+        request.mark_preempted()
         self._enqueue(request, preempted=True)
         self.counters.preemptions += 1
         if output is not None:
@@ -433,14 +435,14 @@ class Scheduler:
         self.waiting.remove(request)
         page_size = self.kv_cache_manager.page_size
         needed = blocks_for_tokens(request.num_tokens, page_size)
-        request.status = RequestStatus.FAILED
-        request.finish_reason = FinishReason.ERROR
         # Only the primary group is named: admission (engine.loop.admission.admit) already ruled out a too
         # small sliding-window group.
-        request.error = (
+        request.finish(
+            RequestStatus.FAILED,
+            FinishReason.ERROR,
             f"request {request.request_id!r} needs {needed} KV blocks for its {request.num_tokens} tokens "
             f"but only {self.kv_cache_manager.block_pool.num_free_blocks} of "
-            f"{self.kv_cache_manager.block_pool.num_usable_blocks} can ever be free; raise num_blocks"
+            f"{self.kv_cache_manager.block_pool.num_usable_blocks} can ever be free; raise num_blocks",
         )
         output.failed.append(request)
 
@@ -449,33 +451,31 @@ class Scheduler:
     ) -> list[ScheduledRequest]:
         """Folds a step's sampled tokens back into its requests; returns the items that gained a token.
 
-        A request that reached EOS or its length limit is finished here and its blocks are freed.
+        A request its new token stops (`check_stop`) is finished here and its blocks are freed.
         """
         advanced = []
         for item, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
             request = item.request
             if token_id is None or request.is_finished:
                 continue  # a finished request's row is dropped: it ended while this step ran
-            request.num_output_placeholders -= 1
-            request.all_token_ids.append(token_id)
-            request.fork_source = None  # its own token landed: the KV it was forked from was sound
-            if request.status == RequestStatus.PREFILLING:  # not if preempted since: it waits again
-                request.status = RequestStatus.DECODING
+            request.append_token(token_id)
             advanced.append(item)
-            if token_id in request.sampling.eos_token_ids:
-                self.finish_request(request, RequestStatus.FINISHED, FinishReason.EOS)
-            elif token_id in request.sampling.stop_token_ids:
-                request.stop_reason = token_id
-                self.finish_request(request, RequestStatus.FINISHED, FinishReason.STOP)
-            elif request.num_generated_tokens >= request.sampling.max_new_tokens:
-                self.finish_request(request, RequestStatus.FINISHED, FinishReason.LENGTH)
+            stop = check_stop(request)
+            if stop is not None:
+                self.finish_request(request, *stop)
         self.remove_finished_running()
         return advanced
 
     def finish_request(
-        self, request: Request, status: RequestStatus, reason: FinishReason, error: str | None = None
+        self,
+        request: Request,
+        status: RequestStatus,
+        reason: FinishReason,
+        error: str | None = None,
+        stop_reason: int | None = None,
     ) -> None:
-        """Ends a request wherever it is (waiting, running) and frees its blocks. Idempotent."""
+        """Ends a request wherever it is (waiting, running; `Request.finish`) and frees its blocks.
+        Idempotent."""
         if request.is_finished:
             return
         source = request.fork_source
@@ -492,9 +492,7 @@ class Scheduler:
             for sequence in reversed(request.pending_forks):
                 self._release_fork(sequence)
             request.pending_forks = []
-        request.status = status
-        request.finish_reason = reason
-        request.error = error
+        request.finish(status, reason, error, stop_reason)
         self.kv_cache_manager.free(request)
         if request.offloaded is not None and self.host_block_pool is not None:
             self.host_block_pool.free_now(request.offloaded.all_host_block_ids)

@@ -66,31 +66,30 @@ class ManagerStats:
         weights_incomplete: str | None,
         weights_update_group_ranks: tuple[int, ...],
     ) -> ManagerStats:
-        """The engine's counters now, with the loop's own state (passed in by the loop)."""
-        # Every cache group counts: a hybrid model's sliding-window blocks are memory too.
-        pools = [group.block_pool for group in engine.kv_cache_manager.groups]
-        prefix = engine.kv_cache_manager.prefix_cache_stats
-        counters = engine.scheduler.counters
+        """The engine's counters now (each of its parts makes its own: `EngineCore.make_stats`), with the
+        loop's own state (passed in by the loop)."""
+        stats = engine.make_stats()
+        kv_cache, counters = stats.kv_cache, stats.scheduler.counters
         return cls(
             running=running,
             paused=paused,
             num_pause_holders=num_pause_holders,
             num_waiting=num_waiting,
-            num_running=engine.scheduler.num_running,
-            num_blocks_total=sum(pool.num_usable_blocks for pool in pools),
-            num_blocks_used=sum(pool.num_used_blocks for pool in pools),
-            num_blocks_cached=sum(pool.num_cached_blocks for pool in pools),
-            prefix_cache_queried_tokens=prefix.queried_tokens,
-            prefix_cache_hit_tokens=prefix.hit_tokens,
-            prefix_cache_hit_rate=prefix.hit_rate,
+            num_running=stats.scheduler.num_running,
+            num_blocks_total=kv_cache.num_blocks_total,
+            num_blocks_used=kv_cache.num_blocks_used,
+            num_blocks_cached=kv_cache.num_blocks_cached,
+            prefix_cache_queried_tokens=kv_cache.prefix_cache.queried_tokens,
+            prefix_cache_hit_tokens=kv_cache.prefix_cache.hit_tokens,
+            prefix_cache_hit_rate=kv_cache.prefix_cache.hit_rate,
             preemptions=counters.preemptions,
             offloaded_blocks=counters.offloaded_blocks,
             restored_blocks=counters.restored_blocks,
             recomputed_tokens=counters.recomputed_tokens,
             forked_sequences=counters.forked_sequences,
-            failed_steps=engine.num_failed_steps,
-            prefix_caching_enabled=engine.kv_cache_manager.enable_prefix_caching,
-            step_timings=engine.runner.timings.as_dict(),
+            failed_steps=stats.failed_steps,
+            prefix_caching_enabled=kv_cache.prefix_caching_enabled,
+            step_timings=stats.step_timings.as_dict(),
             weight_version=weight_version,
             weight_version_label=weight_version_label,
             num_generated_tokens=num_generated_tokens,

@@ -10,15 +10,16 @@ Group 0 (the full-attention group when the model has one) is the *primary* group
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.kv.block_pool import BlockPool, KVBlock
 from engine.kv.events import KVCacheEvent
 from engine.kv.full_attention import FullAttentionManager, blocks_for_tokens
+from engine.kv.offload import BlockCopy, HostBlockPool, OffloadedKV
 from engine.kv.sliding_window import SlidingWindowManager
 from engine.request import Request
 
-__all__ = ["DeviceBlockCopy", "KVCacheManager", "PrefixCacheStats", "blocks_for_tokens"]
+__all__ = ["DeviceBlockCopy", "KVCacheManager", "KVCacheStats", "PrefixCacheStats", "blocks_for_tokens"]
 
 GroupManager = FullAttentionManager | SlidingWindowManager
 
@@ -43,6 +44,18 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The cache's blocks, every group's counted (a hybrid model's sliding-window blocks are memory too),
+    and the prefix cache's lookups (`KVCacheManager.make_stats`)."""
+
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_cached: int
+    prefix_caching_enabled: bool
+    prefix_cache: PrefixCacheStats
 
 
 class KVCacheManager:
@@ -106,13 +119,54 @@ class KVCacheManager:
         )
 
     def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The ids of the request's table in `group`: the group's own list (read it, never change it)."""
         return self.groups[group].block_ids(request_id)
+
+    def block_ids_per_group(self, request_id: str) -> tuple[list[int], ...]:
+        """The ids of the request's table in every group, as the groups keep them: no copy is made, so
+        they are current until the request's next allocation or release."""
+        return tuple(group.block_ids(request_id) for group in self.groups)
 
     def resume_block_ids(self, request_id: str, group: int, num_tokens: int) -> list[int]:
         """The blocks of `group` a request with `num_tokens` computed tokens reads again when resumed
         (what an offload saves and a restore refills); never the null block."""
         table = self.groups[group].block_ids(request_id)
         return [table[page] for page in self.groups[group].resume_pages(num_tokens)]
+
+    def offload(
+        self, request: Request, host_block_pool: HostBlockPool
+    ) -> tuple[OffloadedKV, list[BlockCopy]] | None:
+        """Host blocks for the KV of `request`'s computed tokens, and the copies that fill them (made before
+        its device blocks are reused); None, taking nothing, when the pool lacks room. Only the pages each
+        group reads again are copied: all of them for full attention, the window of the next query for
+        sliding-window groups."""
+        num_tokens = request.num_computed_tokens
+        device_blocks = [
+            self.resume_block_ids(request.request_id, group, num_tokens) for group in range(len(self.groups))
+        ]
+        host_blocks = host_block_pool.allocate(sum(len(blocks) for blocks in device_blocks))
+        if host_blocks is None:
+            return None
+        host_blocks_per_group = []
+        copies = []
+        start = 0
+        for group, blocks in enumerate(device_blocks):
+            group_host_blocks = host_blocks[start : start + len(blocks)]
+            start += len(blocks)
+            host_blocks_per_group.append(group_host_blocks)
+            copies.append(BlockCopy(tuple(blocks), group_host_blocks, group))
+        return OffloadedKV(tuple(host_blocks_per_group), num_tokens), copies
+
+    def restore_copies(self, request: Request, offloaded: OffloadedKV) -> list[BlockCopy]:
+        """The copies that bring an offloaded request's KV back, into the blocks just allocated for it."""
+        return [
+            BlockCopy(
+                tuple(self.resume_block_ids(request.request_id, group, offloaded.num_tokens)),
+                host_block_ids,
+                group,
+            )
+            for group, host_block_ids in enumerate(offloaded.host_block_ids)
+        ]
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
         """The longest run of leading full blocks of `request` already in the prefix cache.
@@ -192,6 +246,20 @@ class KVCacheManager:
         """Drops the prefix cache; returns how many blocks it held."""
         full = self.full_attention_group
         return full.reset_prefix_cache() if full is not None else 0
+
+    def reset_prefix_cache_stats(self) -> None:
+        """Starts counting prefix-cache lookups from zero (after warmup, whose lookups are no user's)."""
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    def make_stats(self) -> KVCacheStats:
+        pools = [group.block_pool for group in self.groups]
+        return KVCacheStats(
+            num_blocks_total=sum(pool.num_usable_blocks for pool in pools),
+            num_blocks_used=sum(pool.num_used_blocks for pool in pools),
+            num_blocks_cached=sum(pool.num_cached_blocks for pool in pools),
+            prefix_caching_enabled=self.enable_prefix_caching,
+            prefix_cache=replace(self.prefix_cache_stats),
+        )
 
     def record_kv_events(self) -> None:
         """From now on, changes to the prefix cache are kept for `take_kv_events` (engine.kv.events)."""

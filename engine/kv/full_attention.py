@@ -20,6 +20,9 @@ class FullAttentionManager:
     Block tables are append-only while a request holds them: a block's position in the table is the
     page of the sequence it stores, so token `t` of a request lives in slot
     `table[t // page_size] * page_size + t % page_size` of every layer of the group.
+
+    Invariant: `_block_ids[r]` is `[block.block_id for block in block_tables[r]]`, kept as the table
+    grows, so a step hands the runner each table's ids without building them again (`block_ids`).
     """
 
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool) -> None:
@@ -27,11 +30,14 @@ class FullAttentionManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self._num_registered_blocks: dict[str, int] = {}
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.block_tables.get(request_id, ())]
+        """The ids of the request's table: the manager's own list, which grows with the table (read it,
+        never change it); empty when the request holds none."""
+        return self._block_ids.get(request_id, [])
 
     def resume_pages(self, num_tokens: int) -> range:
         """Pages whose KV a request with `num_tokens` computed tokens reads again: all of them."""
@@ -79,10 +85,12 @@ class FullAttentionManager:
             request.request_id, num_computed, num_new_tokens, computed_blocks
         )
         table = self.block_tables.setdefault(request.request_id, [])
+        block_ids = self._block_ids.setdefault(request.request_id, [])
         self.block_pool.touch(computed_blocks)
         new_blocks = self.block_pool.allocate(num_new_blocks)
-        table.extend(computed_blocks)
-        table.extend(new_blocks)
+        for block in (*computed_blocks, *new_blocks):
+            table.append(block)
+            block_ids.append(block.block_id)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, table, num_computed + num_new_tokens)
         return new_blocks
@@ -107,6 +115,7 @@ class FullAttentionManager:
             child_table.append(block)
             copies.append((table[num_full].block_id, block.block_id))
         self.block_tables[child.request_id] = child_table
+        self._block_ids[child.request_id] = [block.block_id for block in child_table]
         if self.enable_prefix_caching:
             # The shared pages are the source's: registered by it as far as it registered them.
             self._num_registered_blocks[child.request_id] = min(
@@ -118,6 +127,7 @@ class FullAttentionManager:
     def free(self, request_id: str) -> None:
         """Releases the request's blocks, tail first so its least shareable blocks are evicted first."""
         table = self.block_tables.pop(request_id, None)
+        self._block_ids.pop(request_id, None)
         self._num_registered_blocks.pop(request_id, None)
         if table:
             self.block_pool.free(reversed(table))

@@ -26,7 +26,8 @@ class SlidingWindowManager:
 
     Invariants: while a request holds a table, `num_computed` only grows, so the first page it still
     needs only moves forward; entries before that page are the null block, entries from it to the end
-    of the table are blocks with ref_count 1 owned by this request alone.
+    of the table are blocks with ref_count 1 owned by this request alone. `_block_ids[r]` is
+    `[block.block_id for block in block_tables[r]]`, kept as the table changes (`block_ids`).
     """
 
     def __init__(self, num_blocks: int, page_size: int, sliding_window: int) -> None:
@@ -37,9 +38,12 @@ class SlidingWindowManager:
         self.block_pool = BlockPool(num_blocks)
         self.null_block = self.block_pool.blocks[NULL_BLOCK_ID]
         self.block_tables: dict[str, list[KVBlock]] = {}
+        self._block_ids: dict[str, list[int]] = {}
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.block_tables.get(request_id, ())]
+        """The ids of the request's table: the manager's own list, which changes with the table (read it,
+        never change it); empty when the request holds none."""
+        return self._block_ids.get(request_id, [])
 
     def first_needed_page(self, num_computed: int) -> int:
         """The first page a query at position `num_computed` (or later) can read."""
@@ -68,14 +72,22 @@ class SlidingWindowManager:
         """
         _num_released, num_new_blocks = self._plan(request.request_id, num_computed, num_new_tokens)
         table = self.block_tables.setdefault(request.request_id, [])
+        block_ids = self._block_ids.setdefault(request.request_id, [])
         first_needed = self.first_needed_page(num_computed)
         out_of_window = [block for block in table[:first_needed] if block is not self.null_block]
         self.block_pool.free(reversed(out_of_window))
-        table[: min(first_needed, len(table))] = [self.null_block] * min(first_needed, len(table))
+        num_nulled = min(first_needed, len(table))
+        if out_of_window:
+            table[:num_nulled] = [self.null_block] * num_nulled
+            block_ids[:num_nulled] = [NULL_BLOCK_ID] * num_nulled
         # A table restored or admitted past its window starts with null pages up to the window.
-        table.extend([self.null_block] * (first_needed - len(table)))
+        num_null_pages = first_needed - len(table)
+        if num_null_pages > 0:
+            table.extend([self.null_block] * num_null_pages)
+            block_ids.extend([NULL_BLOCK_ID] * num_null_pages)
         new_blocks = self.block_pool.allocate(num_new_blocks)
         table.extend(new_blocks)
+        block_ids.extend(block.block_id for block in new_blocks)
         return new_blocks
 
     def num_fork_blocks(self, num_tokens: int) -> int:
@@ -91,6 +103,9 @@ class SlidingWindowManager:
         pages = self.resume_pages(num_tokens)
         blocks = self.block_pool.allocate(len(pages))
         self.block_tables[child.request_id] = [self.null_block] * pages.start + blocks
+        self._block_ids[child.request_id] = [NULL_BLOCK_ID] * pages.start + [
+            block.block_id for block in blocks
+        ]
         copies = []
         for page, block in zip(pages, blocks, strict=True):
             assert table[page] is not self.null_block, (source, page)
@@ -99,6 +114,7 @@ class SlidingWindowManager:
 
     def free(self, request_id: str) -> None:
         table = self.block_tables.pop(request_id, None)
+        self._block_ids.pop(request_id, None)
         if table:
             self.block_pool.free(reversed([block for block in table if block is not self.null_block]))
 

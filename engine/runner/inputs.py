@@ -1,5 +1,9 @@
 """Builds one step's packed model inputs and attention batches from a `SchedulerOutput`.
 
+Everything comes from what the scheduler hands over, each request's block tables included
+(`ScheduledRequest.block_ids`): the runner never reads the scheduler's cache manager, so a rank that only
+receives a step's output can build the same inputs.
+
 A step packs every scheduled token into one sequence. Decode rows (one new token each) come first
 in scheduling order only by coincidence; nothing here relies on it: each `AttentionBatch` says which
 packed rows it reads and fills.
@@ -23,7 +27,6 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv.block_pool import NULL_BLOCK_ID
-from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
 from engine.request import Request
 from engine.runner.attention import (
@@ -82,9 +85,11 @@ class BatchInputs:
 
 @dataclass
 class _Chunk:
-    """One request's new tokens: packed rows from `row` on, positions [start, end)."""
+    """One request's new tokens: packed rows from `row` on, positions [start, end), and its block table
+    in each cache group as the scheduler handed it (`ScheduledRequest.block_ids`; None for a padding row,
+    which reads the null block alone)."""
 
-    request_id: str | None  # None for a padding row
+    block_ids: tuple[list[int], ...] | None
     row: int
     start: int
     end: int
@@ -149,7 +154,6 @@ class InputBuilder:
         key_caches: list[torch.Tensor],
         value_caches: list[torch.Tensor],
         layer_groups: list[int],
-        kv_cache_manager: KVCacheManager,
         page_size: int,
         num_query_heads_per_kv_head: int,
         dtype: torch.dtype,
@@ -175,7 +179,6 @@ class InputBuilder:
         self.key_caches = key_caches
         self.value_caches = value_caches
         self.layer_groups = layer_groups
-        self.kv_cache_manager = kv_cache_manager
         self.page_size = page_size
         self.group_size = num_query_heads_per_kv_head
         self.dtype = dtype
@@ -184,8 +187,6 @@ class InputBuilder:
         self.max_blocks_per_request = max_blocks_per_request
         self.split_decode_rows = split_decode_rows
         self.fixed_order = fixed_order
-        # Block tables read during the step being built, by (request id, group); callers never mutate them.
-        self._step_tables: dict[tuple[str, int], list[int]] = {}
 
     def build(
         self,
@@ -203,7 +204,6 @@ class InputBuilder:
         A request may be scheduled for the position of a token the still-running step samples (async
         batching): its input id is copied from `previous` on the device, never read on the host.
         """
-        self._step_tables.clear()
         step = self._pack(scheduler_output, previous)
         keys_interval = None
         # Padded decode steps compute every row's logits, prompt rows' included.
@@ -252,7 +252,7 @@ class InputBuilder:
         for item in scheduler_output.scheduled:
             request = item.request
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
-            chunk = _Chunk(request.request_id, len(tokens.input_ids), start, end)
+            chunk = _Chunk(item.block_ids, len(tokens.input_ids), start, end)
             known = request.all_token_ids[start:end]
             tokens.input_ids.extend(known)
             if len(known) < end - start:
@@ -325,16 +325,10 @@ class InputBuilder:
             )
         return input_ids
 
-    def _table(self, chunk: _Chunk, group: int) -> list[int]:
-        """The chunk's block table in `group`, read from the cache manager once per step (the write slots
-        and the attention inputs both need it)."""
-        if chunk.request_id is None:
-            return [NULL_BLOCK_ID]
-        key = (chunk.request_id, group)
-        table = self._step_tables.get(key)
-        if table is None:
-            table = self._step_tables[key] = self.kv_cache_manager.block_ids(chunk.request_id, group)
-        return table
+    @staticmethod
+    def _table(chunk: _Chunk, group: int) -> list[int]:
+        """The chunk's block table in `group` (the scheduler's list: read, never changed here)."""
+        return [NULL_BLOCK_ID] if chunk.block_ids is None else chunk.block_ids[group]
 
     def _write_slots(self, group: int, chunks: list[_Chunk], num_rows: int) -> torch.Tensor:
         """[T] cache slot of every packed row's new key, in packed-row order; rows no chunk owns (padding

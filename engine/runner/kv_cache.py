@@ -180,9 +180,29 @@ class PagedKVCache:
         self.value_caches = [
             torch.empty(row_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)
         ]
-        null_rows = slice(NULL_BLOCK_ID * page_size, (NULL_BLOCK_ID + 1) * page_size)
+        self._zero_null_block()
+
+    def _zero_null_block(self) -> None:
+        null_rows = slice(NULL_BLOCK_ID * self.page_size, (NULL_BLOCK_ID + 1) * self.page_size)
         for cache in (*self.key_caches, *self.value_caches):
             cache[null_rows].zero_()
+
+    def release_storage(self) -> int:
+        """Shrinks every tensor's storage to nothing (sleep); returns the bytes freed. The tensors stay,
+        so whatever holds them sees the memory again after `restore_storage`."""
+        released = 0
+        for tensor in (*self.key_caches, *self.value_caches):
+            storage = tensor.untyped_storage()
+            released += storage.nbytes()
+            storage.resize_(0)
+        return released
+
+    def restore_storage(self) -> None:
+        """Gives the tensors their storage back, uninitialised as at start but for the null block, which
+        padding reads and is zeroed again."""
+        for tensor in (*self.key_caches, *self.value_caches):
+            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        self._zero_null_block()
 
     def copy_blocks(self, source_block_ids: list[int], target_block_ids: list[int]) -> None:
         """Copies the KV of each source block into its target block, every layer, on the device."""

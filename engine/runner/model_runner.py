@@ -11,12 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.config import ContinuousBatchingConfig
-from engine.kv.cache_manager import KVCacheManager
 from engine.kv.layer_groups import KVCacheGroupSpec
 from engine.request import Request
 from engine.runner.forward_paths import ForwardPaths
@@ -160,7 +159,6 @@ class ModelRunner:
         model: torch.nn.Module,
         groups: Sequence[KVCacheGroupSpec],
         kv_caches: Sequence[PagedKVCache],
-        kv_cache_manager: KVCacheManager,
         sampler: Sampler,
         config: ContinuousBatchingConfig,
         host_kv_caches: Sequence[HostKVCache] | None = None,
@@ -168,7 +166,6 @@ class ModelRunner:
         self.model = model
         self.groups = list(groups)
         self.kv_caches = list(kv_caches)
-        self.kv_cache_manager = kv_cache_manager
         self.sampler = sampler
         self.timings = StepTimings()
         # Padding rows (decode rows, or tokens of steps with prefill chunks) run by padded steps so far:
@@ -198,7 +195,6 @@ class ModelRunner:
             self._key_caches,
             self._value_caches,
             self._layer_groups,
-            kv_cache_manager,
             self.page_size,
             num_heads // num_kv_heads,
             self._key_caches[0].dtype,
@@ -215,6 +211,26 @@ class ModelRunner:
         return self.forward_paths.capture_decode_graphs(
             lambda padding, rows: self.input_builder.build(empty, padding, min_rows=rows), max_rows
         )
+
+    def release_kv_cache(self) -> int:
+        """Frees the storage of every group's cache tensors (sleep) and the CUDA graphs that hold their
+        addresses; returns the bytes freed. The tensors stay: the per-layer lists see the memory again
+        after `restore_kv_cache`."""
+        released = sum(cache.release_storage() for cache in self.kv_caches)
+        self.forward_paths.drop_cuda_graphs()
+        return released
+
+    def restore_kv_cache(self) -> None:
+        for cache in self.kv_caches:
+            cache.restore_storage()
+
+    def drop_cuda_graphs(self) -> None:
+        """Forgets the captured graphs, which hold raw addresses of the weights (moved to host memory)."""
+        self.forward_paths.drop_cuda_graphs()
+
+    def make_stats(self) -> StepTimings:
+        """Seconds per step phase since the runner was built, as a copy."""
+        return replace(self.timings)
 
     def forward(self, inputs: BatchInputs) -> torch.Tensor:
         """Logits [L, V] of the rows in `inputs.logits_indices`: the rows that sample this step (those

@@ -8,8 +8,9 @@ quoting xgrammar's message.
 Each step, `apply_grammar_masks` lets a constrained row sample only the tokens its grammar allows next: the
 matchers fill one packed bitmask for the constrained rows, which is copied to the logits' device and applied
 as one masked fill; unconstrained rows are untouched and a step without constrained rows does nothing. Ids
-past the tokenizer's vocabulary (padded rows of the model's head) are never allowed. `accept_token` feeds
-each newly sampled token to the matcher (tokens recomputed after a preemption are never fed again).
+past the tokenizer's vocabulary (padded rows of the model's head) are never allowed. The stop check
+(`engine.request.check_stop`) feeds each newly sampled token to the matcher (`GrammarState.accept_token`;
+tokens recomputed after a preemption are never fed again).
 
 As in vLLM, the grammar ends the request through EOS: once it is complete its mask allows the request's
 EOS ids (the tokenizer's when the request has none) and nothing else, and a matcher that accepted one is
@@ -120,7 +121,8 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """A request's matcher (`request.structured_state`) and the vocabulary its bitmask rows cover."""
+    """A request's matcher (`request.structured_state`, an `engine.request.Grammar`) and the vocabulary
+    its bitmask rows cover."""
 
     __slots__ = ("matcher", "vocab_size", "words")
 
@@ -128,6 +130,28 @@ class GrammarState:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.words = (vocab_size + _BITS - 1) // _BITS
+
+    def accept_token(self, token_id: int) -> str | None:
+        """Feeds a newly sampled token to the matcher; the reason the request must fail when the grammar
+        refuses it (a step sampled it without the mask), else None."""
+        if self.matcher.is_terminated() or self.matcher.accept_token(token_id):
+            return None
+        return (
+            f"structured_output: token {token_id} was sampled but the grammar does not allow it "
+            "(min_new_tokens holds EOS back where the grammar allows nothing else)"
+        )
+
+    def is_complete(self) -> bool:
+        """Whether the grammar has ended: it accepted one of its EOS ids, or, with no EOS id to end on
+        (neither the request nor the tokenizer has one), it allows no further token."""
+        matcher = self.matcher
+        if matcher.is_terminated():
+            return True
+        if matcher.stop_token_ids or not matcher.is_completed():
+            return False
+        bitmask = torch.empty(1, self.words, dtype=torch.int32)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return not bool(bitmask.any())
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # A request pickled for the other tensor-parallel ranks (engine.loop.lockstep) arrives without its
@@ -166,32 +190,6 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list[Request], rows: lis
         return
     index_rows = to_device(rows, torch.long, device)
     logits.index_copy_(0, index_rows, logits.index_select(0, index_rows).masked_fill_(refused, float("-inf")))
-
-
-def accept_token(request: Request, token_id: int) -> str | None:
-    """Feeds a newly sampled token to the request's matcher; the reason the request must fail when the
-    grammar refuses it (a step sampled it without the mask), else None."""
-    matcher = _state(request).matcher
-    if matcher.is_terminated() or matcher.accept_token(token_id):
-        return None
-    return (
-        f"structured_output: token {token_id} was sampled but the grammar does not allow it (min_new_tokens "
-        "holds EOS back where the grammar allows nothing else)"
-    )
-
-
-def is_complete(request: Request) -> bool:
-    """Whether the request's grammar has ended: it accepted one of its EOS ids, or, with no EOS id to
-    end on (neither the request nor the tokenizer has one), it allows no further token."""
-    state = _state(request)
-    matcher = state.matcher
-    if matcher.is_terminated():
-        return True
-    if matcher.stop_token_ids or not matcher.is_completed():
-        return False
-    bitmask = torch.empty(1, state.words, dtype=torch.int32)
-    matcher.fill_next_token_bitmask(bitmask, 0)
-    return not bool(bitmask.any())
 
 
 def _state(request: Request) -> GrammarState:

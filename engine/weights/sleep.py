@@ -8,6 +8,10 @@ raw addresses, are dropped and captured again.
 
 On the CPU the weights already live in host memory: level 2 only frees the copies of them packed for
 oneDNN (engine.runner.packed_linear), which the layers make again on their first step after waking.
+
+The engine does each level (`EngineCore.release_kv_cache`, `offload_weights` and their inverses); this
+module holds the levels and tags, moving weights between devices, and handing freed memory back to the
+system.
 """
 
 from __future__ import annotations
@@ -22,13 +26,9 @@ import psutil
 import torch
 from torch.distributed.tensor import DTensor
 
-from engine.engine_core import EngineCore
-from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.weights.tensors import model_tensors
 
 logger = logging.getLogger(__name__)
-
-HOST = torch.device("cpu")
 
 
 class SleepLevel(IntEnum):
@@ -75,36 +75,6 @@ def resident_memory(device: torch.device) -> int | None:
         return None
 
 
-def _cache_tensors(engine: EngineCore) -> list[torch.Tensor]:
-    return [tensor for cache in engine.kv_caches for tensor in (*cache.key_caches, *cache.value_caches)]
-
-
-def release_kv_cache(engine: EngineCore) -> int:
-    """Puts every running request back in the queue, drops the prefix cache and frees the cache
-    tensors' storage; returns the bytes freed. The loop has flushed any step in flight."""
-    engine.scheduler.preempt_all_for_recompute()
-    engine.kv_cache_manager.reset_prefix_cache()
-    released = 0
-    for tensor in _cache_tensors(engine):
-        storage = tensor.untyped_storage()
-        released += storage.nbytes()
-        storage.resize_(0)
-    engine.runner.forward_paths.drop_cuda_graphs()
-    _return_freed_memory(engine.device)
-    logger.info("KV cache freed: %.1f MiB", released / 2**20)
-    return released
-
-
-def restore_kv_cache(engine: EngineCore) -> None:
-    """Gives the cache tensors their storage back (uninitialised, as at start) and zeroes the null
-    block, which padding reads."""
-    for cache in engine.kv_caches:
-        rows = slice(NULL_BLOCK_ID * cache.page_size, (NULL_BLOCK_ID + 1) * cache.page_size)
-        for tensor in (*cache.key_caches, *cache.value_caches):
-            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
-            tensor[rows].zero_()
-
-
 def move_weights(model: torch.nn.Module, device: torch.device) -> int:
     """Moves every parameter and buffer (this rank's shard of a sharded one) to `device`, in place,
     keeping the tensors (tied weights stay tied); returns the bytes moved."""
@@ -122,27 +92,7 @@ def move_weights(model: torch.nn.Module, device: torch.device) -> int:
     return moved
 
 
-def offload_weights(engine: EngineCore) -> int:
-    """Level 2: the weights to host memory, or on the CPU their packed copies freed; returns the bytes
-    freed."""
-    if engine.device.type == "cpu":
-        freed = engine.packed_linears.drop_copies() if engine.packed_linears is not None else 0
-        _return_freed_memory(engine.device)
-        logger.info("packed copies of the weights freed: %.1f MiB", freed / 2**20)
-        return freed
-    moved = move_weights(engine.model, HOST)
-    engine.runner.forward_paths.drop_cuda_graphs()
-    _return_freed_memory(engine.device)
-    logger.info("weights moved to host memory: %.1f MiB", moved / 2**20)
-    return moved
-
-
-def reload_weights(engine: EngineCore) -> None:
-    if engine.device.type != "cpu":
-        move_weights(engine.model, engine.device)
-
-
-def _return_freed_memory(device: torch.device) -> None:
+def return_freed_memory(device: torch.device) -> None:
     """Hands freed memory back to the system: CUDA's caching allocator keeps it otherwise, and glibc
     keeps large freed blocks below its (adaptive) mmap threshold in the heap."""
     if device.type == "cuda":

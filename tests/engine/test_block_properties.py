@@ -229,7 +229,8 @@ def check_schedule(world: World, output: SchedulerOutput) -> None:
 
 
 def run_fake_attention(world: World, output: SchedulerOutput) -> list[tuple[int, int, Request]]:
-    """Writes the step's KV into its slots, then checks every attended slot holds the right KV.
+    """Writes the step's KV into its slots, then checks every attended slot holds the right KV, reading
+    the block tables the step hands the runner (`ScheduledRequest.block_ids`), as the runner does.
 
     The KV of position p depends on every token up to p, so a slot holds that whole prefix: a block
     computed after another prefix reads as wrong even when its own tokens match. A position whose token
@@ -241,11 +242,12 @@ def run_fake_attention(world: World, output: SchedulerOutput) -> list[tuple[int,
     for item in output.scheduled:
         request = item.request
         tokens = request.all_token_ids
-        table = world.manager.block_tables[request.request_id]
+        table = item.block_ids[0]
+        assert table == [block.block_id for block in world.manager.block_tables[request.request_id]]
         end = item.num_computed_tokens + item.num_new_tokens
         assert len(table) >= blocks_for_tokens(end, page_size)
         for position in range(item.num_computed_tokens, end):
-            block_id = table[position // page_size].block_id
+            block_id = table[position // page_size]
             assert block_id != NULL_BLOCK_ID
             if position < len(tokens):
                 world.kv[block_id][position % page_size] = tuple(tokens[: position + 1])
@@ -259,10 +261,10 @@ def run_fake_attention(world: World, output: SchedulerOutput) -> list[tuple[int,
             placeholders.append((block_id, position % page_size, request))
     for item in output.scheduled:
         tokens = item.request.all_token_ids
-        table = world.manager.block_tables[item.request.request_id]
+        table = item.block_ids[0]
         end = item.num_computed_tokens + item.num_new_tokens
         for position in range(end):
-            held = world.kv[table[position // page_size].block_id][position % page_size]
+            held = world.kv[table[position // page_size]][position % page_size]
             expected = tuple(tokens[: position + 1]) if position < len(tokens) else (*tokens, PENDING)
             assert held == expected, (
                 f"{item.request!r} position {position} attends to KV of {held}, its prefix is {expected}"

@@ -27,6 +27,8 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.system.device_copies",
         "engine.weights.tensors",
         "engine.weights.checksum",
+        # Sleep mode's levels and memory mechanics; the engine does each level (EngineCore).
+        "engine.weights.sleep",
         "engine.parallel",
         "engine.weights.transfer",
         "engine.weights.cuda_ipc",
@@ -85,7 +87,6 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.loop.output_router",
         "engine.loop.listeners",
         "engine.stats",
-        "engine.weights.sleep",
     },
     {"engine.loop.weights_and_sleep"},
     {"engine.loop.generation_loop"},
