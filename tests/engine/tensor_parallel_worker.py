@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput
 from engine.parallel import load_sharded_model
+from tests.helpers.engine_runs import engine_core
 
 
 def collect(manager: ContinuousBatchingManager, ids: list[str | None]) -> dict[str, GenerationOutput]:
@@ -158,7 +159,7 @@ def main() -> None:
     )
     manager = ContinuousBatchingManager(model, continuous_batching_config=config)
     finished: dict[str, dict[str, Any]] = {}
-    manager._ensure_engine()  # joins the engine's set-up collectives
+    engine = engine_core(manager)  # joins the engine's set-up collectives
     loop = manager._loop
     assert loop is not None
     record_finish = loop._finish
@@ -199,10 +200,9 @@ def main() -> None:
         manager.stop(block=True, timeout=60)
     else:
         manager.join()
-    if manager._engine is not None:
-        report["kv_heads_cached"] = manager._engine.kv_caches[0].shape.num_kv_heads
-        report["async_batching"] = manager._engine.async_batching
-        report["placeholder_inputs"] = manager._engine.runner.num_placeholder_inputs
+    report["kv_heads_cached"] = engine.kv_caches[0].shape.num_kv_heads
+    report["async_batching"] = engine.async_batching
+    report["placeholder_inputs"] = engine.runner.num_placeholder_inputs
     report["loop_error"] = manager.loop_error
     report["finished"] = finished
     report["loop_ended"] = not manager.is_running()

@@ -13,7 +13,7 @@ import torch
 
 from engine import ContinuousBatchingConfig, RequestStatus, init_continuous_batching
 from engine.engine_core import EngineCore
-from tests.helpers.engine_runs import fail_forward_once, generate_greedy
+from tests.helpers.engine_runs import engine_core, fail_forward_once, generate_greedy
 from tests.helpers.models import TEST_DEVICE, random_prompt, tiny_model
 from tests.helpers.oracle import assert_greedy_parity, reference_greedy
 
@@ -103,7 +103,7 @@ def test_eos_ends_a_request_at_its_eos_token_and_the_step_run_ahead_is_dropped()
         stopped = manager.get_result(stopped_id, timeout=TIMEOUT)
         finished = manager.get_result(other_id, timeout=TIMEOUT)
         stats = manager.stats()
-        engine = manager._engine
+        engine = engine_core(manager)
     finally:
         manager.destroy()
     assert stopped.finish_reason == "eos"
@@ -134,7 +134,7 @@ def _sampled_outputs(use_async_batching: bool):
             for index in range(4)
         ]
         outputs = [manager.get_result(request_id, timeout=TIMEOUT) for request_id in ids]
-        engine = manager._engine
+        engine = engine_core(manager)
     finally:
         manager.destroy()
     return outputs, engine
@@ -169,7 +169,7 @@ def test_cancel_with_a_step_in_flight_ends_cancelled_and_frees_every_block():
         assert last.status == RequestStatus.CANCELLED and len(last.generated_tokens) < 400
         finished = manager.get_result(kept, timeout=TIMEOUT)
         stats = manager.stats()
-        engine = manager._engine
+        engine = engine_core(manager)
     finally:
         manager.destroy()
     assert finished.generated_tokens == reference_greedy(model, random_prompt(12, seed=601), 30)
@@ -190,7 +190,7 @@ def test_a_step_that_fails_to_launch_fails_its_requests_and_the_loop_keeps_servi
     try:
         with manager.pause():
             # The third forward is launched while the second step is in flight.
-            fail_forward_once(monkeypatch, manager._engine.runner, on_call=3)
+            fail_forward_once(monkeypatch, engine_core(manager).runner, on_call=3)
             doomed = manager.add_request(random_prompt(6, seed=700), max_new_tokens=8, eos_token_id=[])
         output = manager.get_result(doomed, timeout=TIMEOUT)
         assert output.status == RequestStatus.FAILED and "injected fault" in output.error
@@ -228,7 +228,7 @@ def test_launching_a_step_never_waits_for_the_device(monkeypatch):
     manager = init_continuous_batching(model, continuous_batching_config=_config(return_logprobs=True))
     manager.start()
     try:
-        runner = manager._engine.runner
+        runner = engine_core(manager).runner
         launch = runner.launch
 
         def launch_without_synchronising(scheduler_output, previous=None):
@@ -243,7 +243,7 @@ def test_launching_a_step_never_waits_for_the_device(monkeypatch):
         greedy = [manager.add_request(prompt, max_new_tokens=10, eos_token_id=[]) for prompt in prompts]
         sampled = manager.add_request(prompts[0], max_new_tokens=10, temperature=0.7, top_p=0.9, seed=1)
         outputs = [manager.get_result(request_id, timeout=TIMEOUT) for request_id in [*greedy, sampled]]
-        engine = manager._engine
+        engine = engine_core(manager)
     finally:
         manager.destroy()
     for output in outputs:

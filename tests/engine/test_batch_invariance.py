@@ -180,11 +180,11 @@ def test_preemption_gives_the_same_bits(offload: bool) -> None:
         settings = dict(max_new_tokens=new_tokens, eos_token_id=[], logprobs=True)
         ids = [manager.add_request(NEEDLE, **settings) for _ in range(6)]
         outputs = [manager.get_result(request_id, timeout=300) for request_id in ids]
-        counters = manager._engine.scheduler.counters
+        stats = manager.stats()
     finally:
         manager.destroy()
-    assert counters.preemptions > 0, "the cache was meant to be too small to avoid preemption"
-    assert (counters.offloaded_blocks > 0) == offload, counters
+    assert stats.preemptions > 0, "the cache was meant to be too small to avoid preemption"
+    assert (stats.offloaded_blocks > 0) == offload, stats
     expected = _alone("llama", new_tokens=new_tokens)
     for index, output in enumerate(outputs):
         assert output is not None

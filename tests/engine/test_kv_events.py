@@ -22,6 +22,7 @@ from engine import (
 )
 from engine.kv.block_pool import BlockPool
 from engine.kv.prefix_hash import extend_block_hashes
+from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import random_prompt, tiny_model
 
 PAGE_SIZE = 4
@@ -107,7 +108,7 @@ def test_the_mirror_equals_the_cache_after_evictions_and_a_flush(manager) -> Non
         prompts = [shared + random_prompt(3 * PAGE_SIZE, seed=10 * round_index + index) for index in range(3)]
         _run(manager, prompts)
     with manager.pause():  # the loop is parked between steps: the cache and the mirror are at rest
-        pool = manager._engine.kv_cache_manager.block_pool
+        pool = engine_core(manager).kv_cache_manager.block_pool
         assert any(isinstance(event, BlockRemoved) for event in mirror.events), "nothing was evicted"
         assert mirrored(mirror) == cached_blocks(pool)
     manager.reset_prefix_cache()
@@ -120,7 +121,7 @@ def test_reset_prefix_cache_returns_the_number_of_blocks_dropped(manager) -> Non
     manager.start()
     _run(manager, [random_prompt(4 * PAGE_SIZE, seed=3)])
     with manager.pause():
-        num_cached = len(cached_blocks(manager._engine.kv_cache_manager.block_pool))
+        num_cached = len(cached_blocks(engine_core(manager).kv_cache_manager.block_pool))
     assert num_cached >= 4
     assert manager.reset_prefix_cache().num_blocks == num_cached
     assert manager.reset_prefix_cache().num_blocks == 0
@@ -129,7 +130,7 @@ def test_reset_prefix_cache_returns_the_number_of_blocks_dropped(manager) -> Non
 def test_reset_prefix_cache_is_refused_with_a_request_in_flight_unless_it_aborts_them(manager) -> None:
     manager.start()
     _run(manager, [random_prompt(4 * PAGE_SIZE, seed=5)])
-    pool = manager._engine.kv_cache_manager.block_pool
+    pool = engine_core(manager).kv_cache_manager.block_pool
     with manager.pause():  # the request below stays queued while the pause holds
         num_cached = len(cached_blocks(pool))
         request_id = manager.add_request(random_prompt(8, seed=6), max_new_tokens=3, eos_token_id=[])
@@ -145,7 +146,7 @@ def test_reset_prefix_cache_is_refused_with_a_request_in_flight_unless_it_aborts
 def test_without_a_listener_nothing_is_recorded(manager) -> None:
     manager.start()
     _run(manager, [random_prompt(3 * PAGE_SIZE, seed=4)])
-    assert manager._engine.kv_cache_manager.take_kv_events() == []
+    assert engine_core(manager).kv_cache_manager.take_kv_events() == []
 
 
 @settings(max_examples=60, deadline=None)

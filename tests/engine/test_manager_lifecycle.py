@@ -18,7 +18,7 @@ from engine import (
     generate_batch,
     init_continuous_batching,
 )
-from tests.helpers.engine_runs import fail_forward_once
+from tests.helpers.engine_runs import engine_core, fail_forward_once
 from tests.helpers.models import VOCAB_SIZE, random_prompt, tiny_config, tiny_model
 from tests.helpers.oracle import reference_greedy
 
@@ -297,7 +297,7 @@ def test_full_queue_raises_queue_full_error_and_keeps_queued_requests(model):
 
 def test_a_failing_step_fails_only_its_requests_and_the_loop_keeps_serving(manager, monkeypatch):
     with manager.pause():
-        fail_forward_once(monkeypatch, manager._engine.runner, on_call=1)
+        fail_forward_once(monkeypatch, engine_core(manager).runner, on_call=1)
         doomed = manager.add_request(random_prompt(4, seed=21), max_new_tokens=3, eos_token_id=[])
     output = manager.get_result(doomed, timeout=TIMEOUT)
     assert output.status == RequestStatus.FAILED and "injected fault" in output.error
@@ -401,7 +401,7 @@ def test_steps_run_only_on_engine_threads_with_the_configured_thread_count(monke
     callers_threads = torch.get_num_threads()
     config = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=64, num_threads=1)
     manager = ContinuousBatchingManager(model, continuous_batching_config=config)
-    engine = manager._ensure_engine()
+    engine = engine_core(manager)
     seen: list[tuple[str, int]] = []
     original_step = engine.step
 

@@ -15,7 +15,7 @@ import torch
 
 from engine import ContinuousBatchingConfig
 from engine.runner.attention import PREFILL_QUERIES_PER_TILE
-from tests.helpers.engine_runs import generate_greedy, run_greedy
+from tests.helpers.engine_runs import engine_core, generate_greedy, run_greedy
 from tests.helpers.models import TEST_DEVICE, random_prompt, tiny_model
 from tests.helpers.oracle import assert_greedy_parity
 
@@ -195,7 +195,7 @@ def test_padded_steps_with_prefill_chunks_keep_parity(kernel_module, family: str
     new_tokens = NEW_TOKENS[: len(prompts)]
     manager = init_continuous_batching(model, continuous_batching_config=config)
     try:
-        runner = manager._ensure_engine().runner
+        runner = engine_core(manager).runner
         runner.forward_paths.padding = Padding(
             4, 16, 16, decode=False, varlen=True, varlen_max_tokens=MAX_PADDED_TOKENS
         )

@@ -13,6 +13,7 @@ from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestS
 from engine.engine_core import EngineCore
 from engine.request import Request, sequence_request_id
 from engine.sampling.params import MAX_SEED, SamplingParams, sequence_seed
+from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import random_prompt, tiny_model
 from tests.helpers.oracle import reference_greedy
 
@@ -102,7 +103,7 @@ def test_a_thousand_token_prompt_holds_its_blocks_once_for_eight_sequences() -> 
     config = _config(page_size=page_size, num_blocks=600, max_batch_tokens=1024, allow_block_sharing=False)
     manager = ContinuousBatchingManager(tiny_model("llama"), continuous_batching_config=config)
     try:
-        _check_blocks_held_once(manager._ensure_engine(), prompt, page_size)
+        _check_blocks_held_once(engine_core(manager), prompt, page_size)
     finally:
         manager.destroy()
 

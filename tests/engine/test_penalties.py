@@ -9,6 +9,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from engine import ContinuousBatchingConfig, RequestStatus, generate_batch, init_continuous_batching
+from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import random_prompt, tiny_model
 from tests.helpers.oracle import reference_generate
 
@@ -40,7 +41,7 @@ def _run(
         ids = [manager.add_request(**request) for request in requests]
         outputs = [manager.get_result(request_id, timeout=TIMEOUT) for request_id in ids]
         stats = manager.stats()
-        history = manager._engine.runner.sampler.penalties.history
+        history = engine_core(manager).runner.sampler.penalties.history
     finally:
         manager.destroy()
     for output in outputs:

@@ -18,6 +18,7 @@ from engine import ContinuousBatchingConfig, GenerationOutput, init_continuous_b
 from engine.request import Request, sequence_request_id
 from engine.runner.model_runner import PromptLogprobs
 from engine.sampling.params import SamplingParams
+from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import random_prompt, tiny_model
 from tests.helpers.oracle import assert_greedy_parity
 
@@ -38,7 +39,7 @@ def _run(
     stats and the engine. `ks[i]` is request i's prompt_logprobs (None: it does not ask)."""
     manager = init_continuous_batching(model, continuous_batching_config=config)
     try:
-        engine = manager._ensure_engine()
+        engine = engine_core(manager)
         if configure is not None:
             configure(engine)
         manager.start()

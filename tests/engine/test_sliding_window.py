@@ -20,6 +20,7 @@ from engine.request import Request, RequestStatus
 from engine.runner.kv_cache import KVCacheShape
 from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import random_prompt, tiny_config, tiny_model
 from tests.helpers.oracle import reference_greedy
 
@@ -255,7 +256,7 @@ def test_stats_count_the_blocks_of_every_cache_group():
     manager = ContinuousBatchingManager(tiny_model("gemma2"), continuous_batching_config=config)
     try:
         manager.start()
-        pools = [group.block_pool for group in manager._engine.kv_cache_manager.groups]
+        pools = [group.block_pool for group in engine_core(manager).kv_cache_manager.groups]
         assert len(pools) == 2, "Gemma 2 keeps a full and a sliding group"
         stats = manager.stats()
         total = sum(pool.num_usable_blocks for pool in pools)

@@ -31,6 +31,7 @@ from engine import (
 from engine.engine_core import EngineCore
 from engine.request import Request, sequence_request_id
 from service.default_model import DefaultModelUnavailable, default_model_dir, find_gguf, is_converted
+from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import COMMON, TEST_DEVICE
 from tests.helpers.structured_output import (
     STRUCTURED_OUTPUT_CONFIG,
@@ -190,7 +191,7 @@ def test_json_schemas_greedy_and_sampled_in_one_batch_with_unconstrained_request
         plain_ids = _add_plain(manager, tokenizer)
         outputs = results(manager, [request_id for _, _, request_id in constrained])
         plain = [output.generated_tokens for output in results(manager, plain_ids)]
-        grammars = manager._engine.grammars
+        grammars = engine_core(manager).grammars
         assert grammars is not None
         # One compile per schema: the sampled request of each found the greedy one's grammar.
         assert grammars.cache_info().misses == len(SCHEMAS)
@@ -305,7 +306,7 @@ def test_engine_core_fails_a_bad_grammar_request_without_raising(
         model, continuous_batching_config=ContinuousBatchingConfig(**STRUCTURED_OUTPUT_CONFIG)
     )
     try:
-        engine: EngineCore = manager._ensure_engine()  # not started: this test steps the engine itself
+        engine: EngineCore = engine_core(manager)  # not started: this test steps the engine itself
         bad = Request("bad", [5, 6, 7], _sampling(json_schema_output({"type": "strin"})))
         assert not engine.add_request(bad)
         assert bad.status == RequestStatus.FAILED and "needs the model's tokenizer" in (bad.error or "")
@@ -374,7 +375,7 @@ def test_grammars_are_cached_per_kind_and_spec(model: torch.nn.Module, tokenizer
             for kind, spec in specs
         ]
         outputs = results(manager, ids)
-        grammars = manager._engine.grammars
+        grammars = engine_core(manager).grammars
         assert grammars is not None
         info = grammars.cache_info()
     finally:

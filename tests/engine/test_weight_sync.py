@@ -23,6 +23,7 @@ from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestS
 from engine.errors import WeightTransferError
 from engine.runner import packed_linear
 from engine.weights.transfer import BUCKET_ALIGNMENT, BucketPlan, BucketTensor, JoinedGroup, WeightBucket
+from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import random_prompt, seeded_tiny_llama, tiny_model
 from tests.helpers.oracle import reference_greedy
 
@@ -279,7 +280,7 @@ def test_sleep_frees_the_kv_cache_and_requests_resume_after_wake_up() -> None:
         # Cache pages cost memory once written; a long-running server's cache has been written
         # everywhere, which writing it here stands for.
         with manager.pause():
-            for cache in manager._engine.kv_caches:  # type: ignore[union-attr]
+            for cache in engine_core(manager).kv_caches:
                 for tensor in (*cache.key_caches, *cache.value_caches):
                     tensor[16:].fill_(1.0)
         before = _rss()

@@ -7,6 +7,8 @@
 - servers: real cbserve servers on loopback (in-process or `cbserve serve` subprocesses), their probes
   and the byte tokenizer they serve with.
 - certificates: the CA and certificates of the TLS tests.
+- structured_output: JSON schemas, and a started manager with room for a batch of structured-output
+  requests.
 - sdk_fakes: fake servicers behind a real gRPC server, for the Python SDK tests (no engine, no torch).
 - gateway: the SMG gateway in front of `cbserve serve` replicas.
 - reliability: the prompt pool, outcomes and figures of the reliability suites.

@@ -32,6 +32,7 @@ from cbserve_client import (
     NotFoundError,
 )
 
+from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import tiny_model
 from tests.helpers.reliability import (
     EXTRA_TOKENS,
@@ -134,7 +135,7 @@ def test_faults_under_load_fail_only_their_own_requests_and_leak_nothing(
 ) -> None:
     host = served.server.slot.host
     assert host is not None
-    step_fault = StepFault(host.manager._engine.runner, monkeypatch)
+    step_fault = StepFault(engine_core(host.manager).runner, monkeypatch)
     started = time.monotonic()
     with Client(served.target, timeout=30) as client:
         run = _faults_under_load(served, client, prompt_pool, step_fault)
@@ -173,9 +174,9 @@ def test_faults_under_load_fail_only_their_own_requests_and_leak_nothing(
         stream = client.stream(canary.prompt, max_new_tokens=canary.max_new_tokens, ignore_eos=True)
         outcome = read_to_end(stream)
     assert mismatch(canary, outcome) is None, mismatch(canary, outcome)
-    async_batching = host.manager._engine.async_batching
+    async_batching = engine_core(host.manager).async_batching
     if async_batching:
-        assert host.manager._engine.runner.num_placeholder_inputs > 0, "no step was launched ahead"
+        assert engine_core(host.manager).runner.num_placeholder_inputs > 0, "no step was launched ahead"
     report(
         "faults (async batching)" if async_batching else "faults",
         load_s=FAULT_LOAD_S,
