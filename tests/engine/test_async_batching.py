@@ -69,10 +69,11 @@ def test_greedy_parity_under_preemption(offload, scheduler_type):
         scheduler_type=scheduler_type,
     )
     generated, engine = generate_greedy(model, config, prompts, new_tokens)
-    counters = engine.scheduler.counters
+    stats = engine.make_stats()
+    counters = stats.scheduler.counters
     assert counters.preemptions > 0, "the cache was meant to be too small to avoid preemption"
     assert (counters.offloaded_blocks > 0) == offload, counters
-    assert engine.kv_cache_manager.block_pool.num_used_blocks == 0
+    assert stats.kv_cache.num_blocks_used == 0
     _assert_ran_ahead(engine)
     assert_greedy_parity(model, prompts, new_tokens, generated, "async under preemption")
 
@@ -84,8 +85,9 @@ def test_greedy_parity_with_prefix_caching_preemption_and_chunking():
     new_tokens = [36] * len(prompts)
     config = _config(num_blocks=40, allow_block_sharing=True)
     generated, engine = generate_greedy(model, config, prompts, new_tokens)
-    assert engine.scheduler.counters.preemptions > 0
-    assert engine.kv_cache_manager.prefix_cache_stats.hit_tokens > 0
+    stats = engine.make_stats()
+    assert stats.scheduler.counters.preemptions > 0
+    assert stats.kv_cache.prefix_cache.hit_tokens > 0
     _assert_ran_ahead(engine)
     assert_greedy_parity(model, prompts, new_tokens, generated, "async with prefix caching")
 

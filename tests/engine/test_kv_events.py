@@ -146,7 +146,7 @@ def test_reset_prefix_cache_is_refused_with_a_request_in_flight_unless_it_aborts
 def test_without_a_listener_nothing_is_recorded(manager) -> None:
     manager.start()
     _run(manager, [random_prompt(3 * PAGE_SIZE, seed=4)])
-    assert engine_core(manager).kv_cache_manager.take_kv_events() == []
+    assert engine_core(manager).take_kv_events() == []
 
 
 @settings(max_examples=60, deadline=None)
