@@ -66,11 +66,12 @@ def test_quantized_linear_matches_the_dequantized_weight_within_the_summation_bo
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
-def test_a_row_gets_the_same_bits_whatever_else_shares_the_call(weight_format):
+# 2048 outputs: 32 rows are work enough for every thread (kernel.MIN_WORK_PER_THREAD), one row is not.
+@pytest.mark.parametrize("out_features", [64, 2048])
+def test_a_row_gets_the_same_bits_whatever_else_shares_the_call(weight_format, out_features):
     generator = torch.Generator().manual_seed(1)
-    layer = QuantizedLinear(
-        quantize("w", torch.randn(64, 128, generator=generator), weight_format), None, "w"
-    )
+    weight = torch.randn(out_features, 128, generator=generator)
+    layer = QuantizedLinear(quantize("w", weight, weight_format), None, "w")
     inputs = torch.randn(32, 128, generator=generator)
     together = layer(inputs)
     for row in (0, 1, 2, 3, 31):
