@@ -197,9 +197,9 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
                 }
                 rounds[name].append(record)
                 _emit(_without_outputs(record))
-            # After every round, so that a run cut short still leaves the rounds it completed.
-            rows = report.write(rounds, settings(round_index + 1))
-            (log_dir / "rounds.json").write_text(json.dumps(rounds))
+                # After every engine's round, so that a run cut short still leaves what it measured.
+                rows = report.write(rounds, settings(round_index + 1))
+                (log_dir / "rounds.json").write_text(json.dumps(rounds))
     if not order:
         rows = report.write(rounds, settings(0))
     about["uptime_end"] = machine()["uptime"]
