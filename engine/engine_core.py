@@ -204,11 +204,17 @@ class EngineCore:
         self.async_batching = use_async_batching(config, self.device)
         # Intra-op threads of whichever thread runs the steps (`run_steps_thread`).
         self.num_threads = config.num_threads or default_num_threads(torch.get_num_threads())
-        # Fewer threads while other processes keep some of the CPUs busy, unless a count was configured
-        # or the results must not depend on the thread count (a reduction split over threads may not).
+        # Fewer threads while other processes keep some of the CPUs busy, unless a count was configured,
+        # the results must not depend on the thread count (a reduction split over threads may not), or a
+        # path is compiled: torch.compile's graphs are specialised to the thread count, so a change would
+        # recompile in the middle of serving (measured: the varlen path twice more beside a busy process).
+        compiled = any(config.compile_config_for(path) is not None for path in ("varlen", "decode"))
         self.thread_budget = ThreadBudget(
             self.num_threads,
-            adaptive=self.device.type == "cpu" and config.num_threads is None and not config.batch_invariant,
+            adaptive=self.device.type == "cpu"
+            and config.num_threads is None
+            and not config.batch_invariant
+            and not compiled,
         )
         # The step launched but not yet resolved (async batching only).
         self._in_flight: _StepInFlight | None = None
