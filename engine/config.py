@@ -164,8 +164,8 @@ class ContinuousBatchingConfig:
     the same model gets the same bits under `engine.trainer_exact`. Needs eager forwards (no compile
     config, `default_compile_level` 0) and the attention kernel (`max_blocks_per_request` not 0, and
     wide enough for the longest request; on CUDA, None turns the Triton kernel on for any width); on the
-    CPU, weights oneDNN can pack (fp32; bf16 on CPUs with AVX-512). Its cost is in the README's
-    Benchmarks section.
+    CPU, weights oneDNN can pack (fp32; bf16 on CPUs with AVX-512). Its cost is in bench/RESULTS.md
+    ("Offline throughput").
 
     quantization: serve the linear layers from weight-only quantized weights on the CPU, read packed by
     the engine's kernel (engine.quantization): "int8" (a scale per 32 weights), "int4" (a scale and a min

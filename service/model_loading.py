@@ -21,7 +21,8 @@ def cpu_has_bf16_matrix_units() -> bool:
     """Whether this CPU multiplies bf16 matrices in AMX tiles (and the OS lets this process use them).
 
     Without AMX a CPU's bf16 matmuls run on vector dot products at about half its fp32 rate, so bf16
-    does not pay there (README, Benchmarks); with it they run several times faster than fp32.
+    does not pay there (bench/RESULTS.md, "bf16 on a CPU with AMX"); with it they run several times
+    faster than fp32.
     """
     return bool(torch.cpu._is_amx_tile_supported())
 

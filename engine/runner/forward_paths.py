@@ -372,8 +372,8 @@ def use_cuda_graphs(
 ) -> tuple[bool, bool]:
     """Whether (varlen, decode) steps replay CUDA graphs.
 
-    Only an explicit request turns them on (None means off; the README's Benchmarks section says what
-    has run on a GPU). They need CUDA, and the model must not be sharded: collectives inside graphs are
+    Only an explicit request turns them on (None means off; bench/RESULTS.md, "GPU", says what has run
+    on a GPU). They need CUDA, and the model must not be sharded: collectives inside graphs are
     not supported here. Varlen graphs also need the attention kernel (`max_blocks_per_request`): the
     gather path's shapes follow each step's chunks.
     """

@@ -3,7 +3,7 @@
 pass, then posts it to the generation loop, which applies it between two steps
 (engine.loop.weights_and_sleep). `ContinuousBatchingManager` composes one and forwards its public methods.
 
-The names follow SGLang's and vLLM's for the same operations (README, "Weight sync for RL").
+The names follow SGLang's and vLLM's for the same operations (docs/weight-sync.md).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ computed of the trainer's own tensors, on their own device, so that it can check
     pushed = weights_checksum(model.state_dict())
     fleet.check_weights(expected=pushed)    # raises WeightsMismatchError naming replicas and tensors
 
-The algorithm, "cbserve-wsum-v1", depends on a tensor's bytes, shape and dtype alone (the README's
-"Weight checksum" defines it), so equal tensors give equal digests on any device. A server holds each
+The algorithm, "cbserve-wsum-v1", depends on a tensor's bytes, shape and dtype alone ("Weight checksum"
+in docs/weight-sync.md defines it), so equal tensors give equal digests on any device. A server holds each
 tensor in its own dtype: pass ``dtype`` when the trainer's differs (a bf16 trainer pushing to a float32
 server), and the floating-point tensors are cast to it first, as the server casts what it receives.
 torch is imported when the function runs, never by importing this package.

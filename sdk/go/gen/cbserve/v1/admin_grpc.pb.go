@@ -120,7 +120,7 @@ type AdminServiceClient interface {
 	// holds them, between two engine steps: equal weights give equal digests, on any device, so a
 	// trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
 	// with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-	// defined in the README ("Weight checksum").
+	// defined in docs/weight-sync.md ("Weight checksum").
 	GetWeightsChecksum(ctx context.Context, in *GetWeightsChecksumRequest, opts ...grpc.CallOption) (*GetWeightsChecksumResponse, error)
 }
 
@@ -363,7 +363,7 @@ type AdminServiceServer interface {
 	// holds them, between two engine steps: equal weights give equal digests, on any device, so a
 	// trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
 	// with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-	// defined in the README ("Weight checksum").
+	// defined in docs/weight-sync.md ("Weight checksum").
 	GetWeightsChecksum(context.Context, *GetWeightsChecksumRequest) (*GetWeightsChecksumResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }

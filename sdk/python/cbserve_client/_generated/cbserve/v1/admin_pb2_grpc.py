@@ -241,7 +241,7 @@ class AdminServiceServicer:
         holds them, between two engine steps: equal weights give equal digests, on any device, so a
         trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
         with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-        defined in the README ("Weight checksum").
+        defined in docs/weight-sync.md ("Weight checksum").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -123,7 +123,7 @@ class AdminServiceStub:
     holds them, between two engine steps: equal weights give equal digests, on any device, so a
     trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
     with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-    defined in the README ("Weight checksum").
+    defined in docs/weight-sync.md ("Weight checksum").
     """
 
 @_typing.type_check_only
@@ -215,7 +215,7 @@ class AdminServiceAsyncStub(AdminServiceStub):
     holds them, between two engine steps: equal weights give equal digests, on any device, so a
     trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
     with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-    defined in the README ("Weight checksum").
+    defined in docs/weight-sync.md ("Weight checksum").
     """
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -382,7 +382,7 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         holds them, between two engine steps: equal weights give equal digests, on any device, so a
         trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
         with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-        defined in the README ("Weight checksum").
+        defined in docs/weight-sync.md ("Weight checksum").
         """
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
