@@ -87,12 +87,15 @@ def quantize_model(model: torch.nn.Module, weight_format: str) -> int:
         replace_module(model, name, QuantizedLinear(weight, module.bias, f"{name}.weight"))
         quantized_bytes += weight.nbytes
     count = len(linears) - len(kept)
-    logger.info(
-        "%d linear layers quantized to %s (%.1f MiB of packed weights)",
-        count,
-        weight_format,
-        quantized_bytes / 2**20,
-    )
+    # A model loaded from its own quantized blocks (a GGUF file) has no full-precision linear left: the
+    # loader has said what it serves, and a line counting none would only read as a failure.
+    if count:
+        logger.info(
+            "%d linear layers quantized to %s (%.1f MiB of packed weights)",
+            count,
+            weight_format,
+            quantized_bytes / 2**20,
+        )
     return count
 
 
