@@ -50,15 +50,10 @@ _ARGUMENT_TYPES: list[Any] = [
     ctypes.c_int,  # threads
 ]  # fmt: skip
 
-_library: ctypes.CDLL | None = None
-
 
 def load() -> ctypes.CDLL:
     """The built kernel; raises engine.system.native_library.KernelUnavailable when it cannot be built."""
-    global _library
-    if _library is None:
-        _library = load_library(SOURCE, COMPILE_FLAGS, {"quantized_linear": _ARGUMENT_TYPES})
-    return _library
+    return load_library(SOURCE, COMPILE_FLAGS, {"quantized_linear": _ARGUMENT_TYPES})
 
 
 def _pointer_of(tensor: torch.Tensor | None) -> int | None:

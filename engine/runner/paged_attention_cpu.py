@@ -65,14 +65,9 @@ _ARGUMENT_TYPES: list[Any] = [
 # Stands for "no sliding window": larger than any position.
 NO_WINDOW = 1 << 62
 
-_library: ctypes.CDLL | None = None
-
 
 def _load_library() -> ctypes.CDLL:
-    global _library
-    if _library is None:
-        _library = load_library(SOURCE, COMPILE_FLAGS, {"paged_attention": _ARGUMENT_TYPES})
-    return _library
+    return load_library(SOURCE, COMPILE_FLAGS, {"paged_attention": _ARGUMENT_TYPES})
 
 
 def load(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:

@@ -91,9 +91,17 @@ def _build(compiler_path: str, source: Path, flags: Sequence[str], target: Path)
             os.unlink(partial)
 
 
+# Libraries already loaded in this process, by source and flags: callers load on every use, and a kernel
+# call must not pay for hashing the source and asking the compiler its version.
+_loaded: dict[tuple[Path, tuple[str, ...]], ctypes.CDLL] = {}
+
+
 def load_library(source: Path, flags: Sequence[str], signatures: Mapping[str, Sequence[Any]]) -> ctypes.CDLL:
-    """The library of `source` built with `flags` (from the cache, else built into it first), with each
-    function of `signatures` given its argument types and an int status as its result."""
+    """The library of `source` built with `flags` (loaded once per process: from the cache, else built into
+    it first), with each function of `signatures` given its argument types and an int status as its result."""
+    key = (source, tuple(flags))
+    if key in _loaded:
+        return _loaded[key]
     compiler_path = compiler()
     path = library_path(source, flags, compiler_path)
     if not path.exists():
@@ -107,4 +115,5 @@ def load_library(source: Path, flags: Sequence[str], signatures: Mapping[str, Se
         function = getattr(library, name)
         function.argtypes = list(argument_types)
         function.restype = ctypes.c_int
+    _loaded[key] = library
     return library

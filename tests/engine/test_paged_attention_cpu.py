@@ -10,6 +10,7 @@ import torch
 
 from engine import ContinuousBatchingConfig
 from engine.runner import paged_attention_cpu
+from engine.system import native_library
 from tests.helpers.engine_runs import generate_greedy
 from tests.helpers.models import TEST_DEVICE, random_prompt, tiny_model
 from tests.helpers.oracle import assert_greedy_parity
@@ -68,7 +69,7 @@ def test_max_blocks_per_request_zero_keeps_the_gather_path(compiled, monkeypatch
 def test_without_a_compiler_steps_gather_and_say_why(
     compiled, monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(paged_attention_cpu, "_library", None)
+    monkeypatch.setattr(native_library, "_loaded", {})
     monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
     with caplog.at_level(logging.WARNING, logger="engine.runner.paged_attention_cpu"):
@@ -79,13 +80,13 @@ def test_without_a_compiler_steps_gather_and_say_why(
 
 
 def test_a_fresh_cache_builds_the_library_once(compiled, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setattr(paged_attention_cpu, "_library", None)
+    monkeypatch.setattr(native_library, "_loaded", {})
     monkeypatch.setenv("CBSERVE_CACHE_DIR", str(tmp_path))
     assert paged_attention_cpu.load(torch.bfloat16) is not None
     built = list((tmp_path / "kernels").iterdir())
     assert [path.suffix for path in built] == [".so"], built  # no partial file left behind
     modified = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(paged_attention_cpu, "_library", None)
+    monkeypatch.setattr(native_library, "_loaded", {})
     assert paged_attention_cpu.load(torch.float32) is not None
     assert list((tmp_path / "kernels").iterdir()) == built
     assert built[0].stat().st_mtime_ns == modified
