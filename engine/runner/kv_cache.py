@@ -8,9 +8,10 @@ a block is `page_size` consecutive rows of every layer's tensors::
                      <-- page_size rows -->
 
 Rows are addressed as slots (`block_id * page_size + offset`), so attention reads and writes with
-plain `index_select` / `index_copy_`. The tensors are created with `torch.empty`: on the CPU the
-kernel only backs the pages a request actually writes, so a large cache costs address space, not RSS,
-until it fills. Only the null block is zeroed, because padding reads it.
+plain `index_select` / `index_copy_`. On the CPU each tensor is a mapping of its own
+(`engine.system.untouched_memory`): the kernel only backs the pages a request actually writes, so a
+large cache costs address space, not RSS, until it fills. Only the null block is zeroed, because
+padding reads it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine.kv.full_attention import blocks_for_tokens
 from engine.kv.layer_groups import KVCacheGroupSpec
 from engine.system.container_limits import read_container_limits
 from engine.system.device_copies import HostCopies, to_device
+from engine.system.untouched_memory import UntouchedHostTensor
 
 logger = logging.getLogger(__name__)
 
@@ -174,12 +176,20 @@ class PagedKVCache:
         self.device = device
         num_slots = num_blocks * page_size
         row_shape = (num_slots, shape.num_kv_heads, shape.head_dim)
-        self.key_caches = [
-            torch.empty(row_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)
-        ]
-        self.value_caches = [
-            torch.empty(row_shape, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)
-        ]
+        # On the CPU each tensor owns its pages (see engine.system.untouched_memory); elsewhere the
+        # device allocator's storage is shrunk and regrown around sleep.
+        self._host_tensors: list[UntouchedHostTensor] = []
+        if device.type == "cpu":
+            self._host_tensors = [
+                UntouchedHostTensor(row_shape, shape.dtype) for _ in range(2 * shape.num_layers)
+            ]
+            tensors = [host.tensor for host in self._host_tensors]
+        else:
+            tensors = [
+                torch.empty(row_shape, dtype=shape.dtype, device=device) for _ in range(2 * shape.num_layers)
+            ]
+        self.key_caches = tensors[: shape.num_layers]
+        self.value_caches = tensors[shape.num_layers :]
         self._zero_null_block()
 
     def _zero_null_block(self) -> None:
@@ -188,8 +198,10 @@ class PagedKVCache:
             cache[null_rows].zero_()
 
     def release_storage(self) -> int:
-        """Shrinks every tensor's storage to nothing (sleep); returns the bytes freed. The tensors stay,
-        so whatever holds them sees the memory again after `restore_storage`."""
+        """Gives every tensor's memory back (sleep); returns the bytes freed. The tensors stay, so
+        whatever holds them sees the memory again after `restore_storage`."""
+        if self._host_tensors:
+            return sum(host.drop_pages() for host in self._host_tensors)
         released = 0
         for tensor in (*self.key_caches, *self.value_caches):
             storage = tensor.untyped_storage()
@@ -198,10 +210,11 @@ class PagedKVCache:
         return released
 
     def restore_storage(self) -> None:
-        """Gives the tensors their storage back, uninitialised as at start but for the null block, which
+        """Gives the tensors their memory back, its contents undefined but for the null block, which
         padding reads and is zeroed again."""
-        for tensor in (*self.key_caches, *self.value_caches):
-            tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        if not self._host_tensors:
+            for tensor in (*self.key_caches, *self.value_caches):
+                tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
         self._zero_null_block()
 
     def copy_blocks(self, source_block_ids: list[int], target_block_ids: list[int]) -> None:

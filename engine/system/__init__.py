@@ -1,2 +1,3 @@
 """What the engine reads from the machine it runs on: container CPU and memory limits, the thread budget
-beside other processes, the cache directory, and pinned host copies to the device."""
+beside other processes, the cache directory, pinned host copies to the device, and host memory that
+stays untouched until written."""

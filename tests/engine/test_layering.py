@@ -36,6 +36,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.system.container_limits",
         "engine.system.thread_budget",
         "engine.system.native_library",
+        "engine.system.untouched_memory",
         # Quantized linear layers: their formats, kernel and loaders; weight updates quantize through them.
         "engine.quantization",
         "engine.quantization.formats",

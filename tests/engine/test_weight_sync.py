@@ -309,14 +309,16 @@ def test_sleep_frees_the_kv_cache_and_requests_resume_after_wake_up() -> None:
 
 def test_sleep_of_an_idle_server_reports_the_cache_memory_it_never_held() -> None:
     """A cache allocated and never written costs no resident memory: released_bytes is its size, and
-    resident_bytes_released what the process gave back (a few pages, not 32 MiB)."""
-    config = ContinuousBatchingConfig(page_size=16, num_blocks=4096, max_batch_tokens=128)
+    resident_bytes_released what the process gave back (the pages a request wrote, not 256 MiB). The
+    cache owns its pages, so this holds whatever earlier tests left in the heap; with transparent huge
+    pages each written page may stand for 2 MiB, hence a cache of 64 MiB tensors."""
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=32768, max_batch_tokens=128)
     manager = ContinuousBatchingManager(copy.deepcopy(tiny_model("llama")), continuous_batching_config=config)
     manager.start()
     try:
         _generate(manager, random_prompt(20, 1), 4)
         outcome = manager.sleep(level=1)
-        assert outcome.released_bytes == 4096 * 16 * 512
+        assert outcome.released_bytes == 32768 * 16 * 512
         assert outcome.resident_bytes_released is not None
         assert outcome.resident_bytes_released < 0.25 * outcome.released_bytes, outcome
         assert manager.wake_up() == 0
