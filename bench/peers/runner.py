@@ -48,13 +48,16 @@ ENGINES = {
     spec.name: spec
     for spec in (
         EngineSpec("cbserve", "cbserve (`cbserve serve`, gRPC)", "fp32", "cbserve"),
+        EngineSpec(
+            "cbserve_int4", "cbserve `--quantization int4` (the GGUF's own blocks)", "Q4_1 GGUF", "cbserve"
+        ),
         EngineSpec("vllm", "vLLM CPU 0.32.0, compute on all threads", "fp32", "vllm"),
         EngineSpec("vllm_default_threads", "vLLM CPU 0.32.0, its default threads", "fp32", "vllm"),
         EngineSpec("llama_f32", "llama.cpp `llama-server -kvu`", "F32 GGUF", "llama.cpp"),
         EngineSpec("llama_q4_1", "llama.cpp `llama-server -kvu`", "Q4_1 GGUF", "llama.cpp"),
     )
 }
-DEFAULT_ENGINES = ("cbserve", "vllm", "llama_f32", "llama_q4_1")
+DEFAULT_ENGINES = ("cbserve", "cbserve_int4", "vllm", "llama_f32", "llama_q4_1")
 
 
 def _first_line(error: BaseException) -> str:
@@ -84,7 +87,8 @@ def _start(
 ) -> tuple[ServerProcess, Callable[[], StreamRequest]]:
     """The engine's server, started, and how to make its request function once it is ready."""
     if spec.peer == "cbserve":
-        server, target = start_cbserve(model_dir, log_dir)
+        quantization = "int4" if spec.name == "cbserve_int4" else "none"
+        server, target = start_cbserve(model_dir, log_dir, spec.name, quantization)
 
         def cbserve_requests() -> StreamRequest:
             from cbserve_client import Client

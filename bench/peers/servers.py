@@ -1,6 +1,7 @@
 """The three servers on loopback, each started the way its users start it, with caching off:
 
-- cbserve: `python -m service serve` on the embedded model in fp32, spoken to over gRPC by the Python SDK;
+- cbserve: `python -m service serve` on the embedded model in fp32 (or serving its Q4_1 blocks with
+  `--quantization int4`), spoken to over gRPC by the Python SDK;
 - vLLM CPU: its OpenAI server on the same safetensors folder in fp32, prefix caching off, over HTTP;
 - llama.cpp: `llama-server` on a GGUF file, one unified KV buffer for all slots (`-kvu`), over HTTP.
 
@@ -107,15 +108,18 @@ def cbserve_ready(target: str) -> bool:
         return False
 
 
-def start_cbserve(model_dir: str, log_dir: Path) -> tuple[ServerProcess, str]:
-    """`cbserve serve` on its defaults but fp32 (the peers' precision on a CPU without AMX). Its prefix
-    cache cannot be switched off from the command line, but it shares only full pages, and its default
-    page (256 tokens) is longer than every prompt here, so no request reuses another's KV."""
+def start_cbserve(
+    model_dir: str, log_dir: Path, name: str, quantization: str = "none"
+) -> tuple[ServerProcess, str]:
+    """`cbserve serve` on its defaults but fp32 activations (the peers' precision on a CPU without AMX),
+    its linear layers in fp32 or quantized. Its prefix cache cannot be switched off from the command
+    line, but it shares only full pages, and its default page (256 tokens) is longer than every prompt
+    here, so no request reuses another's KV."""
     port, admin_port = free_ports(2)
     target = f"127.0.0.1:{port}"
     command = [sys.executable, "-m", "service", "serve", "--model", model_dir, "--dtype", "float32"]
-    command += ["--port", str(port), "--admin-port", str(admin_port)]
-    server = ServerProcess("cbserve", command, {}, log_dir / "cbserve.log", lambda: cbserve_ready(target))
+    command += ["--quantization", quantization, "--port", str(port), "--admin-port", str(admin_port)]
+    server = ServerProcess(name, command, {}, log_dir / f"{name}.log", lambda: cbserve_ready(target))
     return server, target
 
 
