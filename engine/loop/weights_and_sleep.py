@@ -35,7 +35,7 @@ from engine.loop.commands import (
 )
 from engine.weights.checksum import WeightsChecksum, model_weights, weights_checksum
 from engine.weights.sleep import SleepLevel, SleepTag, resident_memory
-from engine.weights.tensors import apply_weights, model_tensors, stage_weights
+from engine.weights.tensors import UpdateTargets, apply_weights, stage_weights
 from engine.weights.transfer import (
     GroupSpec,
     IncompleteWeights,
@@ -173,7 +173,7 @@ class WeightsAndSleep:
         try:
             if group is None:
                 raise WeightTransferError("not in a weight-update group: join one first")
-            receive_buckets(group, command.plan, model_tensors(self.engine.model), progress, on_ready)
+            receive_buckets(group, command.plan, UpdateTargets.of(self.engine.model), progress, on_ready)
         except Exception as exc:
             error = exc
         succeeded, fewest_applied = self._agreement.smallest(

@@ -36,7 +36,7 @@ from engine.parallel import tensor_parallel_size
 from engine.weights.checksum import WeightsChecksum
 from engine.weights.cuda_ipc import CudaIpcHandle, open_ipc_tensor
 from engine.weights.sleep import check_sleep_level, check_wake_tags
-from engine.weights.tensors import check_tensor, model_tensors
+from engine.weights.tensors import UpdateTargets, check_tensor
 from engine.weights.transfer import (
     DEFAULT_GROUP_NAME,
     DEFAULT_GROUP_TIMEOUT_S,
@@ -171,7 +171,7 @@ class WeightsAndMemory:
 
     def check_weights_update(self, plan: BucketPlan) -> None:
         """Raises ValueError naming the first tensor or bucket of `plan` the model cannot take."""
-        check_bucket_plan(model_tensors(self.model), plan)
+        check_bucket_plan(UpdateTargets.of(self.model).tensors, plan)
 
     def update_weights_from_distributed(
         self, plan: BucketPlan, version: str | None = None, on_ready: Callable[[], None] | None = None
@@ -218,7 +218,7 @@ class WeightsAndMemory:
         handles = list(handles)
         if model_device(self.model).type != "cuda":
             raise RuntimeError("CUDA IPC weight updates need the model on a CUDA device")
-        targets = model_tensors(self.model)
+        targets = UpdateTargets.of(self.model).tensors
         for handle in handles:
             check_tensor(targets, handle.name, handle.shape, handle.torch_dtype)
         tensors = [(handle.name, open_ipc_tensor(handle)) for handle in handles]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from engine.quantization.linear import QuantizedLinear
 from engine.quantization.model import quantize_update, quantized_update_targets
 
 # safetensors' dtype names (also used on the wire by Admin.UpdateWeights).
@@ -92,32 +93,58 @@ def check_tensor(
     return target
 
 
+@dataclass(frozen=True)
+class UpdateTargets:
+    """Every tensor a weight update may name, and where its new values go.
+
+    A quantized layer (engine.quantization) no longer holds its full-precision weight, but an update
+    names it all the same: `tensors` holds a stand-in for it (its shape and dtype, no storage), and a
+    value for it is quantized into the layer's packed tensors by `staged`."""
+
+    tensors: Mapping[str, torch.Tensor]
+    quantized: Mapping[str, QuantizedLinear]
+    standins: frozenset[str]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> UpdateTargets:
+        quantized = quantized_update_targets(model)
+        tensors = model_tensors(model)
+        standins = {
+            name: torch.empty((), dtype=torch.float32).expand(layer.out_features, layer.in_features)
+            for name, layer in quantized.items()
+            if name not in tensors
+        }
+        return cls(tensors | standins, quantized, frozenset(standins))
+
+    def staged(self, name: str, value: torch.Tensor) -> list[StagedTensor]:
+        """The copies that write `value`, already checked against `tensors[name]`: into a quantized layer
+        its packed form, and into a tensor of the model (an embedding tied to a quantized output layer
+        is both) the value cast for it. Raises QuantizationError naming the tensor."""
+        staged: list[StagedTensor] = []
+        layer = self.quantized.get(name)
+        if layer is not None:
+            pairs = quantize_update(name, layer, value)
+            staged.extend(StagedTensor(name, buffer, packed) for buffer, packed in pairs)
+        if name not in self.standins:
+            target = self.tensors[name]
+            staged.append(StagedTensor(name, target, cast_for_target(value, target)))
+        return staged
+
+
 def stage_weights(model: torch.nn.Module, source: Any) -> list[StagedTensor]:
     """Validates every tensor of `source` and returns them cast for the model; raises ValueError.
 
-    A full-precision weight of a quantized layer (engine.quantization) is quantized here, into the layer's
-    packed tensors, so that applying it cannot fail either."""
-    quantized = quantized_update_targets(model)
-    targets = model_tensors(model)
-    # The full-precision weight a quantized layer no longer holds: its shape and dtype, and no storage.
-    standins = {
-        name: torch.empty((), dtype=torch.float32).expand(layer.out_features, layer.in_features)
-        for name, layer in quantized.items()
-        if name not in targets
-    }
-    staged = _stage_into(targets | standins, source)
-    if not quantized:
+    A full-precision weight of a quantized layer is quantized here (`UpdateTargets`), so that applying
+    it cannot fail either."""
+    targets = UpdateTargets.of(model)
+    staged = _stage_into(targets.tensors, source)
+    if not targets.quantized:
         return staged
-    result: list[StagedTensor] = []
-    for item in staged:
-        layer = quantized.get(item.name)
-        if layer is not None:
-            pairs = quantize_update(item.name, layer, item.value)
-            result.extend(StagedTensor(item.name, buffer, value) for buffer, value in pairs)
-        # An embedding tied to a quantized output layer is still a tensor of its own.
-        if item.name not in standins:
-            result.append(item)
-    return result
+    return [
+        copy
+        for item in staged
+        for copy in (targets.staged(item.name, item.value) if item.name in targets.quantized else [item])
+    ]
 
 
 def _stage_into(targets: Mapping[str, torch.Tensor], source: Any) -> list[StagedTensor]:

@@ -39,7 +39,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.errors import WeightTransferError, WeightTransferTimeout
-from engine.weights.tensors import StagedTensor, apply_weights, cast_for_target, check_tensor, dtype_from_name
+from engine.weights.tensors import (
+    StagedTensor,
+    UpdateTargets,
+    apply_weights,
+    cast_for_target,
+    check_tensor,
+    dtype_from_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -412,7 +419,7 @@ class TransferProgress:
 def receive_buckets(
     group: WeightsUpdateGroup,
     plan: BucketPlan,
-    targets: Mapping[str, torch.Tensor],
+    targets: UpdateTargets,
     progress: TransferProgress,
     on_ready: Callable[[], None] | None = None,
 ) -> int:
@@ -465,14 +472,28 @@ def _one_thread_on_the_cpu(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def copy_bucket(received: torch.Tensor, bucket: WeightBucket, targets: Mapping[str, torch.Tensor]) -> None:
-    """Copies a received bucket's tensors into the weights (this rank's shard of each)."""
+def copy_bucket(received: torch.Tensor, bucket: WeightBucket, targets: UpdateTargets) -> None:
+    """Copies a received bucket's tensors into the weights (this rank's shard of each). Quantized
+    layers' weights are quantized first, the one step that can fail (a value that does not quantize):
+    a bucket then fails before any of it is written."""
+
+    def value_of(tensor: BucketTensor) -> torch.Tensor:
+        data = received[tensor.byte_offset : tensor.byte_offset + tensor.num_bytes]
+        return data.view(dtype_from_name(tensor.dtype)).reshape(tensor.shape)
+
     with torch.no_grad():
+        quantized = [
+            copy
+            for tensor in bucket.tensors
+            if tensor.name in targets.quantized
+            for copy in targets.staged(tensor.name, value_of(tensor))
+        ]
+        apply_weights(quantized)
         for tensor in bucket.tensors:
-            data = received[tensor.byte_offset : tensor.byte_offset + tensor.num_bytes]
-            value = data.view(dtype_from_name(tensor.dtype)).reshape(tensor.shape)
-            target = targets[tensor.name]
+            if tensor.name in targets.quantized:
+                continue
+            target = targets.tensors[tensor.name]
             if isinstance(target, DTensor):  # this rank's shard, cut from the full tensor
-                apply_weights([StagedTensor(tensor.name, target, cast_for_target(value, target))])
+                apply_weights([StagedTensor(tensor.name, target, cast_for_target(value_of(tensor), target))])
             else:  # straight from the bucket, converted on the way: no intermediate copy
-                target.copy_(value)  # not `.data`: the version counter must move (`apply_weights`)
+                target.copy_(value_of(tensor))  # not `.data`: the version counter must move (`apply_weights`)

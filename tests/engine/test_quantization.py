@@ -10,12 +10,14 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from engine import ContinuousBatchingConfig, init_continuous_batching
+from engine.errors import WeightTransferError
 from engine.quantization.formats import GROUP_SIZE, QuantizationError, quantize
 from engine.quantization.linear import QuantizedLinear
 from engine.quantization.model import quantize_model, quantized_layers
 from tests.helpers.engine_runs import generate_greedy, run_greedy
 from tests.helpers.models import random_prompt, tiny_config
 from tests.helpers.oracle import assert_greedy_parity
+from tests.helpers.update_group import Trainer, bucket_plan, join_group, push
 
 FORMATS = ("int8", "int4")
 PROMPTS = [random_prompt(length, seed=length) for length in (1, 5, 17, 40)]
@@ -129,6 +131,57 @@ def test_a_full_precision_push_into_a_quantized_engine_serves_its_quantization(w
     expected = pushed
     quantize_model(expected, weight_format)
     assert_greedy_parity(_dequantized_copy(expected, "llama"), PROMPTS, NEW_TOKENS, after, "after the push")
+
+
+def test_a_push_over_the_weight_update_group_into_a_quantized_engine_serves_its_quantization():
+    """A trainer broadcasts full-precision buckets, as it does to any server; the quantized layers
+    quantize them as each bucket lands."""
+    model = _tiny_model("llama")
+    pushed = _tiny_model("llama", seed=7)
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, quantization="int4")
+    manager = init_continuous_batching(model, continuous_batching_config=config)
+    manager.start()
+    trainer = Trainer()
+    try:
+        join_group(manager, trainer)
+        state = pushed.state_dict()
+        names = list(state)
+        plan = bucket_plan(
+            [[(name, state[name]) for name in names[:5]], [(name, state[name]) for name in names[5:]]]
+        )
+        push(manager, trainer, plan, state).result(timeout=60)
+        after = run_greedy(manager, PROMPTS, NEW_TOKENS)
+    finally:
+        trainer.shutdown()
+        manager.destroy()
+    expected = pushed
+    quantize_model(expected, "int4")
+    assert_greedy_parity(_dequantized_copy(expected, "llama"), PROMPTS, NEW_TOKENS, after, "after the push")
+
+
+def test_a_bucket_whose_weight_does_not_quantize_fails_before_any_of_it_is_written():
+    model = _tiny_model("llama")
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, quantization="int8")
+    manager = init_continuous_batching(model, continuous_batching_config=config)
+    manager.start()
+    norm = model.get_submodule("model.layers.0.input_layernorm").weight
+    layer = model.get_submodule("model.layers.0.mlp.down_proj")
+    norm_before, packed_before = norm.detach().clone(), layer.packed.clone()
+    trainer = Trainer()
+    try:
+        join_group(manager, trainer)
+        tensors = {
+            "model.layers.0.input_layernorm.weight": torch.full_like(norm_before, 2.0),
+            "model.layers.0.mlp.down_proj.weight": torch.full((64, 128), float("nan")),
+        }
+        plan = bucket_plan([list(tensors.items())])
+        with pytest.raises(WeightTransferError, match=r"weights unchanged.*down_proj\.weight' \(int8\)"):
+            push(manager, trainer, plan, tensors).result(timeout=60)
+        assert torch.equal(norm.detach(), norm_before) and torch.equal(layer.packed, packed_before)
+        assert not manager.stats().weights_incomplete
+    finally:
+        trainer.shutdown()
+        manager.destroy()
 
 
 def test_a_push_of_a_wrong_shape_into_a_quantized_layer_names_it_and_changes_nothing():

@@ -1,114 +1,26 @@
 """Weights pushed by a trainer over a process group of its own, and sleep / wake (issue 15).
 
-The trainer here is a thread of the test process holding rank 0 of a gloo group, built from torch's
-public classes exactly as a training job builds it; the engine joins as rank 1. (The SDK's trainer
+The trainer here is a thread of the test process holding rank 0 of a gloo group
+(tests/helpers/update_group.py); the engine joins as rank 1. (The SDK's trainer
 helper and `cbserve serve --tp 2` are tested through the service, tests/service/test_weight_sync_service.py.)
 """
 
 from __future__ import annotations
 
 import copy
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import timedelta
 
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
 
-from bench.ports import free_port
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
 from engine.errors import WeightTransferError
 from engine.runner import packed_linear
-from engine.weights.transfer import BUCKET_ALIGNMENT, BucketPlan, BucketTensor, JoinedGroup, WeightBucket
 from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import random_prompt, seeded_tiny_llama, tiny_model
 from tests.helpers.oracle import reference_greedy
-
-SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def _plan(groups: list[list[tuple[str, torch.Tensor]]]) -> BucketPlan:
-    """One bucket per list of (name, tensor), each tensor at the next aligned offset."""
-    buckets = []
-    for tensors in groups:
-        entries, offset = [], 0
-        for name, tensor in tensors:
-            entries.append(BucketTensor(name, SAFETENSORS_NAMES[tensor.dtype], tuple(tensor.shape), offset))
-            offset += -(-tensor.numel() * tensor.element_size() // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
-        buckets.append(WeightBucket(offset, tuple(entries)))
-    return BucketPlan(tuple(buckets))
-
-
-def _pack(plan: BucketPlan, index: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    bucket = plan.buckets[index]
-    buffer = torch.zeros(bucket.num_bytes, dtype=torch.uint8)
-    for entry in bucket.tensors:
-        data = tensors[entry.name].detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[entry.byte_offset : entry.byte_offset + data.numel()] = data
-    return buffer
-
-
-class Trainer:
-    """Rank 0 of a weight-update group: hosts the rendezvous and broadcasts."""
-
-    def __init__(self, world_size: int = 2, timeout_s: float = 20.0) -> None:
-        self.port = free_port()
-        self.world_size = world_size
-        self.timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(
-            "127.0.0.1", self.port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False
-        )
-        self.group: dist.ProcessGroupGloo | None = None
-
-    def form(self) -> None:
-        """Blocks until every member joined, then takes part in the warm-up broadcast."""
-        self.group = dist.ProcessGroupGloo(
-            dist.PrefixStore("weights", self.store), 0, self.world_size, self.timeout
-        )
-        self.broadcast(torch.zeros(1, dtype=torch.uint8))
-
-    def broadcast(self, buffer: torch.Tensor) -> None:
-        assert self.group is not None
-        self.group.broadcast(buffer, 0).wait()
-
-    def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.shutdown()
-            self.group = None
-
-
-def _join(manager: ContinuousBatchingManager, trainer: Trainer) -> JoinedGroup:
-    """The engine joins as rank 1 while the trainer forms the group, with the trainer's timeout."""
-    with ThreadPoolExecutor(1) as pool:
-        joined = pool.submit(
-            manager.init_weights_update_group,
-            "127.0.0.1",
-            trainer.port,
-            1,
-            trainer.world_size,
-            "gloo",
-            "weights",
-            trainer.timeout.total_seconds(),
-        )
-        trainer.form()
-        return joined.result(timeout=30)
-
-
-def _push(
-    manager: ContinuousBatchingManager, trainer: Trainer, plan: BucketPlan, tensors, buckets=None
-) -> Future:
-    """Announces `plan`, and once the engine is ready broadcasts its buckets (or only `buckets`)."""
-    ready = threading.Event()
-    pool = ThreadPoolExecutor(1)
-    result = pool.submit(manager.update_weights_from_distributed, plan, "pushed", ready.set)
-    pool.shutdown(wait=False)
-    assert ready.wait(30), "the engine never said it was ready"
-    for index in range(len(plan.buckets)) if buckets is None else buckets:
-        trainer.broadcast(_pack(plan, index, tensors))
-    return result
+from tests.helpers.update_group import Trainer, bucket_plan, join_group, push
 
 
 @pytest.fixture
@@ -151,15 +63,15 @@ def test_pushed_weights_reach_layers_running_on_packed_weights(monkeypatch: pyte
 def _assert_pushed_weights_serve_the_new_model(manager: ContinuousBatchingManager) -> None:
     trainer = Trainer()
     try:
-        assert _join(manager, trainer).ranks == (1,)
+        assert join_group(manager, trainer).ranks == (1,)
         assert manager.stats().weights_update_group_ranks == (1,)
         other = seeded_tiny_llama(321)
         state = other.state_dict()
         names = list(state)
-        plan = _plan(
+        plan = bucket_plan(
             [[(name, state[name]) for name in names[:4]], [(name, state[name]) for name in names[4:]]]
         )
-        assert _push(manager, trainer, plan, state).result(timeout=30) == 2
+        assert push(manager, trainer, plan, state).result(timeout=30) == 2
         prompt = random_prompt(14, 3)
         output = _generate(manager, prompt, 8)
         expected = reference_greedy(other, prompt, 8)
@@ -174,7 +86,7 @@ def _assert_pushed_weights_serve_the_new_model(manager: ContinuousBatchingManage
 def test_bad_announcement_is_refused_before_any_byte(manager: ContinuousBatchingManager) -> None:
     trainer = Trainer()
     try:
-        _join(manager, trainer)
+        join_group(manager, trainer)
         state = seeded_tiny_llama(5).state_dict()
         name = "model.layers.0.mlp.up_proj.weight"
         wrong = [
@@ -182,9 +94,9 @@ def test_bad_announcement_is_refused_before_any_byte(manager: ContinuousBatching
             (name, state[name].T.contiguous()),
         ]
         with pytest.raises(ValueError, match=r"up_proj\.weight.*shape"):
-            manager.update_weights_from_distributed(_plan([wrong]))
+            manager.update_weights_from_distributed(bucket_plan([wrong]))
         with pytest.raises(ValueError, match=r"'no\.such\.weight'"):
-            manager.update_weights_from_distributed(_plan([[("no.such.weight", state[name])]]))
+            manager.update_weights_from_distributed(bucket_plan([[("no.such.weight", state[name])]]))
         # Nothing moved and nothing changed: same version, same outputs, still in the group.
         prompt = random_prompt(10, 4)
         assert manager.weight_version == 1
@@ -203,10 +115,10 @@ def test_trainer_lost_midway_holds_requests_until_a_complete_update(
     other = seeded_tiny_llama(77)
     state = other.state_dict()
     names = list(state)
-    plan = _plan([[(names[0], state[names[0]])], [(name, state[name]) for name in names[1:]]])
+    plan = bucket_plan([[(names[0], state[names[0]])], [(name, state[name]) for name in names[1:]]])
     try:
-        _join(manager, trainer)
-        pending = _push(manager, trainer, plan, state, buckets=[0])  # the trainer stalls after bucket 1
+        join_group(manager, trainer)
+        pending = push(manager, trainer, plan, state, buckets=[0])  # the trainer stalls after bucket 1
         started = time.monotonic()
         with pytest.raises(WeightTransferError, match="failed after writing some weights"):
             pending.result(timeout=30)
@@ -224,8 +136,8 @@ def test_trainer_lost_midway_holds_requests_until_a_complete_update(
     # A complete update over a new group makes the weights whole; the waiting request then runs on them.
     trainer = Trainer()
     try:
-        _join(manager, trainer)
-        assert _push(manager, trainer, plan, state).result(timeout=30) == 2
+        join_group(manager, trainer)
+        assert push(manager, trainer, plan, state).result(timeout=30) == 2
     finally:
         trainer.shutdown()
     output = manager.get_result(request_id, timeout=60)
@@ -239,11 +151,11 @@ def test_failure_before_the_first_bucket_leaves_the_weights_unchanged(
 ) -> None:
     trainer = Trainer(timeout_s=2.0)
     state = seeded_tiny_llama(9).state_dict()
-    plan = _plan([[(name, value) for name, value in state.items()]])
+    plan = bucket_plan([[(name, value) for name, value in state.items()]])
     try:
-        _join(manager, trainer)
+        join_group(manager, trainer)
         with pytest.raises(WeightTransferError, match="weights unchanged"):
-            _push(manager, trainer, plan, state, buckets=[]).result(timeout=30)
+            push(manager, trainer, plan, state, buckets=[]).result(timeout=30)
     finally:
         trainer.shutdown()
     assert manager.stats().weights_incomplete is None and manager.stats().serving
@@ -261,7 +173,7 @@ def test_join_fields_are_checked(manager: ContinuousBatchingManager) -> None:
     with pytest.raises(ValueError, match="backend must be one of"):
         manager.init_weights_update_group("127.0.0.1", 29500, 1, 2, backend="mpi")
     with pytest.raises(RuntimeError, match="not in a weight-update group"):
-        manager.update_weights_from_distributed(_plan([[("lm_head.weight", torch.zeros(256, 64))]]))
+        manager.update_weights_from_distributed(bucket_plan([[("lm_head.weight", torch.zeros(256, 64))]]))
 
 
 def _rss() -> int:
