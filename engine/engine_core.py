@@ -194,7 +194,13 @@ class EngineCore:
             check_linear_invariance(model, packed=packs)
         # Packed before the cache is sized, so that free memory is measured with the packed copies.
         self.packed_linears = (
-            PackedLinears(model, min_elements=0 if config.batch_invariant else None) if packs else None
+            PackedLinears(
+                model,
+                min_elements=0 if config.batch_invariant else None,
+                few_rows_kernel=not config.batch_invariant,
+            )
+            if packs
+            else None
         )
         try:
             self._build_cache_and_runner(model, config, parallel)

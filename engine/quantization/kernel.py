@@ -32,6 +32,9 @@ COMPILE_FLAGS = (
     "-fPIC",
 )
 FORMAT_CODES = {"int8": 0, "int4": 1}
+# A float32 weight read as it lies (`float_matmul`), whose in_features must be a multiple of LANES.
+FLOAT32_CODE = 2
+LANES = 8
 # Bytes of packed weight times rows that make one thread's share of a call. A call forks and joins a team
 # of threads; a smaller share costs more in the join than the second thread saves, and beside busy
 # neighbours far more (a worker waits for its turn on a core): on the 2-core EPYC at a load of 13, one
@@ -43,7 +46,7 @@ _int64, _pointer = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENT_TYPES: list[Any] = [
     ctypes.c_int,  # format
     _pointer, _int64, _int64,  # x, rows, row stride
-    _pointer, _pointer, _pointer,  # packed, scales, mins (NULL for int8)
+    _pointer, _pointer, _pointer,  # packed, scales, mins (NULL for int8; both NULL for float32)
     _int64, _int64,  # out_features, in_features
     _pointer,  # bias (NULL: none)
     _pointer, _int64,  # output, row stride
@@ -64,12 +67,13 @@ def quantized_matmul(
     inputs: torch.Tensor,
     weight_format: int,
     packed: torch.Tensor,
-    scales: torch.Tensor,
+    scales: torch.Tensor | None,
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """inputs [rows, in] float32 (unit stride along in) -> [rows, out] float32: inputs @ w.T + bias, for the
-    weight `packed`/`scales`/`mins` of format code `weight_format` (`FORMAT_CODES`)."""
+    weight `packed`/`scales`/`mins` of format code `weight_format` (`FORMAT_CODES`, or `FLOAT32_CODE` with
+    `packed` the float32 weight itself and no scales)."""
     library = load()
     rows, in_features = inputs.shape
     out_features = packed.shape[0]
@@ -82,7 +86,7 @@ def quantized_matmul(
         rows,
         inputs.stride(0),
         packed.data_ptr(),
-        scales.data_ptr(),
+        _pointer_of(scales),
         _pointer_of(mins),
         out_features,
         in_features,
@@ -109,6 +113,15 @@ def linear(inputs: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | N
     else:
         output = quantized_matmul(rows, code, weight.packed, weight.scales, weight.mins, bias)
     return output.view(*leading, weight.out_features).to(inputs.dtype)
+
+
+def float_matmul(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(inputs, weight, bias)` for float32 `inputs` [rows, in] and a contiguous float32 `weight`
+    [out, in] whose `in` is a multiple of 8, read once per call on the thread budget's threads; a row's
+    result does not depend on the other rows of the call."""
+    if torch.compiler.is_compiling():
+        return quantized_matmul_op(inputs, FLOAT32_CODE, weight, None, None, bias)
+    return quantized_matmul(inputs, FLOAT32_CODE, weight, None, None, bias)
 
 
 # A custom op, so that compiled graphs call the kernel as one opaque node.

@@ -7,6 +7,9 @@
                                              weight j in its low nibble and weight j + 16 in its high one).
    Scales and mins are float32, one per group ([N, K / GROUP], row-major); GGUF's Q8_0, Q4_0 and Q4_1 blocks
    map onto these exactly (engine.quantization.gguf_blocks).
+     float32 (format 2):                     w itself, [N, K] row-major, K a multiple of LANES; no scales.
+   The last serves full-precision layers at a few rows (engine.runner.packed_linear): torch's BLAS runs a
+   one-row product on one thread, at half the bandwidth two threads draw here.
 
    Work is split over output channels. A worker dequantizes CHANNEL_TILE channels at a time into a small
    float scratch (it stays in L1/L2) and multiplies every row of x by them, ROW_TILE rows at once: the
@@ -24,6 +27,7 @@
 #define ROW_TILE 3
 #define LANES 8
 #define FUSED_MAX_ROWS 2
+#define FORMAT_FLOAT32 2
 
 typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
 
@@ -164,7 +168,18 @@ int quantized_linear(int format, const float *x, int64_t rows, int64_t x_stride,
             if (scratch == NULL) continue;
             int64_t first = tile * CHANNEL_TILE;
             int channels = out_features - first < CHANNEL_TILE ? (int)(out_features - first) : CHANNEL_TILE;
-            if (rows <= FUSED_MAX_ROWS) {
+            const float *weights = scratch;
+            if (format == FORMAT_FLOAT32) {
+                /* Full tiles are read where they lie; the last tile's missing channels are zeros. */
+                const float *tile_weights = (const float *)packed + first * in_features;
+                if (channels == CHANNEL_TILE) {
+                    weights = tile_weights;
+                } else {
+                    memcpy(scratch, tile_weights, (size_t)(channels * in_features) * sizeof(float));
+                    memset(scratch + channels * in_features, 0,
+                           (size_t)((CHANNEL_TILE - channels) * in_features) * sizeof(float));
+                }
+            } else if (rows <= FUSED_MAX_ROWS) {
                 float results[ROW_TILE][CHANNEL_TILE];
                 const uint8_t *tile_packed = packed + first * packed_row_bytes;
                 const float *tile_scales = scales + first * groups;
@@ -180,7 +195,7 @@ int quantized_linear(int format, const float *x, int64_t rows, int64_t x_stride,
                         out[r * out_stride + first + c] = results[r][c] + (bias == NULL ? 0.0f : bias[first + c]);
                 continue;
             }
-            for (int c = 0; c < CHANNEL_TILE; c++) {
+            for (int c = 0; c < CHANNEL_TILE && format != FORMAT_FLOAT32; c++) {
                 float *target = scratch + c * in_features;
                 if (c >= channels) {
                     memset(target, 0, (size_t)in_features * sizeof(float));
@@ -195,11 +210,11 @@ int quantized_linear(int format, const float *x, int64_t rows, int64_t x_stride,
                 int64_t left = rows - row;
                 const float *x_rows = x + row * x_stride;
                 if (left >= 3)
-                    multiply_tile(3, x_rows, x_stride, scratch, in_features, results);
+                    multiply_tile(3, x_rows, x_stride, weights, in_features, results);
                 else if (left == 2)
-                    multiply_tile(2, x_rows, x_stride, scratch, in_features, results);
+                    multiply_tile(2, x_rows, x_stride, weights, in_features, results);
                 else
-                    multiply_tile(1, x_rows, x_stride, scratch, in_features, results);
+                    multiply_tile(1, x_rows, x_stride, weights, in_features, results);
                 int tile_rows = left >= ROW_TILE ? ROW_TILE : (int)left;
                 for (int r = 0; r < tile_rows; r++)
                     for (int c = 0; c < channels; c++)

@@ -121,6 +121,40 @@ def test_a_packed_layer_computes_what_linear_does_and_keeps_gradients() -> None:
     assert "forward" not in layer.__dict__
 
 
+def test_calls_of_a_few_rows_run_on_the_engine_kernel_within_the_summation_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Up to FEW_ROWS rows the layer reads its float32 weight with the engine's kernel (a last tile of
+    fewer than four channels included); each row gets the same bits whatever rows share the call, and
+    every output is within float32's summation bound of the exact product."""
+    calls: list[int] = []
+    float_matmul = packed_linear.kernel.float_matmul
+
+    def counted(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(inputs.shape[0])
+        return float_matmul(inputs, weight, bias)
+
+    monkeypatch.setattr(packed_linear.kernel, "float_matmul", counted)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 97)
+    packed = PackedLinears(layer)
+    inputs = torch.randn(packed_linear.FEW_ROWS + 1, 48)
+    try:
+        with torch.inference_mode():
+            alone = [layer(inputs[row : row + 1]) for row in range(packed_linear.FEW_ROWS)]
+            together = layer(inputs[: packed_linear.FEW_ROWS])
+            layer(inputs)  # one row more: oneDNN's call
+    finally:
+        packed.restore()
+    assert calls == [1] * packed_linear.FEW_ROWS + [packed_linear.FEW_ROWS]
+    assert torch.equal(torch.cat(alone), together)
+    exact = inputs[: packed_linear.FEW_ROWS].double() @ layer.weight.double().T + layer.bias.double()
+    bound = (
+        2 * 48 * 2.0**-24 * (inputs[: packed_linear.FEW_ROWS].abs() @ layer.weight.abs().T + layer.bias.abs())
+    )
+    assert ((together.double() - exact).abs() <= bound.double() + 1e-7).all()
+
+
 def test_bf16_layers_compute_what_linear_does_whether_or_not_this_cpu_packs_them() -> None:
     """oneDNN packs bf16 only on some CPUs; elsewhere the layers stay on the BLAS."""
     torch.manual_seed(0)
