@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 import engine
 from bench.embedded_model import chat_prompts, equal_fraction, greedy_config
-from engine.quantization.formats import QuantizedWeight, quantize
-from engine.quantization.kernel import linear as quantized_linear
+from engine.quantization.formats import quantize
+from engine.quantization.linear import QuantizedLinear
 from engine.quantization.model import quantize_model
 from service.default_model import ensure_default_model, load_own_gguf_blocks
 
@@ -101,10 +101,12 @@ def _kernel_step(name: str, weights: list[torch.Tensor]) -> tuple[Callable[[torc
             sum(t.nbytes + s.nbytes for t, s in packed4),
         )
     weight_format = name.removeprefix("cbserve_")
-    quantized: list[QuantizedWeight] = [quantize("w", weight, weight_format) for weight in weights]
+    quantized: list[QuantizedLinear] = [
+        QuantizedLinear(quantize("w", weight, weight_format), None, "w") for weight in weights
+    ]
     return (
-        lambda inputs, index: quantized_linear(inputs, quantized[index], None),
-        sum(q.nbytes for q in quantized),
+        lambda inputs, index: quantized[index](inputs),
+        sum(layer.quantized_weight.nbytes for layer in quantized),
     )
 
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from engine.quantization.formats import QuantizedWeight
 from engine.system.native_library import load_library
 
 SOURCE = Path(__file__).with_name("quantized_linear_cpu.c")
@@ -78,7 +77,7 @@ def quantized_matmul(
     rows, in_features = inputs.shape
     out_features = packed.shape[0]
     output = torch.empty(rows, out_features, dtype=torch.float32)
-    if bias is not None:
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.detach().to(torch.float32).contiguous()
     status = library.quantized_linear(
         weight_format,
@@ -100,28 +99,34 @@ def quantized_matmul(
     return output
 
 
-def linear(inputs: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(inputs, weight.dequantize(), bias)` computed on the packed weight; any leading dims, any
-    float dtype (computed in float32, returned in the inputs' dtype)."""
+def float_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(inputs, weight, bias)` for float32 `inputs` and a contiguous float32 `weight` [out, in]
+    whose `in` is a multiple of LANES, read once per call on the thread budget's threads; a row's result
+    does not depend on the other rows of the call."""
+    return on_rows(inputs, weight.shape[0], FLOAT32_CODE, weight, None, None, bias)
+
+
+def on_rows(
+    inputs: torch.Tensor,
+    out_features: int,
+    weight_format: int,
+    packed: torch.Tensor,
+    scales: torch.Tensor | None,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The kernel on `inputs` of any leading dims, as a row-major float32 matrix. A layer calls this once
+    per step of every request, so it does no more than the call needs (no copy of inputs already in
+    shape)."""
     leading = inputs.shape[:-1]
-    rows = inputs.reshape(-1, weight.in_features).to(torch.float32)
+    rows = inputs.reshape(-1, inputs.shape[-1])
+    if rows.dtype != torch.float32:
+        rows = rows.to(torch.float32)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    code = FORMAT_CODES[weight.weight_format]
-    if torch.compiler.is_compiling():
-        output = quantized_matmul_op(rows, code, weight.packed, weight.scales, weight.mins, bias)
-    else:
-        output = quantized_matmul(rows, code, weight.packed, weight.scales, weight.mins, bias)
-    return output.view(*leading, weight.out_features).to(inputs.dtype)
-
-
-def float_matmul(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(inputs, weight, bias)` for float32 `inputs` [rows, in] and a contiguous float32 `weight`
-    [out, in] whose `in` is a multiple of 8, read once per call on the thread budget's threads; a row's
-    result does not depend on the other rows of the call."""
-    if torch.compiler.is_compiling():
-        return quantized_matmul_op(inputs, FLOAT32_CODE, weight, None, None, bias)
-    return quantized_matmul(inputs, FLOAT32_CODE, weight, None, None, bias)
+    matmul = quantized_matmul_op if torch.compiler.is_compiling() else quantized_matmul
+    output = matmul(rows, weight_format, packed, scales, mins, bias).view(*leading, out_features)
+    return output if output.dtype == inputs.dtype else output.to(inputs.dtype)
 
 
 # A custom op, so that compiled graphs call the kernel as one opaque node.

@@ -38,7 +38,11 @@ class QuantizedLinear(torch.nn.Module):
         return QuantizedWeight(self.weight_format, self.packed, self.scales, self.mins, self.in_features)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return kernel.linear(hidden_states, self.quantized_weight, self.bias)
+        # The kernel on the buffers themselves: a layer runs once per step, so no QuantizedWeight is built.
+        code = kernel.FORMAT_CODES[self.weight_format]
+        return kernel.on_rows(
+            hidden_states, self.out_features, code, self.packed, self.scales, self.mins, self.bias
+        )
 
     def extra_repr(self) -> str:
         return (

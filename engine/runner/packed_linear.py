@@ -19,7 +19,7 @@ outweighs the copy it saves (a 256 x 256 projection ran 1.4x slower packed on 64
 A call of at most `FEW_ROWS` float32 rows (the decode of one request or a few) is bound by reading the
 weight, not by arithmetic, and neither library reads it at the machine's speed there: MKL multiplies one
 row on one thread, and oneDNN's packed call reaches about two thirds of what two threads stream. Such
-calls run on the engine's own kernel (`engine.quantization.kernel.float_matmul`, the quantized kernel's
+calls run on the engine's own kernel (`engine.quantization.kernel.float_linear`, the quantized kernel's
 float32 format), which reads the weight as it lies, once per call, on the thread budget's threads. Over
 SmolLM2's 211 linear layers on the 2-core EPYC, weights in DRAM, one row took 62.3 ms with `F.linear`,
 37.9 ms packed and 31.2 ms on the kernel (the machine streams 538 MB in about 28 ms); 8 rows 113.1, 55.2
@@ -143,11 +143,7 @@ class PackedLinears:
                 and module.in_features % kernel.LANES == 0
                 and weight.is_contiguous()
             ):
-                rows = hidden_states.reshape(-1, module.in_features)
-                if rows.stride(-1) != 1:
-                    rows = rows.contiguous()
-                output = kernel.float_matmul(rows, weight, module.bias)
-                return output.view(*hidden_states.shape[:-1], module.out_features)
+                return kernel.float_linear(hidden_states, weight, module.bias)
             packed = self._packed[module]
             if packed is None or not packed.is_current(weight):
                 packed = self._packed[module] = _pack(weight)

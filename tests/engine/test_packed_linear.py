@@ -128,13 +128,13 @@ def test_calls_of_a_few_rows_run_on_the_engine_kernel_within_the_summation_bound
     fewer than four channels included); each row gets the same bits whatever rows share the call, and
     every output is within float32's summation bound of the exact product."""
     calls: list[int] = []
-    float_matmul = packed_linear.kernel.float_matmul
+    float_linear = packed_linear.kernel.float_linear
 
     def counted(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        calls.append(inputs.shape[0])
-        return float_matmul(inputs, weight, bias)
+        calls.append(inputs.reshape(-1, inputs.shape[-1]).shape[0])
+        return float_linear(inputs, weight, bias)
 
-    monkeypatch.setattr(packed_linear.kernel, "float_matmul", counted)
+    monkeypatch.setattr(packed_linear.kernel, "float_linear", counted)
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 97)
     packed = PackedLinears(layer)
