@@ -31,15 +31,16 @@ COMPILE_FLAGS = (
     "-fPIC",
 )
 FORMAT_CODES = {"int8": 0, "int4": 1}
-# A float32 weight read as it lies (`float_matmul`), whose in_features must be a multiple of LANES.
+# A float32 weight read as it lies (`float_linear`), whose in_features must be a multiple of LANES.
 FLOAT32_CODE = 2
 LANES = 8
 # Bytes of packed weight times rows that make one thread's share of a call. A call forks and joins a team
-# of threads; a smaller share costs more in the join than the second thread saves, and beside busy
-# neighbours far more (a worker waits for its turn on a core): on the 2-core EPYC at a load of 13, one
-# decode step's 211 SmolLM2 layers in int4 took 403 ms with 2 threads on every layer, 154 ms with 2
-# threads only where the share is 1 MiB (the output layer), 137 ms with one thread throughout.
-MIN_WORK_PER_THREAD = 1 << 20
+# of threads, which costs more than a second thread saves on a tiny layer. Beside busy neighbours the
+# thread budget (engine.system.thread_budget) already runs eager steps on fewer threads, and every call then
+# takes that many at most. On the 2-core EPYC, quiet, SmolLM2's 211 layers at one row took 41.7 ms in int8
+# and 28.1 ms in int4 with this bound at 1 MiB (two threads only for the output layer and the MLP's),
+# 29.1 and 20.6 ms at 64 KiB, 28.4 and 20.3 ms with two threads on every layer.
+MIN_WORK_PER_THREAD = 1 << 16
 
 _int64, _pointer = ctypes.c_int64, ctypes.c_void_p
 _ARGUMENT_TYPES: list[Any] = [

@@ -50,7 +50,8 @@ static inline float sum_lanes(lanes_t value) {
 
 /* A group's quantized values as floats, LANES at a time, in weight order. GCC turns a portable conversion
    of eight bytes into eight scalar conversions, hence the intrinsics on x86. */
-static inline void unpack_group(int format, const uint8_t *group, lanes_t values[PARTS]) {
+static inline __attribute__((always_inline)) void unpack_group(int format, const uint8_t *group,
+                                                              lanes_t values[PARTS]) {
     if (format == 0) {
         for (int part = 0; part < PARTS; part++)
             values[part] = (lanes_t)_mm256_cvtepi32_ps(
@@ -67,7 +68,8 @@ static inline void unpack_group(int format, const uint8_t *group, lanes_t values
     values[3] = (lanes_t)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
 }
 #else
-static inline void unpack_group(int format, const uint8_t *group, lanes_t values[PARTS]) {
+static inline __attribute__((always_inline)) void unpack_group(int format, const uint8_t *group,
+                                                              lanes_t values[PARTS]) {
     for (int j = 0; j < GROUP; j++) {
         float value;
         if (format == 0)
@@ -120,7 +122,7 @@ static inline __attribute__((always_inline)) void multiply_tile(
    dequantized in registers and used at once, without the round trip through the scratch. The weights and
    the order of the sums are those of `multiply_tile`, so a row gets the same bits on either path. */
 static inline __attribute__((always_inline)) void multiply_packed_tile(
-    const int rows, int format, const float *x, int64_t x_stride, const uint8_t *packed, int64_t packed_row_bytes,
+    const int rows, const int format, const float *x, int64_t x_stride, const uint8_t *packed, int64_t packed_row_bytes,
     const float *scales, const float *mins, int64_t in_features, int channels,
     float results[ROW_TILE][CHANNEL_TILE]) {
     int64_t groups = in_features / GROUP;
@@ -184,12 +186,17 @@ int quantized_linear(int format, const float *x, int64_t rows, int64_t x_stride,
                 const uint8_t *tile_packed = packed + first * packed_row_bytes;
                 const float *tile_scales = scales + first * groups;
                 const float *tile_mins = mins == NULL ? NULL : mins + first * groups;
-                if (rows == 2)
-                    multiply_packed_tile(2, format, x, x_stride, tile_packed, packed_row_bytes, tile_scales,
-                                         tile_mins, in_features, channels, results);
-                else
-                    multiply_packed_tile(1, format, x, x_stride, tile_packed, packed_row_bytes, tile_scales,
-                                         tile_mins, in_features, channels, results);
+                /* Rows and format as constants at each call, so that each inlined copy has neither
+                   branch in its inner loop. */
+#define FUSED_TILE(ROWS, FORMAT)                                                                         \
+    multiply_packed_tile(ROWS, FORMAT, x, x_stride, tile_packed, packed_row_bytes, tile_scales, tile_mins, \
+                         in_features, channels, results)
+                if (format == 0) {
+                    if (rows == 2) FUSED_TILE(2, 0); else FUSED_TILE(1, 0);
+                } else {
+                    if (rows == 2) FUSED_TILE(2, 1); else FUSED_TILE(1, 1);
+                }
+#undef FUSED_TILE
                 for (int r = 0; r < rows; r++)
                     for (int c = 0; c < channels; c++)
                         out[r * out_stride + first + c] = results[r][c] + (bias == NULL ? 0.0f : bias[first + c]);
