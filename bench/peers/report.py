@@ -215,7 +215,8 @@ def markdown(
     if floor_ms is not None:
         lines += [
             "",
-            f"Weight-reading floor of one fp32 decode step (all linear layers at batch 1, `F.linear`, "
+            f"Weight-reading floor of one fp32 decode step (all linear layers at batch 1, the faster of "
+            f"`F.linear` and cbserve's float32 kernel, "
             f"{settings['threads']} threads, measured in this run before the servers started): "
             f"{floor_ms:.1f} ms.",
         ]
