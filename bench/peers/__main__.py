@@ -36,6 +36,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=2, help="the peers' compute threads, and the floor's"
     )
     run_parser.add_argument("--no-floor", action="store_true", help="skip the weight-reading floor")
+    run_parser.add_argument(
+        "--neighbour", action="store_true", help="run the rounds beside one busy process pinned to CPU 0"
+    )
     run_parser.add_argument("--note", help="a sentence added under the table")
     run_parser.add_argument("--out", default=str(PACKAGE_DIR), help="folder of RESULTS.md and peers.png")
     args = parser.parse_args(argv)

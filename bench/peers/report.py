@@ -168,6 +168,8 @@ def _workloads_paragraph(settings: dict[str, Any]) -> str:
         "others over HTTP), streaming, with prompt caching off. Outputs are compared in the first round's",
         "chats, request by request, with cbserve's.",
     )
+    if settings.get("neighbour"):
+        sentences += ("Every round ran beside one busy process (a Python spin loop) pinned to CPU 0.",)
     return " ".join(sentences)
 
 

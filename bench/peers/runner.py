@@ -14,9 +14,10 @@ import contextlib
 import datetime
 import json
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,26 @@ def _start(
     return server, lambda: llama_cpp_stream(port)
 
 
+# What `--neighbour` runs beside the engines: a Python spin loop, pinned to one CPU.
+NEIGHBOUR_CPU = 0
+
+
+@contextlib.contextmanager
+def busy_neighbour(enabled: bool) -> Iterator[subprocess.Popen[bytes] | None]:
+    """While the rounds run, one process spinning on CPU `NEIGHBOUR_CPU` (the neighbour a shared machine or
+    an over-committed node gives an engine), yielded; nothing when not `enabled`."""
+    if not enabled:
+        yield None
+        return
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+    try:
+        os.sched_setaffinity(process.pid, {NEIGHBOUR_CPU})
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
 def _warm_up(stream: StreamRequest, prompts: list[list[int]], max_new_tokens: int) -> None:
     traces, _ = workloads.run_concurrently(
         stream, prompts[:WARMUP_REQUESTS], max_new_tokens, ignore_eos=False
@@ -135,6 +156,7 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
             "concurrent": args.concurrent,
             "concurrent_new_tokens": args.concurrent_new_tokens,
             "threads": args.threads,
+            "neighbour": args.neighbour,
             "note": args.note,
         }
 
@@ -183,6 +205,7 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
                 server.stop()
                 print(f"{name} is not available: {error}", file=sys.stderr, flush=True)
         order = [spec.name for spec in specs if spec.name in streams]
+        running.enter_context(busy_neighbour(args.neighbour))
         for round_index in range(args.rounds):
             shift = round_index % max(1, len(order))
             for name in order[shift:] + order[:shift]:

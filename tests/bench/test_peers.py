@@ -3,11 +3,14 @@ engine, comparing outputs, the vLLM requirement list, the machine line, and the 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from bench.peers import workloads
 from bench.peers.clients import Trace, llama_cpp_tokens, server_sent_events, vllm_tokens
 from bench.peers.report import cpu_model_and_flags, engine_row, equal_outputs, markdown
+from bench.peers.runner import NEIGHBOUR_CPU, busy_neighbour
 from bench.peers.setup_vllm import TORCH_FROM_PYPI, installed_requirements
 
 
@@ -174,3 +177,12 @@ def test_the_table_gives_medians_over_rounds_first_round_agreement_and_engines_t
     assert "| vLLM CPU | fp32 | 120 | 30 | 40 | 240 | 900 | 1/2 | 3 |" in table
     assert "| llama.cpp | F32 GGUF | not run: SetupError: cmake failed |" in table
     assert "abc1234" in table and "load average: 0.5" in table and "28.0 ms" in table
+
+
+def test_the_neighbour_spins_on_one_cpu_while_the_rounds_run_and_is_gone_after() -> None:
+    with busy_neighbour(True) as neighbour:
+        assert neighbour is not None and neighbour.poll() is None
+        assert os.sched_getaffinity(neighbour.pid) == {NEIGHBOUR_CPU}
+    assert neighbour.poll() is not None
+    with busy_neighbour(False) as nothing:
+        assert nothing is None
