@@ -23,9 +23,14 @@ from bench.peers.clients import StreamRequest, Trace
 def run_concurrently(
     stream: StreamRequest, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool
 ) -> tuple[list[Trace], float]:
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+    pool = ThreadPoolExecutor(max_workers=len(prompts))
+    try:
         started = time.perf_counter()
         traces = list(pool.map(lambda prompt: stream(prompt, max_new_tokens, ignore_eos), prompts))
+    finally:
+        # Not waiting when the run is being stopped (SIGTERM, Ctrl-C): the requests in flight end when the
+        # run's cleanup stops their server, instead of the cleanup waiting minutes for them to finish.
+        pool.shutdown(wait=False, cancel_futures=True)
     finished = max((trace.token_times[-1] for trace in traces if trace.token_times), default=started)
     return traces, finished - started
 
