@@ -104,21 +104,20 @@ def float_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """`F.linear(inputs, weight, bias)` for float32 `inputs` and a contiguous float32 `weight` [out, in]
     whose `in` is a multiple of LANES, read once per call on the thread budget's threads; a row's result
     does not depend on the other rows of the call."""
-    return on_rows(inputs, weight.shape[0], FLOAT32_CODE, weight, None, None, bias)
+    return on_rows(inputs, FLOAT32_CODE, weight, None, None, bias)
 
 
 def on_rows(
     inputs: torch.Tensor,
-    out_features: int,
     weight_format: int,
     packed: torch.Tensor,
     scales: torch.Tensor | None,
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The kernel on `inputs` of any leading dims, as a row-major float32 matrix. A layer calls this once
-    per step of every request, so it does no more than the call needs (no copy of inputs already in
-    shape)."""
+    """`quantized_matmul` on `inputs` of any leading dims and float dtype, returned in that dtype. A layer
+    calls this once per step of every request, so it does no more than the call needs (no copy of inputs
+    already in shape)."""
     leading = inputs.shape[:-1]
     rows = inputs.reshape(-1, inputs.shape[-1])
     if rows.dtype != torch.float32:
@@ -126,7 +125,7 @@ def on_rows(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     matmul = quantized_matmul_op if torch.compiler.is_compiling() else quantized_matmul
-    output = matmul(rows, weight_format, packed, scales, mins, bias).view(*leading, out_features)
+    output = matmul(rows, weight_format, packed, scales, mins, bias).view(*leading, packed.shape[0])
     return output if output.dtype == inputs.dtype else output.to(inputs.dtype)
 
 

@@ -40,9 +40,7 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # The kernel on the buffers themselves: a layer runs once per step, so no QuantizedWeight is built.
         code = kernel.FORMAT_CODES[self.weight_format]
-        return kernel.on_rows(
-            hidden_states, self.out_features, code, self.packed, self.scales, self.mins, self.bias
-        )
+        return kernel.on_rows(hidden_states, code, self.packed, self.scales, self.mins, self.bias)
 
     def extra_repr(self) -> str:
         return (

@@ -127,6 +127,9 @@ class PackedLinears:
         return len(self._packed)
 
     def _forward_of(self, module: torch.nn.Linear) -> Any:
+        # Whether few-row calls may take the kernel, as far as it depends on the layer's shape alone.
+        kernel_fits = self._few_rows_kernel and module.in_features % kernel.LANES == 0
+
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
             weight = module.weight
             if (
@@ -137,10 +140,9 @@ class PackedLinears:
             ):
                 return F.linear(hidden_states, weight, module.bias)
             if (
-                self._few_rows_kernel
-                and weight.dtype == torch.float32
+                kernel_fits
                 and hidden_states.numel() <= FEW_ROWS * module.in_features
-                and module.in_features % kernel.LANES == 0
+                and weight.dtype == torch.float32
                 and weight.is_contiguous()
             ):
                 return kernel.float_linear(hidden_states, weight, module.bias)

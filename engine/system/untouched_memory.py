@@ -10,6 +10,7 @@ of them, stay valid: they read zeros until written again.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -19,11 +20,7 @@ class UntouchedHostTensor:
     """One CPU tensor over a private anonymous mapping, and the means to drop its pages."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        element_size = torch.empty((), dtype=dtype).element_size()
-        numel = 1
-        for size in shape:
-            numel *= size
-        self.nbytes = numel * element_size
+        self.nbytes = math.prod(shape) * dtype.itemsize
         # mmap refuses a zero length; one page stands in for an empty tensor.
         length = max(self.nbytes, mmap.PAGESIZE)
         self._mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

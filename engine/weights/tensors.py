@@ -138,8 +138,6 @@ def stage_weights(model: torch.nn.Module, source: Any) -> list[StagedTensor]:
     it cannot fail either."""
     targets = UpdateTargets.of(model)
     staged = _stage_into(targets.tensors, source)
-    if not targets.quantized:
-        return staged
     return [
         copy
         for item in staged
