@@ -204,6 +204,18 @@ def paged_attention(
     return gathered(kernel, module, query, key, value, paged_metadata, scaling, softcap), None
 
 
+def _write_keys_and_values(
+    layer_index: int, keys: torch.Tensor, values: torch.Tensor, meta: PagedAttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Writes this step's keys and values [T, H_kv, D] of one layer; returns its caches and cache group."""
+    key_cache, value_cache = meta.key_caches[layer_index], meta.value_caches[layer_index]
+    group = meta.layer_groups[layer_index]
+    write_slots = meta.write_slots[group]
+    key_cache.index_copy_(0, write_slots, keys)
+    value_cache.index_copy_(0, write_slots, values)
+    return key_cache, value_cache, group
+
+
 def _write_caches(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -214,12 +226,10 @@ def _write_caches(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float]:
     """Writes this step's keys and values; returns the query rows [T, H, D], the layer's caches, its cache
     group and the softmax scale."""
-    layer_idx: int = module.layer_idx  # type: ignore[assignment]
-    key_cache, value_cache = meta.key_caches[layer_idx], meta.value_caches[layer_idx]
-    group = meta.layer_groups[layer_idx]
-    write_slots = meta.write_slots[group]
-    key_cache.index_copy_(0, write_slots, key[0].transpose(0, 1))
-    value_cache.index_copy_(0, write_slots, value[0].transpose(0, 1))
+    layer_index: int = module.layer_idx  # type: ignore[assignment]
+    key_cache, value_cache, group = _write_keys_and_values(
+        layer_index, key[0].transpose(0, 1), value[0].transpose(0, 1), meta
+    )
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     return query[0].transpose(0, 1), key_cache, value_cache, group, scale
 
@@ -238,11 +248,28 @@ def _kernel_attention(
     It stays inside compiled graphs on both paths: the step's shape (requests, tiles, table width) is in
     its tensors' sizes, which dynamic compilation keeps symbolic, so a varlen step compiles as one graph
     instead of breaking around every layer's attention."""
-    rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
+    scale = scaling if scaling is not None else query.shape[3] ** -0.5
+    rows = query[0].transpose(0, 1)
+    keys, values = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    return write_and_attend(module.layer_idx, rows, keys, values, meta, scale, softcap)[None]  # type: ignore[arg-type]
+
+
+def write_and_attend(
+    layer_index: int,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One layer's attention on the kernel path: writes the step's keys and values [T, H_kv, D] into the
+    layer's caches, then attends the queries [T, H, D] to their requests' keys; returns [T, H, D]."""
+    key_cache, value_cache, group = _write_keys_and_values(layer_index, keys, values, meta)
     inputs = meta.kernel_inputs
     assert inputs is not None and meta.attention_kernel is not None
     return meta.attention_kernel(
-        rows,
+        queries,
         key_cache,
         value_cache,
         inputs.block_tables[group],
@@ -257,7 +284,7 @@ def _kernel_attention(
         meta.sliding_windows[group],
         inputs.has_unowned_rows,
         inputs.fixed_order,
-    )[None]
+    )
 
 
 def _gather_attention(

@@ -27,6 +27,7 @@ import torch
 from engine.config import ContinuousBatchingConfig
 from engine.runner.attention import AttentionBatch, KernelInputs, PagedAttentionMetadata
 from engine.runner.batch_invariant import BatchInvariantUnsupported, EngineForwards
+from engine.runner.decoder_forward import DecoderForward, unsupported_reason
 from engine.runner.inputs import BatchInputs
 from engine.runner.padding import Padding, padded_sizes
 
@@ -285,17 +286,18 @@ class ForwardPaths:
         cache_dtype: torch.dtype,
     ) -> None:
         """`cache_dtype`: the KV caches', which the attention kernel reads."""
+        self.attention_kernel, self.max_blocks_per_request = load_attention_kernel(
+            config, device, cache_dtype
+        )
         eager = model_forward_functions(model, device, config.batch_invariant)
+        serves_decoder = self._decoder_forward_serves(model, config, device, cache_dtype)
         self.compile_configs = {path: config.compile_config_for(path) for path in ("varlen", "decode")}
         self.functions: dict[str, ForwardFunction] = {
-            path: eager[path]
+            path: (DecoderForward(model, eager[path]) if serves_decoder else eager[path])
             if compile_config is None
             else compile_function(eager[path], compile_config, path)
             for path, compile_config in self.compile_configs.items()
         }
-        self.attention_kernel, self.max_blocks_per_request = load_attention_kernel(
-            config, device, cache_dtype
-        )
         if config.batch_invariant and self.attention_kernel is None:
             raise BatchInvariantUnsupported(
                 "batch_invariant needs the attention kernel, which is unavailable here (the log says why); "
@@ -330,6 +332,30 @@ class ForwardPaths:
             if pads_decode or varlen_graphs
             else None
         )
+
+    def _decoder_forward_serves(
+        self,
+        model: torch.nn.Module,
+        config: ContinuousBatchingConfig,
+        device: torch.device,
+        cache_dtype: torch.dtype,
+    ) -> bool:
+        """Whether eager steps run the engine's own forward (engine.runner.decoder_forward): on the CPU's
+        attention kernel over float32 caches, outside batch-invariant mode (whose forwards run under
+        `EngineForwards`), for a model it serves. Otherwise steps run the model's own forward."""
+        if device.type != "cpu" or config.batch_invariant or self.attention_kernel is None:
+            return False
+        if cache_dtype != torch.float32:
+            return False
+        reason = unsupported_reason(model)
+        if reason is not None:
+            logger.info(
+                "steps run the model's own forward: the engine's decoder forward does not serve it (%s)",
+                reason,
+            )
+            return False
+        logger.info("steps run the engine's decoder forward (engine.runner.decoder_forward)")
+        return True
 
     @property
     def decode_runs_eagerly(self) -> bool:

@@ -74,6 +74,9 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.runner.kv_cache",
         "engine.runner.forward_paths",
         "engine.runner.packed_linear",
+        # The engine's own forward for the Llama family and the fused operations it calls.
+        "engine.runner.fused_ops",
+        "engine.runner.decoder_forward",
         "engine.runner.model_runner",
         "engine.runner.exact_attention",
         "engine.runner.batch_invariant_cuda",

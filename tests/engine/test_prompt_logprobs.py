@@ -134,7 +134,7 @@ def _check(model, prompts, ks, new_tokens, outputs, label) -> None:
 
 
 @pytest.mark.parametrize("async_batching", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_prompt_logprobs_equal_a_plain_forward_across_chunks(family, async_batching):
     """A 150-token prompt over >= 5 steps of 32 tokens, mixed with requests that do not ask, k from 0 to
     the most, one-token prompts (nothing to score) and streamed outputs."""

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.gemma2 import Gemma2Config
 from transformers.models.llama import LlamaConfig
 from transformers.models.mistral import MistralConfig
+from transformers.models.qwen2 import Qwen2Config
 from transformers.models.qwen3 import Qwen3Config
 
 VOCAB_SIZE = 256
@@ -42,6 +43,8 @@ TEST_DEVICE = torch.device(os.environ.get("CBSERVE_TEST_DEVICE", "cpu"))
 def tiny_config(family: str) -> PretrainedConfig:
     if family == "llama":
         return LlamaConfig(**COMMON)
+    if family == "qwen2":  # biases on the query, key and value projections
+        return Qwen2Config(**COMMON)
     if family == "qwen3":
         return Qwen3Config(**COMMON, head_dim=16)
     if family == "mistral":

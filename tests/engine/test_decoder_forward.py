@@ -1,0 +1,109 @@
+"""The engine's own forward for the Llama family (engine.runner.decoder_forward) and its fused operations.
+
+That it computes what the model's own forward computes is asserted end to end elsewhere, on the models it
+serves: greedy parity with `generate` (test_greedy_parity: Llama, Qwen3; test_sliding_window: Mistral)
+and prompt logprobs within 1e-5 of a plain forward's (test_prompt_logprobs: Llama, Qwen2, Qwen3,
+Mistral). Here: which models and configurations it serves, and each fused operation against the
+transformers code it replaces.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from engine import ContinuousBatchingConfig, init_continuous_batching
+from engine.runner import fused_ops
+from engine.runner.decoder_forward import DecoderForward
+from tests.helpers.engine_runs import engine_core
+from tests.helpers.models import TEST_DEVICE, tiny_model
+
+pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the engine's decoder forward is CPU-only")
+
+
+def _forwards(family: str, **config: object) -> set[str]:
+    manager = init_continuous_batching(
+        tiny_model(family), continuous_batching_config=ContinuousBatchingConfig(**config)
+    )
+    try:
+        return {
+            type(function).__name__
+            for function in engine_core(manager).runner.forward_paths.functions.values()
+        }
+    finally:
+        manager.destroy()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_the_llama_family_runs_the_engines_forward_on_both_paths(family):
+    assert _forwards(family) == {DecoderForward.__name__}
+
+
+def test_other_models_and_configurations_run_the_models_own_forward(caplog):
+    with caplog.at_level("INFO", logger="engine.runner.forward_paths"):
+        assert DecoderForward.__name__ not in _forwards("gemma2")
+    assert "Gemma2ForCausalLM is not one of" in caplog.text
+    # Batch-invariant forwards run under their own mode; the gather path has no kernel to feed.
+    assert DecoderForward.__name__ not in _forwards("llama", batch_invariant=True)
+    assert DecoderForward.__name__ not in _forwards("llama", max_blocks_per_request=0)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows of 128 spread over threads
+def test_rms_norm_with_its_residual_equals_transformers_norm_of_the_sum(rows):
+    generator = torch.Generator().manual_seed(rows)
+    hidden, addend = (torch.randn(rows, 128, generator=generator) * 3 for _ in range(2))
+    norm = LlamaRMSNorm(128, eps=1e-6)
+    norm.weight.data = torch.randn(128, generator=generator)
+    expected_sum = hidden + addend
+    expected = norm(expected_sum)
+    output = fused_ops.rms_norm(hidden, norm.weight, norm.variance_epsilon, addend)
+    assert torch.equal(hidden, expected_sum), "the residual is not added in place exactly"
+    # Only the mean of squares sums in another order: a few ulps of the output.
+    torch.testing.assert_close(output, expected, rtol=4e-6, atol=1e-6)
+    torch.testing.assert_close(fused_ops.rms_norm(hidden, norm.weight, 1e-6), expected, rtol=4e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 400])
+def test_rotary_in_place_has_the_bits_of_apply_rotary_pos_emb(rows):
+    generator = torch.Generator().manual_seed(rows)
+    queries, keys = (
+        torch.randn(rows, 4, 16, generator=generator),
+        torch.randn(rows, 2, 16, generator=generator),
+    )
+    angles = torch.rand(rows, 8, generator=generator) * 100
+    cos, sin = torch.cat((angles, angles), dim=-1).cos(), torch.cat((angles, angles), dim=-1).sin()
+    # transformers' layout: [batch, heads, tokens, head_dim], angles [batch, tokens, head_dim].
+    expected_queries, expected_keys = apply_rotary_pos_emb(
+        queries.transpose(0, 1)[None], keys.transpose(0, 1)[None], cos[None], sin[None]
+    )
+    fused_ops.rotary(queries, cos, sin)
+    fused_ops.rotary(keys, cos, sin)
+    assert torch.equal(queries, expected_queries[0].transpose(0, 1))
+    assert torch.equal(keys, expected_keys[0].transpose(0, 1))
+
+
+def test_rotary_turns_strided_heads_of_a_wider_row():
+    """Queries viewed out of a wider projection output: each row's heads are rotated, the rest untouched."""
+    generator = torch.Generator().manual_seed(0)
+    projection = torch.randn(3, 80, generator=generator)
+    angles = torch.rand(3, 8, generator=generator)
+    cos, sin = torch.cat((angles, angles), dim=-1).cos(), torch.cat((angles, angles), dim=-1).sin()
+    expected, _ = apply_rotary_pos_emb(
+        projection[:, :64].reshape(3, 4, 16).transpose(0, 1)[None],
+        torch.zeros(1, 1, 3, 16),
+        cos[None],
+        sin[None],
+    )
+    untouched = projection[:, 64:].clone()
+    fused_ops.rotary(projection[:, :64].view(3, 4, 16), cos, sin)
+    assert torch.equal(projection[:, :64].view(3, 4, 16), expected[0].transpose(0, 1))
+    assert torch.equal(projection[:, 64:], untouched)
+
+
+@pytest.mark.parametrize("rows", [1, 300])
+def test_silu_and_mul_equals_the_llama_mlp_gate(rows):
+    generator = torch.Generator().manual_seed(rows)
+    gate, up = (torch.randn(rows, 256, generator=generator) * 4 for _ in range(2))
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate, up), F.silu(gate) * up, rtol=2e-6, atol=1e-7)
