@@ -188,7 +188,7 @@ class EngineCore:
         self.device = model_device(model)
         self.vocab_size: int = model.config.get_text_config().vocab_size  # type: ignore[operator, union-attr]
         # Quantized before packing, which then takes the linear layers that stay full precision.
-        quantize_model(model, config.quantization)
+        quantize_model(model, config.quantization, config.quantize_activations)
         packs = packs_linear_weights(model, config, self.device)
         if config.batch_invariant:
             check_linear_invariance(model, packed=packs)

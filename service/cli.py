@@ -262,6 +262,13 @@ def _parser() -> argparse.ArgumentParser:
         "and Q8_0 for its output layer) (quantization; default: none, the model's own weights)",
     )
     engine.add_argument(
+        "--no-quantize-activations",
+        action="store_true",
+        help="with --quantization, multiply a few rows' float32 inputs by the dequantized weights instead of "
+        "quantizing them to int8 (exact up to summation order, slower to decode; quantize_activations; "
+        "default: int8 inputs at up to 4 rows)",
+    )
+    engine.add_argument(
         "--batch-invariant",
         action="store_true",
         help="give each request the same tokens and logprobs, bit for bit, whatever else is batched with it, "
@@ -327,6 +334,8 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
         values["use_async_batching"] = True
     if args.no_pack_cpu_weights:
         values["pack_cpu_weights"] = False
+    if args.no_quantize_activations:
+        values["quantize_activations"] = False
     if args.batch_invariant:
         values["batch_invariant"] = True
     return ContinuousBatchingConfig(**values)

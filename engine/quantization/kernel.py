@@ -31,6 +31,8 @@ COMPILE_FLAGS = (
     "-fPIC",
 )
 FORMAT_CODES = {"int8": 0, "int4": 1}
+# Rows up to which `quantize_activations` takes the integer path (INTEGER_MAX_ROWS in the source).
+INTEGER_MAX_ROWS = 4
 # A float32 weight read as it lies (`float_linear`), whose in_features must be a multiple of LANES.
 FLOAT32_CODE = 2
 LANES = 8
@@ -50,6 +52,7 @@ _ARGUMENT_TYPES: list[Any] = [
     _int64, _int64,  # out_features, in_features
     _pointer,  # bias (NULL: none)
     _pointer, _int64,  # output, row stride
+    ctypes.c_int,  # quantize activations (int8 and int4 calls of a few rows)
     ctypes.c_int,  # threads
 ]  # fmt: skip
 
@@ -70,10 +73,12 @@ def quantized_matmul(
     scales: torch.Tensor | None,
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
+    quantize_activations: bool = False,
 ) -> torch.Tensor:
     """inputs [rows, in] float32 (unit stride along in) -> [rows, out] float32: inputs @ w.T + bias, for the
     weight `packed`/`scales`/`mins` of format code `weight_format` (`FORMAT_CODES`, or `FLOAT32_CODE` with
-    `packed` the float32 weight itself and no scales)."""
+    `packed` the float32 weight itself and no scales). With `quantize_activations`, an int8 or int4 call
+    of at most INTEGER_MAX_ROWS rows multiplies int8 inputs in integers (see the kernel's header)."""
     library = load()
     rows, in_features = inputs.shape
     out_features = packed.shape[0]
@@ -93,10 +98,11 @@ def quantized_matmul(
         _pointer_of(bias),
         output.data_ptr(),
         output.stride(0),
+        int(quantize_activations),
         max(1, min(torch.get_num_threads(), packed.nbytes * rows // MIN_WORK_PER_THREAD)),
     )
     if status != 0:
-        raise MemoryError("quantized linear: a worker thread could not allocate its scratch buffer")
+        raise MemoryError("quantized linear: the kernel could not allocate its scratch buffers")
     return output
 
 
@@ -114,6 +120,7 @@ def on_rows(
     scales: torch.Tensor | None,
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
+    quantize_activations: bool = False,
 ) -> torch.Tensor:
     """`quantized_matmul` on `inputs` of any leading dims and float dtype, returned in that dtype. A layer
     calls this once per step of every request, so it does no more than the call needs (no copy of inputs
@@ -125,7 +132,9 @@ def on_rows(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     matmul = quantized_matmul_op if torch.compiler.is_compiling() else quantized_matmul
-    output = matmul(rows, weight_format, packed, scales, mins, bias).view(*leading, packed.shape[0])
+    output = matmul(rows, weight_format, packed, scales, mins, bias, quantize_activations).view(
+        *leading, packed.shape[0]
+    )
     return output if output.dtype == inputs.dtype else output.to(inputs.dtype)
 
 
@@ -137,6 +146,6 @@ quantized_matmul_op = torch.library.custom_op(
 
 @quantized_matmul_op.register_fake
 def _(
-    inputs: torch.Tensor, weight_format: int, packed: torch.Tensor, *tensors: torch.Tensor | None
+    inputs: torch.Tensor, weight_format: int, packed: torch.Tensor, *weight_and_options: object
 ) -> torch.Tensor:
     return inputs.new_empty(inputs.shape[0], packed.shape[0])

@@ -15,8 +15,11 @@ class QuantizedLinear(torch.nn.Module):
     The packed tensors are buffers (`packed`, `scales`, and `mins` for int4), so they move with the model's
     state dict and a weight update can write them in place; `bias`, when present, stays a full-precision
     parameter. A full-precision update of the layer's weight is quantized on the way in
-    (engine.quantization.model.quantize_update).
+    (engine.quantization.model.quantize_update). `quantize_activations` chooses the kernel's integer path
+    for calls of a few rows (engine.quantization.kernel); the engine sets it from its config.
     """
+
+    quantize_activations = True
 
     packed: torch.Tensor
     scales: torch.Tensor
@@ -40,7 +43,9 @@ class QuantizedLinear(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # The kernel on the buffers themselves: a layer runs once per step, so no QuantizedWeight is built.
         code = kernel.FORMAT_CODES[self.weight_format]
-        return kernel.on_rows(hidden_states, code, self.packed, self.scales, self.mins, self.bias)
+        return kernel.on_rows(
+            hidden_states, code, self.packed, self.scales, self.mins, self.bias, self.quantize_activations
+        )
 
     def extra_repr(self) -> str:
         return (

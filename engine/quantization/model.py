@@ -58,8 +58,10 @@ def replace_module(model: torch.nn.Module, name: str, replacement: torch.nn.Modu
     setattr(model.get_submodule(parent_name), child, replacement)
 
 
-def quantize_model(model: torch.nn.Module, weight_format: str) -> int:
-    """Quantizes the model's plain linear layers to `weight_format` in place; returns how many.
+def quantize_model(model: torch.nn.Module, weight_format: str, quantize_activations: bool = True) -> int:
+    """Quantizes the model's plain linear layers to `weight_format` in place; returns how many. Every
+    quantized layer, those already loaded quantized included, then takes `quantize_activations` (the
+    integer path at a few rows: engine.quantization.kernel).
 
     'none' changes nothing. Layers whose in_features is not a multiple of the group size stay full
     precision (logged). Raises QuantizationError naming a layer that cannot be quantized, ValueError for
@@ -86,6 +88,8 @@ def quantize_model(model: torch.nn.Module, weight_format: str) -> int:
         weight = quantize(f"{name}.weight", module.weight, weight_format)
         replace_module(model, name, QuantizedLinear(weight, module.bias, f"{name}.weight"))
         quantized_bytes += weight.nbytes
+    for layer in quantized_layers(model).values():
+        layer.quantize_activations = quantize_activations
     count = len(linears) - len(kept)
     # A model loaded from its own quantized blocks (a GGUF file) has no full-precision linear left: the
     # loader has said what it serves, and a line counting none would only read as a failure.

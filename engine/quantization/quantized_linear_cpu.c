@@ -16,7 +16,17 @@
    packed weights are read from memory once per call whatever the number of rows, which is what one
    request's decode is bound by, and each dequantized value feeds ROW_TILE multiply-adds.
    Within a channel the products are summed in a fixed order that does not depend on the number of rows or
-   threads: a row's output has the same bits whatever else shares the call. */
+   threads: a row's output has the same bits whatever else shares the call.
+
+   With quantize_activations, calls of at most INTEGER_MAX_ROWS rows (the decode of one request or a few)
+   multiply in integers instead, as llama.cpp does: each row's group of GROUP inputs becomes int8 with one
+   float scale (d = max|x| / 127, q = round(x / d)), and a group's product is one integer dot product of
+   the bytes, scaled once: sum_j w_j x_j ~ scale_w * d * sum_j q_w,j q_x,j + min * sum_j x_j (the exact
+   float sum of the inputs carries the int4 min). That replaces converting every weight to a float,
+   which is what bounds the float path, by byte arithmetic on 32 weights at once (AVX2 maddubs). Each
+   input moves by at most d / 2, so an output moves by at most the sum over groups of
+   d / 2 * sum_j |w_j| (tests/engine/test_quantization.py asserts it); a row's result still does not
+   depend on the other rows of its call. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +37,7 @@
 #define ROW_TILE 3
 #define LANES 8
 #define FUSED_MAX_ROWS 2
+#define INTEGER_MAX_ROWS 4
 #define FORMAT_FLOAT32 2
 
 typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
@@ -152,14 +163,131 @@ static inline __attribute__((always_inline)) void multiply_packed_tile(
         for (int c = 0; c < CHANNEL_TILE; c++) results[r][c] = sum_lanes(accumulators[r][c]);
 }
 
+#if defined(__AVX2__)
+#define HAS_INTEGER_PATH 1
+
+/* Row `x` quantized group by group into `quantized` (int8), `scales` and the groups' float `sums`. */
+static void quantize_row(const float *x, int64_t in_features, int8_t *quantized, float *scales, float *sums) {
+    for (int64_t group = 0; group < in_features / GROUP; group++) {
+        const float *values = x + group * GROUP;
+        float largest = 0.0f, sum = 0.0f;
+        for (int j = 0; j < GROUP; j++) {
+            float magnitude = values[j] < 0 ? -values[j] : values[j];
+            largest = magnitude > largest ? magnitude : largest;
+            sum += values[j];
+        }
+        float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+        for (int j = 0; j < GROUP; j++) quantized[group * GROUP + j] = (int8_t)__builtin_lrintf(values[j] * inverse);
+        scales[group] = scale;
+        sums[group] = sum;
+    }
+}
+
+/* A group's 32 weights as bytes in weight order: int8 as they are, int4 unpacked from their nibbles. */
+static inline __attribute__((always_inline)) __m256i weight_bytes(int format, const uint8_t *group) {
+    if (format == 0) return _mm256_loadu_si256((const __m256i *)group);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)group);
+    __m128i mask = _mm_set1_epi8(15);
+    __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    return _mm256_set_m128i(high, low);
+}
+
+/* sum_j w_j q_j over a group as eight int32 partial sums converted to float. maddubs multiplies unsigned
+   bytes by signed ones: int4 weights are unsigned already; int8 weights lend their sign to the inputs. */
+static inline __attribute__((always_inline)) __m256 group_dot(int format, __m256i weights, __m256i inputs) {
+    __m256i pairs = format == 0 ? _mm256_maddubs_epi16(_mm256_sign_epi8(weights, weights), _mm256_sign_epi8(inputs, weights))
+                                : _mm256_maddubs_epi16(weights, inputs);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+static inline float sum_m256(__m256 value) {
+    float lanes[LANES];
+    _mm256_storeu_ps(lanes, value);
+    float total = 0.0f;
+    for (int lane = 0; lane < LANES; lane++) total += lanes[lane];
+    return total;
+}
+
+/* rows x CHANNEL_TILE outputs of the integer path; `rows` and `format` are constants at each call site. */
+static inline __attribute__((always_inline)) void multiply_integer_tile(
+    const int rows, const int format, const int8_t *quantized, const float *input_scales, const float *input_sums,
+    const uint8_t *packed, int64_t packed_row_bytes, const float *scales, const float *mins, int64_t in_features,
+    int channels, float results[INTEGER_MAX_ROWS][CHANNEL_TILE]) {
+    const int64_t groups = in_features / GROUP;
+    const int64_t group_bytes = format == 0 ? GROUP : GROUP / 2;
+    __m256 accumulators[INTEGER_MAX_ROWS][CHANNEL_TILE];
+    float min_terms[INTEGER_MAX_ROWS][CHANNEL_TILE];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < CHANNEL_TILE; c++) {
+            accumulators[r][c] = _mm256_setzero_ps();
+            min_terms[r][c] = 0.0f;
+        }
+    for (int64_t group = 0; group < groups; group++) {
+        __m256i inputs[INTEGER_MAX_ROWS];
+        for (int r = 0; r < rows; r++)
+            inputs[r] = _mm256_loadu_si256((const __m256i *)(quantized + r * in_features + group * GROUP));
+        for (int c = 0; c < CHANNEL_TILE; c++) {
+            /* A missing channel of the last tile repeats the last one; its results are not written. */
+            const int64_t channel = c < channels ? c : channels - 1;
+            const __m256i weights = weight_bytes(format, packed + channel * packed_row_bytes + group * group_bytes);
+            const float weight_scale = scales[channel * groups + group];
+            for (int r = 0; r < rows; r++) {
+                const __m256 scale = _mm256_set1_ps(weight_scale * input_scales[r * groups + group]);
+                accumulators[r][c] = _mm256_fmadd_ps(group_dot(format, weights, inputs[r]), scale, accumulators[r][c]);
+                if (format != 0) min_terms[r][c] += mins[channel * groups + group] * input_sums[r * groups + group];
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < CHANNEL_TILE; c++) results[r][c] = sum_m256(accumulators[r][c]) + min_terms[r][c];
+}
+#else
+#define HAS_INTEGER_PATH 0
+#endif
+
 /* Returns 0, or 1 when a worker could not allocate its scratch. */
 int quantized_linear(int format, const float *x, int64_t rows, int64_t x_stride, const uint8_t *packed,
                      const float *scales, const float *mins, int64_t out_features, int64_t in_features,
-                     const float *bias, float *out, int64_t out_stride, int threads) {
+                     const float *bias, float *out, int64_t out_stride, int quantize_activations, int threads) {
     int64_t packed_row_bytes = format == 0 ? in_features : in_features / 2;
     int64_t groups = in_features / GROUP;
     int64_t tiles = (out_features + CHANNEL_TILE - 1) / CHANNEL_TILE;
     int failed = 0;
+#if HAS_INTEGER_PATH
+    if (quantize_activations && format != FORMAT_FLOAT32 && rows <= INTEGER_MAX_ROWS) {
+        int8_t *quantized = malloc((size_t)(rows * in_features) + 2 * (size_t)(rows * groups) * sizeof(float));
+        if (quantized == NULL) return 1;
+        float *input_scales = (float *)(quantized + rows * in_features), *input_sums = input_scales + rows * groups;
+        for (int64_t row = 0; row < rows; row++)
+            quantize_row(x + row * x_stride, in_features, quantized + row * in_features, input_scales + row * groups,
+                         input_sums + row * groups);
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t first = tile * CHANNEL_TILE;
+            const int channels = out_features - first < CHANNEL_TILE ? (int)(out_features - first) : CHANNEL_TILE;
+            float results[INTEGER_MAX_ROWS][CHANNEL_TILE];
+            const uint8_t *tile_packed = packed + first * packed_row_bytes;
+            const float *tile_scales = scales + first * groups;
+            const float *tile_mins = mins == NULL ? NULL : mins + first * groups;
+#define INTEGER_TILE(ROWS, FORMAT)                                                                        \
+    multiply_integer_tile(ROWS, FORMAT, quantized, input_scales, input_sums, tile_packed, packed_row_bytes, \
+                          tile_scales, tile_mins, in_features, channels, results)
+            if (format == 0) {
+                if (rows == 1) INTEGER_TILE(1, 0); else if (rows == 2) INTEGER_TILE(2, 0);
+                else if (rows == 3) INTEGER_TILE(3, 0); else INTEGER_TILE(4, 0);
+            } else {
+                if (rows == 1) INTEGER_TILE(1, 1); else if (rows == 2) INTEGER_TILE(2, 1);
+                else if (rows == 3) INTEGER_TILE(3, 1); else INTEGER_TILE(4, 1);
+            }
+#undef INTEGER_TILE
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < channels; c++)
+                    out[r * out_stride + first + c] = results[r][c] + (bias == NULL ? 0.0f : bias[first + c]);
+        }
+        free(quantized);
+        return 0;
+    }
+#endif
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *scratch = aligned_alloc(64, (size_t)(CHANNEL_TILE * in_features * sizeof(float)));

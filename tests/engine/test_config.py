@@ -39,6 +39,7 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "pack_cpu_weights": True,
     "batch_invariant": False,
     "quantization": "none",
+    "quantize_activations": True,
     "use_default_compile_configs": None,
     "max_cached_graphs": None,
     "block_size": None,
@@ -113,6 +114,7 @@ INVALID_VALUES: list[tuple[str, Any]] = [
     ("batch_invariant", 1),
     ("quantization", "int3"),
     ("quantization", None),
+    ("quantize_activations", "no"),
 ]
 
 

@@ -1,6 +1,9 @@
 """Quantized linear layers (engine.quantization): the kernel against a dequantized reference, greedy parity
 with `model.generate` on the dequantized weights, weight updates into a quantized engine, and the errors a
-bad config or file gives."""
+bad config or file gives.
+
+Greedy parity holds on the kernel's exact path, float inputs (`quantize_activations=False`, the
+`EXACT` configs here); the integer path's outputs are held to its own bound instead."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import ContinuousBatchingConfig, init_continuous_batching
 from engine.errors import WeightTransferError
+from engine.quantization import kernel
 from engine.quantization.formats import GROUP_SIZE, QuantizationError, quantize
 from engine.quantization.linear import QuantizedLinear
 from engine.quantization.model import quantize_model, quantized_layers
@@ -22,6 +26,7 @@ from tests.helpers.update_group import Trainer, bucket_plan, join_group, push
 FORMATS = ("int8", "int4")
 PROMPTS = [random_prompt(length, seed=length) for length in (1, 5, 17, 40)]
 NEW_TOKENS = [12, 20, 7, 16]
+EXACT = {"quantize_activations": False}
 
 
 def _tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
@@ -60,6 +65,7 @@ def test_quantized_linear_matches_the_dequantized_weight_within_the_summation_bo
     inputs = torch.randn(rows, 96, generator=generator)
     quantized = quantize("layer.weight", weight, weight_format)
     layer = QuantizedLinear(quantized, torch.nn.Parameter(bias), "layer.weight")
+    layer.quantize_activations = False
     dequantized = quantized.dequantize()
     output = layer(inputs)
     expected = F.linear(inputs, dequantized, bias)
@@ -68,16 +74,60 @@ def test_quantized_linear_matches_the_dequantized_weight_within_the_summation_bo
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
+@pytest.mark.parametrize("rows", range(1, kernel.INTEGER_MAX_ROWS + 1))
+def test_the_integer_path_moves_an_output_by_at_most_half_an_input_step_times_the_weights(
+    weight_format, rows
+):
+    """Each input of a group moves by at most half its step d = max|x| / 127 when quantized to int8, so an
+    output moves by at most sum over groups of d / 2 * sum |w| (and the float sums' own rounding)."""
+    generator = torch.Generator().manual_seed(100 + rows)
+    weight = torch.randn(101, 96, generator=generator)
+    bias = torch.randn(101, generator=generator)
+    inputs = torch.randn(rows, 96, generator=generator) * torch.logspace(-2, 1, 96)  # groups of unlike scales
+    quantized = quantize("layer.weight", weight, weight_format)
+    layer = QuantizedLinear(quantized, torch.nn.Parameter(bias), "layer.weight")
+    dequantized = quantized.dequantize()
+    output = layer(inputs)
+    expected = F.linear(inputs, dequantized, bias)
+    steps = inputs.view(rows, -1, GROUP_SIZE).abs().amax(-1) / 127  # [rows, groups]
+    weight_sums = dequantized.abs().view(101, -1, GROUP_SIZE).sum(-1)  # [out, groups]
+    bound = steps / 2 @ weight_sums.T + 2 * _summation_bound(inputs, dequantized)
+    excess = (output - expected).abs() - bound
+    assert excess.max() <= 0, f"{weight_format}, {rows} rows: beyond the bound by {excess.max().item()}"
+    layer.quantize_activations = False
+    assert not torch.equal(output, layer(inputs)), "the call did not take the integer path"
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+@pytest.mark.parametrize("quantize_activations", [False, True], ids=["float", "integer"])
 # 2048 outputs: 32 rows are work enough for every thread (kernel.MIN_WORK_PER_THREAD), one row is not.
 @pytest.mark.parametrize("out_features", [64, 2048])
-def test_a_row_gets_the_same_bits_whatever_else_shares_the_call(weight_format, out_features):
+def test_a_row_gets_the_same_bits_whatever_else_shares_the_call(
+    weight_format, quantize_activations, out_features
+):
+    """On either path: the float path at any number of rows, the integer one up to its most."""
     generator = torch.Generator().manual_seed(1)
     weight = torch.randn(out_features, 128, generator=generator)
     layer = QuantizedLinear(quantize("w", weight, weight_format), None, "w")
-    inputs = torch.randn(32, 128, generator=generator)
+    layer.quantize_activations = quantize_activations
+    inputs = torch.randn(kernel.INTEGER_MAX_ROWS if quantize_activations else 32, 128, generator=generator)
     together = layer(inputs)
-    for row in (0, 1, 2, 3, 31):
+    for row in sorted({0, 1, 2, 3, len(inputs) - 1}):
         assert torch.equal(layer(inputs[row : row + 1])[0], together[row]), f"row {row}"
+
+
+def test_the_engine_gives_every_quantized_layer_its_activations_setting():
+    for setting in (True, False):
+        model = _tiny_model("llama")
+        config = ContinuousBatchingConfig(
+            page_size=16, num_blocks=64, quantization="int8", quantize_activations=setting
+        )
+        manager = init_continuous_batching(model, continuous_batching_config=config)
+        try:
+            manager.start()
+        finally:
+            manager.destroy()
+        assert {layer.quantize_activations for layer in quantized_layers(model).values()} == {setting}
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
@@ -105,7 +155,7 @@ def test_quantizing_rounds_each_weight_to_within_half_a_step_of_its_group(weight
 @pytest.mark.parametrize("weight_format", FORMATS)
 def test_a_quantized_engine_matches_generate_on_the_dequantized_weights(family, weight_format):
     model = _tiny_model(family)
-    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, quantization=weight_format)
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, quantization=weight_format, **EXACT)
     generated, _ = generate_greedy(model, config, PROMPTS, NEW_TOKENS)
     layers = quantized_layers(model)
     # Every linear layer: 7 a decoder layer, and the output layer.
@@ -118,7 +168,7 @@ def test_a_quantized_engine_matches_generate_on_the_dequantized_weights(family, 
 def test_a_full_precision_push_into_a_quantized_engine_serves_its_quantization(weight_format):
     model = _tiny_model("llama")
     pushed = _tiny_model("llama", seed=7)
-    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, quantization=weight_format)
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, quantization=weight_format, **EXACT)
     manager = init_continuous_batching(model, continuous_batching_config=config)
     manager.start()
     try:
@@ -138,7 +188,7 @@ def test_a_push_over_the_weight_update_group_into_a_quantized_engine_serves_its_
     quantize them as each bucket lands."""
     model = _tiny_model("llama")
     pushed = _tiny_model("llama", seed=7)
-    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, quantization="int4")
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, quantization="int4", **EXACT)
     manager = init_continuous_batching(model, continuous_batching_config=config)
     manager.start()
     trainer = Trainer()

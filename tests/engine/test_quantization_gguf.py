@@ -93,7 +93,10 @@ def test_a_gguf_file_serves_its_own_blocks_with_greedy_parity(tmp_path, type_nam
     prompts = [random_prompt(length, seed=length) for length in (3, 30)]
     new_tokens = [16, 9]
     quantization = "int8" if type_name == "Q8_0" else "int4"
-    config = ContinuousBatchingConfig(page_size=16, num_blocks=32, quantization=quantization)
+    # Float inputs: the kernel's exact path, whose greedy tokens are those of the dequantized weights.
+    config = ContinuousBatchingConfig(
+        page_size=16, num_blocks=32, quantization=quantization, quantize_activations=False
+    )
     generated, _ = generate_greedy(model, config, prompts, new_tokens)
     assert_greedy_parity(reference, prompts, new_tokens, generated, type_name)
 

@@ -37,7 +37,9 @@ def test_an_unknown_dtype_names_the_choices() -> None:
         resolve_placement("cpu", "int4")
 
 
-def test_serve_flags_set_compilation_decode_graphs_the_attention_kernel_async_batching_and_packing() -> None:
+def test_serve_flags_set_compilation_graphs_the_attention_kernel_async_batching_packing_and_activations() -> (
+    None
+):
     from service.cli import _parser, engine_config
 
     arguments = [
@@ -49,6 +51,9 @@ def test_serve_flags_set_compilation_decode_graphs_the_attention_kernel_async_ba
         "64",
         "--async-batching",
         "--no-pack-cpu-weights",
+        "--quantization",
+        "int4",
+        "--no-quantize-activations",
     ]
     config = engine_config(_parser().parse_args(arguments))
     assert config.default_compile_level == 2
@@ -56,10 +61,11 @@ def test_serve_flags_set_compilation_decode_graphs_the_attention_kernel_async_ba
     assert config.max_blocks_per_request == 64
     assert config.use_async_batching is True
     assert config.pack_cpu_weights is False
+    assert config.quantization == "int4" and config.quantize_activations is False
     plain = engine_config(_parser().parse_args(["serve"]))
     assert plain.default_compile_level == 0 and plain.use_cuda_graph is None
     assert plain.max_blocks_per_request is None and plain.use_async_batching is None
-    assert plain.pack_cpu_weights is True
+    assert plain.pack_cpu_weights is True and plain.quantize_activations is True
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--compile-level", "4"])
 
