@@ -72,6 +72,15 @@ def _reference(
 # prompts, chunks longer than a tile and shorter than one.
 MIXED_STEP = [(10, 1), (0, 37), (40, 5), (70, 1), (3, 20), (150, 16)]
 DECODE_STEP = [(0, 1), (6, 1), (32, 1), (63, 1), (149, 1)]
+# One request alone, on 4 threads: fewer tiles than threads and more keys than MIN_KEYS_TO_SPLIT, so the
+# CPU kernel splits each tile's keys into parts (4 for the decode tile, 2 for each of the prefill chunk's
+# tiles) and merges them.
+STEPS = {
+    "mixed": (MIXED_STEP, PREFILL_QUERIES_PER_TILE, 2),
+    "decode": (DECODE_STEP, 1, 2),
+    "one_decode": ([(149, 1)], 1, 4),
+    "one_prefill": ([(150, 20)], PREFILL_QUERIES_PER_TILE, 4),
+}
 
 
 @pytest.mark.parametrize(
@@ -85,13 +94,13 @@ DECODE_STEP = [(0, 1), (6, 1), (32, 1), (63, 1), (149, 1)]
         (4, 2, 18, 16, None, None),  # head_dim not a multiple of the CPU kernel's vector or partial sums
     ],
 )
-@pytest.mark.parametrize("step", ["mixed", "decode"])
+@pytest.mark.parametrize("step", list(STEPS))
 def test_kernel_matches_a_gathered_softmax(
-    kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window
+    kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch
 ) -> None:
     generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim + page_size)
-    shape = MIXED_STEP if step == "mixed" else DECODE_STEP
-    queries_per_tile = PREFILL_QUERIES_PER_TILE if step == "mixed" else 1
+    shape, queries_per_tile, threads = STEPS[step]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     seq_lens = torch.tensor([context + count for context, count in shape])
     counts = [count for _, count in shape]
     query_starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
@@ -106,8 +115,10 @@ def test_kernel_matches_a_gathered_softmax(
             tile_requests.append(request)
             tile_offsets.append(offset)
     # Two padding tiles, and three packed rows no request owns (a padded step's shape): both stay zero.
-    tile_requests += [-1, -1]
-    tile_offsets += [0, 0]
+    # (A single request keeps its tiles alone.)
+    if len(shape) > 1:
+        tile_requests += [-1, -1]
+        tile_offsets += [0, 0]
     num_rows = int(query_starts[-1]) + 3
     queries = torch.randn(num_rows, num_heads, head_dim, generator=generator)
     scale = head_dim**-0.5
