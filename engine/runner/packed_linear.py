@@ -14,7 +14,9 @@ changed since it was packed. Every in-place write moves the counter (`copy_` und
 `load_state_dict`, optimizer steps, the engine's weight updates) except one through `.data`.
 
 Small weights stay with the BLAS: below `MIN_PACKED_WEIGHT_ELEMENTS` the packed call's fixed cost
-outweighs the copy it saves (a 256 x 256 projection ran 1.4x slower packed on 64 rows).
+outweighs the copy it saves (a 256 x 256 projection ran 1.4x slower packed on 64 rows). Their calls of few
+rows still take the kernel below: SmolLM2's 60 key and value projections (192 x 576) are each too small
+to pack, and on the BLAS one request's decode step took 39.1 ms against 38.0 with them on the kernel.
 
 A call of at most `FEW_ROWS` float32 rows (the decode of one request or a few) is bound by reading the
 weight, not by arithmetic, and neither library reads it at the machine's speed there: MKL multiplies one
@@ -104,7 +106,18 @@ class PackedLinears:
         self._few_rows_kernel = few_rows_kernel and _kernel_available()
         # None: the copy was dropped (`drop_copies`) and is made again on the layer's next call.
         self._packed: dict[torch.nn.Linear, _PackedWeight | None] = {}
-        for module in packable_linears(model, min_elements):
+        # Layers too small to pack whose calls of few rows take the kernel (the rest stay with the BLAS).
+        self._few_rows_only: list[torch.nn.Linear] = []
+        packable = packable_linears(model, min_elements)
+        if self._few_rows_kernel:
+            self._few_rows_only = [
+                module
+                for module in packable_linears(model, 0)
+                if module not in packable and module.weight.dtype == torch.float32
+            ]
+        for module in self._few_rows_only:
+            module.forward = self._forward_of(module)  # type: ignore[method-assign]
+        for module in packable:
             try:
                 self._packed[module] = _pack(module.weight)
             except RuntimeError as exc:
@@ -146,6 +159,8 @@ class PackedLinears:
                 and weight.is_contiguous()
             ):
                 return kernel.float_linear(hidden_states, weight, module.bias)
+            if module not in self._packed:  # too small to pack
+                return F.linear(hidden_states, weight, module.bias)
             packed = self._packed[module]
             if packed is None or not packed.is_current(weight):
                 packed = self._packed[module] = _pack(weight)
@@ -167,9 +182,10 @@ class PackedLinears:
 
     def restore(self) -> None:
         """Gives every layer its own forward back and frees the packed copies. Idempotent."""
-        for module in self._packed:
+        for module in [*self._packed, *self._few_rows_only]:
             module.__dict__.pop("forward", None)
         self._packed.clear()
+        self._few_rows_only.clear()
 
 
 def _kernel_available() -> bool:

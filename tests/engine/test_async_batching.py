@@ -181,8 +181,11 @@ def test_cancel_with_a_step_in_flight_ends_cancelled_and_frees_every_block():
 
 def test_async_batching_is_off_unless_asked_for():
     model = tiny_model("llama")
-    assert not EngineCore(model, ContinuousBatchingConfig(num_blocks=16)).async_batching
-    assert not EngineCore(model, _config(num_blocks=16, use_async_batching=False)).async_batching
+    for config in (ContinuousBatchingConfig(num_blocks=16), _config(num_blocks=16, use_async_batching=False)):
+        engine = EngineCore(model, config)
+        # Released: an engine gives the shared model its own layers back.
+        engine.release_model()
+        assert not engine.async_batching
 
 
 def test_a_step_that_fails_to_launch_fails_its_requests_and_the_loop_keeps_serving(monkeypatch):

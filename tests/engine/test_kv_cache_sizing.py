@@ -55,6 +55,10 @@ def test_the_cpu_default_caps_the_budget_at_4_gib_and_an_explicit_fraction_lifts
 
     monkeypatch.setattr(cache_plan, "resolve_cache_sizes", recording)
     model = tiny_model("llama")
-    EngineCore(model, ContinuousBatchingConfig(page_size=16, max_batch_tokens=256))
-    EngineCore(model, ContinuousBatchingConfig(page_size=16, max_batch_tokens=256, max_memory_percent=0.5))
+    for config in (
+        ContinuousBatchingConfig(page_size=16, max_batch_tokens=256),
+        ContinuousBatchingConfig(page_size=16, max_batch_tokens=256, max_memory_percent=0.5),
+    ):
+        # Released: an engine gives the shared model its own layers back.
+        EngineCore(model, config).release_model()
     assert caps == [DEFAULT_CPU_CACHE_BUDGET_BYTES, None]

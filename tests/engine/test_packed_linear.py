@@ -121,12 +121,8 @@ def test_a_packed_layer_computes_what_linear_does_and_keeps_gradients() -> None:
     assert "forward" not in layer.__dict__
 
 
-def test_calls_of_a_few_rows_run_on_the_engine_kernel_within_the_summation_bound(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Up to FEW_ROWS rows the layer reads its float32 weight with the engine's kernel (a last tile of
-    fewer than four channels included); each row gets the same bits whatever rows share the call, and
-    every output is within float32's summation bound of the exact product."""
+def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every call the engine's kernel gets from a layer, in order."""
     calls: list[int] = []
     float_linear = packed_linear.kernel.float_linear
 
@@ -135,6 +131,16 @@ def test_calls_of_a_few_rows_run_on_the_engine_kernel_within_the_summation_bound
         return float_linear(inputs, weight, bias)
 
     monkeypatch.setattr(packed_linear.kernel, "float_linear", counted)
+    return calls
+
+
+def test_calls_of_a_few_rows_run_on_the_engine_kernel_within_the_summation_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Up to FEW_ROWS rows the layer reads its float32 weight with the engine's kernel (a last tile of
+    fewer than four channels included); each row gets the same bits whatever rows share the call, and
+    every output is within float32's summation bound of the exact product."""
+    calls = _count_kernel_calls(monkeypatch)
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 97)
     packed = PackedLinears(layer)
@@ -153,6 +159,30 @@ def test_calls_of_a_few_rows_run_on_the_engine_kernel_within_the_summation_bound
         2 * 48 * 2.0**-24 * (inputs[: packed_linear.FEW_ROWS].abs() @ layer.weight.abs().T + layer.bias.abs())
     )
     assert ((together.double() - exact).abs() <= bound.double() + 1e-7).all()
+
+
+def test_a_layer_too_small_to_pack_takes_the_kernel_for_a_few_rows_and_the_blas_for_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key or value projection below MIN_PACKED_WEIGHT_ELEMENTS is not packed, but its decode calls still
+    read the weight on the kernel; restore gives it its own forward back."""
+    calls = _count_kernel_calls(monkeypatch)
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT_ELEMENTS", 48 * 97 + 1)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 97)
+    packed = PackedLinears(layer)
+    inputs = torch.randn(packed_linear.FEW_ROWS + 1, 48)
+    try:
+        assert packed.num_packed == 0
+        with torch.inference_mode():
+            few = layer(inputs[:2])
+            more = layer(inputs)
+    finally:
+        packed.restore()
+    assert "forward" not in layer.__dict__
+    assert calls == [2], "the few rows did not take the kernel, or the many rows did"
+    torch.testing.assert_close(few, F.linear(inputs[:2], layer.weight, layer.bias))
+    assert torch.equal(more, F.linear(inputs, layer.weight, layer.bias))
 
 
 def test_bf16_layers_compute_what_linear_does_whether_or_not_this_cpu_packs_them() -> None:
