@@ -8,11 +8,12 @@ channel) and `aten._weight_int4pack_mm_for_cpu` (int4, groups of 32), and cbserv
 weights read.
 
 `engine`: the embedded SmolLM2-135M-Instruct served from fp32 (`quantization="none"`), int8 (quantized at
-load) and int4 (its GGUF file's own Q4_1 blocks, Q8_0 for the output layer), in alternating rounds: one
-request's ms per token (one chat prompt, EOS off, `--max-new-tokens` tokens), and 32 chats' throughput
-(EOS on). Quality against fp32: the fraction of the chats' greedy tokens equal to fp32's, and the
-perplexity of each on a fixed local text (Python's own `pydoc_data` help topics, the first
-`--perplexity-tokens` tokens).
+load) and int4 (its GGUF file's own Q4_1 blocks, Q8_0 for the output layer), each with int8 inputs at
+decode (the default, `quantize_activations`) and with float inputs (`_float_inputs`), in alternating
+rounds: one request's ms per token (one chat prompt, EOS off, `--max-new-tokens` tokens), and 32 chats'
+throughput (EOS on). Quality against fp32: the fraction of the chats' greedy tokens equal to fp32's, and
+the perplexity of each on a fixed local text (Python's own `pydoc_data` help topics, the first
+`--perplexity-tokens` tokens), with int8 inputs as decode computes each token.
 
 Prints JSON lines, each with the machine's load average at its start and end (the machine is shared):
 
@@ -27,6 +28,7 @@ import service  # noqa: F401
 
 # isort: on
 import argparse
+import functools
 import json
 import math
 import os
@@ -40,9 +42,10 @@ import torch.nn.functional as F
 
 import engine
 from bench.embedded_model import chat_prompts, equal_fraction, greedy_config
+from engine.quantization import kernel
 from engine.quantization.formats import quantize
 from engine.quantization.linear import QuantizedLinear
-from engine.quantization.model import quantize_model
+from engine.quantization.model import quantize_model, quantized_layers
 from service.default_model import ensure_default_model, load_own_gguf_blocks
 
 BENCH_NAME = "quantization"
@@ -59,7 +62,15 @@ LAYER_SHAPES = [
 ]
 STEP_SHAPES = LAYER_SHAPES * LAYERS + [(VOCAB, HIDDEN)]
 KERNELS = ("fp32_linear", "aten_int8", "aten_int4", "cbserve_int8", "cbserve_int4")
-SERVINGS = ("fp32", "int8", "int4_gguf")
+# Per serving: its `quantization`, its `quantize_activations`, and the model it is served from (a serving
+# with float inputs shares its integer twin's quantized model; each engine sets the layers' flag at start).
+SERVINGS: dict[str, tuple[str, bool, str]] = {
+    "fp32": ("none", True, "fp32"),
+    "int8": ("int8", True, "int8"),
+    "int8_float_inputs": ("int8", False, "int8"),
+    "int4_gguf": ("int4", True, "int4_gguf"),
+    "int4_gguf_float_inputs": ("int4", False, "int4_gguf"),
+}
 
 
 def _kernel_step(name: str, weights: list[torch.Tensor]) -> tuple[Callable[[torch.Tensor, int], Any], int]:
@@ -154,22 +165,43 @@ def _perplexity_text(tokenizer: Any, count: int) -> torch.Tensor:
     return torch.tensor([tokenizer(text)["input_ids"][:count]])
 
 
-def _perplexity(model: Any, tokens: torch.Tensor) -> float:
-    with torch.no_grad():
-        loss = model(tokens, labels=tokens).loss
+def _perplexity(model: Any, tokens: torch.Tensor, quantize_activations: bool) -> float:
+    """Perplexity of `tokens` under one plain forward. With `quantize_activations`, each quantized layer runs
+    its rows INTEGER_MAX_ROWS at a time, on the kernel's integer path: each token's logits are then those
+    a decode step computes (a row's result on that path does not depend on the other rows of its call),
+    where a one-call forward of every token would take the float path."""
+    layers = list(quantized_layers(model).values())
+    for layer in layers:
+        layer.quantize_activations = quantize_activations
+        if quantize_activations:
+            layer.forward = functools.partial(_in_decode_sized_calls, layer)
+    try:
+        with torch.no_grad():
+            loss = model(tokens, labels=tokens).loss
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
     return math.exp(loss.item())
 
 
-def _serve(
-    model: Any, prompts: list[list[int]], config: Any, quantization: str
-) -> tuple[float, list[list[int]]]:
+def _in_decode_sized_calls(layer: QuantizedLinear, inputs: torch.Tensor) -> torch.Tensor:
+    rows = inputs.reshape(-1, inputs.shape[-1])
+    calls = [QuantizedLinear.forward(layer, part) for part in rows.split(kernel.INTEGER_MAX_ROWS)]
+    return torch.cat(calls).view(*inputs.shape[:-1], -1)
+
+
+def _serve(model: Any, prompts: list[list[int]], config: Any, serving: str) -> tuple[float, list[list[int]]]:
+    quantization, quantize_activations, _ = SERVINGS[serving]
     start = time.perf_counter()
     outputs = engine.generate_batch(
         model,
         prompts,
         generation_config=config,
         continuous_batching_config=engine.ContinuousBatchingConfig(
-            page_size=16, max_batch_tokens=2048, quantization=quantization
+            page_size=16,
+            max_batch_tokens=2048,
+            quantization=quantization,
+            quantize_activations=quantize_activations,
         ),
     )
     return time.perf_counter() - start, [list(output.generated_tokens) for output in outputs.values()]
@@ -182,35 +214,38 @@ def run_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
     folder = ensure_default_model()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     models: dict[str, Any] = {}
-    quantizations = {"fp32": "none", "int8": "int8", "int4_gguf": "int4"}
     for name in args.servings:
+        quantization, _, model_name = SERVINGS[name]
+        if model_name in models:
+            continue
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
         start = time.perf_counter()
-        if name == "int4_gguf":
+        if model_name == "int4_gguf":
             load_own_gguf_blocks(folder, model)
-        quantize_model(model, quantizations[name])
-        print(f"{name}: quantized in {time.perf_counter() - start:.1f} s", flush=True)
-        models[name] = model.eval()
+        quantize_model(model, quantization)
+        print(f"{model_name}: quantized in {time.perf_counter() - start:.1f} s", flush=True)
+        models[model_name] = model.eval()
+    servings = {name: models[SERVINGS[name][2]] for name in args.servings}
     chats = chat_prompts(tokenizer, args.requests)
     chat_config = greedy_config(next(iter(models.values())), args.max_new_tokens)
     single_config = greedy_config(next(iter(models.values())), args.max_new_tokens)
     single_config.eos_token_id = None
     single_config.min_new_tokens = args.max_new_tokens
-    for name, model in models.items():  # warmup
-        _serve(model, chats[:2], chat_config, quantizations[name])
-    single: dict[str, list[float]] = {name: [] for name in models}
-    batch: dict[str, list[float]] = {name: [] for name in models}
+    for name, model in servings.items():  # warmup
+        _serve(model, chats[:2], chat_config, name)
+    single: dict[str, list[float]] = {name: [] for name in servings}
+    batch: dict[str, list[float]] = {name: [] for name in servings}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.rounds):
-        for name, model in models.items():
-            seconds, tokens = _serve(model, chats[:1], single_config, quantizations[name])
+        for name, model in servings.items():
+            seconds, tokens = _serve(model, chats[:1], single_config, name)
             single[name].append(seconds * 1e3 / max(1, len(tokens[0])))
-            seconds, tokens = _serve(model, chats, chat_config, quantizations[name])
+            seconds, tokens = _serve(model, chats, chat_config, name)
             batch[name].append(sum(len(row) for row in tokens) / seconds)
             outputs.setdefault(name, tokens)
     text = _perplexity_text(tokenizer, args.perplexity_tokens)
     records = []
-    for name, model in models.items():
+    for name, model in servings.items():
         records.append(
             {
                 "bench": BENCH_NAME,
@@ -223,7 +258,7 @@ def run_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "chat_tokens_equal_to_fp32": (
                     round(equal_fraction(outputs[name], outputs["fp32"]), 4) if "fp32" in outputs else None
                 ),
-                "perplexity": round(_perplexity(model, text), 3),
+                "perplexity": round(_perplexity(model, text, SERVINGS[name][1]), 3),
                 "requests": args.requests,
                 "max_new_tokens": args.max_new_tokens,
                 "threads": torch.get_num_threads(),
@@ -239,7 +274,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--part", nargs="+", choices=("kernels", "engine"), default=["kernels", "engine"])
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     parser.add_argument("--kernel-rounds", type=int, default=5)
-    parser.add_argument("--servings", nargs="+", choices=SERVINGS, default=list(SERVINGS))
+    parser.add_argument("--servings", nargs="+", choices=list(SERVINGS), default=list(SERVINGS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128)

@@ -178,8 +178,9 @@ class ContinuousBatchingConfig:
     (the decode of one request or a few) quantizes its inputs to int8, a scale per 32, and multiplies in
     integers, as llama.cpp does: one request's int4 step on SmolLM2 took 23.8 ms against 28.3 with float
     inputs on the 2-core EPYC (bench/RESULTS.md, "Quantized weights"), and each output moves by at most
-    half an input step times the weights' magnitudes (the kernel's header). False (`cbserve serve --no-quantize-activations`) keeps float32 inputs: the product
-    of the dequantized weights, up to the order of its sums, at every batch size.
+    half an input step times the weights' magnitudes (the kernel's header). False (`cbserve serve
+    --no-quantize-activations`) keeps float32 inputs: the product of the dequantized weights, up to the
+    order of its sums, at every batch size.
 
     Deprecated fields, accepted at construction only and reset to None once applied:
     `use_default_compile_configs` (since transformers 5.11, use `default_compile_level`; True raises a level

@@ -253,6 +253,7 @@ int quantized_linear(int format, const float *x, int64_t rows, int64_t x_stride,
     int64_t groups = in_features / GROUP;
     int64_t tiles = (out_features + CHANNEL_TILE - 1) / CHANNEL_TILE;
     int failed = 0;
+    if (rows == 0) return 0; /* a step that keeps no logits */
 #if HAS_INTEGER_PATH
     if (quantize_activations && format != FORMAT_FLOAT32 && rows <= INTEGER_MAX_ROWS) {
         int8_t *quantized = malloc((size_t)(rows * in_features) + 2 * (size_t)(rows * groups) * sizeof(float));

@@ -136,6 +136,10 @@ def test_leading_dims_and_bf16_inputs_keep_their_shape_and_dtype(weight_format):
     inputs = torch.randn(2, 3, 64, dtype=torch.bfloat16)
     output = layer(inputs)
     assert output.shape == (2, 3, 48) and output.dtype == torch.bfloat16
+    # A step that keeps no logits calls the output layer on no rows, on either path.
+    for quantize_activations in (True, False):
+        layer.quantize_activations = quantize_activations
+        assert layer(torch.empty(0, 64)).shape == (0, 48)
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
