@@ -12,7 +12,13 @@ from engine.api import (
 )
 from engine.config import ContinuousBatchingConfig
 from engine.engine_core import call_on_steps_thread
-from engine.errors import EngineBusyError, QueueFullError, WeightTransferError, WeightTransferTimeout
+from engine.errors import (
+    DuplicateRequestError,
+    EngineBusyError,
+    QueueFullError,
+    WeightTransferError,
+    WeightTransferTimeout,
+)
 from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from engine.loop.commands import PauseHandle, PauseMode, PrefixCacheReset, SleepOutcome
 from engine.manager import ContinuousBatchingManager
@@ -67,6 +73,7 @@ __all__ = [
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "CudaIpcHandle",
+    "DuplicateRequestError",
     "EngineBusyError",
     "FinishReason",
     "GenerationOutput",

@@ -5,6 +5,11 @@ class QueueFullError(RuntimeError):
     """`add_request` found `max_queue_size` requests already waiting; nothing was queued."""
 
 
+class DuplicateRequestError(ValueError):
+    """`add_request` was given the id of a request still in flight; nothing was queued. A ValueError, as
+    transformers' continuous batching raises for it."""
+
+
 class EngineBusyError(RuntimeError):
     """A call that needs an idle engine found requests in flight (queued or running); nothing was done."""
 

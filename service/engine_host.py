@@ -16,6 +16,7 @@ from smg_grpc_proto.generated import common_pb2
 from engine import (
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
+    DuplicateRequestError,
     ManagerStats,
     QueueFullError,
     RequestStatus,
@@ -224,6 +225,10 @@ class EngineHost:
             )
         except QueueFullError as exc:
             raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        except DuplicateRequestError as exc:
+            # The engine still holds a request whose record here has ended (a stop string ended it and
+            # its cancel has not reached the loop yet): the same answer as a live record's.
+            raise RequestRejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from exc
         except ValueError as exc:  # a check only the engine makes
             raise RequestRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         if request_id is None:

@@ -6,10 +6,11 @@
                                                           Rejection: raised by the manager (`error()`)
 
 A rejection names its reason, the field at fault and the bound it broke; callers raise it as the
-exception they have always got: ValueError for a request that can never run here or reuses a live id,
-QueueFullError when `max_queue_size` requests wait. A stopped engine refuses quietly (the manager warns
-and returns None). Requests that pass are never checked again: the loop's engine and the other
-tensor-parallel ranks queue them as they come.
+exception they have always got: ValueError for a request that can never run here,
+DuplicateRequestError (a ValueError) for one that reuses a live id, QueueFullError when
+`max_queue_size` requests wait. A stopped engine refuses quietly (the manager warns and returns None).
+Requests that pass are never checked again: the loop's engine and the other tensor-parallel ranks queue
+them as they come.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.errors import QueueFullError
+from engine.errors import DuplicateRequestError, QueueFullError
 from engine.request import Request, sequence_request_id
 from engine.sampling.params import SamplingParams, check_token_ids, sequence_seed
 
@@ -57,6 +58,8 @@ class Rejection:
         """The exception callers get for it (the same types as before admission was one function)."""
         if self.reason == RejectionReason.QUEUE_FULL:
             return QueueFullError(self.message)
+        if self.reason == RejectionReason.DUPLICATE_ID:
+            return DuplicateRequestError(self.message)
         return ValueError(self.message)
 
 

@@ -12,6 +12,7 @@ import pytest
 from engine import (
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
+    DuplicateRequestError,
     QueueFullError,
     RequestStatus,
     continuous_batching_context_manager,
@@ -277,7 +278,8 @@ def test_bad_input_raises_value_error_and_the_engine_keeps_serving(manager, kwar
 
 def test_duplicate_live_request_id_is_rejected(manager):
     manager.add_request(random_prompt(4, seed=19), request_id="dup", max_new_tokens=300, eos_token_id=[])
-    with pytest.raises(ValueError, match="already in flight"):
+    # A DuplicateRequestError, which is a ValueError, as transformers raises.
+    with pytest.raises(DuplicateRequestError, match="already in flight"):
         manager.add_request(random_prompt(4, seed=20), request_id="dup")
     manager.cancel_request("dup")
 

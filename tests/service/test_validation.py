@@ -8,6 +8,7 @@ import torch
 from cbserve_client import AdminClient, Client, ResourceExhaustedError
 from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
 
+from engine import DuplicateRequestError
 from tests.helpers.servers import ADMIN_TOKEN, RunningServer, engine_config_for_tests
 
 OK_PROMPT = types_pb2.TokenIds(ids=[5, 6, 7])
@@ -149,6 +150,29 @@ def test_duplicate_live_id_is_already_exists_and_rejection_on_generate_is_a_fail
         assert first.chunk.status == types_pb2.REQUEST_STATUS_FAILED
         assert first.chunk.error_code == grpc.StatusCode.ALREADY_EXISTS.value[0]
     assert client.cancel("dup") is True
+
+
+def test_an_id_the_engine_still_holds_is_already_exists_even_once_its_record_here_ended(
+    served: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop string ends a request's record at once, and the engine lets the id go only when the cancel
+    reaches its loop: a new request with that id in between is refused by the engine, with the same code
+    a live record gets (it was INVALID_ARGUMENT, seen beside a busy neighbour process)."""
+    host = served.server.slot.host
+    assert host is not None
+
+    def still_in_flight(*args: object, **kwargs: object) -> None:
+        raise DuplicateRequestError("request_id 'dup-held' is already in flight")
+
+    monkeypatch.setattr(host.manager, "add_request", still_in_flight)
+    with grpc.insecure_channel(served.target) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        request = _sampling(max_new_tokens=4)
+        request.request_id = "dup-held"
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.AddRequest(generation_pb2.AddRequestRequest(request=request), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "already in flight" in (caught.value.details() or "")
 
 
 def test_full_queue_is_resource_exhausted(model: torch.nn.Module) -> None:
