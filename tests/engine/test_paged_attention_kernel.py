@@ -83,7 +83,7 @@ STEPS = {
 }
 
 
-@pytest.mark.parametrize(
+ATTENTION_SHAPES = pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "page_size", "softcap", "window"),
     [
         (4, 4, 16, 4, None, None),  # no grouping, pages smaller than a key tile
@@ -94,8 +94,35 @@ STEPS = {
         (4, 2, 18, 16, None, None),  # head_dim not a multiple of the CPU kernel's vector or partial sums
     ],
 )
-@pytest.mark.parametrize("step", list(STEPS))
+
+
+@ATTENTION_SHAPES
+@pytest.mark.parametrize("step", ["mixed", "decode"])
 def test_kernel_matches_a_gathered_softmax(
+    kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch
+) -> None:
+    _check_against_a_gathered_softmax(
+        kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch
+    )
+
+
+@ATTENTION_SHAPES
+@pytest.mark.parametrize("step", ["one_decode", "one_prefill"])
+def test_the_cpu_kernel_splitting_a_lone_tiles_keys_matches_a_gathered_softmax(
+    step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch
+) -> None:
+    """The C kernel's split over threads (the Triton kernel has none, so it runs only on the CPU's)."""
+    if TEST_DEVICE.type != "cpu":
+        pytest.skip("the C kernel serves CPU tensors; this run is on " + TEST_DEVICE.type)
+    from engine.runner import paged_attention_cpu
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _check_against_a_gathered_softmax(
+        paged_attention_cpu, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch
+    )
+
+
+def _check_against_a_gathered_softmax(
     kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch
 ) -> None:
     generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim + page_size)
