@@ -32,24 +32,13 @@ COMPILE_FLAGS = (
 _int64, _pointer, _float, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
     # hidden and stride, addend and stride (NULL: none), weight, rows, width, eps, out and stride, threads
-    "rms_norm": [
-        _pointer,
-        _int64,
-        _pointer,
-        _int64,
-        _pointer,
-        _int64,
-        _int64,
-        _float,
-        _pointer,
-        _int64,
-        _int,
-    ],
+    "rms_norm": [_pointer, _int64, _pointer, _int64, _pointer,
+                 _int64, _int64, _float, _pointer, _int64, _int],
     # x, rows, heads, row and head strides, head_dim, cos, sin, their row stride, threads
     "rotary": [_pointer, _int64, _int64, _int64, _int64, _int64, _pointer, _pointer, _int64, _int],
     # gate and stride, up and stride, rows, width, out and stride, threads
     "silu_and_mul": [_pointer, _int64, _pointer, _int64, _int64, _int64, _pointer, _int64, _int],
-}
+}  # fmt: skip
 
 
 def load() -> ctypes.CDLL:

@@ -110,10 +110,11 @@ class PackedLinears:
         self._few_rows_only: list[torch.nn.Linear] = []
         packable = packable_linears(model, min_elements)
         if self._few_rows_kernel:
+            packed = set(packable)
             self._few_rows_only = [
                 module
                 for module in packable_linears(model, 0)
-                if module not in packable and module.weight.dtype == torch.float32
+                if module not in packed and module.weight.dtype == torch.float32
             ]
         for module in self._few_rows_only:
             module.forward = self._forward_of(module)  # type: ignore[method-assign]

@@ -16,11 +16,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from engine import ContinuousBatchingConfig, init_continuous_batching
 from engine.runner import fused_ops
-from engine.runner.decoder_forward import DecoderForward
+from engine.runner.decoder_forward import DecoderForward, unsupported_reason
 from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import TEST_DEVICE, tiny_model
-
-pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the engine's decoder forward is CPU-only")
 
 
 def _forwards(family: str, **config: object) -> set[str]:
@@ -37,14 +35,17 @@ def _forwards(family: str, **config: object) -> set[str]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_the_llama_family_runs_the_engines_forward_on_both_paths(family):
-    assert _forwards(family) == {DecoderForward.__name__}
+def test_the_llama_family_runs_the_engines_forward_on_both_paths_on_the_cpu(family):
+    """On the CPU; on another device (CBSERVE_TEST_DEVICE) both paths run the model's own forward."""
+    assert unsupported_reason(tiny_model(family)) is None
+    own_forward = "function"  # engine.runner.forward_paths's eager closures
+    expected = DecoderForward.__name__ if TEST_DEVICE.type == "cpu" else own_forward
+    assert _forwards(family) == {expected}
 
 
-def test_other_models_and_configurations_run_the_models_own_forward(caplog):
-    with caplog.at_level("INFO", logger="engine.runner.forward_paths"):
-        assert DecoderForward.__name__ not in _forwards("gemma2")
-    assert "Gemma2ForCausalLM is not one of" in caplog.text
+def test_other_models_and_configurations_run_the_models_own_forward():
+    assert "Gemma2ForCausalLM is not one of" in (unsupported_reason(tiny_model("gemma2")) or "")
+    assert DecoderForward.__name__ not in _forwards("gemma2")
     # Batch-invariant forwards run under their own mode; the gather path has no kernel to feed.
     assert DecoderForward.__name__ not in _forwards("llama", batch_invariant=True)
     assert DecoderForward.__name__ not in _forwards("llama", max_blocks_per_request=0)

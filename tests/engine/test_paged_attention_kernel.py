@@ -111,20 +111,20 @@ def test_kernel_matches_a_gathered_softmax(
 def test_the_cpu_kernel_splitting_a_lone_tiles_keys_matches_a_gathered_softmax(
     step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch
 ) -> None:
-    """The C kernel's split over threads (the Triton kernel has none, so it runs only on the CPU's)."""
-    if TEST_DEVICE.type != "cpu":
-        pytest.skip("the C kernel serves CPU tensors; this run is on " + TEST_DEVICE.type)
+    """The C kernel's split over threads (the Triton kernel has none), on CPU tensors whatever the run's
+    test device."""
     from engine.runner import paged_attention_cpu
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _check_against_a_gathered_softmax(
-        paged_attention_cpu, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch
-    )
+        paged_attention_cpu, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch,
+        device=torch.device("cpu"),
+    )  # fmt: skip
 
 
 def _check_against_a_gathered_softmax(
-    kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch
-) -> None:
+    kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch,
+    device=TEST_DEVICE,
+) -> None:  # fmt: skip
     generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim + page_size)
     shape, queries_per_tile, threads = STEPS[step]
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
@@ -150,10 +150,9 @@ def _check_against_a_gathered_softmax(
     queries = torch.randn(num_rows, num_heads, head_dim, generator=generator)
     scale = head_dim**-0.5
     tensors = [queries, key_cache, value_cache, tables.int(), query_starts.int(), seq_lens.int()]
-    device_tensors = [tensor.to(TEST_DEVICE) for tensor in tensors]
+    device_tensors = [tensor.to(device) for tensor in tensors]
     tiles = [
-        torch.tensor(values, dtype=torch.int32, device=TEST_DEVICE)
-        for values in (tile_requests, tile_offsets)
+        torch.tensor(values, dtype=torch.int32, device=device) for values in (tile_requests, tile_offsets)
     ]
     output = kernel_module.paged_attention(
         *device_tensors, *tiles, queries_per_tile, page_size, scale, softcap, window, has_unowned_rows=True
