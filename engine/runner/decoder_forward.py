@@ -18,6 +18,7 @@ forward.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,10 @@ import torch
 
 from engine.runner import fused_ops
 from engine.runner.attention import PagedAttentionMetadata, write_and_attend
+from engine.runner.decoder_layers import DecoderLayers
 from engine.system.native_library import KernelUnavailable
+
+logger = logging.getLogger(__name__)
 
 # Models whose decoder layers, MLPs and norms have transformers' Llama code, with attention that differs
 # from Llama's at most by norms on the queries and keys (Qwen3) or biases (Qwen2).
@@ -78,13 +82,39 @@ class DecoderForward:
     """One step of a supported model (`unsupported_reason`): packed tokens in, logits of the
     `logits_indices` rows out, with attention on the kernel path (`metadata.kernel_inputs`).
 
-    A step whose requests' block tables are too wide for the kernel (`max_blocks_per_request`) gathers its
-    keys instead: it runs `own_forward`, the model's own forward. Modules are looked up on every call, not
-    held: quantizing a model or loading weights may replace a linear layer by another module."""
+    The layers run in one C call (engine.runner.decoder_layers) when every linear layer of the step runs
+    on the engine's linear kernel (quantized layers; float32 layers at a few rows), else as a loop here
+    over the layers' modules, which calls each linear layer as installed (packed, quantized or plain).
+    Both give the same bits. `layers_in_one_call=False` keeps every step on the loop.
 
-    def __init__(self, model: torch.nn.Module, own_forward: Callable[..., torch.Tensor]) -> None:
+    A step whose requests' block tables are too wide for the kernel (`max_blocks_per_request`) gathers its
+    keys instead: it runs `own_forward`, the model's own forward. The loop looks modules up on every call;
+    the one-call plan reads them once, on the first step (after quantization has replaced its modules)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        own_forward: Callable[..., torch.Tensor],
+        layers_in_one_call: bool = True,
+    ) -> None:
         self.model = model
         self.own_forward = own_forward
+        self._layers_in_one_call = layers_in_one_call
+        self._one_call: DecoderLayers | None = None
+
+    def _layers_of(self, rows: int, metadata: PagedAttentionMetadata) -> DecoderLayers | None:
+        """The one-call plan when it serves a step of `rows` tokens, else None."""
+        if self._layers_in_one_call and self._one_call is None:
+            self._one_call = DecoderLayers.build(self.model)
+            if self._one_call is None:
+                logger.info(
+                    "decoder layers run one module at a time: some linear layer does not run on the "
+                    "engine's linear kernel"
+                )
+                self._layers_in_one_call = False
+        one_call = self._one_call
+        serves = one_call is not None and one_call.serves(rows, metadata.attention_kernel)
+        return one_call if serves else None
 
     def __call__(
         self,
@@ -99,11 +129,24 @@ class DecoderForward:
         model: Any = self.model
         inner = model.model
         hidden = inner.embed_tokens(input_ids[0])  # [T, hidden], a fresh tensor the residuals add into
-        width = hidden.shape[1]
         cos, sin = (angles[0] for angles in inner.rotary_emb(hidden[None], position_ids))
+        one_call = self._layers_of(hidden.shape[0], metadata)
+        if one_call is not None:
+            one_call.run(hidden, _rows(cos, cos.shape[-1]), _rows(sin, sin.shape[-1]), metadata)
+        else:
+            self._layer_loop(hidden, cos, sin, metadata)
+        kept = hidden[logits_indices]
+        return model.lm_head(fused_ops.rms_norm(kept, inner.norm.weight, inner.norm.variance_epsilon))
+
+    def _layer_loop(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: PagedAttentionMetadata
+    ) -> None:
+        """Every layer on `hidden` [T, width], in place, one module call at a time."""
+        model: Any = self.model
+        width = hidden.shape[1]
         # The output of the layer before, not yet added to `hidden`: each norm adds it on its way in.
         pending: torch.Tensor | None = None
-        for index, layer in enumerate(inner.layers[: model.config.num_hidden_layers]):
+        for index, layer in enumerate(model.model.layers[: model.config.num_hidden_layers]):
             norm = layer.input_layernorm
             normed = fused_ops.rms_norm(hidden, norm.weight, norm.variance_epsilon, pending)
             attended = self._attention(index, layer.self_attn, normed, cos, sin, metadata)
@@ -117,8 +160,6 @@ class DecoderForward:
             pending = _rows(mlp.down_proj(fused_ops.silu_and_mul(gate, up)), width)
         if pending is not None:
             hidden += pending
-        kept = hidden[logits_indices]
-        return model.lm_head(fused_ops.rms_norm(kept, inner.norm.weight, inner.norm.variance_epsilon))
 
     @staticmethod
     def _attention(

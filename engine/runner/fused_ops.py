@@ -38,6 +38,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "rotary": [_pointer, _int64, _int64, _int64, _int64, _int64, _pointer, _pointer, _int64, _int],
     # gate and stride, up and stride, rows, width, out and stride, threads
     "silu_and_mul": [_pointer, _int64, _pointer, _int64, _int64, _int64, _pointer, _int64, _int],
+    # the Decoder, its Layer array and the StepInputs (engine.runner.decoder_layers)
+    "decoder_layers": [_pointer, _pointer, _pointer],
 }  # fmt: skip
 
 

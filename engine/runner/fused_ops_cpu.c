@@ -11,10 +11,17 @@
    operators round the product and the sum separately, and so does this code.
 
    Rows are split over threads only when a call has enough of them to pay for waking the team (a prefill
-   chunk); one request's decode step runs on the calling thread. */
+   chunk); one request's decode step runs on the calling thread.
+
+   decoder_layers runs every decoder layer of one step in one call (engine.runner.decoder_layers): the same
+   operations in the same order as engine.runner.decoder_forward's layer loop, with the linear layers and
+   the attention on the engine's kernels, reached through the function pointers the caller passes (they
+   live in libraries of their own). */
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* Elements of work per thread below which a call stays on one thread. */
 #define MIN_ELEMENTS_PER_THREAD (1 << 15)
@@ -75,4 +82,150 @@ int silu_and_mul(const float *gate, int64_t gate_stride, const float *up, int64_
         for (int64_t i = 0; i < width; i++) out_row[i] = gate_row[i] / (1.0f + expf(-gate_row[i])) * up_row[i];
     }
     return 0;
+}
+
+/* engine.quantization.kernel's quantized_linear (every linear layer the step runs) and
+   engine.runner.paged_attention_cpu's paged_attention. */
+typedef int (*LinearKernel)(int format, const float *x, int64_t rows, int64_t x_stride, const void *packed,
+                            const float *scales, const float *mins, int64_t out_features, int64_t in_features,
+                            const float *bias, float *out, int64_t out_stride, int quantize_activations,
+                            int threads);
+typedef int (*AttentionKernel)(int dtype, const void *queries, int64_t query_row_stride, int64_t query_head_stride,
+                               const void *key_cache, const void *value_cache, int64_t slot_stride,
+                               int64_t cache_head_stride, const int32_t *block_table, int64_t table_stride,
+                               const int32_t *query_starts, const int32_t *seq_lens, const int32_t *tile_requests,
+                               const int32_t *tile_offsets, int64_t num_tiles, void *output,
+                               int64_t output_row_stride, int64_t output_head_stride, int64_t num_kv_heads,
+                               int64_t group_size, int64_t head_dim, int64_t queries_per_tile, int64_t page_size,
+                               float scale, float softcap, int64_t sliding_window, int fixed_order, int threads);
+
+/* One linear layer as the linear kernel reads it: its format code, weight (packed bytes, or the float32
+   weight itself), scales and mins (NULL where the format has none) and bias (NULL: none). */
+typedef struct {
+    int64_t format, quantize_activations, out_features, in_features, weight_bytes;
+    const void *packed;
+    const float *scales, *mins, *bias;
+} Linear;
+
+/* One decoder layer's weights; query_norm and key_norm are NULL but for Qwen3. */
+typedef struct {
+    Linear query, key, value, output, gate, up, down;
+    const float *input_norm, *post_attention_norm, *query_norm, *key_norm;
+    double input_norm_eps, post_attention_norm_eps, query_norm_eps, key_norm_eps, scale;
+} Layer;
+
+/* What every layer shares: the model's widths and the kernels. */
+typedef struct {
+    int64_t num_layers, width, heads, kv_heads, head_dim, intermediate, min_work_per_thread;
+    LinearKernel linear;
+    AttentionKernel attention;
+} Decoder;
+
+/* One step. Caches are [num_slots, kv_heads, head_dim], contiguous, one pair per layer; layer_groups names
+   each layer's cache group; write_slots[group] holds each row's slot in the group's caches; block tables,
+   one per group, have their own row strides. */
+typedef struct {
+    int64_t rows;
+    float *hidden;
+    const float *cos, *sin;
+    int64_t angle_stride;
+    float *const *key_caches, *const *value_caches;
+    const int64_t *layer_groups;
+    int64_t num_slots;
+    const int64_t *const *write_slots;
+    const int32_t *const *block_tables;
+    const int64_t *table_strides, *sliding_windows;
+    const int32_t *query_starts, *seq_lens, *tile_requests, *tile_offsets;
+    int64_t num_tiles, queries_per_tile, page_size, has_unowned_rows, threads;
+} StepInputs;
+
+/* The threads engine.quantization.kernel.quantized_matmul gives a call: one per min_work_per_thread bytes of
+   weight times rows, at least one, at most the step's. */
+static int linear(const Decoder *decoder, const StepInputs *step, const Linear *layer, const float *x, float *out) {
+    int64_t threads = layer->weight_bytes * step->rows / decoder->min_work_per_thread;
+    if (threads > step->threads) threads = step->threads;
+    if (threads < 1) threads = 1;
+    return decoder->linear((int)layer->format, x, step->rows, layer->in_features, layer->packed, layer->scales,
+                           layer->mins, layer->out_features, layer->in_features, layer->bias, out,
+                           layer->out_features, (int)layer->quantize_activations, (int)threads);
+}
+
+/* Copies the step's keys and values [rows, kv_heads * head_dim] to their slots; -2 for a slot outside the
+   caches. */
+static int write_cache(const Decoder *decoder, const StepInputs *step, int64_t index, const float *keys,
+                       const float *values) {
+    const int64_t slot_width = decoder->kv_heads * decoder->head_dim;
+    const int64_t *slots = step->write_slots[step->layer_groups[index]];
+    for (int64_t row = 0; row < step->rows; row++) {
+        if (slots[row] < 0 || slots[row] >= step->num_slots) return -2;
+        memcpy(step->key_caches[index] + slots[row] * slot_width, keys + row * slot_width, slot_width * sizeof(float));
+        memcpy(step->value_caches[index] + slots[row] * slot_width, values + row * slot_width,
+               slot_width * sizeof(float));
+    }
+    return 0;
+}
+
+/* Every layer of the step: hidden [rows, width] holds the embeddings on the way in and the residual stream
+   after the last layer on the way out. Every intermediate lives in one buffer allocated here. Returns 0; 1
+   when this call or a kernel could not allocate its scratch; -2 for a write slot outside the caches. */
+int decoder_layers(const Decoder *decoder, const Layer *layers, const StepInputs *step) {
+    const int64_t rows = step->rows, width = decoder->width, head_dim = decoder->head_dim;
+    const int64_t query_width = decoder->heads * head_dim, key_width = decoder->kv_heads * head_dim;
+    const int threads = (int)step->threads;
+    float *scratch = malloc(sizeof(float) * rows * (2 * width + 2 * query_width + 2 * key_width + 2 * decoder->intermediate));
+    if (scratch == NULL) return 1;
+    float *normed = scratch, *queries = normed + rows * width, *keys = queries + rows * query_width;
+    float *values = keys + rows * key_width, *attended = values + rows * key_width;
+    /* The output of the attention or MLP block not yet added to hidden: each norm adds it on its way in. */
+    float *pending = attended + rows * query_width, *gate = pending + rows * width;
+    float *up = gate + rows * decoder->intermediate;
+    int status = 0;
+    for (int64_t index = 0; index < decoder->num_layers && status == 0; index++) {
+        const Layer *layer = layers + index;
+        rms_norm(step->hidden, width, index == 0 ? NULL : pending, width, layer->input_norm, rows, width,
+                 (float)layer->input_norm_eps, normed, width, threads);
+        status |= linear(decoder, step, &layer->query, normed, queries);
+        status |= linear(decoder, step, &layer->key, normed, keys);
+        status |= linear(decoder, step, &layer->value, normed, values);
+        if (status != 0) break;
+        if (layer->query_norm != NULL) { /* Qwen3: a norm over each head, before the rotation, in place */
+            rms_norm(queries, head_dim, NULL, 0, layer->query_norm, rows * decoder->heads, head_dim,
+                     (float)layer->query_norm_eps, queries, head_dim, threads);
+            rms_norm(keys, head_dim, NULL, 0, layer->key_norm, rows * decoder->kv_heads, head_dim,
+                     (float)layer->key_norm_eps, keys, head_dim, threads);
+        }
+        rotary(queries, rows, decoder->heads, query_width, head_dim, head_dim, step->cos, step->sin,
+               step->angle_stride, threads);
+        rotary(keys, rows, decoder->kv_heads, key_width, head_dim, head_dim, step->cos, step->sin,
+               step->angle_stride, threads);
+        status = write_cache(decoder, step, index, keys, values);
+        if (status != 0) break;
+        if (step->has_unowned_rows) memset(attended, 0, rows * query_width * sizeof(float)); /* no kernel writes them */
+        const int64_t group = step->layer_groups[index];
+        status = decoder->attention(0, queries, query_width, head_dim, step->key_caches[index], step->value_caches[index],
+                                    key_width, head_dim, step->block_tables[group], step->table_strides[group],
+                                    step->query_starts, step->seq_lens, step->tile_requests, step->tile_offsets,
+                                    step->num_tiles, attended, query_width, head_dim, decoder->kv_heads,
+                                    decoder->heads / decoder->kv_heads, head_dim, step->queries_per_tile,
+                                    step->page_size, (float)layer->scale, 0.0f, step->sliding_windows[group], 0,
+                                    threads);
+        if (status != 0) {
+            status = 1;
+            break;
+        }
+        status = linear(decoder, step, &layer->output, attended, pending);
+        if (status != 0) break;
+        rms_norm(step->hidden, width, pending, width, layer->post_attention_norm, rows, width,
+                 (float)layer->post_attention_norm_eps, normed, width, threads);
+        status |= linear(decoder, step, &layer->gate, normed, gate);
+        status |= linear(decoder, step, &layer->up, normed, up);
+        if (status != 0) break;
+        silu_and_mul(gate, decoder->intermediate, up, decoder->intermediate, rows, decoder->intermediate, gate,
+                     decoder->intermediate, threads);
+        status = linear(decoder, step, &layer->down, gate, pending);
+    }
+    if (status == 0 && decoder->num_layers > 0)
+        for (int64_t i = 0; i < rows * width; i++) step->hidden[i] += pending[i];
+    free(scratch);
+    return status;
 }

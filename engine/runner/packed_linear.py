@@ -31,6 +31,7 @@ and 47.1 ms; at 16 rows packed and the kernel were level (70.6 and 65.7 ms).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,17 @@ def _pack(weight: torch.Tensor) -> _PackedWeight:
     detached = weight.detach()
     packed = torch.ops.mkldnn._reorder_linear_weight(detached, None)
     return _PackedWeight(packed, detached.data_ptr(), weight._version)
+
+
+# The forwards `PackedLinears` installed that run float32 calls of at most FEW_ROWS rows on the kernel.
+_FEW_ROWS_KERNEL_FORWARDS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def runs_few_rows_on_kernel(module: torch.nn.Module) -> bool:
+    """Whether `module`'s float32 calls of at most `FEW_ROWS` rows run on the engine's kernel
+    (`kernel.float_linear` on its weight and bias): a layer whose forward `PackedLinears` installed with
+    the kernel on, not a hook another library set on the instance."""
+    return module.__dict__.get("forward") in _FEW_ROWS_KERNEL_FORWARDS
 
 
 def packable_linears(model: torch.nn.Module, min_elements: int | None = None) -> list[torch.nn.Linear]:
@@ -169,6 +181,8 @@ class PackedLinears:
                 hidden_states, packed.packed, module.bias, "none", [], ""
             )
 
+        if kernel_fits:
+            _FEW_ROWS_KERNEL_FORWARDS.add(forward)
         return forward
 
     def drop_copies(self) -> int:

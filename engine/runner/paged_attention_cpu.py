@@ -66,7 +66,8 @@ _ARGUMENT_TYPES: list[Any] = [
 NO_WINDOW = 1 << 62
 
 
-def _load_library() -> ctypes.CDLL:
+def kernel_library() -> ctypes.CDLL:
+    """The built kernel; raises engine.system.native_library.KernelUnavailable when it cannot be built."""
     return load_library(SOURCE, COMPILE_FLAGS, {"paged_attention": _ARGUMENT_TYPES})
 
 
@@ -78,7 +79,7 @@ def load(dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
         )
         return None
     try:
-        _load_library()
+        kernel_library()
     except (KernelUnavailable, OSError) as error:
         logger.warning("the CPU attention kernel is unavailable (%s); steps gather their keys", error)
         return None
@@ -117,7 +118,7 @@ def attend_in_place(
     With `fixed_order`, each query's output has the same bits whatever tile serves it (batch-invariant
     mode; see the kernel's header).
     """
-    library = _load_library()
+    library = kernel_library()
     if value_cache.stride() != key_cache.stride() or key_cache.stride(2) != 1 or block_table.stride(1) != 1:
         raise ValueError("paged attention: caches need equal strides and unit stride along head_dim")
     num_heads, head_dim = queries.shape[1], queries.shape[2]

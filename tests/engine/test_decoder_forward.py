@@ -3,8 +3,9 @@
 That it computes what the model's own forward computes is asserted end to end elsewhere, on the models it
 serves: greedy parity with `generate` (test_greedy_parity: Llama, Qwen3; test_sliding_window: Mistral)
 and prompt logprobs within 1e-5 of a plain forward's (test_prompt_logprobs: Llama, Qwen2, Qwen3,
-Mistral). Here: which models and configurations it serves, and each fused operation against the
-transformers code it replaces.
+Mistral). Here: which models and configurations it serves, each fused operation against the
+transformers code it replaces, and its layers in one C call (engine.runner.decoder_layers) against its
+layer loop.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from engine import ContinuousBatchingConfig, init_continuous_batching
-from engine.runner import fused_ops
+from engine.engine_core import EngineCore
+from engine.request import Request, RequestStatus
+from engine.runner import fused_ops, packed_linear
 from engine.runner.decoder_forward import DecoderForward, unsupported_reason
+from engine.runner.decoder_layers import DecoderLayers
+from engine.sampling.params import SamplingParams
 from tests.helpers.engine_runs import engine_core
-from tests.helpers.models import TEST_DEVICE, tiny_model
+from tests.helpers.models import TEST_DEVICE, fresh_tiny_model, random_prompt, tiny_model
 
 
 def _forwards(family: str, **config: object) -> set[str]:
@@ -108,3 +113,69 @@ def test_silu_and_mul_equals_the_llama_mlp_gate(rows):
     generator = torch.Generator().manual_seed(rows)
     gate, up = (torch.randn(rows, 256, generator=generator) * 4 for _ in range(2))
     torch.testing.assert_close(fused_ops.silu_and_mul(gate, up), F.silu(gate) * up, rtol=2e-6, atol=1e-7)
+
+
+def _step_until_done(engine: EngineCore, requests: list[Request]) -> None:
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for request in requests:
+        assert request.status == RequestStatus.FINISHED, request
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the engine's decoder forward serves the CPU only")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_every_layer_in_one_call_gives_the_bits_of_the_layer_loop(family, quantization):
+    """Each step runs both: the module-at-a-time loop first, then every layer in one C call, on the same
+    inputs (both write the same keys and values). Float32 layers run in one call at up to FEW_ROWS rows
+    (three requests' decode, prefill of short prompts); quantized ones at any row count, decode on the
+    integer path, prefill chunks on the float one. Mistral's prompts outrun its window of 24."""
+    config = ContinuousBatchingConfig(num_blocks=64, page_size=8, quantization=quantization)
+    engine = EngineCore(fresh_tiny_model(family), config)
+    try:
+        paths = engine.runner.forward_paths
+        one_call_rows: list[int] = []
+        for path, one_call in list(paths.functions.items()):
+            assert isinstance(one_call, DecoderForward)
+            loop = DecoderForward(one_call.model, one_call.own_forward, layers_in_one_call=False)
+
+            def both(input_ids, position_ids, logits_indices, metadata, one_call=one_call, loop=loop):
+                looped = loop(input_ids, position_ids, logits_indices, metadata)
+                logits = one_call(input_ids, position_ids, logits_indices, metadata)
+                assert torch.equal(logits, looped), (input_ids.shape, (logits - looped).abs().max())
+                if one_call._layers_of(input_ids.shape[1], metadata) is not None:
+                    one_call_rows.append(input_ids.shape[1])
+                return logits
+
+            paths.functions[path] = both
+        prompt_lengths = [5, 7, 30] if quantization != "none" else [5, 7, 6]
+        requests = [
+            Request(f"r{index}", random_prompt(length, seed=index), SamplingParams(max_new_tokens=20))
+            for index, length in enumerate(prompt_lengths)
+        ]
+        _step_until_done(engine, requests)
+    finally:
+        engine.release_model()
+    assert one_call_rows, "no step ran its layers in one call"
+    assert max(one_call_rows) > 1, one_call_rows
+    if quantization != "none":
+        assert max(one_call_rows) > packed_linear.FEW_ROWS, one_call_rows
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the engine's decoder forward serves the CPU only")
+def test_a_layer_wrapped_by_another_library_keeps_every_step_on_the_layer_loop():
+    model = fresh_tiny_model("llama")
+    engine = EngineCore(model, ContinuousBatchingConfig(num_blocks=16, page_size=8))
+    try:
+        assert DecoderLayers.build(model) is not None
+        layer = model.model.layers[1].mlp.up_proj
+        installed = layer.forward
+        layer.forward = lambda hidden: installed(hidden)  # another library's hook on the instance
+        assert DecoderLayers.build(model) is None
+        layer.forward = installed
+        assert DecoderLayers.build(model) is not None
+    finally:
+        engine.release_model()
+    assert DecoderLayers.build(model) is None, "a plain layer's calls run on the BLAS, not the kernel"

@@ -74,8 +74,10 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.runner.kv_cache",
         "engine.runner.forward_paths",
         "engine.runner.packed_linear",
-        # The engine's own forward for the Llama family and the fused operations it calls.
+        # The engine's own forward for the Llama family, the fused operations it calls and its layers in
+        # one C call.
         "engine.runner.fused_ops",
+        "engine.runner.decoder_layers",
         "engine.runner.decoder_forward",
         "engine.runner.model_runner",
         "engine.runner.exact_attention",
