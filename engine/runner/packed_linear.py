@@ -25,7 +25,10 @@ calls run on the engine's own kernel (`engine.quantization.kernel.float_linear`,
 float32 format), which reads the weight as it lies, once per call, on the thread budget's threads. Over
 SmolLM2's 211 linear layers on the 2-core EPYC, weights in DRAM, one row took 62.3 ms with `F.linear`,
 37.9 ms packed and 31.2 ms on the kernel (the machine streams 538 MB in about 28 ms); 8 rows 113.1, 55.2
-and 47.1 ms; at 16 rows packed and the kernel were level (70.6 and 65.7 ms).
+and 47.1 ms; at 16 rows packed and the kernel were level (70.6 and 65.7 ms). Steps whose linear layers all
+run on the kernel also run every decoder layer in one C call (engine.runner.decoder_layers), which tips
+16 rows to the kernel: a 16-request decode step took 84.3 ms with FEW_ROWS at 8 and 75.0 at 16; at 32
+rows oneDNN stays ahead (124.8 against 129.9 ms).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ logger = logging.getLogger(__name__)
 # measured faster packed.
 MIN_PACKED_WEIGHT_ELEMENTS = 1 << 18
 # Calls of at most this many float32 rows run on the engine's kernel (see the module docstring).
-FEW_ROWS = 8
+FEW_ROWS = 16
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
