@@ -25,6 +25,8 @@ COMPILE_FLAGS = (
     "-fopenmp",
     "-ffp-contract=off",
     "-fno-math-errno",
+    # No trapping on floating-point exceptions (nothing here traps): lets the silu's selects vectorise.
+    "-fno-trapping-math",
     "-shared",
     "-fPIC",
 )

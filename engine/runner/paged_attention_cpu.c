@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 /* Keys per step of the online softmax: enough to amortise the rescaling, few enough for the stack. */
 #define KEYS_PER_CHUNK 32
 /* Floats per vector register on AVX-512; on narrower machines the compiler splits each such loop. */
@@ -61,28 +63,6 @@ static inline uint16_t float_to_bfloat16(float value) {
     if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN stays NaN */
     bits += 0x7fffu + ((bits >> 16) & 1u);                                           /* nearest, ties even */
     return (uint16_t)(bits >> 16);
-}
-
-/* exp(x) for x <= 0, which is all the softmax needs (scores minus their running maximum):
-   2^n * 2^f, f in [-0.5, 0.5], with 2^f from its degree-7 Taylor polynomial (relative error < 2e-7).
-   Inline arithmetic rather than expf, so that the loops calling it vectorise. */
-static inline float exp_nonpositive(float x) {
-    const float clamped = x < -87.0f ? -87.0f : x;
-    const float t = clamped * 1.44269504088896341f;
-    const float n = rintf(t);
-    const float f = t - n;
-    float p = 1.52527338e-5f;
-    p = p * f + 1.54035304e-4f;
-    p = p * f + 1.33335581e-3f;
-    p = p * f + 9.61812911e-3f;
-    p = p * f + 5.55041087e-2f;
-    p = p * f + 2.40226507e-1f;
-    p = p * f + 6.93147181e-1f;
-    p = p * f + 1.0f;
-    const int32_t exponent_bits = ((int32_t)n + 127) << 23;
-    float power;
-    memcpy(&power, &exponent_bits, sizeof power);
-    return x < -87.0f ? 0.0f : p * power;
 }
 
 static inline void load_row(const void *source, int64_t offset, int dtype, float *target, int64_t count) {

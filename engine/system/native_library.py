@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -51,6 +52,18 @@ def _cpu_features() -> str:
     return next((line for line in lines if line.startswith(("flags", "Features"))), platform.processor())
 
 
+# `#include "name.h"`: a header beside the source, part of what the library is built from.
+_LOCAL_INCLUDE = re.compile(rb'^\s*#include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _source_and_headers(source: Path) -> bytes:
+    """The source's bytes, then those of each local header it includes, so that changing a header names
+    a new library."""
+    text = source.read_bytes()
+    headers = [(source.parent / name.decode()).read_bytes() for name in _LOCAL_INCLUDE.findall(text)]
+    return b"\0".join([text, *headers])
+
+
 def library_path(source: Path, flags: Sequence[str], compiler_path: str) -> Path:
     """Where the library built from `source` with `flags` by `compiler_path` for this CPU lives."""
     try:
@@ -60,7 +73,8 @@ def library_path(source: Path, flags: Sequence[str], compiler_path: str) -> Path
     except (OSError, subprocess.TimeoutExpired) as error:
         raise KernelUnavailable(f"{compiler_path} --version failed: {error}") from error
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu_features().encode()):
+    flag_bytes = " ".join(flags).encode()
+    for part in (_source_and_headers(source), flag_bytes, version.encode(), _cpu_features().encode()):
         digest.update(part)
         digest.update(b"\0")
     return cache_root() / "kernels" / f"{source.stem}-{platform.machine()}-{digest.hexdigest()[:16]}.so"
