@@ -131,9 +131,11 @@ def test_seeded_sampling_has_the_same_bits_alone_and_in_a_random_batch() -> None
 
 
 def test_default_mode_gives_the_needle_other_bits_in_a_batch() -> None:
-    """The negative control: without the mode the same comparison fails, so the tests above can."""
+    """The negative control: without the mode the same comparison fails, so the tests above can. The batch
+    is 64 requests, so its steps pass FEW_ROWS and run on oneDNN, where the needle alone ran on the
+    few-row kernel (a batch of 17 happened to give the needle the same bits)."""
     model = tiny_model("llama")
-    prompts, position = _random_batch(seed=1)
+    prompts, position = _random_batch(seed=2)
     alone = _generate(model, [NEEDLE], _config(batch_invariant=False, max_batch_tokens=256))[0]
     batched = _generate(model, prompts, _config(batch_invariant=False))[position]
     assert alone.logprobs != batched.logprobs, "the default mode gave the needle the same bits in a batch"
