@@ -260,7 +260,7 @@ class DecoderLayers:
         the residual stream the final norm reads. `cos` and `sin` [T, head_dim] are the rows' rotary
         angles, unit stride along head_dim; `metadata` is on the kernel path."""
         inputs = metadata.kernel_inputs
-        assert inputs is not None
+        assert inputs is not None and hidden.is_contiguous(), "the C code reads rows of `width` floats"
         num_layers = len(self._layers)
         key_caches, value_caches = metadata.key_caches[:num_layers], metadata.value_caches[:num_layers]
         block_tables = [
