@@ -197,7 +197,7 @@ class EngineCore:
             PackedLinears(
                 model,
                 min_elements=0 if config.batch_invariant else None,
-                few_rows_kernel=not config.batch_invariant,
+                panels=not config.batch_invariant,
             )
             if packs
             else None

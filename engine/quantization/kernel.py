@@ -33,9 +33,11 @@ COMPILE_FLAGS = (
 FORMAT_CODES = {"int8": 0, "int4": 1}
 # Rows up to which `quantize_activations` takes the integer path (INTEGER_MAX_ROWS in the source).
 INTEGER_MAX_ROWS = 4
-# A float32 weight read as it lies (`float_linear`), whose in_features must be a multiple of LANES.
+# A float32 weight in the kernel's panels (`float32_panels`, `float_linear`).
 FLOAT32_CODE = 2
-LANES = 8
+# Output channels a panel holds (PANEL in the source): a panelled weight has that many rows of [in, PANEL]
+# per panel, the last panel padded with zero channels.
+PANEL = 16
 # Bytes of packed weight times rows that make one thread's share of a call. A call forks and joins a team
 # of threads, which costs more than a second thread saves on a tiny layer. Beside busy neighbours the
 # thread budget (engine.system.thread_budget) already runs eager steps on fewer threads, and every call then
@@ -57,9 +59,37 @@ _ARGUMENT_TYPES: list[Any] = [
 ]  # fmt: skip
 
 
+_PACK_ARGUMENT_TYPES: list[Any] = [_pointer, _int64, _int64, _pointer, ctypes.c_int]
+
+
 def load() -> ctypes.CDLL:
     """The built kernel; raises engine.system.native_library.KernelUnavailable when it cannot be built."""
-    return load_library(SOURCE, COMPILE_FLAGS, {"quantized_linear": _ARGUMENT_TYPES})
+    return load_library(
+        SOURCE,
+        COMPILE_FLAGS,
+        {"quantized_linear": _ARGUMENT_TYPES, "pack_float32_panels": _PACK_ARGUMENT_TYPES},
+    )
+
+
+def float32_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 `weight` [out, in] in the kernel's panels ([ceil(out / PANEL), in, PANEL], channels past
+    `out` zero), written into `out` when given (a tensor of that shape: a repack keeps the storage that
+    callers hold pointers to)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        raise ValueError(
+            f"float32_panels: weight must be a 2-d float32 tensor, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    out_features, in_features = weight.shape
+    shape = ((out_features + PANEL - 1) // PANEL, in_features, PANEL)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"float32_panels: out must be a contiguous float32 tensor of shape {shape}")
+    source = weight.detach().contiguous()
+    load().pack_float32_panels(
+        source.data_ptr(), out_features, in_features, out.data_ptr(), torch.get_num_threads()
+    )
+    return out
 
 
 def _pointer_of(tensor: torch.Tensor | None) -> int | None:
@@ -74,14 +104,16 @@ def quantized_matmul(
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
     quantize_activations: bool = False,
+    out_features: int | None = None,
 ) -> torch.Tensor:
     """inputs [rows, in] float32 (unit stride along in) -> [rows, out] float32: inputs @ w.T + bias, for the
     weight `packed`/`scales`/`mins` of format code `weight_format` (`FORMAT_CODES`, or `FLOAT32_CODE` with
-    `packed` the float32 weight itself and no scales). With `quantize_activations`, an int8 or int4 call
-    of at most INTEGER_MAX_ROWS rows multiplies int8 inputs in integers (see the kernel's header)."""
+    `packed` the weight's panels (`float32_panels`) and no scales; `out_features` then names the weight's
+    rows, which the panels round up). With `quantize_activations`, an int8 or int4 call of at most
+    INTEGER_MAX_ROWS rows multiplies int8 inputs in integers (see the kernel's header)."""
     library = load()
     rows, in_features = inputs.shape
-    out_features = packed.shape[0]
+    out_features = packed.shape[0] if out_features is None else out_features
     output = torch.empty(rows, out_features, dtype=torch.float32)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.detach().to(torch.float32).contiguous()
@@ -106,11 +138,13 @@ def quantized_matmul(
     return output
 
 
-def float_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(inputs, weight, bias)` for float32 `inputs` and a contiguous float32 `weight` [out, in]
-    whose `in` is a multiple of LANES, read once per call on the thread budget's threads; a row's result
-    does not depend on the other rows of the call."""
-    return on_rows(inputs, FLOAT32_CODE, weight, None, None, bias)
+def float_linear(
+    inputs: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear(inputs, weight, bias)` for the float32 weight [out_features, in] whose panels
+    (`float32_panels`) are `panels`, on the thread budget's threads; a row's result does not depend on the
+    other rows of the call."""
+    return on_rows(inputs, FLOAT32_CODE, panels, None, None, bias, out_features=out_features)
 
 
 def on_rows(
@@ -121,10 +155,12 @@ def on_rows(
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
     quantize_activations: bool = False,
+    out_features: int | None = None,
 ) -> torch.Tensor:
     """`quantized_matmul` on `inputs` of any leading dims and float dtype, returned in that dtype. A layer
     calls this once per step of every request, so it does no more than the call needs (no copy of inputs
     already in shape)."""
+    out_features = packed.shape[0] if out_features is None else out_features
     leading = inputs.shape[:-1]
     rows = inputs.reshape(-1, inputs.shape[-1])
     if rows.dtype != torch.float32:
@@ -132,8 +168,8 @@ def on_rows(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     matmul = quantized_matmul_op if torch.compiler.is_compiling() else quantized_matmul
-    output = matmul(rows, weight_format, packed, scales, mins, bias, quantize_activations).view(
-        *leading, packed.shape[0]
+    output = matmul(rows, weight_format, packed, scales, mins, bias, quantize_activations, out_features).view(
+        *leading, out_features
     )
     return output if output.dtype == inputs.dtype else output.to(inputs.dtype)
 
@@ -146,6 +182,13 @@ quantized_matmul_op = torch.library.custom_op(
 
 @quantized_matmul_op.register_fake
 def _(
-    inputs: torch.Tensor, weight_format: int, packed: torch.Tensor, *weight_and_options: object
+    inputs: torch.Tensor,
+    weight_format: int,
+    packed: torch.Tensor,
+    scales: torch.Tensor | None,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    quantize_activations: bool = False,
+    out_features: int | None = None,
 ) -> torch.Tensor:
-    return inputs.new_empty(inputs.shape[0], packed.shape[0])
+    return inputs.new_empty(inputs.shape[0], packed.shape[0] if out_features is None else out_features)

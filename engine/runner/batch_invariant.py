@@ -8,7 +8,9 @@ oneDNN on a plain weight, one row takes another kernel than two or more; through
 packed for it, never (1 to 3000 rows), and two or more rows on a plain weight give the packed bits. The
 attention kernel computed a query's scores in a decode tile another way than in a prefill tile, and with
 a sliding window started its chunks of keys at the tile's first key. RMSNorm, the activation, RoPE's
-cos/sin, log_softmax and the sampler's reductions gave every row the same bits at every count.
+cos/sin, log_softmax and the sampler's reductions gave every row the same bits at every count. (The
+default mode has since moved float32 linear layers to the engine's own kernel, whose panels give a row
+the same bits at every count too: there, attention is what still varies.)
 
 So this mode changes exactly those: every linear layer runs on oneDNN with a fixed order per row (the
 engine's packed weights, `engine.runner.packed_linear`; elsewhere the plain weight with at least two

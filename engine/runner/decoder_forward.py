@@ -83,7 +83,7 @@ class DecoderForward:
     `logits_indices` rows out, with attention on the kernel path (`metadata.kernel_inputs`).
 
     The layers run in one C call (engine.runner.decoder_layers) when every linear layer of the step runs
-    on the engine's linear kernel (quantized layers; float32 layers at a few rows), else as a loop here
+    on the engine's linear kernel (quantized layers; float32 layers on its panels), else as a loop here
     over the layers' modules, which calls each linear layer as installed (packed, quantized or plain).
     Both give the same bits. `layers_in_one_call=False` keeps every step on the loop.
 
@@ -102,8 +102,8 @@ class DecoderForward:
         self._layers_in_one_call = layers_in_one_call
         self._one_call: DecoderLayers | None = None
 
-    def _layers_of(self, rows: int, metadata: PagedAttentionMetadata) -> DecoderLayers | None:
-        """The one-call plan when it serves a step of `rows` tokens, else None."""
+    def _layers_of(self, metadata: PagedAttentionMetadata) -> DecoderLayers | None:
+        """The one-call plan when it serves the step, else None."""
         if self._layers_in_one_call and self._one_call is None:
             self._one_call = DecoderLayers.build(self.model)
             if self._one_call is None:
@@ -113,7 +113,7 @@ class DecoderForward:
                 )
                 self._layers_in_one_call = False
         one_call = self._one_call
-        serves = one_call is not None and one_call.serves(rows, metadata.attention_kernel)
+        serves = one_call is not None and one_call.serves(metadata.attention_kernel)
         return one_call if serves else None
 
     def __call__(
@@ -130,7 +130,7 @@ class DecoderForward:
         inner = model.model
         hidden = inner.embed_tokens(input_ids[0])  # [T, hidden], a fresh tensor the residuals add into
         cos, sin = (angles[0] for angles in inner.rotary_emb(hidden[None], position_ids))
-        one_call = self._layers_of(hidden.shape[0], metadata)
+        one_call = self._layers_of(metadata)
         if one_call is not None:
             one_call.run(hidden, _rows(cos, cos.shape[-1]), _rows(sin, sin.shape[-1]), metadata)
         else:

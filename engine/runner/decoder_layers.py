@@ -12,14 +12,16 @@ to the tensors the kernels read) and then runs each step's layers in one call, w
 one scratch buffer.
 
 It serves a step when the linear kernel (engine.quantization.kernel) computes every linear layer of it
-the way the layer's own call would: quantized layers at any row count, float32 layers at up to
-`packed_linear.FEW_ROWS` rows (above that their calls run on oneDNN). The results are those of
-`DecoderForward`'s layer loop bit for bit: same kernels, same operations, same order, same threads.
+the way the layer's own call would: quantized layers, and float32 layers on the kernel's panels
+(engine.runner.packed_linear), at any row count. The results are those of `DecoderForward`'s layer loop
+bit for bit: same kernels, same operations, same order, same threads.
 
 Invariant: the layers' modules and the storage of their tensors do not change while an engine serves
-the model. Quantization replaces modules before the engine's first step; weight updates and sleep write
-in place or free only copies (engine.weights). The plan holds references to every tensor it points to,
-so a tensor can never be freed under it.
+the model. Quantization replaces modules before the engine's first step; weight updates write in place
+(engine.weights). The plan holds references to every tensor it points to, so a tensor can never be freed
+under it. The one exception is a float32 layer's panels, which follow its weight: before each step the
+plan asks each for its current panels (repacked in place after a weight update, allocated anew after
+sleep freed them) and points at those.
 """
 
 from __future__ import annotations
@@ -123,8 +125,8 @@ class _Plan:
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        # Rows up to which every linear layer runs on the linear kernel.
-        self.max_rows = 1 << 62
+        # The float32 layers, each with the struct that points at its panels.
+        self.panelled: list[tuple[_Linear, packed_linear.PanelledWeight]] = []
 
     def pointer(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:
@@ -149,23 +151,29 @@ class _Plan:
                 self.pointer(module.mins),
                 self.pointer(bias),
             )
-        if not packed_linear.runs_few_rows_on_kernel(module):
+        panelled = packed_linear.panelled_weight(module)
+        if panelled is None:
             return None
         weight, bias = module.weight, module.bias
-        if not _is_float32_rows(weight) or (bias is not None and not _is_float32_rows(bias)):
+        if weight.dtype != torch.float32 or (bias is not None and not _is_float32_rows(bias)):
             return None
-        self.max_rows = min(self.max_rows, packed_linear.FEW_ROWS)
+        panels = panelled.current()
         return _Linear(
             linear_kernel.FLOAT32_CODE,
             0,
             module.out_features,
             module.in_features,
-            weight.nbytes,
-            self.pointer(weight.detach()),
+            panels.nbytes,
+            panels.data_ptr(),
             None,
             None,
             self.pointer(None if bias is None else bias.detach()),
         )
+
+    def point_at_current_panels(self) -> None:
+        """Points every float32 layer at its panels as they are now (see the module's invariant)."""
+        for described, panelled in self.panelled:
+            described.packed = panelled.current().data_ptr()
 
     def norm(self, module: Any) -> int | None:
         weight = module.weight.detach()
@@ -217,6 +225,10 @@ class DecoderLayers:
                 if described is None:
                     return None
                 setattr(target, name, described)
+                panelled = packed_linear.panelled_weight(module)
+                if panelled is not None:
+                    # The field, not `described`: setattr copied the struct into the layer's.
+                    plan.panelled.append((getattr(target, name), panelled))
             norms = [
                 ("input_norm", layer.input_layernorm),
                 ("post_attention_norm", layer.post_attention_layernorm),
@@ -248,10 +260,10 @@ class DecoderLayers:
         )
         return cls(decoder, layers, plan)
 
-    def serves(self, rows: int, attention_kernel: Callable[..., torch.Tensor] | None) -> bool:
-        """Whether a step of `rows` packed tokens attending through `attention_kernel` runs here: the C
-        code calls the CPU kernel itself, so a step on another (Triton's, a wrapper) runs the loop."""
-        return rows <= self._plan.max_rows and attention_kernel is _CPU_ATTENTION
+    def serves(self, attention_kernel: Callable[..., torch.Tensor] | None) -> bool:
+        """Whether a step attending through `attention_kernel` runs here: the C code calls the CPU kernel
+        itself, so a step on another (Triton's, a wrapper) runs the loop."""
+        return attention_kernel is _CPU_ATTENTION
 
     def run(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, metadata: PagedAttentionMetadata
@@ -261,6 +273,7 @@ class DecoderLayers:
         angles, unit stride along head_dim; `metadata` is on the kernel path."""
         inputs = metadata.kernel_inputs
         assert inputs is not None and hidden.is_contiguous(), "the C code reads rows of `width` floats"
+        self._plan.point_at_current_panels()
         num_layers = len(self._layers)
         key_caches, value_caches = metadata.key_caches[:num_layers], metadata.value_caches[:num_layers]
         block_tables = [

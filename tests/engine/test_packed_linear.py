@@ -1,10 +1,10 @@
-"""On the CPU, the engine runs large linear layers on weights packed once for oneDNN
-(engine.runner.packed_linear): outputs stay exact, the packed copies follow every weight change, and the
-model gets its own layers back when the engine is done.
+"""On the CPU, the engine runs linear layers on weights packed once (engine.runner.packed_linear):
+float32 layers on its kernel's panels, others for oneDNN. Outputs stay exact, the packed copies follow
+every weight change, and the model gets its own layers back when the engine is done.
 
-The tiny test models' weights are far below the size where packing pays, so these tests pack every
-linear layer (`pack_every_linear`); they run on the CPU whatever CBSERVE_TEST_DEVICE says, since packing
-is a CPU path.
+The tiny test models' weights are far below the size where oneDNN's packing pays, so these tests pack
+every linear layer (`pack_every_linear`); they run on the CPU whatever CBSERVE_TEST_DEVICE says, since
+packing is a CPU path.
 """
 
 from __future__ import annotations
@@ -126,63 +126,85 @@ def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     float_linear = packed_linear.kernel.float_linear
 
-    def counted(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def counted(
+        inputs: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         calls.append(inputs.reshape(-1, inputs.shape[-1]).shape[0])
-        return float_linear(inputs, weight, bias)
+        return float_linear(inputs, panels, out_features, bias)
 
     monkeypatch.setattr(packed_linear.kernel, "float_linear", counted)
     return calls
 
 
-def test_calls_of_a_few_rows_run_on_the_engine_kernel_within_the_summation_bound(
+def test_float32_calls_of_every_row_count_run_on_the_kernel_within_the_summation_bound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Up to FEW_ROWS rows the layer reads its float32 weight with the engine's kernel (a last tile of
-    fewer than four channels included); each row gets the same bits whatever rows share the call, and
-    every output is within float32's summation bound of the exact product."""
+    """A float32 layer runs on the kernel's panels (97 channels: a last panel of one), whatever its size
+    and however many rows; each row gets the same bits whatever rows share the call (tiles of six rows,
+    blocks of rows), and every output is within float32's summation bound of the exact product."""
     calls = _count_kernel_calls(monkeypatch)
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT_ELEMENTS", 1 << 30)
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 97)
     packed = PackedLinears(layer)
-    inputs = torch.randn(packed_linear.FEW_ROWS + 1, 48)
+    inputs = torch.randn(40, 48)
     try:
+        assert packed.num_packed == 1
         with torch.inference_mode():
-            alone = [layer(inputs[row : row + 1]) for row in range(packed_linear.FEW_ROWS)]
-            together = layer(inputs[: packed_linear.FEW_ROWS])
-            layer(inputs)  # one row more: oneDNN's call
+            alone = [layer(inputs[row : row + 1]) for row in range(len(inputs))]
+            together = [layer(inputs[:count]) for count in (7, 40)]
     finally:
         packed.restore()
-    assert calls == [1] * packed_linear.FEW_ROWS + [packed_linear.FEW_ROWS]
-    assert torch.equal(torch.cat(alone), together)
-    exact = inputs[: packed_linear.FEW_ROWS].double() @ layer.weight.double().T + layer.bias.double()
-    bound = (
-        2 * 48 * 2.0**-24 * (inputs[: packed_linear.FEW_ROWS].abs() @ layer.weight.abs().T + layer.bias.abs())
-    )
-    assert ((together.double() - exact).abs() <= bound.double() + 1e-7).all()
+    assert "forward" not in layer.__dict__
+    assert calls == [1] * 40 + [7, 40]
+    for rows in together:
+        assert torch.equal(torch.cat(alone)[: len(rows)], rows)
+    exact = inputs.double() @ layer.weight.double().T + layer.bias.double()
+    bound = 2 * 48 * 2.0**-24 * (inputs.abs() @ layer.weight.abs().T + layer.bias.abs())
+    assert ((together[1].double() - exact).abs() <= bound.double() + 1e-7).all()
 
 
-def test_a_layer_too_small_to_pack_takes_the_kernel_for_a_few_rows_and_the_blas_for_more(
+def test_a_repack_writes_the_panels_where_they_lie() -> None:
+    """The one-call decoder (engine.runner.decoder_layers) holds the panels' address: a weight written in
+    place is repacked into the same storage, and only sleep's drop gives new storage."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 40, bias=False)
+    packed = PackedLinears(layer)
+    try:
+        panelled = packed_linear.panelled_weight(layer)
+        assert panelled is not None
+        address = panelled.current().data_ptr()
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        inputs = torch.randn(3, 32)
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(inputs), F.linear(inputs, layer.weight))
+        assert panelled.current().data_ptr() == address
+        assert packed.drop_copies() == 3 * 32 * 16 * 4  # 40 channels in three panels of 16
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(inputs), F.linear(inputs, layer.weight))
+    finally:
+        packed.restore()
+
+
+def test_without_panels_a_layer_too_small_for_onednn_stays_on_the_blas(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A key or value projection below MIN_PACKED_WEIGHT_ELEMENTS is not packed, but its decode calls still
-    read the weight on the kernel; restore gives it its own forward back."""
+    """Batch-invariant mode packs for oneDNN only; there a layer below MIN_PACKED_WEIGHT_ELEMENTS keeps
+    its own forward."""
     calls = _count_kernel_calls(monkeypatch)
     monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT_ELEMENTS", 48 * 97 + 1)
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 97)
-    packed = PackedLinears(layer)
-    inputs = torch.randn(packed_linear.FEW_ROWS + 1, 48)
+    packed = PackedLinears(layer, panels=False)
+    inputs = torch.randn(5, 48)
     try:
-        assert packed.num_packed == 0
+        assert packed.num_packed == 0 and "forward" not in layer.__dict__
         with torch.inference_mode():
-            few = layer(inputs[:2])
-            more = layer(inputs)
+            assert torch.equal(layer(inputs), F.linear(inputs, layer.weight, layer.bias))
     finally:
         packed.restore()
-    assert "forward" not in layer.__dict__
-    assert calls == [2], "the few rows did not take the kernel, or the many rows did"
-    torch.testing.assert_close(few, F.linear(inputs[:2], layer.weight, layer.bias))
-    assert torch.equal(more, F.linear(inputs, layer.weight, layer.bias))
+    assert calls == []
 
 
 def test_bf16_layers_compute_what_linear_does_whether_or_not_this_cpu_packs_them() -> None:
@@ -219,7 +241,15 @@ def test_sleep_level_2_frees_the_packed_copies_and_the_layers_pack_again_after_w
         assert _packed_layers(model) == len(_linears(model))
     finally:
         manager.destroy()
-    assert with_weights - kv_cache_only == sum(linear.weight.nbytes for linear in _linears(model))
+    # The panels round each layer's channels up to whole panels.
+    panel_bytes = sum(
+        -(-linear.out_features // packed_linear.kernel.PANEL)
+        * packed_linear.kernel.PANEL
+        * linear.in_features
+        * 4
+        for linear in _linears(model)
+    )
+    assert with_weights - kv_cache_only == panel_bytes
     _assert_equal(tokens, reference_greedy(model, prompt, 16), "after sleeping at level 2")
 
 
