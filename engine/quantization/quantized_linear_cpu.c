@@ -284,15 +284,17 @@ int pack_float32_panels(const float *weight, int64_t out_features, int64_t in_fe
 }
 
 /* `rows` (at most PANEL_ROWS) rows of x times one panel, into results [rows][PANEL]; `rows` is a constant
-   at each call site, so the accumulators stay in registers. */
+   at each call site, so the accumulators stay in registers. `prefetch`, unless NULL, is a panel to bring
+   into cache meanwhile, a line for each step along K (a panel's step is one 64-byte line). */
 static inline __attribute__((always_inline)) void multiply_panel_tile(const int rows, const float *x,
                                                                      int64_t x_stride, const float *panel,
-                                                                     int64_t in_features,
+                                                                     int64_t in_features, const float *prefetch,
                                                                      float results[PANEL_ROWS][PANEL]) {
     lanes_t accumulators[PANEL_ROWS][PANEL / LANES];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < PANEL / LANES; v++) accumulators[r][v] = (lanes_t){0};
     for (int64_t k = 0; k < in_features; k++) {
+        if (prefetch != NULL) __builtin_prefetch(prefetch + k * PANEL, 0, 3);
         lanes_t weights[PANEL / LANES];
         for (int v = 0; v < PANEL / LANES; v++) weights[v] = load_lanes(panel + k * PANEL + v * LANES);
         for (int r = 0; r < rows; r++) {
@@ -320,11 +322,20 @@ static void multiply_panels(const float *x, int64_t rows, int64_t x_stride, cons
             const float *panel_weights = panels + panel * in_features * PANEL;
             int64_t first = panel * PANEL;
             int channels = out_features - first < PANEL ? (int)(out_features - first) : PANEL;
+            /* A block of several tiles reads its panel from memory in the first and from cache in the
+               others, which are bound by the multiply-adds: the first tile fetches the next panel, so that
+               the memory works while they do (8 to 32 rows: 4-8 % faster). A block of one tile leaves the
+               stream to the hardware's prefetcher (prefetching there made one row 10 % slower). */
+            const float *next_panel = block_end - block_start > PANEL_ROWS && panel + 1 < count
+                                          ? panel_weights + in_features * PANEL
+                                          : NULL;
             for (int64_t row = block_start; row < block_end; row += PANEL_ROWS) {
                 float results[PANEL_ROWS][PANEL];
                 int left = block_end - row < PANEL_ROWS ? (int)(block_end - row) : PANEL_ROWS;
                 const float *x_rows = x + row * x_stride;
-#define PANEL_TILE(ROWS) multiply_panel_tile(ROWS, x_rows, x_stride, panel_weights, in_features, results)
+                const float *prefetch = row == block_start ? next_panel : NULL;
+#define PANEL_TILE(ROWS) \
+    multiply_panel_tile(ROWS, x_rows, x_stride, panel_weights, in_features, prefetch, results)
                 switch (left) {
                 case 6: PANEL_TILE(6); break;
                 case 5: PANEL_TILE(5); break;

@@ -34,6 +34,10 @@
 
 #include "vector_math.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 /* Keys per step of the online softmax: enough to amortise the rescaling, few enough for the stack. */
 #define KEYS_PER_CHUNK 32
 /* Floats per vector register on AVX-512; on narrower machines the compiler splits each such loop. */
@@ -178,6 +182,57 @@ static void transposed_scores(const float *restrict query, const float *restrict
     memcpy(scores, sums[0], sizeof sums[0]);
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Eight lanes' sum in the order key_scores' tree of horizontal adds takes. */
+static inline float tree_sum(__m256 lanes) {
+    float v[8];
+    _mm256_storeu_ps(v, lanes);
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+#endif
+
+/* scores[key] = query . key for keys begin .. end - 1, the dot products of a decode tile. With AVX2 and
+   head_dim a multiple of 8, eight keys at a time: each key's products go into its own vector of partial
+   sums, and one tree of horizontal adds turns the eight vectors into eight scores, where a dot product
+   per key would end in a horizontal sum of its own. On the 2-core EPYC, 32 decode tiles of 130 keys (9
+   heads of 64 dims, the cache in L3) took 203 us against 282. */
+static void key_scores(const float *restrict query, const float *const *key_rows, int64_t head_offset,
+                       int64_t head_dim, int64_t begin, int64_t end, float *restrict scores) {
+    int64_t key = begin;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (head_dim % 8 == 0) {
+        for (; key + 8 <= end; key += 8) {
+            __m256 sums[8];
+            for (int k = 0; k < 8; k++) sums[k] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 8) {
+                const __m256 q = _mm256_loadu_ps(query + d);
+                for (int k = 0; k < 8; k++)
+                    sums[k] = _mm256_fmadd_ps(q, _mm256_loadu_ps(key_rows[key + k] + head_offset + d), sums[k]);
+            }
+            const __m256 pairs01 = _mm256_hadd_ps(sums[0], sums[1]), pairs23 = _mm256_hadd_ps(sums[2], sums[3]);
+            const __m256 pairs45 = _mm256_hadd_ps(sums[4], sums[5]), pairs67 = _mm256_hadd_ps(sums[6], sums[7]);
+            const __m256 low = _mm256_hadd_ps(pairs01, pairs23), high = _mm256_hadd_ps(pairs45, pairs67);
+            _mm256_storeu_ps(scores + key, _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                                                         _mm256_permute2f128_ps(low, high, 0x31)));
+        }
+        for (; key < end; key++) {
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 8)
+                sum = _mm256_fmadd_ps(_mm256_loadu_ps(query + d), _mm256_loadu_ps(key_rows[key] + head_offset + d), sum);
+            scores[key] = tree_sum(sum);
+        }
+        return;
+    }
+#endif
+    for (; key < end; key++) {
+        const float *restrict key_row = key_rows[key] + head_offset;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; d++) dot += query[d] * key_row[d];
+        scores[key] = dot;
+    }
+}
+
 /* Folds keys chunk .. chunk + num_keys - 1 into every row's running softmax and accumulator. With
    `transposed` set, scratch->transposed_keys holds the chunk's keys (transpose_keys). */
 static void attend_chunk(const Step *step, Scratch *scratch, int64_t num_rows, int64_t chunk, int64_t num_keys,
@@ -199,13 +254,7 @@ static void attend_chunk(const Step *step, Scratch *scratch, int64_t num_rows, i
             transposed_scores(query, scratch->transposed_keys + kv_head * head_dim * KEYS_PER_CHUNK, head_dim,
                               scores);
         else
-            for (int64_t key = begin; key < end; key++) {
-                const float *restrict key_row = key_rows[key] + head_offset;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++) dot += query[d] * key_row[d];
-                scores[key] = dot;
-            }
+            key_scores(query, key_rows, head_offset, head_dim, begin, end, scores);
         if (step->softcap > 0.0f)
             for (int64_t key = begin; key < end; key++)
                 scores[key] = step->softcap * tanhf(scores[key] / step->softcap);
