@@ -149,11 +149,12 @@ class ContinuousBatchingConfig:
     thread (warmup included): on the CPU, a caller's thread that had run them kept an OpenMP team whose
     idle workers slowed the loop thread's own (measured 1.5x slower steps on 2 cores).
 
-    pack_cpu_weights: on the CPU, run the large linear layers (weights of 2**18 elements and more) on
-    copies of their weights packed once for oneDNN, instead of letting the BLAS repack them on every call
-    (engine.runner.packed_linear). Applies to eager steps of an unsharded fp32 or bf16 model (bf16 where
-    oneDNN can pack it: CPUs with AVX-512 or AVX-NE-CONVERT); the copies cost those layers' weight memory
-    a second time, which False saves. A layer repacks by itself after an in-place write to its weight.
+    pack_cpu_weights: on the CPU, run the linear layers on copies of their weights packed once, instead
+    of letting the BLAS repack them on every call (engine.runner.packed_linear): float32 layers on the
+    engine's own kernel's panels, bf16 layers of 2**18 elements and more for oneDNN where it can pack them
+    (CPUs with AVX-512 or AVX-NE-CONVERT). Applies to eager steps of an unsharded model; the copies cost
+    those layers' weight memory a second time, which False saves. A layer repacks by itself after an
+    in-place write to its weight.
 
     batch_invariant: compute every request's tokens and logprobs with bits that do not depend on what else
     is scheduled with it: not on the other requests of its steps, how its prompt was split into chunks,

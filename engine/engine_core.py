@@ -412,7 +412,7 @@ class EngineCore:
 
     def offload_weights(self) -> int:
         """Sleep, level 2: the weights to host memory, or on the CPU (where they live already) their
-        copies packed for oneDNN freed, which the layers make again on their first step after waking;
+        packed copies freed, which the layers make again on their first step after waking;
         returns the bytes freed. The caller has flushed the step in flight."""
         assert self._in_flight is None, "flush the step in flight before moving the weights"
         if self.device.type == "cpu":

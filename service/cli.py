@@ -250,9 +250,9 @@ def _parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--no-pack-cpu-weights",
         action="store_true",
-        help="on the CPU, run linear layers on the model's own weights instead of copies packed once for "
-        "oneDNN: slower steps, but the large layers' weight memory is not held twice (pack_cpu_weights; "
-        "default: packed)",
+        help="on the CPU, run linear layers on the model's own weights instead of copies packed once "
+        "(float32 for the engine's kernel, bf16 for oneDNN): slower steps, but the weight memory is not "
+        "held twice (pack_cpu_weights; default: packed)",
     )
     engine.add_argument(
         "--quantization",

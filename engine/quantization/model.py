@@ -3,7 +3,7 @@
 `quantize_model` replaces each plain `nn.Linear` with a `QuantizedLinear` in the model object itself: the
 full-precision weight is dropped (that is the memory quantization saves), so the model stays quantized
 after the engine that asked for it stops. Layers that are already quantized (loaded from GGUF blocks by
-engine.quantization.gguf_blocks) are kept as they are, and the engine's oneDNN packing
+engine.quantization.gguf_blocks) are kept as they are, and the engine's packing
 (engine.runner.packed_linear) only takes plain `nn.Linear`, so it packs whatever stays full precision.
 
 A tied output layer (lm_head sharing the input embedding's weight) is quantized too: the embedding keeps

@@ -6,8 +6,8 @@ to host memory. The tensors themselves stay (only their storage goes), so everyt
 the runner's per-layer lists included, sees the memory again after `wake_up`; CUDA graphs, which hold
 raw addresses, are dropped and captured again.
 
-On the CPU the weights already live in host memory: level 2 only frees the copies of them packed for
-oneDNN (engine.runner.packed_linear), which the layers make again on their first step after waking.
+On the CPU the weights already live in host memory: level 2 only frees their packed copies
+(engine.runner.packed_linear), which the layers make again on their first step after waking.
 
 The engine does each level (`EngineCore.release_kv_cache`, `offload_weights` and their inverses); this
 module holds the levels and tags, moving weights between devices, and handing freed memory back to the

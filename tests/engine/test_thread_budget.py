@@ -1,6 +1,8 @@
 """The steps' thread count follows other processes' load on the CPUs the engine may use: fewer threads
-while a neighbour keeps a core busy, all of them again once it is gone (engine.system.thread_budget). Fed with
-a fake clock and fake CPU counters; /proc/stat's parsing with a fake file."""
+while a neighbour keeps a core busy, all of them again once it is gone, and all of them beside a neighbour
+that runs in short bursts (engine.system.thread_budget). Fed with a fake clock, fake CPU counters and fake
+waits of the steps' threads; /proc/stat's parsing with a fake file, the team's waits from the real
+schedstat."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.system.thread_budget import SAMPLE_INTERVAL_S, ThreadBudget, busy_seconds
+from engine.system.thread_budget import SAMPLE_INTERVAL_S, TeamWaits, ThreadBudget, busy_seconds
 
 
 class FakeMachine:
@@ -19,6 +21,8 @@ class FakeMachine:
         self.now = 0.0
         self.busy = 0.0
         self.own = 0.0
+        # The steps' threads' average wait to run over the last interval (None: schedstat unreadable).
+        self.wait: float | None = 0.0001
 
     def run(self, seconds: float, own_cpus: float, other_cpus: float) -> None:
         self.now += seconds
@@ -33,13 +37,20 @@ class FakeMachine:
             busy=lambda: self.busy,
             own_cpu_seconds=lambda: self.own,
             clock=lambda: self.now,
+            team_waits=lambda threads: self.wait,
         )
 
 
 def threads_over(
-    machine: FakeMachine, budget: ThreadBudget, samples: int, own: float, other: float
+    machine: FakeMachine,
+    budget: ThreadBudget,
+    samples: int,
+    own: float,
+    other: float,
+    wait: float | None = 0.0001,
 ) -> list[int]:
     counts = []
+    machine.wait = wait
     for _ in range(samples):
         machine.run(SAMPLE_INTERVAL_S, own_cpus=min(own, budget.threads), other_cpus=other)
         counts.append(budget.update())
@@ -50,12 +61,31 @@ def test_a_busy_neighbour_drops_a_thread_and_its_leaving_brings_it_back() -> Non
     machine = FakeMachine()
     budget = machine.budget()
     assert threads_over(machine, budget, 3, own=2.0, other=0.0) == [2, 2, 2]
-    # A neighbour takes half of one core from our spinning threads: after two samples agree, one thread.
-    assert threads_over(machine, budget, 3, own=1.5, other=0.5) == [2, 1, 1]
-    # It keeps its core: still one.
+    # A neighbour always runnable takes half of one core from our spinning threads, which wait whole
+    # scheduler slices to run: after two samples agree, one thread.
+    assert threads_over(machine, budget, 3, own=1.5, other=0.5, wait=0.004) == [2, 1, 1]
+    # It keeps its core, and ours no longer waits: still one.
     assert threads_over(machine, budget, 3, own=1.0, other=1.0) == [1, 1, 1]
     # Gone: two again, after two quiet samples.
     assert threads_over(machine, budget, 3, own=1.0, other=0.0) == [1, 2, 2]
+
+
+def test_a_neighbour_in_short_bursts_keeps_every_thread_and_brings_them_back() -> None:
+    """A streaming client on the same machine: 0.7 of a CPU in bursts that leave our threads waiting
+    well under a slice."""
+    machine = FakeMachine()
+    budget = machine.budget()
+    assert threads_over(machine, budget, 4, own=1.3, other=0.7, wait=0.0007) == [2, 2, 2, 2]
+    # After a busy neighbour took a thread, the bursty load alone leaves the spare core partly idle.
+    assert threads_over(machine, budget, 3, own=1.5, other=0.5, wait=0.004) == [2, 1, 1]
+    assert threads_over(machine, budget, 3, own=1.0, other=0.7) == [1, 2, 2]
+
+
+def test_without_the_threads_waits_the_load_alone_decides() -> None:
+    machine = FakeMachine()
+    budget = machine.budget()
+    threads_over(machine, budget, 1, own=2.0, other=0.0)
+    assert threads_over(machine, budget, 3, own=1.5, other=0.5, wait=None) == [2, 1, 1]
 
 
 def test_one_noisy_sample_changes_nothing() -> None:
@@ -107,3 +137,18 @@ def test_busy_seconds_sums_the_masks_cpus_with_steal(tmp_path: Path) -> None:
     ticks = (100 + 10 + 20 + 1 + 2 + 30) + (200 + 40)
     assert busy_seconds({0, 1}, stat) == pytest.approx(ticks / os.sysconf("SC_CLK_TCK"))
     assert busy_seconds({0}, tmp_path / "missing") is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux's per-thread schedstat")
+def test_team_waits_reads_the_openmp_teams_schedstat(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    waits = TeamWaits()
+    ids = waits._team_ids(2)
+    assert len(set(ids)) == 2 and all((Path("/proc/self/task") / str(tid)).is_dir() for tid in ids)
+    assert waits(2) is None  # the first call only takes the counters
+    matrix = torch.randn(300, 300)
+    for _ in range(20):
+        matrix @ matrix
+    wait = waits(2)
+    assert wait is not None and 0.0 <= wait < 1.0
+    assert TeamWaits(tmp_path)(2) is None, "no schedstat: no figure"
