@@ -31,6 +31,7 @@ from engine.parallel import (
     torchrun_world_size,
 )
 from engine.quantization.gguf_blocks import load_gguf_linears
+from engine.quantization.gptq import checkpoint_quantization, load_quantized_checkpoint
 from engine.request import FinishReason, GenerationOutput, RequestStatus, sequence_request_id
 from engine.runner.batch_invariant import BatchInvariantUnsupported, sequence_logprobs, trainer_exact
 from engine.sampling.params import (
@@ -100,6 +101,7 @@ __all__ = [
     "call_on_steps_thread",
     "check_tensor_parallel_size",
     "check_token_ids",
+    "checkpoint_quantization",
     "continuous_batching_context_manager",
     "default_max_new_tokens",
     "default_num_threads",
@@ -108,6 +110,7 @@ __all__ = [
     "generate_batch",
     "init_continuous_batching",
     "load_gguf_linears",
+    "load_quantized_checkpoint",
     "load_sharded_model",
     "safetensors_files",
     "sequence_logprobs",

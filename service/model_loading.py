@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 
-from engine import ContinuousBatchingConfig, load_sharded_model, torchrun_world_size
+from engine import (
+    ContinuousBatchingConfig,
+    checkpoint_quantization,
+    load_quantized_checkpoint,
+    load_sharded_model,
+    torchrun_world_size,
+)
 from service.default_model import load_own_gguf_blocks
 from service.engine_host import EngineHost
 
@@ -53,7 +59,15 @@ def load_pretrained(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved_device, resolved_dtype = resolve_placement(device, dtype)
-    if torchrun_world_size() > 1:
+    quantized_checkpoint = checkpoint_quantization(path)
+    if quantized_checkpoint is not None:
+        if torchrun_world_size() > 1 or resolved_device.type != "cpu":
+            raise ValueError(
+                f"{quantized_checkpoint['quant_method']} checkpoints are served on one CPU process (the int4 "
+                f"kernel); got device {resolved_device.type} with {torchrun_world_size()} rank(s)"
+            )
+        model = load_quantized_checkpoint(path, resolved_dtype, "sdpa")
+    elif torchrun_world_size() > 1:
         model = load_sharded_model(path, resolved_dtype, "sdpa")
     else:
         model = AutoModelForCausalLM.from_pretrained(

@@ -63,13 +63,16 @@ def quantize_model(model: torch.nn.Module, weight_format: str, quantize_activati
     quantized layer, those already loaded quantized included, then takes `quantize_activations` (the
     integer path at a few rows: engine.quantization.kernel).
 
-    'none' changes nothing. Layers whose in_features is not a multiple of the group size stay full
+    'none' quantizes nothing. Layers whose in_features is not a multiple of the group size stay full
     precision (logged). Raises QuantizationError naming a layer that cannot be quantized, ValueError for
     a model off the CPU or without the kernel.
     """
     if weight_format not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {weight_format!r}")
     if weight_format == "none":
+        # Layers a checkpoint loaded quantized (GPTQ, AWQ) still take the engine's activation path.
+        for layer in quantized_layers(model).values():
+            layer.quantize_activations = quantize_activations
         return 0
     _check_quantizable(model, weight_format)
     linears = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]

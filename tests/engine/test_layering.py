@@ -44,6 +44,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.quantization.linear",
         "engine.quantization.model",
         "engine.quantization.gguf_blocks",
+        "engine.quantization.gptq",
         # How tensor-parallel ranks agree on a collective outcome: a protocol and its one-process identity.
         "engine.loop.agreement",
         # Plain records of host-resident blocks, which a request carries while preempted.
