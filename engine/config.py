@@ -159,14 +159,14 @@ class ContinuousBatchingConfig:
     batch_invariant: compute every request's tokens and logprobs with bits that do not depend on what else
     is scheduled with it: not on the other requests of its steps, how its prompt was split into chunks,
     a prefix-cache hit, a preemption (recompute or offload), async batching or its n > 1 siblings; seeded
-    sampling included. Every linear layer runs on kernels whose reduction order is fixed per row (oneDNN
-    on packed weights on the CPU, a fixed-tile Triton matmul on CUDA) and attention on the kernel path
+    sampling included. Every linear layer runs on kernels whose reduction order is fixed per row (the
+    engine's float32 panels or oneDNN's packed weights on the CPU, a fixed-tile Triton matmul on CUDA) and attention on the kernel path
     with a fixed order (engine.runner.batch_invariant has the measurements and the causes). A trainer holding
     the same model gets the same bits under `engine.trainer_exact`. Needs eager forwards (no compile
     config, `default_compile_level` 0) and the attention kernel (`max_blocks_per_request` not 0, and
     wide enough for the longest request; on CUDA, None turns the Triton kernel on for any width); on the
-    CPU, weights oneDNN can pack (fp32; bf16 on CPUs with AVX-512). Its cost is in bench/RESULTS.md
-    ("Offline throughput").
+    CPU, float32 weights (on the engine's kernel) or bf16 ones oneDNN can pack (CPUs with AVX-512). Its
+    cost is in bench/RESULTS.md ("Batch-invariant mode's cost").
 
     quantization: serve the linear layers from weight-only quantized weights on the CPU, read packed by
     the engine's kernel (engine.quantization): "int8" (a scale per 32 weights), "int4" (a scale and a min

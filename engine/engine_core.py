@@ -197,7 +197,6 @@ class EngineCore:
             PackedLinears(
                 model,
                 min_elements=0 if config.batch_invariant else None,
-                panels=not config.batch_invariant,
             )
             if packs
             else None

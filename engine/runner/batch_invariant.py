@@ -12,9 +12,10 @@ cos/sin, log_softmax and the sampler's reductions gave every row the same bits a
 default mode has since moved float32 linear layers to the engine's own kernel, whose panels give a row
 the same bits at every count too: there, attention is what still varies.)
 
-So this mode changes exactly those: every linear layer runs on oneDNN with a fixed order per row (the
-engine's packed weights, `engine.runner.packed_linear`; elsewhere the plain weight with at least two
-rows, `invariant_linear`), and attention runs on the kernel path with `fixed_order`. On CUDA, where
+So this mode changes exactly those: every linear layer runs with a fixed order per row, float32 ones on
+the engine's kernel's panels, others on oneDNN (the engine's packed weights, `engine.runner.packed_linear`;
+elsewhere the same panels packed from the trainer's weights, or oneDNN on the plain weight with at least
+two rows, `invariant_linear`), and attention runs on the kernel path with `fixed_order`. On CUDA, where
 cuBLAS picks kernels (and split-K) by shape and torch's reductions split a row across threads when few
 rows are reduced, the linear layers and the norms' means run on Triton kernels with one fixed tiling
 (`engine.runner.batch_invariant_cuda`), and the attention kernel uses one tile shape for every step.
@@ -36,8 +37,10 @@ with gradients (the backward passes use ordinary matmuls and an eager attention)
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -47,6 +50,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from engine.parallel import tensor_parallel_size
+from engine.quantization import kernel as linear_kernel
+from engine.system.native_library import KernelUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +63,46 @@ _checked_shapes: set[tuple[int, int, torch.dtype, str, bool]] = set()
 MIN_ONEDNN_ROWS = 2
 
 
+@functools.cache
+def kernel_available() -> bool:
+    """Whether the engine's linear kernel builds here (cached: a process builds it once)."""
+    try:
+        linear_kernel.load()
+    except KernelUnavailable:
+        return False
+    return True
+
+
 class BatchInvariantUnsupported(RuntimeError):
     """The batch-invariant kernels cannot serve this model here (its dtype, its device)."""
+
+
+# Panels of the float32 weights `_fixed_order_linear` multiplied, by the weight's storage address: the
+# tensor it was packed from (weakly), that tensor's version counter then, and the panels.
+_PANELS: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+
+
+def runs_on_panels(weight: torch.Tensor) -> bool:
+    """Whether fixed-order linear layers of `weight` run on the engine's kernel's panels (float32 on the
+    CPU, the kernel built), as the engine's packed layers do (engine.runner.packed_linear); else oneDNN."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and kernel_available()
+
+
+def _panel_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The engine's float32 kernel on `weight`'s panels, packed once per weight and version (a trainer's
+    optimizer step moves the version: the next call packs again)."""
+    cached = _PANELS.get(weight.data_ptr())
+    if cached is not None:
+        source, version, panels = cached
+        alive = source()
+        if alive is None or alive.shape != weight.shape or version != weight._version:
+            cached = None
+    if cached is None:
+        for address in [address for address, (source, _, _) in _PANELS.items() if source() is None]:
+            del _PANELS[address]
+        panels = linear_kernel.float32_panels(weight)
+        _PANELS[weight.data_ptr()] = (weakref.ref(weight), weight._version, panels)
+    return linear_kernel.float_linear(rows, panels, weight.shape[0], bias)
 
 
 def _onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,6 +121,8 @@ def _fixed_order_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.T
         from engine.runner.batch_invariant_cuda import matmul
 
         output = matmul(rows, weight, bias)
+    elif input.device.type == "cpu" and input.dtype == weight.dtype and runs_on_panels(weight):
+        output = _panel_linear(rows, weight.detach(), None if bias is None else bias.detach())
     elif input.device.type == "cpu":
         if input.dtype != weight.dtype or not torch.backends.mkldnn.is_available():
             raise BatchInvariantUnsupported(
@@ -276,8 +321,9 @@ class EngineForwards:
 
 def check_linear_invariance(model: torch.nn.Module, packed: bool) -> None:
     """Raises BatchInvariantUnsupported unless each distinct linear shape of `model` gives a row the same
-    bits alone and among 2 to 33 rows, through the kernels the engine uses (`packed`: oneDNN on packed
-    weights; on CUDA the Triton matmul) and those `trainer_exact` uses (`invariant_linear`). Measured on
+    bits alone and among 2 to 33 rows, through the kernels the engine uses (`packed`: the engine's kernel
+    on float32 panels, oneDNN on other packed weights; on CUDA the Triton matmul) and those `trainer_exact`
+    uses (`invariant_linear`, which runs the same panels). Measured on
     one machine, checked on every one: another CPU may pick other kernels. A shape passes once per process
     (SmolLM2's five take 1.7 s on 2 cores, its vocabulary-wide head most). Sharded weights (tensor
     parallelism) are not checked."""
@@ -294,7 +340,7 @@ def check_linear_invariance(model: torch.nn.Module, packed: bool) -> None:
         rows = torch.randn(max(CHECKED_ROW_COUNTS), in_features, generator=generator).to(device, dtype)
         weight = weight.detach()
         kernels = {"invariant_linear": lambda x, w=weight: _fixed_order_linear(x, w, None)}
-        if packed and device.type == "cpu":
+        if packed and device.type == "cpu" and not runs_on_panels(weight):
             try:
                 packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
             except RuntimeError as error:

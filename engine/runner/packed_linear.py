@@ -16,8 +16,9 @@ one row, 32.6 against 45.7 at 16 rows, 50.6 against 67.5 at 32, 82 against 116 a
 the call.
 
 bf16 layers are packed for oneDNN, which serves them only on CPUs with AVX-512 (elsewhere they stay on
-the BLAS), and so are float32 layers when the kernel cannot be built or in batch-invariant mode, whose
-trainer side computes oneDNN's bits (engine.runner.batch_invariant). Below `MIN_PACKED_WEIGHT_ELEMENTS`
+the BLAS), and so are float32 layers when the kernel cannot be built. Batch-invariant mode runs the same
+packing: its trainer side (engine.runner.batch_invariant) multiplies float32 weights on the same panels.
+Below `MIN_PACKED_WEIGHT_ELEMENTS`
 oneDNN's fixed cost per call outweighs the copy it saves (a 256 x 256 projection ran 1.4x slower packed
 on 64 rows), so those stay on the BLAS; the kernel packs every float32 layer whatever its size.
 
@@ -146,10 +147,11 @@ class PackedLinears:
     falls back to `F.linear` whenever packing cannot serve the call (`_falls_back`), and repacks first
     when the weight changed in place.
 
-    `panels` (the default) runs float32 layers on the linear kernel; batch-invariant mode turns it off and
-    packs every layer for oneDNN whatever its size (`min_elements=0`): oneDNN on a packed weight gives a
-    row the same bits however many rows share the call, and its trainer side computes those bits
-    (engine.runner.batch_invariant).
+    `panels` (the default) runs float32 layers on the linear kernel, whose panels give a row the same bits
+    however many rows share the call; without it (or without the kernel) they are packed for oneDNN.
+    Batch-invariant mode packs every oneDNN layer whatever its size (`min_elements=0`): oneDNN on a packed
+    weight also gives a row the same bits at any row count, and the mode's trainer side computes those
+    bits (engine.runner.batch_invariant).
     """
 
     def __init__(self, model: torch.nn.Module, min_elements: int | None = None, panels: bool = True) -> None:

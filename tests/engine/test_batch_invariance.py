@@ -329,9 +329,10 @@ def test_packed_onednn_gives_every_row_its_bits_alone_and_the_blas_does_not() ->
 
 @CPU_KERNELS
 def test_a_machine_whose_kernels_vary_refuses_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The startup check runs the model's shapes through the mode's kernels: here the BLAS stands in."""
+    """The startup check runs the model's shapes through the mode's kernels: here the BLAS stands in for
+    the float32 panels."""
     monkeypatch.setattr(
-        batch_invariant_module, "_onednn_linear", lambda rows, weight, bias: F.linear(rows, weight, bias)
+        batch_invariant_module, "_panel_linear", lambda rows, weight, bias: F.linear(rows, weight, bias)
     )
     monkeypatch.setattr(batch_invariant_module, "_checked_shapes", set())
     with pytest.raises(BatchInvariantUnsupported, match="other bits among 2 rows than alone"):
@@ -400,3 +401,16 @@ def test_all_reduce_in_rank_order_gives_every_rank_the_rank_order_sum(tmp_path: 
         result = torch.load(tmp_path / f"rank{rank}.pt")
         assert torch.equal(result["ordered"], expected.expand(4099)), f"rank {rank}: {result['ordered'][:4]}"
         assert torch.equal(result["plain"], torch.full((3,), 3.0))
+
+
+@CPU_KERNELS
+def test_the_trainer_side_repacks_a_weight_its_optimizer_moved() -> None:
+    """`invariant_linear` keeps a float32 weight's panels between calls, and packs them again once the
+    weight is written in place (doubling it doubles every output exactly)."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 64, generator=generator)
+    rows = torch.randn(3, 64, generator=generator)
+    first = batch_invariant_module.invariant_linear(rows, weight)
+    with torch.no_grad():
+        weight.mul_(2)
+    assert torch.equal(batch_invariant_module.invariant_linear(rows, weight), 2 * first)
