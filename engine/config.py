@@ -160,8 +160,9 @@ class ContinuousBatchingConfig:
     is scheduled with it: not on the other requests of its steps, how its prompt was split into chunks,
     a prefix-cache hit, a preemption (recompute or offload), async batching or its n > 1 siblings; seeded
     sampling included. Every linear layer runs on kernels whose reduction order is fixed per row (the
-    engine's float32 panels or oneDNN's packed weights on the CPU, a fixed-tile Triton matmul on CUDA) and attention on the kernel path
-    with a fixed order (engine.runner.batch_invariant has the measurements and the causes). A trainer holding
+    engine's float32 panels or oneDNN's packed weights on the CPU, a fixed-tile Triton matmul on CUDA)
+    and attention on the kernel path with a fixed order (engine.runner.batch_invariant has the
+    measurements and the causes). A trainer holding
     the same model gets the same bits under `engine.trainer_exact`. Needs eager forwards (no compile
     config, `default_compile_level` 0) and the attention kernel (`max_blocks_per_request` not 0, and
     wide enough for the longest request; on CUDA, None turns the Triton kernel on for any width); on the
