@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.system.native_library import load_library
+from engine.system.native_library import KernelUnavailable, load_library
 
 SOURCE = Path(__file__).with_name("quantized_linear_cpu.c")
 # No -fassociative-math: each output's sum runs in the order the source writes it, so a row's result does
@@ -69,6 +69,15 @@ def load() -> ctypes.CDLL:
         COMPILE_FLAGS,
         {"quantized_linear": _ARGUMENT_TYPES, "pack_float32_panels": _PACK_ARGUMENT_TYPES},
     )
+
+
+def available() -> bool:
+    """Whether the kernel is built or builds here (a built one is loaded once per process)."""
+    try:
+        load()
+    except KernelUnavailable:
+        return False
+    return True
 
 
 def float32_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,7 +37,6 @@ with gradients (the backward passes use ordinary matmuls and an eager attention)
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import weakref
@@ -51,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine.parallel import tensor_parallel_size
 from engine.quantization import kernel as linear_kernel
-from engine.system.native_library import KernelUnavailable
+from engine.runner.packed_linear import PanelledWeight
 
 logger = logging.getLogger(__name__)
 
@@ -63,46 +62,31 @@ _checked_shapes: set[tuple[int, int, torch.dtype, str, bool]] = set()
 MIN_ONEDNN_ROWS = 2
 
 
-@functools.cache
-def kernel_available() -> bool:
-    """Whether the engine's linear kernel builds here (cached: a process builds it once)."""
-    try:
-        linear_kernel.load()
-    except KernelUnavailable:
-        return False
-    return True
-
-
 class BatchInvariantUnsupported(RuntimeError):
     """The batch-invariant kernels cannot serve this model here (its dtype, its device)."""
 
 
-# Panels of the float32 weights `_fixed_order_linear` multiplied, by the weight's storage address: the
-# tensor it was packed from (weakly), that tensor's version counter then, and the panels.
-_PANELS: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+# The panels of the float32 weights `_fixed_order_linear` multiplied, by the weight's storage address and
+# shape, with the tensor they were last asked for (weakly: an entry whose tensor is gone is dropped).
+_PANELS: dict[tuple[int, torch.Size], tuple[weakref.ref[torch.Tensor], PanelledWeight]] = {}
 
 
 def runs_on_panels(weight: torch.Tensor) -> bool:
     """Whether fixed-order linear layers of `weight` run on the engine's kernel's panels (float32 on the
     CPU, the kernel built), as the engine's packed layers do (engine.runner.packed_linear); else oneDNN."""
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and kernel_available()
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and linear_kernel.available()
 
 
 def _panel_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The engine's float32 kernel on `weight`'s panels, packed once per weight and version (a trainer's
-    optimizer step moves the version: the next call packs again)."""
-    cached = _PANELS.get(weight.data_ptr())
-    if cached is not None:
-        source, version, panels = cached
-        alive = source()
-        if alive is None or alive.shape != weight.shape or version != weight._version:
-            cached = None
-    if cached is None:
-        for address in [address for address, (source, _, _) in _PANELS.items() if source() is None]:
-            del _PANELS[address]
-        panels = linear_kernel.float32_panels(weight)
-        _PANELS[weight.data_ptr()] = (weakref.ref(weight), weight._version, panels)
-    return linear_kernel.float_linear(rows, panels, weight.shape[0], bias)
+    """The engine's float32 kernel on `weight`'s panels, packed again only when the weight changed (a
+    trainer's optimizer step moves its version)."""
+    key = (weight.data_ptr(), weight.shape)
+    entry = _PANELS.get(key)
+    if entry is None or entry[0]() is None:
+        for stale in [stale for stale, (source, _) in _PANELS.items() if source() is None]:
+            del _PANELS[stale]
+        entry = _PANELS[key] = (weakref.ref(weight), PanelledWeight())
+    return linear_kernel.float_linear(rows, entry[1].current(weight), weight.shape[0], bias)
 
 
 def _onednn_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -122,7 +106,8 @@ def _fixed_order_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
         output = matmul(rows, weight, bias)
     elif input.device.type == "cpu" and input.dtype == weight.dtype and runs_on_panels(weight):
-        output = _panel_linear(rows, weight.detach(), None if bias is None else bias.detach())
+        # The weight itself, not a detached alias made anew each call: the panels are cached by tensor.
+        output = _panel_linear(rows, weight, None if bias is None else bias.detach())
     elif input.device.type == "cpu":
         if input.dtype != weight.dtype or not torch.backends.mkldnn.is_available():
             raise BatchInvariantUnsupported(

@@ -125,8 +125,8 @@ class _Plan:
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        # The float32 layers, each with the struct that points at its panels.
-        self.panelled: list[tuple[_Linear, packed_linear.PanelledWeight]] = []
+        # The float32 layers: the struct that points at the panels, the layer, its panels.
+        self.panelled: list[tuple[_Linear, Any, packed_linear.PanelledWeight]] = []
 
     def pointer(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:
@@ -157,7 +157,7 @@ class _Plan:
         weight, bias = module.weight, module.bias
         if weight.dtype != torch.float32 or (bias is not None and not _is_float32_rows(bias)):
             return None
-        panels = panelled.current()
+        panels = panelled.current(weight)
         return _Linear(
             linear_kernel.FLOAT32_CODE,
             0,
@@ -172,8 +172,8 @@ class _Plan:
 
     def point_at_current_panels(self) -> None:
         """Points every float32 layer at its panels as they are now (see the module's invariant)."""
-        for described, panelled in self.panelled:
-            described.packed = panelled.current().data_ptr()
+        for described, module, panelled in self.panelled:
+            described.packed = panelled.current(module.weight).data_ptr()
 
     def norm(self, module: Any) -> int | None:
         weight = module.weight.detach()
@@ -228,7 +228,7 @@ class DecoderLayers:
                 panelled = packed_linear.panelled_weight(module)
                 if panelled is not None:
                     # The field, not `described`: setattr copied the struct into the layer's.
-                    plan.panelled.append((getattr(target, name), panelled))
+                    plan.panelled.append((getattr(target, name), module, panelled))
             norms = [
                 ("input_norm", layer.input_layernorm),
                 ("post_attention_norm", layer.post_attention_layernorm),

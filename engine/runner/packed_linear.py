@@ -10,10 +10,10 @@ float32 layers are packed into the engine's own kernel's panels (`engine.quantiz
 float32: sixteen channels interleaved along the input, a 6-row x 16-channel register tile). One kernel
 serves every row count, from one request's decode (bound by reading the weight, which it streams once
 per call on every thread) to a prefill chunk (bound by the FMA units). Over SmolLM2's 210 decoder-layer
-products on the 2-core EPYC (Zen 2, AVX2), against oneDNN on its own packed weight: 14.6 against 25.4 ms at
-one row, 32.6 against 45.7 at 16 rows, 50.6 against 67.5 at 32, 82 against 116 at 64, 288 against 374 at
-256 (188 GFLOP/s; the FMA units peak at 209). A row's result has the same bits however many rows share
-the call.
+products on the 2-core EPYC (Zen 2, AVX2), against oneDNN on its own packed weight (`python -m
+bench.linear_kernel`): 17.9 against 25.1 ms at one row, 33.8 against 45.0 at 16 rows, 50.1 against 67.2
+at 32, 82.3 against 113.7 at 64, 291.2 against 372.7 at 256 (187 GFLOP/s; the FMA units peak near 209).
+A row's result has the same bits however many rows share the call.
 
 bf16 layers are packed for oneDNN, which serves them only on CPUs with AVX-512 (elsewhere they stay on
 the BLAS), and so are float32 layers when the kernel cannot be built. Batch-invariant mode runs the same
@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.quantization import kernel
-from engine.system.native_library import KernelUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -52,42 +51,47 @@ MIN_PACKED_WEIGHT_ELEMENTS = 1 << 18
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-@dataclass
-class _PackedWeight:
-    packed: torch.Tensor
-    # What the weight was when packed: its storage and its version counter.
+@dataclass(frozen=True)
+class WeightStamp:
+    """What a weight was when a copy of it was packed: its storage and its version counter. A copy is
+    current while the weight's stamp is the same (see the module docstring)."""
+
     data_ptr: int
     version: int
 
-    def is_current(self, weight: torch.Tensor) -> bool:
-        return weight.data_ptr() == self.data_ptr and weight._version == self.version
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> WeightStamp:
+        return cls(weight.data_ptr(), weight._version)
+
+
+@dataclass
+class _PackedWeight:
+    packed: torch.Tensor
+    stamp: WeightStamp
 
 
 def _pack(weight: torch.Tensor) -> _PackedWeight:
     detached = weight.detach()
-    packed = torch.ops.mkldnn._reorder_linear_weight(detached, None)
-    return _PackedWeight(packed, detached.data_ptr(), weight._version)
+    return _PackedWeight(torch.ops.mkldnn._reorder_linear_weight(detached, None), WeightStamp.of(weight))
 
 
 class PanelledWeight:
-    """A float32 layer's weight in the linear kernel's panels (`kernel.float32_panels`), packed again
-    whenever the weight changed since (its storage or its version counter).
+    """A float32 weight in the linear kernel's panels (`kernel.float32_panels`), packed again whenever the
+    weight it is asked for has another stamp than the one packed.
 
     Invariant: the panels keep their storage from one repack to the next; only `drop` (sleep) frees it,
     and the next `current` allocates anew."""
 
-    def __init__(self, module: torch.nn.Linear) -> None:
-        self.module = module
+    def __init__(self) -> None:
         self._panels: torch.Tensor | None = None
-        self._data_ptr = 0
-        self._version = -1
+        self._stamp: WeightStamp | None = None
 
-    def current(self) -> torch.Tensor:
-        """The panels of the layer's weight as it is now."""
-        weight = self.module.weight
-        if self._panels is None or weight.data_ptr() != self._data_ptr or weight._version != self._version:
+    def current(self, weight: torch.Tensor) -> torch.Tensor:
+        """The panels of `weight` as it is now."""
+        stamp = WeightStamp.of(weight)
+        if self._panels is None or stamp != self._stamp:
             self._panels = kernel.float32_panels(weight.detach(), out=self._panels)
-            self._data_ptr, self._version = weight.data_ptr(), weight._version
+            self._stamp = stamp
         return self._panels
 
     def drop(self) -> int:
@@ -158,12 +162,17 @@ class PackedLinears:
         self._panelled: dict[torch.nn.Linear, PanelledWeight] = {}
         # None: the copy was dropped (`drop_copies`) and is made again on the layer's next call.
         self._packed: dict[torch.nn.Linear, _PackedWeight | None] = {}
-        if panels and _kernel_available():
+        on_panels = panels and kernel.available()
+        if panels and not on_panels:
+            logger.info(
+                "float32 linear layers run on oneDNN: the engine's linear kernel cannot be built here"
+            )
+        if on_panels:
             for module in packable_linears(model, 0):
                 if module.weight.dtype == torch.float32:
-                    panelled = self._panelled[module] = PanelledWeight(module)
-                    panelled.current()
-                    module.forward = self._panelled_forward_of(panelled)  # type: ignore[method-assign]
+                    panelled = self._panelled[module] = PanelledWeight()
+                    panelled.current(module.weight)
+                    module.forward = self._panelled_forward_of(module, panelled)  # type: ignore[method-assign]
         for module in packable_linears(model, min_elements):
             try:
                 self._packed[module] = _pack(module.weight)
@@ -191,13 +200,14 @@ class PackedLinears:
         """Layers running on packed weights, the kernel's or oneDNN's."""
         return len(self._panelled) + len(self._packed)
 
-    def _panelled_forward_of(self, panelled: PanelledWeight) -> Any:
-        module = panelled.module
-
+    def _panelled_forward_of(self, module: torch.nn.Linear, panelled: PanelledWeight) -> Any:
         def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-            if _falls_back(module, hidden_states) or module.weight.dtype != torch.float32:
-                return F.linear(hidden_states, module.weight, module.bias)
-            return kernel.float_linear(hidden_states, panelled.current(), module.out_features, module.bias)
+            weight = module.weight
+            if _falls_back(module, hidden_states) or weight.dtype != torch.float32:
+                return F.linear(hidden_states, weight, module.bias)
+            return kernel.float_linear(
+                hidden_states, panelled.current(weight), module.out_features, module.bias
+            )
 
         _PANELLED_FORWARDS[forward] = panelled
         return forward
@@ -208,7 +218,7 @@ class PackedLinears:
             if _falls_back(module, hidden_states):
                 return F.linear(hidden_states, weight, module.bias)
             packed = self._packed[module]
-            if packed is None or not packed.is_current(weight):
+            if packed is None or packed.stamp != WeightStamp.of(weight):
                 packed = self._packed[module] = _pack(weight)
             return torch.ops.mkldnn._linear_pointwise(
                 hidden_states, packed.packed, module.bias, "none", [], ""
@@ -234,14 +244,3 @@ class PackedLinears:
             panelled.drop()
         self._panelled.clear()
         self._packed.clear()
-
-
-def _kernel_available() -> bool:
-    try:
-        kernel.load()
-    except KernelUnavailable as exc:
-        logger.info(
-            "float32 linear layers run on oneDNN: the engine's linear kernel is unavailable (%s)", exc
-        )
-        return False
-    return True

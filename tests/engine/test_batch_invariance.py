@@ -404,13 +404,24 @@ def test_all_reduce_in_rank_order_gives_every_rank_the_rank_order_sum(tmp_path: 
 
 
 @CPU_KERNELS
-def test_the_trainer_side_repacks_a_weight_its_optimizer_moved() -> None:
+def test_the_trainer_side_repacks_a_weight_its_optimizer_moved(monkeypatch: pytest.MonkeyPatch) -> None:
     """`invariant_linear` keeps a float32 weight's panels between calls, and packs them again once the
     weight is written in place (doubling it doubles every output exactly)."""
+    packs: list[int] = []
+    pack = batch_invariant_module.linear_kernel.float32_panels
+
+    def counted(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        packs.append(weight.shape[0])
+        return pack(weight, out)
+
+    monkeypatch.setattr(batch_invariant_module.linear_kernel, "float32_panels", counted)
     generator = torch.Generator().manual_seed(5)
-    weight = torch.randn(40, 64, generator=generator)
+    weight = torch.nn.Parameter(torch.randn(40, 64, generator=generator))
     rows = torch.randn(3, 64, generator=generator)
-    first = batch_invariant_module.invariant_linear(rows, weight)
     with torch.no_grad():
+        first = batch_invariant_module.invariant_linear(rows, weight)
+        assert torch.equal(batch_invariant_module.invariant_linear(rows, weight), first)
+        assert packs == [40], "the unchanged weight was packed again"
         weight.mul_(2)
-    assert torch.equal(batch_invariant_module.invariant_linear(rows, weight), 2 * first)
+        assert torch.equal(batch_invariant_module.invariant_linear(rows, weight), 2 * first)
+    assert packs == [40, 40]

@@ -173,13 +173,13 @@ def test_a_repack_writes_the_panels_where_they_lie() -> None:
     try:
         panelled = packed_linear.panelled_weight(layer)
         assert panelled is not None
-        address = panelled.current().data_ptr()
+        address = panelled.current(layer.weight).data_ptr()
         with torch.no_grad():
             layer.weight.mul_(2)
         inputs = torch.randn(3, 32)
         with torch.inference_mode():
             torch.testing.assert_close(layer(inputs), F.linear(inputs, layer.weight))
-        assert panelled.current().data_ptr() == address
+        assert panelled.current(layer.weight).data_ptr() == address
         assert packed.drop_copies() == 3 * 32 * 16 * 4  # 40 channels in three panels of 16
         with torch.inference_mode():
             torch.testing.assert_close(layer(inputs), F.linear(inputs, layer.weight))
