@@ -80,8 +80,10 @@ class TeamWaits:
 
     def __init__(self, task_folder: Path = Path("/proc/self/task")) -> None:
         self._task_folder = task_folder
+        self._threads = 0  # the team size `_ids` were read for
         self._ids: list[int] = []
         self._last: tuple[int, int] | None = None  # (wait ns, times run) at the last call
+        self._unavailable = False  # the helper cannot be built here: not retried every sample
 
     def _team_ids(self, threads: int) -> list[int]:
         library = load_library(
@@ -110,12 +112,15 @@ class TeamWaits:
     def __call__(self, threads: int) -> float | None:
         """Seconds per run since the last call with the same thread count; None for the first, or where
         the team or schedstat cannot be read."""
-        if len(self._ids) != threads:
+        if self._unavailable:
+            return None
+        if threads != self._threads:
             try:
                 self._ids = self._team_ids(threads)
             except KernelUnavailable:
+                self._unavailable = True
                 return None
-            self._last = None
+            self._threads, self._last = threads, None
         totals = self._totals()
         last, self._last = self._last, totals
         if totals is None or last is None or totals[1] <= last[1]:

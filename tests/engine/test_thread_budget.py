@@ -139,7 +139,6 @@ def test_busy_seconds_sums_the_masks_cpus_with_steal(tmp_path: Path) -> None:
     assert busy_seconds({0}, tmp_path / "missing") is None
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux's per-thread schedstat")
 def test_team_waits_reads_the_openmp_teams_schedstat(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     waits = TeamWaits()
