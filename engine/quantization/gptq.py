@@ -223,4 +223,4 @@ def load_quantized_checkpoint(
         quantization["quant_method"],
         os.fspath(folder),
     )
-    return model.to(dtype).eval()
+    return model.eval()

@@ -260,9 +260,10 @@ static inline __attribute__((always_inline)) void multiply_integer_tile(
    many rows share the call. Rows go in blocks of about ROW_BLOCK_BYTES of inputs, which stay in L2/L3
    while every panel passes over them; a panel is re-read from L2 by each tile of the block.
 
-   On the 2-core EPYC (Zen 2, AVX2), SmolLM2's decoder layers (210 products) took 14.6 ms at one row
-   (oneDNN on its packed weight: 25.4), 32.6 ms at 16 rows (45.7), 50.6 ms at 32 (67.5), 82 ms at 64
-   (116), 288 ms at 256 rows (374, 188 GFLOP/s against the FMA units' 209).
+   On the 2-core EPYC (Zen 2, AVX2), SmolLM2's decoder layers (210 products, `python -m
+   bench.linear_kernel`) took 17.9 ms at one row (oneDNN on its packed weight: 25.1), 33.8 ms at 16 rows
+   (45.0), 50.1 ms at 32 (67.2), 82.3 ms at 64 (113.7), 291.2 ms at 256 rows (372.7; 187 GFLOP/s against
+   the FMA units' 209).
 
    Each output is bias + the sum over k of x[r][k] * w[n][k], added one k after the other in one vector
    lane, whatever the tile, block or thread: a row's result has the same bits however many rows share
@@ -299,6 +300,7 @@ static inline __attribute__((always_inline)) void multiply_panel_tile(const int 
         for (int v = 0; v < PANEL / LANES; v++) weights[v] = load_lanes(panel + k * PANEL + v * LANES);
         for (int r = 0; r < rows; r++) {
             /* An initializer, not `(lanes_t){0} + value`, which costs an add (the sign of zero). */
+            _Static_assert(LANES == 8, "the broadcast lists LANES copies");
             float value = x[r * x_stride + k];
             lanes_t input = {value, value, value, value, value, value, value, value};
             for (int v = 0; v < PANEL / LANES; v++) accumulators[r][v] += input * weights[v];
