@@ -1,6 +1,6 @@
 """GGUF's quantized blocks served as they are (engine.quantization.gguf_blocks): exact against gguf's own
-dequantization, greedy parity with `model.generate` on those weights, and errors naming the tensor and its
-GGUF type."""
+dequantization (the 5- and 6-bit types within int8's rounding of it), greedy parity with `model.generate`
+on those weights, and errors naming the tensor and its GGUF type."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine import ContinuousBatchingConfig
 from engine.quantization.formats import QuantizationError
-from engine.quantization.gguf_blocks import load_gguf_linears, weight_from_blocks
+from engine.quantization.gguf_blocks import REQUANTIZED_TYPES, load_gguf_linears, weight_from_blocks
 from engine.quantization.model import quantized_layers
 from tests.helpers.engine_runs import generate_greedy
-from tests.helpers.models import random_prompt, tiny_config
+from tests.helpers.models import COMMON, random_prompt, tiny_config
 from tests.helpers.oracle import assert_greedy_parity
 
 gguf = pytest.importorskip("gguf")
@@ -44,6 +44,39 @@ def test_blocks_load_exactly_as_gguf_dequantizes_them(type_name):
     blocks, expected = _gguf_round_trip(weight, type_name)
     loaded = weight_from_blocks("blk.0.ffn_up.weight", type_name, blocks, (8, 96))
     assert torch.equal(loaded.dequantize(), torch.from_numpy(expected))
+
+
+def _random_blocks(type_name: str, rows: int, columns: int, seed: int) -> np.ndarray:
+    """Random blocks of a K-quant or 5-bit type (every bit pattern is a valid block) whose float16 scales
+    are set to finite values, as [rows, bytes a row]; gguf's own dequantization says what they mean."""
+    quant_type = gguf.GGMLQuantizationType[type_name]
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[quant_type]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, columns // block_weights, block_bytes), dtype=np.uint8)
+    # Where each type keeps its float16 scales: Q6_K's d closes the block; the others open it with d (and
+    # dmin or m when they have one).
+    offsets = {"Q6_K": [block_bytes - 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2]}
+    for offset in offsets[type_name]:
+        scales = rng.uniform(0.002, 0.02, blocks.shape[:2]).astype(np.float16)
+        blocks[..., offset : offset + 2] = scales[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", *REQUANTIZED_TYPES])
+def test_k_quant_and_5_bit_blocks_load_as_gguf_dequantizes_them(type_name):
+    """Q4_K exactly; the types with more levels than int4 as int8, within half an int8 step of each group."""
+    blocks = _random_blocks(type_name, 6, 512, seed=2)
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]))
+    loaded = weight_from_blocks("blk.0.ffn_down.weight", type_name, blocks, (6, 512))
+    if type_name == "Q4_K":
+        assert loaded.weight_format == "int4"
+        assert torch.equal(loaded.dequantize(), expected)
+        return
+    assert loaded.weight_format == "int8"
+    error = (loaded.dequantize() - expected).abs().view(6, -1, 32).amax(dim=-1)
+    step = expected.abs().view(6, -1, 32).amax(dim=-1) / 127
+    assert bool((error <= step / 2 * (1 + 1e-5)).all()), f"worst {error.max()}, steps from {step.min()}"
+    assert error.max() > 0  # the file's levels are finer than int8's here: a real requantization
 
 
 def _permute_like_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -101,13 +134,65 @@ def test_a_gguf_file_serves_its_own_blocks_with_greedy_parity(tmp_path, type_nam
     assert_greedy_parity(reference, prompts, new_tokens, generated, type_name)
 
 
+def test_a_q4_k_m_file_serves_q4_k_exactly_and_q6_k_as_int8_with_greedy_parity(tmp_path):
+    """The mix llama.cpp's Q4_K_M writes: Q4_K for most layers, Q6_K for attn_v, ffn_down and the output."""
+    torch.manual_seed(0)
+    # K-quant rows are whole 256-weight super-blocks.
+    config = LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+    expected: dict[str, tuple[str, torch.Tensor]] = {}
+    for seed, (name, module) in enumerate(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        gguf_name = name_map.get_name(name)
+        type_name = "Q6_K" if gguf_name.endswith((".attn_v", ".ffn_down", "output")) else "Q4_K"
+        blocks = _random_blocks(type_name, module.out_features, module.in_features, seed)
+        meaning = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name])
+        stored = blocks
+        if gguf_name.endswith((".attn_q", ".attn_k")):
+            heads = config.num_attention_heads if gguf_name.endswith("q") else config.num_key_value_heads
+            stored = _permute_like_llama_cpp(blocks, heads)
+        writer.add_tensor(f"{gguf_name}.weight", stored, raw_dtype=gguf.GGMLQuantizationType[type_name])
+        expected[name] = (type_name, torch.from_numpy(meaning))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    assert load_gguf_linears(model, tmp_path / "model.gguf") == len(expected)
+    reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    reference.eval()
+    with torch.no_grad():
+        for name, layer in quantized_layers(model).items():
+            type_name, meaning = expected[name]
+            served = layer.quantized_weight.dequantize()
+            assert layer.weight_format == ("int4" if type_name == "Q4_K" else "int8"), name
+            if type_name == "Q4_K":
+                assert torch.equal(served, meaning), name
+            else:
+                assert torch.allclose(served, meaning, rtol=0, atol=float(meaning.abs().max()) / 254), name
+            reference.get_submodule(name).weight.copy_(served)
+        reference.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+        reference.model.norm.weight.copy_(model.model.norm.weight)
+    prompts = [random_prompt(length, seed=length) for length in (3, 30)]
+    new_tokens = [16, 9]
+    # Float inputs: the kernel's exact path, whose greedy tokens are those of the weights it serves.
+    engine_config = ContinuousBatchingConfig(
+        page_size=16, num_blocks=32, quantization="none", quantize_activations=False
+    )
+    generated, _ = generate_greedy(model, engine_config, prompts, new_tokens)
+    assert_greedy_parity(reference, prompts, new_tokens, generated, "Q4_K_M")
+
+
 def test_an_unsupported_block_type_names_the_tensor_and_the_type():
     weight = np.random.default_rng(1).standard_normal((2, 256)).astype(np.float32)
     blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0)
     with pytest.raises(
-        QuantizationError, match=r"tensor 'blk\.3\.ffn_down\.weight' \(GGUF Q6_K\): unsupported"
+        QuantizationError, match=r"tensor 'blk\.3\.ffn_down\.weight' \(GGUF Q3_K\): unsupported"
     ):
-        weight_from_blocks("blk.3.ffn_down.weight", "Q6_K", blocks, (2, 256))
+        weight_from_blocks("blk.3.ffn_down.weight", "Q3_K", blocks, (2, 256))
 
 
 def test_truncated_blocks_name_the_tensor_and_the_type():
