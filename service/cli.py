@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         metavar="FOLDER",
         default=None,
-        help="folder of a transformers causal LM and its tokenizer, as save_pretrained writes it "
+        help="folder of a transformers causal LM and its tokenizer, as save_pretrained writes it, or a "
+        "GGUF file (served from its own quantized blocks unless --quantization none) "
         f"(default: the embedded {DEFAULT_MODEL_NAME})",
     )
     serve.add_argument(
@@ -342,13 +343,17 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
 
 
 def check_model_folder(path: str) -> None:
-    """Raises CommandError unless `path` is a folder with a transformers config (nothing is loaded)."""
+    """Raises CommandError unless `path` is a folder with a transformers config or a GGUF file (nothing is
+    loaded)."""
     folder = Path(path)
     if not folder.exists():
         raise CommandError(f"--model {path}: no such folder")
+    if folder.is_file() and folder.suffix == ".gguf":
+        return
     if not folder.is_dir():
         raise CommandError(
-            f"--model {path}: not a folder; pass the folder that holds the model's config.json"
+            f"--model {path}: not a folder; pass the folder that holds the model's config.json, or a "
+            ".gguf file"
         )
     if not (folder / "config.json").is_file():
         raise CommandError(

@@ -1,4 +1,5 @@
-"""Loading a model folder for serving: where it runs, in what precision, and the host around it."""
+"""Loading a model folder (or a GGUF file) for serving: where it runs, in what precision, and the host
+around it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from engine import (
     ContinuousBatchingConfig,
     checkpoint_quantization,
+    load_gguf_linears,
     load_quantized_checkpoint,
     load_sharded_model,
     torchrun_world_size,
@@ -47,6 +49,35 @@ def resolve_placement(device: str = "auto", dtype: str = "auto") -> tuple[torch.
     return resolved, DTYPES[dtype]
 
 
+def is_gguf_file(path: str) -> bool:
+    """Whether `path` names a GGUF file (llama.cpp's format) rather than a model folder."""
+    return path.endswith(".gguf") and os.path.isfile(path)
+
+
+def _load_gguf(path: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any | None]:
+    """transformers' own GGUF reading: every tensor dequantized to `dtype` (the float layers the engine
+    serves with quantization 'none'), and the tokenizer the file carries, if any."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if torchrun_world_size() > 1:
+        raise ValueError(f"a GGUF file is served on one process; got {torchrun_world_size()} ranks ({path})")
+    folder, name = os.path.split(os.path.abspath(path))
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=name,
+        dtype=dtype,
+        attn_implementation="sdpa",
+        device_map=str(device),
+        local_files_only=True,
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        logger.info("no tokenizer in %s (%s): only token-id prompts will be accepted", path, error)
+        tokenizer = None
+    return model, tokenizer
+
+
 def load_pretrained(
     path: str, device: str = "auto", dtype: str = "auto"
 ) -> tuple[torch.nn.Module, Any | None]:
@@ -59,6 +90,10 @@ def load_pretrained(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved_device, resolved_dtype = resolve_placement(device, dtype)
+    if is_gguf_file(path):
+        model, gguf_tokenizer = _load_gguf(path, resolved_device, resolved_dtype)
+        logger.info("model %s on %s in %s", path, next(model.parameters()).device, resolved_dtype)
+        return model.eval(), gguf_tokenizer
     quantized_checkpoint = checkpoint_quantization(path)
     if quantized_checkpoint is not None:
         if torchrun_world_size() > 1 or resolved_device.type != "cpu":
@@ -82,12 +117,22 @@ def load_pretrained(
     return model.eval(), tokenizer
 
 
+def serve_gguf_blocks(path: str, model: torch.nn.Module, quantization: str) -> int:
+    """Puts the quantized blocks of the GGUF file behind `path` into `model` where they serve; returns how
+    many layers. A GGUF file's own blocks serve with any quantization but 'none'; the embedded model's
+    converted folder serves its file's blocks with 'int4' (with 'int8' the engine quantizes its floats)."""
+    if is_gguf_file(path):
+        return load_gguf_linears(model, path) if quantization != "none" else 0
+    return load_own_gguf_blocks(path, model) if quantization == "int4" else 0
+
+
 def load_host(
     path: str, config: ContinuousBatchingConfig | None = None, device: str = "auto", dtype: str = "auto"
 ) -> EngineHost:
-    """The engine host serving the model folder at `path`, named after the folder."""
+    """The engine host serving the model folder (or GGUF file) at `path`, named after it, with the blocks
+    `serve_gguf_blocks` puts in (engine.load_gguf_linears: Q8_0, Q4_0, Q4_1 and Q4_K exactly, the 5- and
+    6-bit types as int8); the engine quantizes the layers left in floats to the configured format."""
     model, tokenizer = load_pretrained(path, device, dtype)
-    if config is not None and config.quantization == "int4":
-        load_own_gguf_blocks(path, model)
-    name = os.path.basename(os.path.normpath(path))
+    serve_gguf_blocks(path, model, config.quantization if config is not None else "none")
+    name = os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
     return EngineHost(model, tokenizer, config, model_name=name, model_path=os.path.abspath(path))

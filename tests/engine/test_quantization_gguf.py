@@ -11,13 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from engine import ContinuousBatchingConfig
 from engine.quantization.formats import QuantizationError
 from engine.quantization.gguf_blocks import REQUANTIZED_TYPES, load_gguf_linears, weight_from_blocks
 from engine.quantization.model import quantized_layers
-from tests.helpers.engine_runs import generate_greedy
-from tests.helpers.models import COMMON, random_prompt, tiny_config
-from tests.helpers.oracle import assert_greedy_parity
+from tests.helpers.engine_runs import assert_exact_kernel_greedy_parity
+from tests.helpers.models import COMMON, tiny_config
 
 gguf = pytest.importorskip("gguf")
 
@@ -123,15 +121,8 @@ def test_a_gguf_file_serves_its_own_blocks_with_greedy_parity(tmp_path, type_nam
             # Exact, q and k included: their rows come back in the model's order.
             assert torch.equal(layer.quantized_weight.dequantize(), torch.from_numpy(expected[name])), name
             reference.get_submodule(name).weight.copy_(torch.from_numpy(expected[name]))
-    prompts = [random_prompt(length, seed=length) for length in (3, 30)]
-    new_tokens = [16, 9]
     quantization = "int8" if type_name == "Q8_0" else "int4"
-    # Float inputs: the kernel's exact path, whose greedy tokens are those of the dequantized weights.
-    config = ContinuousBatchingConfig(
-        page_size=16, num_blocks=32, quantization=quantization, quantize_activations=False
-    )
-    generated, _ = generate_greedy(model, config, prompts, new_tokens)
-    assert_greedy_parity(reference, prompts, new_tokens, generated, type_name)
+    assert_exact_kernel_greedy_parity(model, reference, quantization, type_name)
 
 
 def test_a_q4_k_m_file_serves_q4_k_exactly_and_q6_k_as_int8_with_greedy_parity(tmp_path):
@@ -176,14 +167,7 @@ def test_a_q4_k_m_file_serves_q4_k_exactly_and_q6_k_as_int8_with_greedy_parity(t
             reference.get_submodule(name).weight.copy_(served)
         reference.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
         reference.model.norm.weight.copy_(model.model.norm.weight)
-    prompts = [random_prompt(length, seed=length) for length in (3, 30)]
-    new_tokens = [16, 9]
-    # Float inputs: the kernel's exact path, whose greedy tokens are those of the weights it serves.
-    engine_config = ContinuousBatchingConfig(
-        page_size=16, num_blocks=32, quantization="none", quantize_activations=False
-    )
-    generated, _ = generate_greedy(model, engine_config, prompts, new_tokens)
-    assert_greedy_parity(reference, prompts, new_tokens, generated, "Q4_K_M")
+    assert_exact_kernel_greedy_parity(model, reference, "none", "Q4_K_M")
 
 
 def test_an_unsupported_block_type_names_the_tensor_and_the_type():

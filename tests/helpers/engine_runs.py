@@ -67,3 +67,22 @@ def fail_forward_once(monkeypatch: pytest.MonkeyPatch, runner: Any, on_call: int
         return original_forward(inputs)
 
     monkeypatch.setattr(runner, "forward", forward)
+
+
+def assert_exact_kernel_greedy_parity(
+    served: torch.nn.Module, reference: torch.nn.Module, quantization: str, label: str
+) -> None:
+    """The engine serving `served` (quantized layers, `quantization` for the rest) with float inputs, the
+    quantized kernel's exact path, gives `model.generate`'s greedy tokens on `reference`, a float model
+    holding the weights `served` serves."""
+    from engine import ContinuousBatchingConfig
+    from tests.helpers.models import random_prompt
+    from tests.helpers.oracle import assert_greedy_parity
+
+    prompts = [random_prompt(length, seed=length) for length in (3, 30)]
+    new_tokens = [16, 9]
+    config = ContinuousBatchingConfig(
+        page_size=16, num_blocks=32, quantization=quantization, quantize_activations=False
+    )
+    generated, _ = generate_greedy(served, config, prompts, new_tokens)
+    assert_greedy_parity(reference, prompts, new_tokens, generated, label)
