@@ -119,7 +119,9 @@ static void dequantize_channel(int format, const uint8_t *packed, const float *s
    the hardware prefetcher follows poorly (on the 2-core EPYC, one request's int8 layers read their weights
    at about 14 GB/s where the float32 panels, one stream, read 24). So each group's step also asks for the
    same bytes of the next tile's channels, without keeping them in the outer caches (a hint of 0: they are
-   read once). One request's int8 step took 28 % less time for it, int4's 18 % (bench/RESULTS.md). */
+   read once). One request's int8 step took 28 % less time for it, int4's 18 % (bench/RESULTS.md). Only the
+   integer tile does it: the same prefetch in the float tile (`multiply_packed_tile`, float inputs) sped
+   that tile as much, but the compiler then built the many-row path 6-8 % slower. */
 static inline __attribute__((always_inline)) void prefetch_next_tile(const uint8_t *next, int next_channels, int c,
                                                                     int64_t packed_row_bytes, int64_t offset) {
     if (next != NULL && c < next_channels) __builtin_prefetch(next + c * packed_row_bytes + offset, 0, 0);
@@ -157,7 +159,7 @@ static inline __attribute__((always_inline)) void multiply_tile(
    the order of the sums are those of `multiply_tile`, so a row gets the same bits on either path. */
 static inline __attribute__((always_inline)) void multiply_packed_tile(
     const int rows, const int format, const float *x, int64_t x_stride, const uint8_t *packed, int64_t packed_row_bytes,
-    const float *scales, const float *mins, int64_t in_features, int channels, const uint8_t *next, int next_channels,
+    const float *scales, const float *mins, int64_t in_features, int channels,
     float results[ROW_TILE][CHANNEL_TILE]) {
     int64_t groups = in_features / GROUP;
     int64_t group_bytes = format == 0 ? GROUP : GROUP / 2;
@@ -172,7 +174,6 @@ static inline __attribute__((always_inline)) void multiply_packed_tile(
         for (int c = 0; c < CHANNEL_TILE; c++) {
             /* A missing channel of the last tile repeats the last one; its results are not written. */
             int64_t channel = c < channels ? c : channels - 1;
-            prefetch_next_tile(next, next_channels, c, packed_row_bytes, group * group_bytes);
             lanes_t values[PARTS];
             unpack_group(format, packed + channel * packed_row_bytes + group * group_bytes, values);
             lanes_t scale = (lanes_t){0} + scales[channel * groups + group];
@@ -447,13 +448,11 @@ int quantized_linear(int format, const float *x, int64_t rows, int64_t x_stride,
                 const uint8_t *tile_packed = packed + first * packed_row_bytes;
                 const float *tile_scales = scales + first * groups;
                 const float *tile_mins = mins == NULL ? NULL : mins + first * groups;
-                const uint8_t *next = tile + 1 < tiles ? tile_packed + CHANNEL_TILE * packed_row_bytes : NULL;
-                const int next_channels = next_tile_channels(tile, tiles, out_features);
                 /* Rows and format as constants at each call, so that each inlined copy has neither
                    branch in its inner loop. */
 #define FUSED_TILE(ROWS, FORMAT)                                                                         \
     multiply_packed_tile(ROWS, FORMAT, x, x_stride, tile_packed, packed_row_bytes, tile_scales, tile_mins, \
-                         in_features, channels, next, next_channels, results)
+                         in_features, channels, results)
                 if (format == 0) {
                     if (rows == 2) FUSED_TILE(2, 0); else FUSED_TILE(1, 0);
                 } else {
