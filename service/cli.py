@@ -560,9 +560,12 @@ def launch_tensor_parallel(parser: argparse.ArgumentParser, args: argparse.Names
 
     from engine import check_tensor_parallel_size
     from service.default_model import ensure_default_model
+    from service.model_loading import is_gguf_file
     from service.tensor_parallel import launch, strip_tp_flag
 
     model_path = args.model or ensure_default_model()
+    if is_gguf_file(model_path):
+        parser.error(f"--tp {args.tp}: a GGUF file is served on one process (its blocks do not shard)")
     try:
         check_tensor_parallel_size(AutoConfig.from_pretrained(model_path), args.tp)
     except ValueError as exc:

