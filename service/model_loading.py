@@ -54,35 +54,11 @@ def is_gguf_file(path: str) -> bool:
     return path.endswith(".gguf") and os.path.isfile(path)
 
 
-def _load_gguf(path: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Any | None]:
-    """transformers' own GGUF reading: every tensor dequantized to `dtype` (the float layers the engine
-    serves with quantization 'none'), and the tokenizer the file carries, if any."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if torchrun_world_size() > 1:
-        raise ValueError(f"a GGUF file is served on one process; got {torchrun_world_size()} ranks ({path})")
-    folder, name = os.path.split(os.path.abspath(path))
-    model = AutoModelForCausalLM.from_pretrained(
-        folder,
-        gguf_file=name,
-        dtype=dtype,
-        attn_implementation="sdpa",
-        device_map=str(device),
-        local_files_only=True,
-    )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    except (OSError, ValueError, KeyError) as error:
-        logger.info("no tokenizer in %s (%s): only token-id prompts will be accepted", path, error)
-        tokenizer = None
-    return model, tokenizer
-
-
 def load_pretrained(
     path: str, device: str = "auto", dtype: str = "auto"
 ) -> tuple[torch.nn.Module, Any | None]:
-    """The model at `path` with SDPA attention (placed by `resolve_placement`), and its tokenizer when the
-    folder has one.
+    """The model at `path` (a folder, or a GGUF file) with SDPA attention (placed by `resolve_placement`),
+    and its tokenizer when the folder or file has one.
 
     Under `torchrun` (or `cbserve serve --tp N`) the model is sharded over every rank, each on its own
     accelerator (LOCAL_RANK) or on the CPU.
@@ -90,11 +66,13 @@ def load_pretrained(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved_device, resolved_dtype = resolve_placement(device, dtype)
+    # transformers reads a GGUF file itself (every tensor dequantized to `dtype`, its tokenizer if it has one)
+    # given the file's folder and name.
+    source, gguf_arguments = path, {}
     if is_gguf_file(path):
-        model, gguf_tokenizer = _load_gguf(path, resolved_device, resolved_dtype)
-        logger.info("model %s on %s in %s", path, next(model.parameters()).device, resolved_dtype)
-        return model.eval(), gguf_tokenizer
-    quantized_checkpoint = checkpoint_quantization(path)
+        source, name = os.path.split(os.path.abspath(path))
+        gguf_arguments = {"gguf_file": name, "local_files_only": True}
+    quantized_checkpoint = None if gguf_arguments else checkpoint_quantization(path)
     if quantized_checkpoint is not None:
         if torchrun_world_size() > 1 or resolved_device.type != "cpu":
             raise ValueError(
@@ -103,14 +81,20 @@ def load_pretrained(
             )
         model = load_quantized_checkpoint(path, resolved_dtype, "sdpa")
     elif torchrun_world_size() > 1:
+        if gguf_arguments:
+            raise ValueError(f"a GGUF file is served on one process; got {torchrun_world_size()} ranks")
         model = load_sharded_model(path, resolved_dtype, "sdpa")
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolved_dtype, attn_implementation="sdpa", device_map=str(resolved_device)
+            source,
+            dtype=resolved_dtype,
+            attn_implementation="sdpa",
+            device_map=str(resolved_device),
+            **gguf_arguments,
         )
     logger.info("model %s on %s in %s", path, next(model.parameters()).device, resolved_dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(source, **gguf_arguments)
     except (OSError, ValueError):
         logger.info("no tokenizer at %s: only token-id prompts will be accepted", path)
         tokenizer = None
