@@ -84,10 +84,15 @@ def weight_from_blocks(
         return QuantizedWeight("int8", values.view(torch.int8), scales, None, columns)
     # Q4_0's w = d (q - 8) is d q + (-8 d): exact in float32.
     mins = _float16_column(blocks, 2) if has_min else -8.0 * scales
-    weight = QuantizedWeight("int4", values, scales, mins.contiguous(), columns)
+    return _int4_weight(name, type_name, values, scales, mins, columns)
+
+
+def _int4_weight(
+    name: str, type_name: str, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, columns: int
+) -> QuantizedWeight:
     if not (torch.isfinite(scales).all() and torch.isfinite(mins).all()):
         raise QuantizationError(name, f"GGUF {type_name}", "non-finite block scales")
-    return weight
+    return QuantizedWeight("int4", packed, scales.contiguous(), mins.contiguous(), columns)
 
 
 def _blocks(
@@ -114,7 +119,6 @@ def _q4_k_scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The eight 6-bit scales and mins of each super-block from its 12 bytes [..., 12] (ggml's
     get_scale_min_k4): sub-blocks 0-3 take the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); sub-blocks
     4-7 take a nibble of bytes 8-11 and the top 2 bits of bytes 0-3 (scales) or 4-7 (mins)."""
-    packed = packed.astype(np.uint8)
     low_scales, low_mins, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     scales = np.concatenate([low_scales & 63, (high & 15) | ((low_scales >> 6) << 4)], axis=-1)
     mins = np.concatenate([low_mins & 63, (high >> 4) | ((low_mins >> 6) << 4)], axis=-1)
@@ -132,16 +136,8 @@ def _q4_k_weight(name: str, blocks: np.ndarray) -> QuantizedWeight:
     runs = blocks[..., 16:].reshape(rows, super_blocks, 4, 32)
     sub_blocks = np.stack([runs & 15, runs >> 4], axis=3).reshape(rows, super_blocks * 8, 32)
     # `formats`' order: byte j of a group holds weight j (low nibble) and weight j + 16 (high).
-    packed = sub_blocks[..., :16] | (sub_blocks[..., 16:] << 4)
-    if not (torch.isfinite(scales).all() and torch.isfinite(mins).all()):
-        raise QuantizationError(name, "GGUF Q4_K", "non-finite block scales")
-    return QuantizedWeight(
-        "int4",
-        torch.from_numpy(np.ascontiguousarray(packed).reshape(rows, -1)),
-        scales.contiguous(),
-        mins.contiguous(),
-        super_blocks * SUPER_BLOCK,
-    )
+    packed = np.ascontiguousarray(sub_blocks[..., :16] | (sub_blocks[..., 16:] << 4)).reshape(rows, -1)
+    return _int4_weight(name, "Q4_K", torch.from_numpy(packed), scales, mins, super_blocks * SUPER_BLOCK)
 
 
 def _requantized_weight(
