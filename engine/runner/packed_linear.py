@@ -151,19 +151,19 @@ class PackedLinears:
     falls back to `F.linear` whenever packing cannot serve the call (`_falls_back`), and repacks first
     when the weight changed in place.
 
-    `panels` (the default) runs float32 layers on the linear kernel, whose panels give a row the same bits
-    however many rows share the call; without it (or without the kernel) they are packed for oneDNN.
+    Float32 layers run on the linear kernel, whose panels give a row the same bits however many rows share
+    the call; where the kernel cannot be built they are packed for oneDNN.
     Batch-invariant mode packs every oneDNN layer whatever its size (`min_elements=0`): oneDNN on a packed
     weight also gives a row the same bits at any row count, and the mode's trainer side computes those
     bits (engine.runner.batch_invariant).
     """
 
-    def __init__(self, model: torch.nn.Module, min_elements: int | None = None, panels: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, min_elements: int | None = None) -> None:
         self._panelled: dict[torch.nn.Linear, PanelledWeight] = {}
         # None: the copy was dropped (`drop_copies`) and is made again on the layer's next call.
         self._packed: dict[torch.nn.Linear, _PackedWeight | None] = {}
-        on_panels = panels and kernel.available()
-        if panels and not on_panels:
+        on_panels = kernel.available()
+        if not on_panels:
             logger.info(
                 "float32 linear layers run on oneDNN: the engine's linear kernel cannot be built here"
             )

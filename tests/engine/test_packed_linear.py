@@ -187,16 +187,17 @@ def test_a_repack_writes_the_panels_where_they_lie() -> None:
         packed.restore()
 
 
-def test_without_panels_a_layer_too_small_for_onednn_stays_on_the_blas(
+def test_without_the_kernel_a_layer_too_small_for_onednn_stays_on_the_blas(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Batch-invariant mode packs for oneDNN only; there a layer below MIN_PACKED_WEIGHT_ELEMENTS keeps
-    its own forward."""
+    """Where the engine's kernel cannot be built, float32 layers are packed for oneDNN only; there a layer
+    below MIN_PACKED_WEIGHT_ELEMENTS keeps its own forward."""
     calls = _count_kernel_calls(monkeypatch)
+    monkeypatch.setattr(packed_linear.kernel, "available", lambda: False)
     monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT_ELEMENTS", 48 * 97 + 1)
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 97)
-    packed = PackedLinears(layer, panels=False)
+    packed = PackedLinears(layer)
     inputs = torch.randn(5, 48)
     try:
         assert packed.num_packed == 0 and "forward" not in layer.__dict__
