@@ -15,6 +15,7 @@ from engine.quantization.formats import QuantizationError
 from engine.quantization.gguf_blocks import REQUANTIZED_TYPES, load_gguf_linears, weight_from_blocks
 from engine.quantization.model import quantized_layers
 from tests.helpers.engine_runs import assert_exact_kernel_greedy_parity
+from tests.helpers.gguf_files import llama_gguf_writer, permute_like_llama_cpp
 from tests.helpers.models import COMMON, tiny_config
 
 gguf = pytest.importorskip("gguf")
@@ -77,36 +78,27 @@ def test_k_quant_and_5_bit_blocks_load_as_gguf_dequantizes_them(type_name):
     assert error.max() > 0  # the file's levels are finer than int8's here: a real requantization
 
 
-def _permute_like_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's row permutation of q and k (what the loader must undo)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
-
-
 def _write_gguf(model: torch.nn.Module, path: Path, type_name: str) -> dict[str, np.ndarray]:
     """Writes the model's linear layers as `type_name` blocks the way llama.cpp lays them out; returns what
     each layer's weight must dequantize to."""
     config = model.config
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(path), "llama")
     expected: dict[str, np.ndarray] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        gguf_name = name_map.get_name(name)
-        weight = module.weight.detach().numpy()
-        blocks, dequantized = _gguf_round_trip(weight, type_name)
-        stored = blocks
-        if gguf_name.endswith((".attn_q", ".attn_k")):
-            heads = config.num_attention_heads if gguf_name.endswith("q") else config.num_key_value_heads
-            stored = gguf.quants.quantize(
-                _permute_like_llama_cpp(weight, heads), gguf.GGMLQuantizationType[type_name]
-            )
-        writer.add_tensor(f"{gguf_name}.weight", stored, raw_dtype=gguf.GGMLQuantizationType[type_name])
-        expected[name] = dequantized
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with llama_gguf_writer(path) as writer:
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            gguf_name = name_map.get_name(name)
+            weight = module.weight.detach().numpy()
+            blocks, dequantized = _gguf_round_trip(weight, type_name)
+            stored = blocks
+            if gguf_name.endswith((".attn_q", ".attn_k")):
+                heads = config.num_attention_heads if gguf_name.endswith("q") else config.num_key_value_heads
+                stored = gguf.quants.quantize(
+                    permute_like_llama_cpp(weight, heads), gguf.GGMLQuantizationType[type_name]
+                )
+            writer.add_tensor(f"{gguf_name}.weight", stored, raw_dtype=gguf.GGMLQuantizationType[type_name])
+            expected[name] = dequantized
     return expected
 
 
@@ -132,25 +124,21 @@ def test_a_q4_k_m_file_serves_q4_k_exactly_and_q6_k_as_int8_with_greedy_parity(t
     config = LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512})
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), "llama")
     expected: dict[str, tuple[str, torch.Tensor]] = {}
-    for seed, (name, module) in enumerate(model.named_modules()):
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        gguf_name = name_map.get_name(name)
-        type_name = "Q6_K" if gguf_name.endswith((".attn_v", ".ffn_down", "output")) else "Q4_K"
-        blocks = _random_blocks(type_name, module.out_features, module.in_features, seed)
-        meaning = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name])
-        stored = blocks
-        if gguf_name.endswith((".attn_q", ".attn_k")):
-            heads = config.num_attention_heads if gguf_name.endswith("q") else config.num_key_value_heads
-            stored = _permute_like_llama_cpp(blocks, heads)
-        writer.add_tensor(f"{gguf_name}.weight", stored, raw_dtype=gguf.GGMLQuantizationType[type_name])
-        expected[name] = (type_name, torch.from_numpy(meaning))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with llama_gguf_writer(tmp_path / "model.gguf") as writer:
+        for seed, (name, module) in enumerate(model.named_modules()):
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            gguf_name = name_map.get_name(name)
+            type_name = "Q6_K" if gguf_name.endswith((".attn_v", ".ffn_down", "output")) else "Q4_K"
+            blocks = _random_blocks(type_name, module.out_features, module.in_features, seed)
+            meaning = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name])
+            stored = blocks
+            if gguf_name.endswith((".attn_q", ".attn_k")):
+                heads = config.num_attention_heads if gguf_name.endswith("q") else config.num_key_value_heads
+                stored = permute_like_llama_cpp(blocks, heads)
+            writer.add_tensor(f"{gguf_name}.weight", stored, raw_dtype=gguf.GGMLQuantizationType[type_name])
+            expected[name] = (type_name, torch.from_numpy(meaning))
 
     assert load_gguf_linears(model, tmp_path / "model.gguf") == len(expected)
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
@@ -187,13 +175,9 @@ def test_truncated_blocks_name_the_tensor_and_the_type():
 
 def test_a_file_whose_shapes_do_not_match_the_model_names_the_tensor(tmp_path):
     model = _tiny_llama()
-    writer = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
     blocks, _ = _gguf_round_trip(np.ones((64, 32), dtype=np.float32), "Q4_0")
-    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with llama_gguf_writer(tmp_path / "bad.gguf") as writer:
+        writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
     with pytest.raises(
         QuantizationError, match=r"tensor 'blk\.0\.attn_q\.weight' \(GGUF Q4_0\): shape \[64, 32\]"
     ):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -14,6 +13,7 @@ from engine.quantization.model import quantized_layers
 from service.cli import check_model_folder
 from service.model_loading import is_gguf_file, load_pretrained, serve_gguf_blocks
 from tests.helpers.engine_runs import assert_exact_kernel_greedy_parity
+from tests.helpers.gguf_files import llama_gguf_writer, permute_like_llama_cpp
 from tests.helpers.models import COMMON
 
 gguf = pytest.importorskip("gguf")
@@ -22,47 +22,39 @@ gguf = pytest.importorskip("gguf")
 CONFIG = LlamaConfig(**{**COMMON, "hidden_size": 256, "intermediate_size": 512})
 
 
-def _permute_like_llama_cpp(weight: np.ndarray, heads: int) -> np.ndarray:
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
-
-
 def _write_llama_gguf(path: Path) -> torch.nn.Module:
     """A tiny llama as llama.cpp's converter lays it out: the metadata transformers reads, float norms and
     embedding, Q8_0 attention (q and k rows permuted) and Q4_0 MLP blocks. Returns the model written."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIG, dtype=torch.float32)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(CONFIG.max_position_embeddings)
-    writer.add_block_count(CONFIG.num_hidden_layers)
-    writer.add_embedding_length(CONFIG.hidden_size)
-    writer.add_feed_forward_length(CONFIG.intermediate_size)
-    writer.add_head_count(CONFIG.num_attention_heads)
-    writer.add_head_count_kv(CONFIG.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(CONFIG.rms_norm_eps)
-    writer.add_rope_freq_base(CONFIG.rope_parameters["rope_theta"])
-    writer.add_vocab_size(CONFIG.vocab_size)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, CONFIG.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        module_name = name.removesuffix(".weight")
-        gguf_name = name_map.get_name(module_name)
-        assert gguf_name is not None, name
-        values = tensor.numpy()
-        if values.ndim == 1 or gguf_name == "token_embd":
-            writer.add_tensor(f"{gguf_name}.weight", values)
-            continue
-        if gguf_name.endswith((".attn_q", ".attn_k")):
-            heads = CONFIG.num_attention_heads if gguf_name.endswith("q") else CONFIG.num_key_value_heads
-            values = _permute_like_llama_cpp(values, heads)
-        quant_type = (
-            gguf.GGMLQuantizationType.Q8_0 if ".attn_" in gguf_name else gguf.GGMLQuantizationType.Q4_0
-        )
-        writer.add_tensor(
-            f"{gguf_name}.weight", gguf.quants.quantize(values, quant_type), raw_dtype=quant_type
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with llama_gguf_writer(path) as writer:
+        writer.add_context_length(CONFIG.max_position_embeddings)
+        writer.add_block_count(CONFIG.num_hidden_layers)
+        writer.add_embedding_length(CONFIG.hidden_size)
+        writer.add_feed_forward_length(CONFIG.intermediate_size)
+        writer.add_head_count(CONFIG.num_attention_heads)
+        writer.add_head_count_kv(CONFIG.num_key_value_heads)
+        writer.add_layer_norm_rms_eps(CONFIG.rms_norm_eps)
+        writer.add_rope_freq_base(CONFIG.rope_parameters["rope_theta"])
+        writer.add_vocab_size(CONFIG.vocab_size)
+        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, CONFIG.num_hidden_layers)
+        for name, tensor in model.state_dict().items():
+            module_name = name.removesuffix(".weight")
+            gguf_name = name_map.get_name(module_name)
+            assert gguf_name is not None, name
+            values = tensor.numpy()
+            if values.ndim == 1 or gguf_name == "token_embd":
+                writer.add_tensor(f"{gguf_name}.weight", values)
+                continue
+            if gguf_name.endswith((".attn_q", ".attn_k")):
+                heads = CONFIG.num_attention_heads if gguf_name.endswith("q") else CONFIG.num_key_value_heads
+                values = permute_like_llama_cpp(values, heads)
+            quant_type = (
+                gguf.GGMLQuantizationType.Q8_0 if ".attn_" in gguf_name else gguf.GGMLQuantizationType.Q4_0
+            )
+            writer.add_tensor(
+                f"{gguf_name}.weight", gguf.quants.quantize(values, quant_type), raw_dtype=quant_type
+            )
     return model
 
 
