@@ -15,6 +15,7 @@ from engine import (
     load_gguf_linears,
     load_quantized_checkpoint,
     load_sharded_model,
+    tensor_parallel_size,
     torchrun_world_size,
 )
 from service.default_model import load_own_gguf_blocks
@@ -104,9 +105,18 @@ def load_pretrained(
 def serve_gguf_blocks(path: str, model: torch.nn.Module, quantization: str) -> int:
     """Puts the quantized blocks of the GGUF file behind `path` into `model` where they serve; returns how
     many layers. A GGUF file's own blocks serve with any quantization but 'none'; the embedded model's
-    converted folder serves its file's blocks with 'int4' (with 'int8' the engine quantizes its floats)."""
+    converted folder serves its file's blocks with 'int4' (with 'int8' the engine quantizes its floats).
+
+    Blocks do not shard: a model sharded over tensor-parallel ranks takes none, and the engine quantizes
+    each rank's shard of its floats instead (a GGUF file itself is refused under tensor parallelism by
+    `load_pretrained`)."""
+    if quantization == "none":
+        return 0
+    if tensor_parallel_size(model) > 1:
+        logger.info("tensor parallelism: each rank quantizes its shard of the floats to %s", quantization)
+        return 0
     if is_gguf_file(path):
-        return load_gguf_linears(model, path) if quantization != "none" else 0
+        return load_gguf_linears(model, path)
     return load_own_gguf_blocks(path, model) if quantization == "int4" else 0
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.parallel import tensor_parallel_size
 from engine.quantization.formats import GROUP_SIZE, QuantizationError, QuantizedWeight, quantize
 from engine.quantization.linear import QuantizedLinear
 from engine.quantization.model import quantized_layers, replace_module
@@ -180,9 +181,15 @@ def load_gguf_linears(model: torch.nn.Module, path: str | os.PathLike[str]) -> i
     """Replaces the model's linear layers whose GGUF tensors are quantized blocks of `SUPPORTED_TYPES` with
     `QuantizedLinear`s holding those blocks (as int8 for `REQUANTIZED_TYPES`); returns how many. Layers
     stored as floats are left to quantizing at load. Raises QuantizationError naming a tensor whose blocks
-    are unsupported or bad."""
+    are unsupported or bad, ValueError for a model sharded over tensor-parallel ranks (blocks do not shard:
+    quantize its floats there, engine.quantization.sharding)."""
     import gguf
 
+    if tensor_parallel_size(model) > 1:
+        raise ValueError(
+            f"{os.fspath(path)!r}: GGUF blocks are served on one process, and this model is sharded over "
+            f"{tensor_parallel_size(model)} tensor-parallel ranks"
+        )
     reader = gguf.GGUFReader(os.fspath(path))
     architecture = _field(reader, "general.architecture")
     arch = next((key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture), None)

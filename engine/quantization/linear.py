@@ -40,12 +40,34 @@ class QuantizedLinear(torch.nn.Module):
     def quantized_weight(self) -> QuantizedWeight:
         return QuantizedWeight(self.weight_format, self.packed, self.scales, self.mins, self.in_features)
 
+    def local_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`packed`, `scales` and `mins` as this process holds them (its shard, under tensor parallelism)."""
+        return self.packed, self.scales, self.mins
+
+    @property
+    def packed_bytes(self) -> int:
+        """The bytes of packed weight this process holds."""
+        return sum(tensor.nbytes for tensor in self.local_parts() if tensor is not None)
+
+    def own_part(self, value: torch.Tensor) -> torch.Tensor:
+        """The part of `value`, a full-precision weight of the layer's shape, that this layer holds: all of
+        it (a tensor-parallel shard holds a slice: engine.quantization.sharding)."""
+        return value
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.multiply(hidden_states, self.packed, self.scales, self.mins, self.bias)
+
+    def multiply(
+        self,
+        hidden_states: torch.Tensor,
+        packed: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
         # The kernel on the buffers themselves: a layer runs once per step, so no QuantizedWeight is built.
         code = kernel.FORMAT_CODES[self.weight_format]
-        return kernel.on_rows(
-            hidden_states, code, self.packed, self.scales, self.mins, self.bias, self.quantize_activations
-        )
+        return kernel.on_rows(hidden_states, code, packed, scales, mins, bias, self.quantize_activations)
 
     def extra_repr(self) -> str:
         return (

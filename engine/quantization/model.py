@@ -9,6 +9,8 @@ engine.quantization.gguf_blocks) are kept as they are, and the engine's packing
 A tied output layer (lm_head sharing the input embedding's weight) is quantized too: the embedding keeps
 its full-precision table, which a lookup reads one row of per token, while the output layer reads all of
 it every step.
+
+Under tensor parallelism each rank quantizes its own shard of a layer (engine.quantization.sharding).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from engine.config import QUANTIZATION_CHOICES
 from engine.quantization import kernel
 from engine.quantization.formats import GROUP_SIZE, QuantizationError, quantize
 from engine.quantization.linear import QuantizedLinear
+from engine.quantization.sharding import ShardedQuantizedLinear, shard_style
 from engine.system.native_library import KernelUnavailable
 
 logger = logging.getLogger(__name__)
@@ -33,11 +36,6 @@ def quantized_layers(model: torch.nn.Module) -> dict[str, QuantizedLinear]:
 
 
 def _check_quantizable(model: torch.nn.Module, weight_format: str) -> None:
-    if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
-        raise ValueError(
-            f"quantization {weight_format!r} does not shard: serve a tensor-parallel model with quantization "
-            "'none'"
-        )
     devices = {parameter.device.type for parameter in model.parameters()}
     if devices - {"cpu"}:
         raise ValueError(
@@ -85,15 +83,18 @@ def quantize_model(model: torch.nn.Module, weight_format: str, quantize_activati
             ", ".join(kept[:4]),
         )
     quantized_bytes = 0
+    count = 0
     for name, module in linears:
         if module.in_features % GROUP_SIZE:
             continue
-        weight = quantize(f"{name}.weight", module.weight, weight_format)
-        replace_module(model, name, QuantizedLinear(weight, module.bias, f"{name}.weight"))
-        quantized_bytes += weight.nbytes
+        replacement = _quantized_layer(model, name, module, weight_format)
+        if replacement is None:
+            continue
+        replace_module(model, name, replacement)
+        quantized_bytes += replacement.packed_bytes
+        count += 1
     for layer in quantized_layers(model).values():
         layer.quantize_activations = quantize_activations
-    count = len(linears) - len(kept)
     # A model loaded from its own quantized blocks (a GGUF file) has no full-precision linear left: the
     # loader has said what it serves, and a line counting none would only read as a failure.
     if count:
@@ -104,6 +105,21 @@ def quantize_model(model: torch.nn.Module, weight_format: str, quantize_activati
             quantized_bytes / 2**20,
         )
     return count
+
+
+def _quantized_layer(
+    model: torch.nn.Module, name: str, module: torch.nn.Linear, weight_format: str
+) -> QuantizedLinear | None:
+    """`module` quantized: this rank's shard of it under tensor parallelism (None, logged, when it stays
+    full precision there: engine.quantization.sharding)."""
+    if not isinstance(module.weight, DTensor):
+        weight = quantize(f"{name}.weight", module.weight, weight_format)
+        return QuantizedLinear(weight, module.bias, f"{name}.weight")
+    style = shard_style(model, name, module)
+    if isinstance(style, str):
+        logger.info("%s stays full precision under tensor parallelism: %s", name, style)
+        return None
+    return ShardedQuantizedLinear(module, style, weight_format, f"{name}.weight")
 
 
 def _tied_output_name(model: torch.nn.Module, layers: dict[str, QuantizedLinear]) -> tuple[str, str] | None:
@@ -130,6 +146,13 @@ def _tied_output_name(model: torch.nn.Module, layers: dict[str, QuantizedLinear]
     return weight_name, output_name
 
 
+def tied_output_weight(model: torch.nn.Module) -> tuple[str, str] | None:
+    """(`<output layer>.weight`, the input embedding's weight name) when the model ties a quantized output
+    layer to its input embedding: an update of either name writes both."""
+    tied = _tied_output_name(model, quantized_layers(model))
+    return None if tied is None else (f"{tied[1]}.weight", tied[0])
+
+
 def quantized_update_targets(model: torch.nn.Module) -> dict[str, QuantizedLinear]:
     """The full-precision tensor names a weight update may carry for quantized layers: `<layer>.weight`
     for each, and the input embedding's weight for a tied output layer (an update of the embedding
@@ -154,7 +177,7 @@ def quantize_update(
             layer.weight_format,
             f"shape {list(value.shape)} does not match the quantized layer's {expected}",
         )
-    weight = quantize(name, value, layer.weight_format)
+    weight = quantize(name, layer.own_part(value), layer.weight_format)
     pairs = [(layer.packed, weight.packed), (layer.scales, weight.scales)]
     if layer.mins is not None and weight.mins is not None:
         pairs.append((layer.mins, weight.mins))

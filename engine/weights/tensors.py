@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from engine.quantization.linear import QuantizedLinear
-from engine.quantization.model import quantize_update, quantized_update_targets
+from engine.quantization.model import quantize_update, quantized_update_targets, tied_output_weight
 
 # safetensors' dtype names (also used on the wire by Admin.UpdateWeights).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -98,35 +98,41 @@ class UpdateTargets:
     """Every tensor a weight update may name, and where its new values go.
 
     A quantized layer (engine.quantization) no longer holds its full-precision weight, but an update
-    names it all the same: `tensors` holds a stand-in for it (its shape and dtype, no storage), and a
-    value for it is quantized into the layer's packed tensors by `staged`."""
+    names it all the same: `tensors` holds a stand-in for it (its whole shape and dtype, no storage), and
+    a value for it is quantized into the layer's packed tensors by `staged`. An input embedding tied to a
+    quantized output layer gets a stand-in too, so that its value reaches `staged` whole (under tensor
+    parallelism, a sharded tensor's value would otherwise be cut to this rank's shard first), and
+    `staged` writes a value of either name (checkpoints of tied models keep one, either) into both."""
 
     tensors: Mapping[str, torch.Tensor]
     quantized: Mapping[str, QuantizedLinear]
-    standins: frozenset[str]
+    model_tensors: Mapping[str, torch.Tensor]
+    tied: Mapping[str, str]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> UpdateTargets:
         quantized = quantized_update_targets(model)
         tensors = model_tensors(model)
         standins = {
-            name: torch.empty((), dtype=torch.float32).expand(layer.out_features, layer.in_features)
+            name: torch.empty((), dtype=tensors[name].dtype if name in tensors else torch.float32).expand(
+                layer.out_features, layer.in_features
+            )
             for name, layer in quantized.items()
-            if name not in tensors
         }
-        return cls(tensors | standins, quantized, frozenset(standins))
+        tied = tied_output_weight(model)
+        return cls(tensors | standins, quantized, tensors, dict([tied]) if tied is not None else {})
 
     def staged(self, name: str, value: torch.Tensor) -> list[StagedTensor]:
-        """The copies that write `value`, already checked against `tensors[name]`: into a quantized layer
-        its packed form, and into a tensor of the model (an embedding tied to a quantized output layer
-        is both) the value cast for it. Raises QuantizationError naming the tensor."""
+        """The copies that write `value` (whole, already checked against `tensors[name]`): into a
+        quantized layer its packed form, and into a tensor of the model (an embedding tied to a quantized
+        output layer is both) the value cast for it. Raises QuantizationError naming the tensor."""
         staged: list[StagedTensor] = []
         layer = self.quantized.get(name)
         if layer is not None:
             pairs = quantize_update(name, layer, value)
             staged.extend(StagedTensor(name, buffer, packed) for buffer, packed in pairs)
-        if name not in self.standins:
-            target = self.tensors[name]
+        target = self.model_tensors.get(self.tied.get(name, name))
+        if target is not None:
             staged.append(StagedTensor(name, target, cast_for_target(value, target)))
         return staged
 

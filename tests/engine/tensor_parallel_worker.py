@@ -11,6 +11,9 @@ Scenarios:
   safetensors folder, a stop and a start again, stop.
 - hang: rank 1 builds its engine and then never joins the loop; rank 0 must fail within the timeout.
 - die: rank 1 exits abruptly while rank 0 generates; rank 0 must fail its request, not hang.
+- batch_invariant: the needle alone, then among other prompts, in batch-invariant mode.
+- quantized: the model quantized to --quantization (float inputs, the kernel's exact path) on every rank:
+  greedy batch and weights checksum, an update from a state dict, the same again.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from safetensors.torch import load_file
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput
 from engine.parallel import load_sharded_model
+from engine.quantization.model import quantized_layers
+from engine.quantization.sharding import ShardedQuantizedLinear
 from tests.helpers.engine_runs import engine_core
 
 
@@ -136,15 +141,30 @@ def drive_batch_invariant(manager: ContinuousBatchingManager, args: argparse.Nam
     }
 
 
+def drive_quantized(manager: ContinuousBatchingManager, args: argparse.Namespace) -> dict[str, Any]:
+    with open(os.path.join(args.out, "prompts.json"), encoding="utf-8") as handle:
+        prompts: list[list[int]] = json.load(handle)
+    results: dict[str, Any] = {
+        "greedy_before": greedy(manager, prompts, args.max_new_tokens),
+        "checksum_before": manager.weights_checksum().digest,
+    }
+    manager.update_weights(load_file(args.new_weights), version="seed-1")
+    results["greedy_after"] = greedy(manager, prompts, args.max_new_tokens)
+    results["checksum_after"] = manager.weights_checksum().digest
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--scenario", choices=("lockstep", "hang", "die", "batch_invariant"), required=True)
+    scenarios = ("lockstep", "hang", "die", "batch_invariant", "quantized")
+    parser.add_argument("--scenario", choices=scenarios, required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--new-weights")
     parser.add_argument("--out", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--async-batching", action="store_true")
+    parser.add_argument("--quantization", default="none")
     args = parser.parse_args()
 
     model = load_sharded_model(args.model, torch.float32, "sdpa")
@@ -156,6 +176,8 @@ def main() -> None:
         cpu_group_timeout=args.timeout,
         use_async_batching=args.async_batching,
         batch_invariant=args.scenario == "batch_invariant",
+        quantization=args.quantization,
+        quantize_activations=False,
     )
     manager = ContinuousBatchingManager(model, continuous_batching_config=config)
     finished: dict[str, dict[str, Any]] = {}
@@ -186,6 +208,8 @@ def main() -> None:
             report["results"] = drive_lockstep(manager, args)
         elif args.scenario == "batch_invariant":
             report["results"] = drive_batch_invariant(manager, args)
+        elif args.scenario == "quantized":
+            report["results"] = drive_quantized(manager, args)
         else:
             started = time.monotonic()
             request_id = manager.add_request([5, 6, 7, 8], max_new_tokens=900)
@@ -205,10 +229,14 @@ def main() -> None:
     report["placeholder_inputs"] = engine.runner.num_placeholder_inputs
     report["loop_error"] = manager.loop_error
     report["finished"] = finished
+    report["quantized_layers"] = {
+        name: layer.style.value if isinstance(layer, ShardedQuantizedLinear) else "unsharded"
+        for name, layer in quantized_layers(model).items()
+    }
     report["loop_ended"] = not manager.is_running()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle)
-    if args.scenario in ("lockstep", "batch_invariant"):
+    if args.scenario in ("lockstep", "batch_invariant", "quantized"):
         manager.destroy()
         dist.destroy_process_group()
     else:

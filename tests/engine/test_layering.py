@@ -42,6 +42,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.quantization.formats",
         "engine.quantization.kernel",
         "engine.quantization.linear",
+        "engine.quantization.sharding",
         "engine.quantization.model",
         "engine.quantization.gguf_blocks",
         "engine.quantization.gptq",

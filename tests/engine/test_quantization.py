@@ -18,7 +18,7 @@ from engine.quantization import kernel
 from engine.quantization.formats import GROUP_SIZE, QuantizationError, quantize
 from engine.quantization.linear import QuantizedLinear
 from engine.quantization.model import quantize_model, quantized_layers
-from tests.helpers.engine_runs import generate_greedy, run_greedy
+from tests.helpers.engine_runs import dequantized_copy, generate_greedy, run_greedy
 from tests.helpers.models import random_prompt, tiny_config
 from tests.helpers.oracle import assert_greedy_parity
 from tests.helpers.update_group import Trainer, bucket_plan, join_group, push
@@ -36,16 +36,7 @@ def _tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
 
 
 def _dequantized_copy(quantized: torch.nn.Module, family: str) -> torch.nn.Module:
-    """A full-precision model holding exactly what `quantized`'s layers stand for: the oracle's weights."""
-    reference = _tiny_model(family)
-    reference.load_state_dict(
-        {name: value for name, value in quantized.state_dict().items() if name in reference.state_dict()},
-        strict=False,
-    )
-    with torch.no_grad():
-        for name, layer in quantized_layers(quantized).items():
-            reference.get_submodule(name).weight.copy_(layer.quantized_weight.dequantize())
-    return reference
+    return dequantized_copy(quantized, _tiny_model(family))
 
 
 def _summation_bound(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -255,7 +246,10 @@ def test_a_push_of_a_wrong_shape_into_a_quantized_layer_names_it_and_changes_not
     assert torch.equal(layer.packed, packed)
 
 
-def test_a_tied_output_layer_is_quantized_and_follows_updates_of_the_embedding():
+@pytest.mark.parametrize("name", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_a_tied_output_layer_is_quantized_and_follows_updates_of_the_embedding(name):
+    """A tied model's checkpoint keeps one name for the shared table, either one (safetensors'
+    `save_model` keeps lm_head.weight): an update of either writes the embedding and the output layer."""
     torch.manual_seed(0)
     config = tiny_config("llama")
     config.tie_word_embeddings = True
@@ -264,7 +258,7 @@ def test_a_tied_output_layer_is_quantized_and_follows_updates_of_the_embedding()
     embedding = torch.randn_like(model.get_input_embeddings().weight)
     from engine.weights.tensors import apply_weights, stage_weights
 
-    apply_weights(stage_weights(model, {"model.embed_tokens.weight": embedding}))
+    apply_weights(stage_weights(model, {name: embedding}))
     assert torch.equal(model.get_input_embeddings().weight, embedding)
     assert torch.equal(
         model.lm_head.quantized_weight.dequantize(), quantize("e", embedding, "int8").dequantize()

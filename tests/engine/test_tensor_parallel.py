@@ -32,11 +32,11 @@ MAX_NEW_TOKENS = 16
 PROMPT_LENGTHS = (1, 7, 16, 33, 70)
 
 
-def build_model(seed: int) -> torch.nn.Module:
+def build_model(seed: int, tie_word_embeddings: bool = False) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(
-        tiny_config("llama"), attn_implementation="sdpa", dtype=torch.float32
-    )
+    config = tiny_config("llama")
+    config.tie_word_embeddings = tie_word_embeddings
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     return model.eval()
 
 
@@ -297,6 +297,46 @@ def test_batch_invariant_mode_gives_the_needle_the_same_bits_on_two_ranks(
     assert torch.equal(torch.tensor(batched["logprobs"]), torch.tensor(alone["logprobs"])), (
         f"logprobs differ\n  alone:   {alone['logprobs']}\n  batched: {batched['logprobs']}"
     )
+
+
+def test_quantized_shards_serve_the_unsharded_models_quantized_weights(tmp_path: Path) -> None:
+    """`quantization` under tensor parallelism: each rank packs its shard of every linear layer and does
+    the layer's communication itself (engine.quantization.sharding). Gathered, the shards are exactly the
+    unsharded model quantized (same checksum), the ranks serve its greedy tokens, and a full-precision
+    update is quantized shard by shard into what the unsharded update would give. The model ties its
+    output layer to the input embedding, as SmolLM2 does: the update names only the embedding."""
+    from safetensors.torch import save_model
+
+    from engine.quantization.model import quantize_model
+    from engine.weights.checksum import model_weights, weights_checksum
+    from tests.helpers.engine_runs import dequantized_copy
+
+    build_model(0, tie_word_embeddings=True).save_pretrained(tmp_path / "seed0")
+    save_model(build_model(1, tie_word_embeddings=True), str(tmp_path / "seed1.safetensors"))
+    prompts = [random_prompt(length, seed=length) for length in PROMPT_LENGTHS]
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    arguments = ["--scenario", "quantized", "--model", str(tmp_path / "seed0"), "--quantization", "int4"]
+    arguments += ["--new-weights", str(tmp_path / "seed1.safetensors"), "--out", str(tmp_path)]
+    codes = launch_ranks([*arguments, "--max-new-tokens", str(MAX_NEW_TOKENS)], timeout_s=300)
+    assert codes == [0, 0], f"rank exit codes {codes}"
+    reports = read_reports(tmp_path)
+    styles = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+    styles |= {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise", "lm_head": "gathered"}
+    for report in reports:
+        layers = report["quantized_layers"]
+        assert len(layers) == 7 * tiny_config("llama").num_hidden_layers + 1, layers
+        assert all(style == styles[name.rpartition(".")[2]] for name, style in layers.items()), layers
+    results = reports[0]["results"]
+    for seed, moment in ((0, "before"), (1, "after")):
+        quantized = build_model(seed, tie_word_embeddings=True)
+        quantize_model(quantized, "int4")
+        assert results[f"checksum_{moment}"] == weights_checksum(model_weights(quantized)).digest, moment
+        reference = dequantized_copy(quantized, build_model(seed, tie_word_embeddings=True))
+        for prompt, got in zip(prompts, results[f"greedy_{moment}"], strict=True):
+            want = reference_greedy(reference, prompt, MAX_NEW_TOKENS)
+            assert got == want, (
+                f"{moment} the update, prompt of {len(prompt)}:\n  tp=2:     {got}\n  generate: {want}"
+            )
 
 
 def test_tp_size_must_divide_the_kv_heads() -> None:

@@ -86,3 +86,20 @@ def assert_exact_kernel_greedy_parity(
     )
     generated, _ = generate_greedy(served, config, prompts, new_tokens)
     assert_greedy_parity(reference, prompts, new_tokens, generated, label)
+
+
+def dequantized_copy(quantized: torch.nn.Module, blank: torch.nn.Module) -> torch.nn.Module:
+    """`blank`, a full-precision model of `quantized`'s architecture, made to hold exactly what `quantized`
+    serves (its quantized layers dequantized, the rest copied): the oracle's weights."""
+    from engine.quantization.model import quantized_layers
+
+    blank.load_state_dict(
+        {name: value for name, value in quantized.state_dict().items() if name in blank.state_dict()},
+        strict=False,
+    )
+    for name, layer in quantized_layers(quantized).items():
+        # A new parameter, not a copy into the old one: an output layer tied to the input embedding is
+        # quantized while the embedding keeps its full-precision table, so the copy unties them.
+        dequantized = layer.quantized_weight.dequantize()
+        blank.get_submodule(name).weight = torch.nn.Parameter(dequantized, requires_grad=False)
+    return blank
