@@ -22,7 +22,7 @@ __all__ = ["DEFAULT_SAFETY_MARGIN", "QUANTIZATION_CHOICES", "SCHEDULER_TYPES", "
 
 SCHEDULER_TYPES: tuple[str, ...] = ("fifo", "prefill_first", "priority")
 # Weight-only quantization of the linear layers (engine.quantization); "none" keeps the model's own weights.
-QUANTIZATION_CHOICES: tuple[str, ...] = ("none", "int8", "int4")
+QUANTIZATION_CHOICES: tuple[str, ...] = ("none", "int8", "int4", "fp8")
 DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0, "priority": 0.15}
 
 _DEFAULT_PAGE_SIZE = 256
@@ -169,12 +169,15 @@ class ContinuousBatchingConfig:
     CPU, float32 weights (on the engine's kernel) or bf16 ones oneDNN can pack (CPUs with AVX-512). Its
     cost is in bench/RESULTS.md ("Batch-invariant mode's cost").
 
-    quantization: serve the linear layers from weight-only quantized weights on the CPU, read packed by
-    the engine's kernel (engine.quantization): "int8" (a scale per 32 weights), "int4" (a scale and a min
-    per 32 weights), or "none" (the default: the model's own weights). The engine quantizes the model's
-    full-precision linear layers in place when it starts (the model stays quantized after it stops) and
-    keeps layers already loaded quantized, such as a GGUF file's own blocks. Weight updates stay full
-    precision on the wire and are quantized as they are applied. Not with `batch_invariant`.
+    quantization: serve the linear layers from quantized weights (engine.quantization): on the CPU
+    weight-only "int8" (a scale per 32 weights) or "int4" (a scale and a min per 32 weights), read packed
+    by the engine's kernel; on an H100/H200-class GPU "fp8" (e4m3 weights with a scale per output channel,
+    inputs rounded to fp8 with a scale per row in each call, cuBLASLt's fp8 matmul; it runs on the CPU too,
+    slowly, which is how it is tested); or "none" (the default: the model's own weights). The engine
+    quantizes the model's full-precision linear layers in place when it starts (the model stays quantized
+    after it stops) and keeps layers already loaded quantized, such as a GGUF file's own blocks. Weight
+    updates stay full precision on the wire and are quantized as they are applied. Not with
+    `batch_invariant`.
 
     quantize_activations: with `quantization` "int8" or "int4", a linear layer called on at most 4 rows
     (the decode of one request or a few) quantizes its inputs to int8, a scale per 32, and multiplies in

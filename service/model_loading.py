@@ -106,11 +106,12 @@ def serve_gguf_blocks(path: str, model: torch.nn.Module, quantization: str) -> i
     """Puts the quantized blocks of the GGUF file behind `path` into `model` where they serve; returns how
     many layers. A GGUF file's own blocks serve with any quantization but 'none'; the embedded model's
     converted folder serves its file's blocks with 'int4' (with 'int8' the engine quantizes its floats).
+    With 'fp8' the engine quantizes the floats transformers read from the file.
 
     Blocks do not shard: a model sharded over tensor-parallel ranks takes none, and the engine quantizes
     each rank's shard of its floats instead (a GGUF file itself is refused under tensor parallelism by
     `load_pretrained`)."""
-    if quantization == "none":
+    if quantization not in ("int8", "int4"):  # blocks are the CPU's formats; fp8 quantizes the floats
         return 0
     if tensor_parallel_size(model) > 1:
         logger.info("tensor parallelism: each rank quantizes its shard of the floats to %s", quantization)

@@ -11,6 +11,11 @@ weights of one channel, each group with its own float32 scale:
 Groups of 32 are GGUF's block size, so GGUF blocks load without repacking; a per-group scale also bounds
 the rounding error by the group's own range rather than the whole channel's. The float32 scales cost 1 bit
 a weight for int8 and 2 for int4 (GGUF's float16 ones cost half) and hold every GGUF scale exactly.
+
+- fp8: w = scale * q, q float8 e4m3 (one a byte), one float32 scale per output channel (max |w| / 448), the
+  H100/H200 path (engine.quantization.fp8). Its scales are [out, 1]: one group the whole channel. A layer
+  sharded rowwise over N tensor-parallel ranks has a scale per channel per slice, so its scales gathered
+  whole are [out, N], groups of in / N.
 """
 
 from __future__ import annotations
@@ -20,9 +25,24 @@ from dataclasses import dataclass
 import torch
 
 GROUP_SIZE = 32
-WEIGHT_FORMATS = ("int8", "int4")
+WEIGHT_FORMATS = ("int8", "int4", "fp8")
 _INT4_LEVELS = 15
 _INT8_LEVEL = 127
+# The largest float8 e4m3 value; and the multiple of 16 that fp8 matrix multiplies (cuBLASLt) want of a
+# layer's in and out features.
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+FP8_ALIGNMENT = 16
+
+
+def unfit_reason(weight_format: str, out_features: int, in_features: int) -> str | None:
+    """Why a linear layer of this shape cannot take `weight_format` (it stays full precision), or None."""
+    if weight_format == "fp8":
+        if in_features % FP8_ALIGNMENT or out_features % FP8_ALIGNMENT:
+            return f"in_features and out_features must be multiples of {FP8_ALIGNMENT}"
+        return None
+    if in_features % GROUP_SIZE:
+        return f"in_features not a multiple of {GROUP_SIZE}"
+    return None
 
 
 class QuantizationError(ValueError):
@@ -38,8 +58,9 @@ class QuantizationError(ValueError):
 class QuantizedWeight:
     """A weight in one of `WEIGHT_FORMATS`.
 
-    Invariants (checked by `validate`): `packed` is int8 [out, in] (int8) or uint8 [out, in / 2] (int4);
-    `scales` (and `mins`, int4 only) are float32 [out, in / GROUP_SIZE]; all contiguous, on the CPU.
+    Invariants (checked by `validate`): `packed` is int8 [out, in] (int8), uint8 [out, in / 2] (int4) or
+    float8_e4m3fn [out, in] (fp8); `scales` (and `mins`, int4 only) are float32 [out, in / GROUP_SIZE], or
+    [out, groups] with groups dividing in for fp8; all contiguous on one device, the CPU but for fp8.
     """
 
     weight_format: str
@@ -59,19 +80,26 @@ class QuantizedWeight:
     def validate(self, name: str) -> None:
         """Raises QuantizationError naming `name` when the tensors break the format's invariants."""
         rows, columns = self.out_features, self.in_features
-        if columns % GROUP_SIZE:
+        fp8, int4 = self.weight_format == "fp8", self.weight_format == "int4"
+        groups = self.scales.shape[-1] if fp8 else columns // GROUP_SIZE
+        if not fp8 and columns % GROUP_SIZE:
             raise QuantizationError(
                 name, self.weight_format, f"in_features {columns} is not a multiple of {GROUP_SIZE}"
             )
-        int4 = self.weight_format == "int4"
+        if fp8 and (groups < 1 or columns % groups):
+            raise QuantizationError(
+                name, self.weight_format, f"in_features {columns} does not split into {groups} scale groups"
+            )
+        packed_dtype = torch.float8_e4m3fn if fp8 else torch.uint8 if int4 else torch.int8
         expected = {
-            "packed": ((rows, columns // 2 if int4 else columns), torch.uint8 if int4 else torch.int8),
-            "scales": ((rows, columns // GROUP_SIZE), torch.float32),
+            "packed": ((rows, columns // 2 if int4 else columns), packed_dtype),
+            "scales": ((rows, groups), torch.float32),
         }
         if int4:
-            expected["mins"] = ((rows, columns // GROUP_SIZE), torch.float32)
+            expected["mins"] = ((rows, groups), torch.float32)
         elif self.mins is not None:
-            raise QuantizationError(name, self.weight_format, "int8 weights have no mins")
+            raise QuantizationError(name, self.weight_format, f"{self.weight_format} weights have no mins")
+        device = self.packed.device
         for part, (shape, dtype) in expected.items():
             tensor = getattr(self, part)
             if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
@@ -79,13 +107,18 @@ class QuantizedWeight:
                 raise QuantizationError(
                     name, self.weight_format, f"{part} must be {dtype} {list(shape)}, got {found}"
                 )
-            if not tensor.is_contiguous() or tensor.device.type != "cpu":
-                raise QuantizationError(name, self.weight_format, f"{part} must be contiguous on the CPU")
+            if not tensor.is_contiguous() or tensor.device != device or (device.type != "cpu" and not fp8):
+                where = "the packed weight's device" if fp8 else "the CPU"
+                raise QuantizationError(name, self.weight_format, f"{part} must be contiguous on {where}")
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out, in] this stands for, exactly (each value one rounding of scale * q + min,
         as the kernel computes it)."""
         rows, groups = self.out_features, self.in_features // GROUP_SIZE
+        if self.weight_format == "fp8":
+            groups = self.scales.shape[-1]
+            values = self.packed.view(rows, groups, self.in_features // groups).float()
+            return (values * self.scales[..., None]).view(rows, self.in_features)
         if self.weight_format == "int8":
             values = self.packed.view(rows, groups, GROUP_SIZE).float()
             return (values * self.scales[..., None]).view(rows, self.in_features)
@@ -109,6 +142,8 @@ def quantize(name: str, weight: torch.Tensor, weight_format: str) -> QuantizedWe
     if not weight.dtype.is_floating_point:
         raise QuantizationError(name, weight_format, f"expected a floating-point weight, got {weight.dtype}")
     rows, columns = weight.shape
+    if weight_format == "fp8":
+        return _quantize_fp8(name, weight)
     if columns % GROUP_SIZE:
         raise QuantizationError(
             name, weight_format, f"in_features {columns} is not a multiple of the group size {GROUP_SIZE}"
@@ -130,3 +165,17 @@ def quantize(name: str, weight: torch.Tensor, weight_format: str) -> QuantizedWe
         packed = (levels[..., :half] | (levels[..., half:] << 4)).reshape(rows, columns // 2)
         quantized = QuantizedWeight(weight_format, packed.contiguous(), scales.contiguous(), mins, columns)
     return quantized
+
+
+def _quantize_fp8(name: str, weight: torch.Tensor) -> QuantizedWeight:
+    """fp8 with a scale per output channel (max |w| / 448, so the channel's largest weight is e4m3's
+    largest value), on the weight's own device; float8 conversion rounds to nearest even. Error per
+    weight: at most 2^-4 of its magnitude (3 mantissa bits), or half of e4m3's subnormal step times the
+    scale for the smallest."""
+    values = weight.detach().to(torch.float32)
+    if not torch.isfinite(values).all():
+        raise QuantizationError(name, "fp8", "the weight has non-finite values")
+    scales = values.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    packed = (values / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight("fp8", packed.contiguous(), scales.contiguous(), None, weight.shape[1])

@@ -6,11 +6,13 @@ import torch
 
 from engine.quantization import kernel
 from engine.quantization.formats import QuantizedWeight
+from engine.quantization.fp8 import fp8_linear
 
 
 class QuantizedLinear(torch.nn.Module):
     """Stands in for an `nn.Linear` [out_features, in_features]: same call, same output up to float32
-    summation order, on `weight.dequantize()`.
+    summation order, on `weight.dequantize()` (int8 and int4, through the CPU kernel; fp8 also rounds each
+    input row to fp8, engine.quantization.fp8).
 
     The packed tensors are buffers (`packed`, `scales`, and `mins` for int4), so they move with the model's
     state dict and a weight update can write them in place; `bias`, when present, stays a full-precision
@@ -66,6 +68,8 @@ class QuantizedLinear(torch.nn.Module):
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         # The kernel on the buffers themselves: a layer runs once per step, so no QuantizedWeight is built.
+        if self.weight_format == "fp8":
+            return fp8_linear(hidden_states, packed, scales, bias)
         code = kernel.FORMAT_CODES[self.weight_format]
         return kernel.on_rows(hidden_states, code, packed, scales, mins, bias, self.quantize_activations)
 

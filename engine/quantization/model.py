@@ -22,7 +22,8 @@ from torch.distributed.tensor import DTensor
 
 from engine.config import QUANTIZATION_CHOICES
 from engine.quantization import kernel
-from engine.quantization.formats import GROUP_SIZE, QuantizationError, quantize
+from engine.quantization.formats import QuantizationError, quantize, unfit_reason
+from engine.quantization.fp8 import fp8_unavailable_reason
 from engine.quantization.linear import QuantizedLinear
 from engine.quantization.sharding import ShardedQuantizedLinear, shard_style
 from engine.system.native_library import KernelUnavailable
@@ -36,6 +37,18 @@ def quantized_layers(model: torch.nn.Module) -> dict[str, QuantizedLinear]:
 
 
 def _check_quantizable(model: torch.nn.Module, weight_format: str) -> None:
+    if weight_format == "fp8":
+        placements = {parameter.device for parameter in model.parameters()}
+        for device in placements:
+            reason = fp8_unavailable_reason(device)
+            if reason is not None:
+                raise ValueError(f"quantization 'fp8' cannot run on {device} ({reason}); serve with 'none'")
+        if placements == {torch.device("cpu")}:
+            logger.warning(
+                "quantization 'fp8' on the CPU runs oneDNN's reference fp8 matmul, slower than float32: "
+                "it is the GPU's format; on a CPU serve int8 or int4"
+            )
+        return
     devices = {parameter.device.type for parameter in model.parameters()}
     if devices - {"cpu"}:
         raise ValueError(
@@ -61,9 +74,9 @@ def quantize_model(model: torch.nn.Module, weight_format: str, quantize_activati
     quantized layer, those already loaded quantized included, then takes `quantize_activations` (the
     integer path at a few rows: engine.quantization.kernel).
 
-    'none' quantizes nothing. Layers whose in_features is not a multiple of the group size stay full
+    'none' quantizes nothing. Layers whose shape does not fit the format (`unfit_reason`) stay full
     precision (logged). Raises QuantizationError naming a layer that cannot be quantized, ValueError for
-    a model off the CPU or without the kernel.
+    int8 or int4 on a model off the CPU or without the kernel, or fp8 on a device without fp8 matmuls.
     """
     if weight_format not in QUANTIZATION_CHOICES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {weight_format!r}")
@@ -74,18 +87,22 @@ def quantize_model(model: torch.nn.Module, weight_format: str, quantize_activati
         return 0
     _check_quantizable(model, weight_format)
     linears = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
-    kept = [name for name, module in linears if module.in_features % GROUP_SIZE]
-    if kept:
+    unfit = {
+        name: reason
+        for name, module in linears
+        if (reason := unfit_reason(weight_format, module.out_features, module.in_features)) is not None
+    }
+    if unfit:
         logger.info(
-            "%d linear layers stay full precision: in_features not a multiple of %d (%s)",
-            len(kept),
-            GROUP_SIZE,
-            ", ".join(kept[:4]),
+            "%d linear layers stay full precision: %s (%s)",
+            len(unfit),
+            next(iter(unfit.values())),
+            ", ".join(list(unfit)[:4]),
         )
     quantized_bytes = 0
     count = 0
     for name, module in linears:
-        if module.in_features % GROUP_SIZE:
+        if name in unfit:
             continue
         replacement = _quantized_layer(model, name, module, weight_format)
         if replacement is None:
@@ -177,7 +194,8 @@ def quantize_update(
             layer.weight_format,
             f"shape {list(value.shape)} does not match the quantized layer's {expected}",
         )
-    weight = quantize(name, layer.own_part(value), layer.weight_format)
+    # On the layer's device: fp8 layers live on the GPU, and quantizing there is the fast way.
+    weight = quantize(name, layer.own_part(value).to(layer.packed.device), layer.weight_format)
     pairs = [(layer.packed, weight.packed), (layer.scales, weight.scales)]
     if layer.mins is not None and weight.mins is not None:
         pairs.append((layer.mins, weight.mins))

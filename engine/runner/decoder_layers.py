@@ -138,8 +138,10 @@ class _Plan:
         """`module` as the kernel reads it, or None when its call does not run on the kernel."""
         if isinstance(module, QuantizedLinear):
             bias = module.bias
-            if bias is not None and not _is_float32_rows(bias):
-                return None
+            if module.weight_format not in linear_kernel.FORMAT_CODES or (
+                bias is not None and not _is_float32_rows(bias)
+            ):
+                return None  # fp8 runs through torch's scaled matmul, not this kernel
             return _Linear(
                 linear_kernel.FORMAT_CODES[module.weight_format],
                 int(module.quantize_activations),

@@ -40,6 +40,7 @@ ENGINE_LAYERS: list[set[str]] = [
         # Quantized linear layers: their formats, kernel and loaders; weight updates quantize through them.
         "engine.quantization",
         "engine.quantization.formats",
+        "engine.quantization.fp8",
         "engine.quantization.kernel",
         "engine.quantization.linear",
         "engine.quantization.sharding",

@@ -281,7 +281,8 @@ def test_a_weight_that_cannot_be_quantized_is_named_with_the_format():
 
 
 def test_config_names_the_field_and_the_allowed_values():
-    with pytest.raises(ValueError, match=r"quantization must be one of 'none', 'int8', 'int4', got 'int3'"):
+    allowed = "'none', 'int8', 'int4', 'fp8'"
+    with pytest.raises(ValueError, match=rf"quantization must be one of {allowed}, got 'int3'"):
         ContinuousBatchingConfig(quantization="int3")
     with pytest.raises(ValueError, match=r"batch_invariant needs full-precision linear layers"):
         ContinuousBatchingConfig(batch_invariant=True, quantization="int8", max_blocks_per_request=64)
