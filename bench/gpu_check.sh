@@ -8,6 +8,9 @@
 #             CUDA graphs (parity, warmup capture), static-shape compilation and the Triton attention kernel, less the
 #             inductor compile test (its CPU run covers it)
 #   async     tests/engine/test_async_batching.py on the GPU: steps launched ahead of their predecessor's tokens
+#   quantization  tests/engine/test_quantization_gpu_formats.py on the GPU (issue 35): fp8 weights through
+#             cuBLASLt's scaled matmul and int4 through tinygemm, their bounds, the engine against generate on the
+#             same layers, and updates quantized into them
 #   batch_invariant  tests/engine/test_batch_invariance.py on the GPU (issue 33): a needle alone and in random
 #             batches, prefix hits, chunked prefill, preemption, n = 4, the trainer's forward, bitwise, through
 #             the Triton matmul, row mean and fixed-tile attention; and the negative control
@@ -17,7 +20,8 @@
 #   bench     bench/offline_throughput.py: Qwen3-0.6B shapes (random weights), bf16, 256 requests, prompts
 #             uniform in 16..256 tokens, 64 greedy new tokens; cbserve (with CUDA graphs of both paths and the attention
 #             kernel when the paths step passed, unless GPU_CHECK_CUDA_GRAPHS=0; with async batching when the
-#             async step passed), transformers_cb and static
+#             async step passed), transformers_cb and static; cbserve on fp8 and int4 copies of the model when the
+#             quantization step passed
 #   sampling  tests/engine/test_sampling.py and test_penalties.py on the GPU, less the sampling logprobs test,
 #             whose tensors stay on the CPU
 #   cuda_ipc  tests/engine/test_cuda_ipc.py: weights copied from another process's CUDA tensors
@@ -203,6 +207,7 @@ result = {
     "parity": pytest_counts("parity"),
     "paths": pytest_counts("paths"),
     "async": pytest_counts("async"),
+    "quantization": pytest_counts("quantization"),
     "sampling": pytest_counts("sampling"),
     "cuda_ipc": pytest_counts("cuda_ipc"),
     "batch_invariant": pytest_counts("batch_invariant"),
@@ -221,7 +226,7 @@ summary["steps"] = {step["name"]: step["status"] for step in steps}
 summary["all_passed"] = state == "finished" and all(
     step["status"] in ("passed", "skipped") for step in steps
 )
-for name in ("parity", "paths", "async", "sampling", "cuda_ipc", "batch_invariant"):
+for name in ("parity", "paths", "async", "quantization", "sampling", "cuda_ipc", "batch_invariant"):
     counts = result[name]
     if counts and "tests" in counts:
         finished_tests = " (stopped early: of the tests that finished)" if counts.get("incomplete") else ""
@@ -237,6 +242,7 @@ if result["bench"]:
         summary["cbserve_vs_transformers_cb"] = result["bench"]["summary"].get("cbserve_vs_transformers_cb")
         summary["cbserve_vs_static"] = result["bench"]["summary"].get("cbserve_vs_static")
         summary["cbserve_vs_cbserve_defaults"] = result["bench"]["summary"].get("cbserve_vs_cbserve_defaults")
+        summary["quantized_speedup"] = result["bench"]["summary"].get("quantized_speedup")
 probe = result["batch_invariance_probe"]
 if probe:
     # What varies with the batch on this device, and whether the engine's needle kept its bits in each mode.
@@ -405,6 +411,12 @@ run_step async 60 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/en
   -v -p no:cacheprovider -o timeout=50 --junitxml="$WORK/async.xml" "${async_select[@]}"
 async_passed=$?
 
+# 4b'. Quantized weights on the device: fp8 (cuBLASLt's scaled matmul) and int4 (tinygemm).
+run_step quantization 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest \
+  tests/engine/test_quantization_gpu_formats.py -v -p no:cacheprovider -o timeout=80 \
+  --junitxml="$WORK/quantization.xml"
+quantization_passed=$?
+
 # 4c. Batch-invariant mode on the device (issue 33): its tests, then what varies on this GPU and what does not.
 if [[ $BATCH_INVARIANT == 1 ]]; then
   invariant_select=()
@@ -438,6 +450,7 @@ graphs=()
 # figure even if they fail.
 engines=(cbserve transformers_cb static)
 [[ ${#graphs[@]} -gt 0 ]] && engines+=(cbserve_defaults)
+[[ $DEVICE == cuda && $quantization_passed == 0 ]] && engines+=(cbserve_fp8 cbserve_int4)
 run_step bench 200 "$PYTHON" bench/offline_throughput.py --device "$DEVICE" --dtype "$DTYPE" \
   "${workload[@]}" "${graphs[@]}" --engines "${engines[@]}" --repeats "$REPEATS" --keep-going \
   --json-out "$WORK/bench.jsonl"
@@ -451,7 +464,7 @@ run_step sampling 60 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests
 run_step cuda_ipc 90 env CBSERVE_TEST_DEVICE="$DEVICE" "$PYTHON" -m pytest tests/engine/test_cuda_ipc.py \
   -v -p no:cacheprovider -o timeout=80 --junitxml="$WORK/cuda_ipc.xml"
 if [[ $SMALL == 1 ]]; then
-  sync_model=(--hidden-size 64 --intermediate-size 128 --layers 2 --vocab-size 256)
+  sync_model=(--hidden-size 96 --intermediate-size 192 --layers 2 --vocab-size 256)  # 12 heads of 8
 else
   sync_model=()
 fi

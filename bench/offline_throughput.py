@@ -23,6 +23,7 @@ import service  # noqa: F401
 
 # isort: on
 import argparse
+import copy
 import dataclasses
 import functools
 import gc
@@ -51,10 +52,20 @@ import engine
 from engine import call_on_steps_thread
 
 BENCH_NAME = "offline_throughput"
-ENGINES = ("cbserve", "transformers_cb", "static", "cbserve_defaults", "cbserve_batch_invariant")
+ENGINES = (
+    "cbserve",
+    "transformers_cb",
+    "static",
+    "cbserve_defaults",
+    "cbserve_batch_invariant",
+    "cbserve_fp8",
+    "cbserve_int4",
+    "cbserve_int8",
+)
 # What a run compares unless --engines says otherwise; cbserve_defaults is for runs that turn on cbserve's
 # opt-in paths, to measure them against cbserve without them in the same run, and cbserve_batch_invariant
-# (cbserve with the same flags and batch_invariant=True) measures what that mode costs.
+# (cbserve with the same flags and batch_invariant=True) measures what that mode costs; cbserve_<format> is
+# cbserve on a copy of the model quantized to that format.
 DEFAULT_ENGINES = ("cbserve", "transformers_cb", "static")
 
 
@@ -354,12 +365,40 @@ def run_static(
     return generated
 
 
+# Quantized copies of the benchmark's model, one per format: quantizing replaces the model's layers in
+# place, and the other engines run the full-precision model. Each copy is quantized by its first run (the
+# untimed warmup) and served as it is by the later ones.
+_QUANTIZED_COPIES: dict[tuple[int, str], CausalLM] = {}
+
+
+def run_cbserve_quantized(
+    weight_format: str,
+) -> Callable[[CausalLM, list[list[int]], GenerationConfig, EngineOptions], list[list[int]]]:
+    """cbserve with the same options on a copy of the model quantized to `weight_format` (issue 35: fp8
+    and int4 on a GPU, int8 and int4 on the CPU)."""
+
+    def run(
+        model: CausalLM, prompts: list[list[int]], generation_config: GenerationConfig, options: EngineOptions
+    ) -> list[list[int]]:
+        quantized = _QUANTIZED_COPIES.setdefault((id(model), weight_format), copy.deepcopy(model))
+        config = dataclasses.replace(cbserve_config(options), quantization=weight_format)
+        outputs = engine.generate_batch(
+            quantized, prompts, generation_config=generation_config, continuous_batching_config=config
+        )
+        return _ordered_tokens(f"cbserve_{weight_format}", outputs, len(prompts))
+
+    return run
+
+
 RUNNERS: dict[str, EngineRunner] = {
     "cbserve": run_cbserve,
     "transformers_cb": run_transformers_cb,
     "static": run_static,
     "cbserve_defaults": run_cbserve_defaults,
     "cbserve_batch_invariant": run_cbserve_batch_invariant,
+    "cbserve_fp8": run_cbserve_quantized("fp8"),
+    "cbserve_int4": run_cbserve_quantized("int4"),
+    "cbserve_int8": run_cbserve_quantized("int8"),
 }
 
 
@@ -586,6 +625,12 @@ def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
             "cbserve_vs_cbserve_defaults": ratio("cbserve_defaults"),
             # How many times slower batch-invariant mode runs than cbserve with the same flags.
             "batch_invariant_slowdown": ratio("cbserve_batch_invariant"),
+            # How many times faster each quantized format runs than the full-precision weights.
+            "quantized_speedup": {
+                name.removeprefix("cbserve_"): round(throughput[name] / throughput["cbserve"], 3)
+                for name in ("cbserve_fp8", "cbserve_int4", "cbserve_int8")
+                if name in throughput and "cbserve" in throughput
+            },
             "parity_cbserve_vs_static": next(
                 (record.get("parity_vs_static") for record in records if record["engine"] == "cbserve"), None
             ),

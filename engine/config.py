@@ -173,11 +173,11 @@ class ContinuousBatchingConfig:
     weight-only "int8" (a scale per 32 weights) or "int4" (a scale and a min per 32 weights), read packed
     by the engine's kernel; on an H100/H200-class GPU "fp8" (e4m3 weights with a scale per output channel,
     inputs rounded to fp8 with a scale per row in each call, cuBLASLt's fp8 matmul; it runs on the CPU too,
-    slowly, which is how it is tested); or "none" (the default: the model's own weights). The engine
-    quantizes the model's full-precision linear layers in place when it starts (the model stays quantized
-    after it stops) and keeps layers already loaded quantized, such as a GGUF file's own blocks. Weight
-    updates stay full precision on the wire and are quantized as they are applied. Not with
-    `batch_invariant`.
+    slowly, which is how it is tested) or "int4" (tinygemm's kernel, bfloat16 inputs); or "none" (the
+    default: the model's own weights). The engine quantizes the model's full-precision linear layers in
+    place when it starts (the model stays quantized after it stops) and keeps layers already loaded
+    quantized, such as a GGUF file's own blocks. Weight updates stay full precision on the wire and are
+    quantized as they are applied. Not with `batch_invariant`.
 
     quantize_activations: with `quantization` "int8" or "int4", a linear layer called on at most 4 rows
     (the decode of one request or a few) quantizes its inputs to int8, a scale per 32, and multiplies in

@@ -108,13 +108,18 @@ def serve_gguf_blocks(path: str, model: torch.nn.Module, quantization: str) -> i
     converted folder serves its file's blocks with 'int4' (with 'int8' the engine quantizes its floats).
     With 'fp8' the engine quantizes the floats transformers read from the file.
 
-    Blocks do not shard: a model sharded over tensor-parallel ranks takes none, and the engine quantizes
-    each rank's shard of its floats instead (a GGUF file itself is refused under tensor parallelism by
-    `load_pretrained`)."""
+    Blocks do not shard and serve on the CPU: a model sharded over tensor-parallel ranks, or on a GPU,
+    takes none, and the engine quantizes (each rank's shard of) its floats instead (a GGUF file itself is
+    refused under tensor parallelism by `load_pretrained`)."""
     if quantization not in ("int8", "int4"):  # blocks are the CPU's formats; fp8 quantizes the floats
         return 0
     if tensor_parallel_size(model) > 1:
         logger.info("tensor parallelism: each rank quantizes its shard of the floats to %s", quantization)
+        return 0
+    if next(model.parameters()).device.type != "cpu":
+        logger.info(
+            "on a GPU the engine quantizes the floats to %s: GGUF blocks serve on the CPU", quantization
+        )
         return 0
     if is_gguf_file(path):
         return load_gguf_linears(model, path)

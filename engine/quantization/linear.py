@@ -7,6 +7,7 @@ import torch
 from engine.quantization import kernel
 from engine.quantization.formats import QuantizedWeight
 from engine.quantization.fp8 import fp8_linear
+from engine.quantization.int4_tiles import Int4Tiles, int4_tiles_linear
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -26,6 +27,8 @@ class QuantizedLinear(torch.nn.Module):
     packed: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor | None
+    int4_tiles: torch.Tensor | None
+    int4_scales_and_zeros: torch.Tensor | None
 
     def __init__(self, weight: QuantizedWeight, bias: torch.nn.Parameter | None, name: str) -> None:
         super().__init__()
@@ -36,7 +39,24 @@ class QuantizedLinear(torch.nn.Module):
         self.register_buffer("packed", weight.packed)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
+        # An int4 layer on a GPU: tinygemm's layout of the weight (`lay_out_for`), derived from the three
+        # above, which stay on the CPU; not in the state dict.
+        self.register_buffer("int4_tiles", None, persistent=False)
+        self.register_buffer("int4_scales_and_zeros", None, persistent=False)
         self.bias = bias
+
+    def lay_out_for(self, device: torch.device) -> None:
+        """Readies the layer for calls on `device`: on a GPU, an int4 layer gets tinygemm's layout there
+        (engine.quantization.int4_tiles). int8 and int4 otherwise run on the CPU, fp8 where it lies."""
+        if self.weight_format == "int4" and device.type != "cpu":
+            layout = Int4Tiles.of(self.local_weight(), device)
+            self.int4_tiles, self.int4_scales_and_zeros = layout.tiles, layout.scales_and_zeros
+
+    def local_weight(self) -> QuantizedWeight:
+        """The weight this process holds (its shard, under tensor parallelism)."""
+        packed, scales, mins = self.local_parts()
+        in_features = packed.shape[1] * 2 if self.weight_format == "int4" else packed.shape[1]
+        return QuantizedWeight(self.weight_format, packed, scales, mins, in_features)
 
     @property
     def quantized_weight(self) -> QuantizedWeight:
@@ -70,6 +90,8 @@ class QuantizedLinear(torch.nn.Module):
         # The kernel on the buffers themselves: a layer runs once per step, so no QuantizedWeight is built.
         if self.weight_format == "fp8":
             return fp8_linear(hidden_states, packed, scales, bias)
+        if self.int4_tiles is not None and self.int4_scales_and_zeros is not None:
+            return int4_tiles_linear(hidden_states, self.int4_tiles, self.int4_scales_and_zeros, bias)
         code = kernel.FORMAT_CODES[self.weight_format]
         return kernel.on_rows(hidden_states, code, packed, scales, mins, bias, self.quantize_activations)
 

@@ -24,6 +24,8 @@ from engine.config import QUANTIZATION_CHOICES
 from engine.quantization import kernel
 from engine.quantization.formats import QuantizationError, quantize, unfit_reason
 from engine.quantization.fp8 import fp8_unavailable_reason
+from engine.quantization.int4_tiles import Int4Tiles, int4_tiles_unavailable_reason
+from engine.quantization.int4_tiles import unfit_reason as int4_tiles_unfit_reason
 from engine.quantization.linear import QuantizedLinear
 from engine.quantization.sharding import ShardedQuantizedLinear, shard_style
 from engine.system.native_library import KernelUnavailable
@@ -37,24 +39,29 @@ def quantized_layers(model: torch.nn.Module) -> dict[str, QuantizedLinear]:
 
 
 def _check_quantizable(model: torch.nn.Module, weight_format: str) -> None:
+    placements = {parameter.device for parameter in model.parameters()}
+    gpus = sorted(str(device) for device in placements if device.type != "cpu")
     if weight_format == "fp8":
-        placements = {parameter.device for parameter in model.parameters()}
         for device in placements:
             reason = fp8_unavailable_reason(device)
             if reason is not None:
                 raise ValueError(f"quantization 'fp8' cannot run on {device} ({reason}); serve with 'none'")
-        if placements == {torch.device("cpu")}:
+        if not gpus:
             logger.warning(
                 "quantization 'fp8' on the CPU runs oneDNN's reference fp8 matmul, slower than float32: "
                 "it is the GPU's format; on a CPU serve int8 or int4"
             )
         return
-    devices = {parameter.device.type for parameter in model.parameters()}
-    if devices - {"cpu"}:
+    if weight_format == "int8" and gpus:
         raise ValueError(
-            f"quantization {weight_format!r} runs on the CPU only; the model is on {sorted(devices)} "
-            "(serve it with quantization 'none')"
+            f"quantization 'int8' runs on the CPU only; the model is on {gpus} (on a GPU serve fp8 or int4)"
         )
+    for device in placements - {torch.device("cpu")}:
+        reason = int4_tiles_unavailable_reason(device)
+        if reason is not None:
+            raise ValueError(f"quantization 'int4' cannot run on {device} ({reason}); serve with 'none'")
+    if gpus:
+        return
     try:
         kernel.load()
     except KernelUnavailable as error:
@@ -62,6 +69,14 @@ def _check_quantizable(model: torch.nn.Module, weight_format: str) -> None:
             f"quantization {weight_format!r} needs its C kernel, which cannot be built here ({error}); "
             "set CC to a C compiler or serve with quantization 'none'"
         ) from error
+
+
+def _unfit_reason(weight_format: str, module: torch.nn.Linear) -> str | None:
+    """Why `module` stays full precision under `weight_format`, or None."""
+    reason = unfit_reason(weight_format, module.out_features, module.in_features)
+    if reason is None and weight_format == "int4" and module.weight.device.type != "cpu":
+        reason = int4_tiles_unfit_reason(module.out_features, module.in_features)
+    return reason
 
 
 def replace_module(model: torch.nn.Module, name: str, replacement: torch.nn.Module) -> None:
@@ -90,7 +105,7 @@ def quantize_model(model: torch.nn.Module, weight_format: str, quantize_activati
     unfit = {
         name: reason
         for name, module in linears
-        if (reason := unfit_reason(weight_format, module.out_features, module.in_features)) is not None
+        if (reason := _unfit_reason(weight_format, module)) is not None
     }
     if unfit:
         logger.info(
@@ -107,6 +122,7 @@ def quantize_model(model: torch.nn.Module, weight_format: str, quantize_activati
         replacement = _quantized_layer(model, name, module, weight_format)
         if replacement is None:
             continue
+        replacement.lay_out_for(module.weight.device)
         replace_module(model, name, replacement)
         quantized_bytes += replacement.packed_bytes
         count += 1
@@ -199,4 +215,8 @@ def quantize_update(
     pairs = [(layer.packed, weight.packed), (layer.scales, weight.scales)]
     if layer.mins is not None and weight.mins is not None:
         pairs.append((layer.mins, weight.mins))
+    if layer.int4_tiles is not None and layer.int4_scales_and_zeros is not None:
+        # Copied into the layout's own storage, which captured CUDA graphs read.
+        layout = Int4Tiles.of(weight, layer.int4_tiles.device)
+        pairs += [(layer.int4_tiles, layout.tiles), (layer.int4_scales_and_zeros, layout.scales_and_zeros)]
     return pairs

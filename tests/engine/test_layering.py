@@ -41,6 +41,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.quantization",
         "engine.quantization.formats",
         "engine.quantization.fp8",
+        "engine.quantization.int4_tiles",
         "engine.quantization.kernel",
         "engine.quantization.linear",
         "engine.quantization.sharding",
