@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,19 @@ def check_tensor_parallel_size(model_config: Any, tp_size: int) -> None:
         raise ValueError(
             f"tensor-parallel size {tp_size} must divide the model's num_key_value_heads ({num_kv_heads})"
         )
+
+
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` whole: a sharded one (DTensor) gathered from every rank, a collective that every rank
+    calls at once. Float8 shards travel as their bytes: gloo gathers no float8."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.element_size() != 1 or not tensor.dtype.is_floating_point:
+        return tensor.full_tensor()
+    as_bytes = DTensor.from_local(
+        tensor.to_local().view(torch.uint8), tensor.device_mesh, tensor.placements, run_check=False
+    )
+    return as_bytes.full_tensor().view(tensor.dtype)
 
 
 def torchrun_world_size() -> int:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from engine.parallel import whole_tensor
 from engine.quantization.formats import GROUP_SIZE, QuantizedWeight, quantize
 from engine.quantization.linear import QuantizedLinear
 
@@ -55,7 +56,7 @@ def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return None if tensor is None else whole_tensor(tensor)
 
 
 class ShardedQuantizedLinear(QuantizedLinear):

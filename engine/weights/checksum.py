@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from engine.parallel import whole_tensor
 from engine.weights.tensors import SAFETENSORS_DTYPES
 
 ALGORITHM = "cbserve-wsum-v1"
@@ -122,15 +122,6 @@ def combined_digest(digests: Mapping[str, str]) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
-def _gathered(tensor: DTensor) -> torch.Tensor:
-    """A sharded tensor whole. Float8 shards travel as their bytes: gloo reduces and gathers no float8."""
-    if tensor.element_size() != 1 or not tensor.dtype.is_floating_point:
-        return tensor.full_tensor()
-    local = tensor.to_local().view(torch.uint8)
-    as_bytes = DTensor.from_local(local, tensor.device_mesh, tensor.placements, run_check=False)
-    return as_bytes.full_tensor().view(tensor.dtype)
-
-
 def weights_checksum(tensors: Mapping[str, torch.Tensor]) -> WeightsChecksum:
     """The digest of each tensor and of them all. A sharded tensor (DTensor) is gathered whole first,
     which is a collective: under tensor parallelism every rank calls this at once, with the same names.
@@ -142,7 +133,7 @@ def weights_checksum(tensors: Mapping[str, torch.Tensor]) -> WeightsChecksum:
             tensor = tensors[name]
             digest = by_identity.get(id(tensor))
             if digest is None:
-                whole = _gathered(tensor) if isinstance(tensor, DTensor) else tensor
+                whole = whole_tensor(tensor)
                 digest = by_identity[id(tensor)] = tensor_digest(whole)
             checksums.append(TensorChecksum(name, digest, dtype_name(tensor.dtype), tuple(tensor.shape)))
     combined = combined_digest({checksum.name: checksum.digest for checksum in checksums})
