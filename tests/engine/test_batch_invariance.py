@@ -130,17 +130,24 @@ def test_seeded_sampling_has_the_same_bits_alone_and_in_a_random_batch() -> None
     _assert_same_bits(_alone("llama", sampled=True), outputs[position], "seeded sampling, llama")
 
 
-def test_default_mode_gives_the_needle_other_bits_in_chunks_of_a_shared_step() -> None:
-    """The negative control: without the mode the same comparison fails, so the tests above can. The
+def test_default_mode_gives_the_needle_other_bits_in_some_shared_step() -> None:
+    """The negative control: without the mode the same comparisons fail, so the tests above can. The
     default mode's linear layers give a row the same bits in any batch too (the float32 kernel's panels,
-    engine.runner.packed_linear), but its attention does not: in steps of two tokens shared with other
-    requests, the needle's prompt runs in tiles of one or two queries, which score their keys as a decode
-    tile does, where the prompt alone ran in prefill tiles. (Random batches differ for some seeds only.)"""
+    engine.runner.packed_linear), but its attention does not: a prompt shared with other requests runs in
+    other tiles than alone. Which shared steps show it depends on the CPU the kernels were built for: on the
+    2-core EPYC (AVX2), steps of two tokens shared with two other prompts did (the needle's prompt then runs
+    in tiles of one or two queries, scoring their keys as a decode tile does); on an AVX-512 Xeon those gave
+    the same bits, and a random batch of 16 (seed 1) gave other ones. So the control asserts that one of
+    them differs."""
     model = tiny_model("llama")
-    prompts = [random_prompt(20, seed=7), NEEDLE, random_prompt(9, seed=8)]
     alone = _generate(model, [NEEDLE], _config(batch_invariant=False, max_batch_tokens=256))[0]
-    chunked = _generate(model, prompts, _config(batch_invariant=False, max_batch_tokens=2))[1]
-    assert alone.logprobs != chunked.logprobs, "the default mode gave the needle the same bits in chunks"
+    prompts = [random_prompt(20, seed=7), NEEDLE, random_prompt(9, seed=8)]
+    shared = [_generate(model, prompts, _config(batch_invariant=False, max_batch_tokens=2))[1]]
+    for seed in range(4):
+        batch, position = _random_batch(seed=seed, size=16)
+        shared.append(_generate(model, batch, _config(batch_invariant=False))[position])
+    differing = [output.logprobs != alone.logprobs for output in shared]
+    assert any(differing), "the default mode gave the needle the same bits in every shared step tried"
 
 
 def test_a_prefix_cache_hit_gives_the_same_bits() -> None:
