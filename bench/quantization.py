@@ -9,11 +9,12 @@ weights read.
 
 `engine`: the embedded SmolLM2-135M-Instruct served from fp32 (`quantization="none"`), int8 (quantized at
 load) and int4 (its GGUF file's own Q4_1 blocks, Q8_0 for the output layer), each with int8 inputs at
-decode (the default, `quantize_activations`) and with float inputs (`_float_inputs`), in alternating
-rounds: one request's ms per token (one chat prompt, EOS off, `--max-new-tokens` tokens), and 32 chats'
-throughput (EOS on). Quality against fp32: the fraction of the chats' greedy tokens equal to fp32's, and
-the perplexity of each on a fixed local text (Python's own `pydoc_data` help topics, the first
-`--perplexity-tokens` tokens), with int8 inputs as decode computes each token.
+decode (the default, `quantize_activations`) and with float inputs (`_float_inputs`), and on request fp8
+(the GPU's format, for its quality: slow on a CPU), in alternating rounds: one request's ms per token (one
+chat prompt, EOS off, `--max-new-tokens` tokens), and 32 chats' throughput (EOS on). Quality against
+fp32: the fraction of the chats' greedy tokens equal to fp32's, and the perplexity of each on a fixed
+local text (Python's own `pydoc_data` help topics, the first `--perplexity-tokens` tokens), with int8
+inputs as decode computes each token.
 
 Prints JSON lines, each with the machine's load average at its start and end (the machine is shared):
 
@@ -70,7 +71,11 @@ SERVINGS: dict[str, tuple[str, bool, str]] = {
     "int8_float_inputs": ("int8", False, "int8"),
     "int4_gguf": ("int4", True, "int4_gguf"),
     "int4_gguf_float_inputs": ("int4", False, "int4_gguf"),
+    # The GPU's format, here for its quality: the CPU's fp8 matmul is oneDNN's slow reference path, so it
+    # runs only when asked for (`--servings fp32 fp8`).
+    "fp8": ("fp8", False, "fp8"),
 }
+DEFAULT_SERVINGS = [name for name in SERVINGS if name != "fp8"]
 
 
 def _kernel_step(name: str, weights: list[torch.Tensor]) -> tuple[Callable[[torch.Tensor, int], Any], int]:
@@ -274,7 +279,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--part", nargs="+", choices=("kernels", "engine"), default=["kernels", "engine"])
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     parser.add_argument("--kernel-rounds", type=int, default=5)
-    parser.add_argument("--servings", nargs="+", choices=list(SERVINGS), default=list(SERVINGS))
+    parser.add_argument("--servings", nargs="+", choices=list(SERVINGS), default=DEFAULT_SERVINGS)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128)
