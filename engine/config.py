@@ -22,7 +22,7 @@ __all__ = ["DEFAULT_SAFETY_MARGIN", "QUANTIZATION_CHOICES", "SCHEDULER_TYPES", "
 
 SCHEDULER_TYPES: tuple[str, ...] = ("fifo", "prefill_first", "priority")
 # Weight-only quantization of the linear layers (engine.quantization); "none" keeps the model's own weights.
-QUANTIZATION_CHOICES: tuple[str, ...] = ("none", "int8", "int4", "fp8")
+QUANTIZATION_CHOICES: tuple[str, ...] = ("none", "int8", "int4", "fp8", "fp8_tensor")
 DEFAULT_SAFETY_MARGIN: dict[str, float] = {"fifo": 0.15, "prefill_first": 0.0, "priority": 0.15}
 
 _DEFAULT_PAGE_SIZE = 256
@@ -173,7 +173,9 @@ class ContinuousBatchingConfig:
     weight-only "int8" (a scale per 32 weights) or "int4" (a scale and a min per 32 weights), read packed
     by the engine's kernel; on an H100/H200-class GPU "fp8" (e4m3 weights with a scale per output channel,
     inputs rounded to fp8 with a scale per row in each call, cuBLASLt's fp8 matmul; it runs on the CPU too,
-    slowly, which is how it is tested) or "int4" (tinygemm's kernel, bfloat16 inputs); or "none" (the
+    slowly, which is how it is tested), "fp8_tensor" (one scale for the weight and one for each call's
+    inputs: what GPUs of compute capability 8.9 run) or "int4" (tinygemm's kernel, bfloat16 inputs); or
+    "none" (the
     default: the model's own weights). The engine quantizes the model's full-precision linear layers in
     place when it starts (the model stays quantized after it stops) and keeps layers already loaded
     quantized, such as a GGUF file's own blocks. Weight updates stay full precision on the wire and are

@@ -257,11 +257,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--quantization",
-        choices=("none", "int8", "int4", "fp8"),
+        choices=("none", "int8", "int4", "fp8", "fp8_tensor"),
         help="on the CPU, serve the linear layers from 8-bit or 4-bit weights (a scale per 32; int4 also a "
         "min), quantized at load; with int4 the embedded model serves its GGUF file's own blocks (Q4_1, "
         "and Q8_0 for its output layer); on an H100/H200-class GPU, fp8 weights with a scale per channel "
-        "and fp8 inputs, or int4 through tinygemm (quantization; default: none, the model's own weights)",
+        "and fp8 inputs (fp8_tensor: one scale each, for compute capability 8.9), or int4 through tinygemm "
+        "(quantization; default: none, the model's own weights)",
     )
     engine.add_argument(
         "--no-quantize-activations",

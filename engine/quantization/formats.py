@@ -16,6 +16,9 @@ a weight for int8 and 2 for int4 (GGUF's float16 ones cost half) and hold every 
   H100/H200 path (engine.quantization.fp8). Its scales are [out, 1]: one group the whole channel. A layer
   sharded rowwise over N tensor-parallel ranks has a scale per channel per slice, so its scales gathered
   whole are [out, N], groups of in / N.
+- fp8_tensor: the same with one scale for the whole weight (max |w| / 448), held as fp8's [out, 1] with every
+  value equal: the scheme of fp8 checkpoints with per-tensor scales, and the one GPUs of compute capability
+  8.9 (no row-wise scales in their fp8 matmul) run.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 GROUP_SIZE = 32
-WEIGHT_FORMATS = ("int8", "int4", "fp8")
+WEIGHT_FORMATS = ("int8", "int4", "fp8", "fp8_tensor")
+FP8_FORMATS = ("fp8", "fp8_tensor")
 _INT4_LEVELS = 15
 _INT8_LEVEL = 127
 # The largest float8 e4m3 value; and the multiple of 16 that fp8 matrix multiplies (cuBLASLt) want of a
@@ -36,7 +40,7 @@ FP8_ALIGNMENT = 16
 
 def unfit_reason(weight_format: str, out_features: int, in_features: int) -> str | None:
     """Why a linear layer of this shape cannot take `weight_format` (it stays full precision), or None."""
-    if weight_format == "fp8":
+    if weight_format in FP8_FORMATS:
         if in_features % FP8_ALIGNMENT or out_features % FP8_ALIGNMENT:
             return f"in_features and out_features must be multiples of {FP8_ALIGNMENT}"
         return None
@@ -59,8 +63,9 @@ class QuantizedWeight:
     """A weight in one of `WEIGHT_FORMATS`.
 
     Invariants (checked by `validate`): `packed` is int8 [out, in] (int8), uint8 [out, in / 2] (int4) or
-    float8_e4m3fn [out, in] (fp8); `scales` (and `mins`, int4 only) are float32 [out, in / GROUP_SIZE], or
-    [out, groups] with groups dividing in for fp8; all contiguous on one device, the CPU but for fp8.
+    float8_e4m3fn [out, in] (fp8 and fp8_tensor); `scales` (and `mins`, int4 only) are float32
+    [out, in / GROUP_SIZE], or [out, groups] with groups dividing in for the fp8 formats; all contiguous on
+    one device, the CPU but for the fp8 formats.
     """
 
     weight_format: str
@@ -80,7 +85,7 @@ class QuantizedWeight:
     def validate(self, name: str) -> None:
         """Raises QuantizationError naming `name` when the tensors break the format's invariants."""
         rows, columns = self.out_features, self.in_features
-        fp8, int4 = self.weight_format == "fp8", self.weight_format == "int4"
+        fp8, int4 = self.weight_format in FP8_FORMATS, self.weight_format == "int4"
         groups = self.scales.shape[-1] if fp8 else columns // GROUP_SIZE
         if not fp8 and columns % GROUP_SIZE:
             raise QuantizationError(
@@ -115,7 +120,7 @@ class QuantizedWeight:
         """The float32 weight [out, in] this stands for, exactly (each value one rounding of scale * q + min,
         as the kernel computes it)."""
         rows, groups = self.out_features, self.in_features // GROUP_SIZE
-        if self.weight_format == "fp8":
+        if self.weight_format in FP8_FORMATS:
             groups = self.scales.shape[-1]
             values = self.packed.view(rows, groups, self.in_features // groups).float()
             return (values * self.scales[..., None]).view(rows, self.in_features)
@@ -142,8 +147,8 @@ def quantize(name: str, weight: torch.Tensor, weight_format: str) -> QuantizedWe
     if not weight.dtype.is_floating_point:
         raise QuantizationError(name, weight_format, f"expected a floating-point weight, got {weight.dtype}")
     rows, columns = weight.shape
-    if weight_format == "fp8":
-        return _quantize_fp8(name, weight)
+    if weight_format in FP8_FORMATS:
+        return _quantize_fp8(name, weight, weight_format)
     if columns % GROUP_SIZE:
         raise QuantizationError(
             name, weight_format, f"in_features {columns} is not a multiple of the group size {GROUP_SIZE}"
@@ -167,15 +172,18 @@ def quantize(name: str, weight: torch.Tensor, weight_format: str) -> QuantizedWe
     return quantized
 
 
-def _quantize_fp8(name: str, weight: torch.Tensor) -> QuantizedWeight:
-    """fp8 with a scale per output channel (max |w| / 448, so the channel's largest weight is e4m3's
-    largest value), on the weight's own device; float8 conversion rounds to nearest even. Error per
-    weight: at most 2^-4 of its magnitude (3 mantissa bits), or half of e4m3's subnormal step times the
-    scale for the smallest."""
+def _quantize_fp8(name: str, weight: torch.Tensor, weight_format: str) -> QuantizedWeight:
+    """`weight_format` fp8 (a scale per output channel) or fp8_tensor (one scale), the scale max |w| / 448
+    so that the largest weight is e4m3's largest value, on the weight's own device; float8 conversion
+    rounds to nearest even. Error per weight: at most 2^-4 of its magnitude (3 mantissa bits), or half of
+    e4m3's subnormal step times the scale for the smallest."""
     values = weight.detach().to(torch.float32)
     if not torch.isfinite(values).all():
-        raise QuantizationError(name, "fp8", "the weight has non-finite values")
-    scales = values.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+        raise QuantizationError(name, weight_format, "the weight has non-finite values")
+    largest = values.abs().amax(dim=-1, keepdim=True)
+    if weight_format == "fp8_tensor":
+        largest = largest.amax().expand_as(largest)
+    scales = largest / FP8_MAX
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     packed = (values / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return QuantizedWeight("fp8", packed.contiguous(), scales.contiguous(), None, weight.shape[1])
+    return QuantizedWeight(weight_format, packed.contiguous(), scales.contiguous(), None, weight.shape[1])

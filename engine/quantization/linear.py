@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.quantization import kernel
-from engine.quantization.formats import QuantizedWeight
+from engine.quantization.formats import FP8_FORMATS, QuantizedWeight
 from engine.quantization.fp8 import fp8_linear
 from engine.quantization.int4_tiles import Int4Tiles, int4_tiles_linear
 
@@ -88,8 +88,8 @@ class QuantizedLinear(torch.nn.Module):
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
         # The kernel on the buffers themselves: a layer runs once per step, so no QuantizedWeight is built.
-        if self.weight_format == "fp8":
-            return fp8_linear(hidden_states, packed, scales, bias)
+        if self.weight_format in FP8_FORMATS:
+            return fp8_linear(hidden_states, packed, scales, bias, self.weight_format == "fp8_tensor")
         if self.int4_tiles is not None and self.int4_scales_and_zeros is not None:
             return int4_tiles_linear(hidden_states, self.int4_tiles, self.int4_scales_and_zeros, bias)
         code = kernel.FORMAT_CODES[self.weight_format]

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.config import QUANTIZATION_CHOICES
 from engine.quantization import kernel
-from engine.quantization.formats import QuantizationError, quantize, unfit_reason
+from engine.quantization.formats import FP8_FORMATS, QuantizationError, quantize, unfit_reason
 from engine.quantization.fp8 import fp8_unavailable_reason
 from engine.quantization.int4_tiles import Int4Tiles, int4_tiles_unavailable_reason
 from engine.quantization.int4_tiles import unfit_reason as int4_tiles_unfit_reason
@@ -41,15 +41,19 @@ def quantized_layers(model: torch.nn.Module) -> dict[str, QuantizedLinear]:
 def _check_quantizable(model: torch.nn.Module, weight_format: str) -> None:
     placements = {parameter.device for parameter in model.parameters()}
     gpus = sorted(str(device) for device in placements if device.type != "cpu")
-    if weight_format == "fp8":
+    if weight_format in FP8_FORMATS:
         for device in placements:
-            reason = fp8_unavailable_reason(device)
+            reason = fp8_unavailable_reason(device, weight_format == "fp8_tensor")
             if reason is not None:
-                raise ValueError(f"quantization 'fp8' cannot run on {device} ({reason}); serve with 'none'")
+                hint = "'fp8_tensor' (no row-wise scales) or " if weight_format == "fp8" else ""
+                raise ValueError(
+                    f"quantization {weight_format!r} cannot run on {device} ({reason}); serve {hint}'none'"
+                )
         if not gpus:
             logger.warning(
-                "quantization 'fp8' on the CPU runs oneDNN's reference fp8 matmul, slower than float32: "
-                "it is the GPU's format; on a CPU serve int8 or int4"
+                "quantization %r on the CPU runs oneDNN's reference fp8 matmul, slower than float32: it is "
+                "the GPU's format; on a CPU serve int8 or int4",
+                weight_format,
             )
         return
     if weight_format == "int8" and gpus:
@@ -77,7 +81,7 @@ def _unfit_reason(model: torch.nn.Module, weight_format: str, module: torch.nn.L
     fp8 keeps the output layer in full precision, as vLLM's fp8 does: on SmolLM2 (perplexity on
     bench/quantization.py's text) fp8 moved fp32's 12.742 to 13.134 without it and to 13.597 with it."""
     get_output = getattr(model, "get_output_embeddings", None)
-    if weight_format == "fp8" and get_output is not None and get_output() is module:
+    if weight_format in FP8_FORMATS and get_output is not None and get_output() is module:
         return "fp8 keeps the output layer in full precision"
     reason = unfit_reason(weight_format, module.out_features, module.in_features)
     if reason is None and weight_format == "int4" and module.weight.device.type != "cpu":

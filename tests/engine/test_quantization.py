@@ -281,7 +281,7 @@ def test_a_weight_that_cannot_be_quantized_is_named_with_the_format():
 
 
 def test_config_names_the_field_and_the_allowed_values():
-    allowed = "'none', 'int8', 'int4', 'fp8'"
+    allowed = "'none', 'int8', 'int4', 'fp8', 'fp8_tensor'"
     with pytest.raises(ValueError, match=rf"quantization must be one of {allowed}, got 'int3'"):
         ContinuousBatchingConfig(quantization="int3")
     with pytest.raises(ValueError, match=r"batch_invariant needs full-precision linear layers"):

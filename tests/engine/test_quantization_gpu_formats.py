@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import ContinuousBatchingConfig, init_continuous_batching
-from engine.quantization.formats import FP8_MAX, QuantizationError, quantize
+from engine.quantization.formats import FP8_FORMATS, FP8_MAX, QuantizationError, quantize
 from engine.quantization.int4_tiles import Int4Tiles, int4_tiles_linear
 from engine.quantization.linear import QuantizedLinear
 from engine.quantization.model import quantize_model, quantized_layers
@@ -39,37 +39,52 @@ def _tiny_llama(seed: int) -> torch.nn.Module:
     return model.to(TEST_DEVICE).eval()
 
 
-def test_an_fp8_weight_is_within_e4m3_rounding_of_the_original():
+@pytest.mark.parametrize("weight_format", FP8_FORMATS)
+def test_an_fp8_weight_is_within_e4m3_rounding_of_the_original(weight_format):
     generator = torch.Generator().manual_seed(0)
-    # Channels of very different magnitudes, one all zeros: each gets its own scale.
+    # Channels of very different magnitudes, one all zeros: with fp8 each gets its own scale, with
+    # fp8_tensor the small ones fall among e4m3's subnormals.
     weight = torch.randn(48, 64, generator=generator) * torch.logspace(-3, 2, 48)[:, None]
     weight[7] = 0
-    quantized = quantize("w", weight.to(TEST_DEVICE), "fp8")
+    quantized = quantize("w", weight.to(TEST_DEVICE), weight_format)
     assert quantized.packed.dtype == torch.float8_e4m3fn and list(quantized.scales.shape) == [48, 1]
     scales = quantized.scales.cpu()
-    # The largest weight of each channel is e4m3's largest value.
-    assert torch.equal(
-        quantized.packed.float().abs().amax(dim=1).cpu()[scales[:, 0] != 1], torch.full((47,), FP8_MAX)
-    )
+    # The largest weight of each channel (of the whole weight, for fp8_tensor) is e4m3's largest value.
+    largest = quantized.packed.float().abs().amax(dim=1).cpu()
+    if weight_format == "fp8":
+        assert torch.equal(largest[scales[:, 0] != 1], torch.full((47,), FP8_MAX))
+    else:
+        assert largest.max() == FP8_MAX and torch.equal(scales, scales[:1].expand(48, 1))
     error = (quantized.dequantize().cpu() - weight).abs()
     bound = weight.abs() * E4M3_RELATIVE + scales * E4M3_SUBNORMAL_HALF_STEP
     assert bool((error <= bound).all()), f"worst excess {(error - bound).max().item()}"
     assert torch.equal(quantized.dequantize().cpu()[7], torch.zeros(64))
 
 
+@pytest.mark.parametrize("weight_format", FP8_FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 32])
-def test_an_fp8_layer_is_within_its_bound_of_the_full_precision_product(rows):
+def test_an_fp8_layer_is_within_its_bound_of_the_full_precision_product(weight_format, rows):
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(80, 96, generator=generator)
     bias = torch.randn(80, generator=generator)
     inputs = torch.randn(rows, 96, generator=generator) * torch.logspace(-2, 1, rows)[:, None]
-    layer = QuantizedLinear(quantize("layer.weight", weight.to(TEST_DEVICE), "fp8"), None, "layer.weight")
+    quantized = quantize("layer.weight", weight.to(TEST_DEVICE), weight_format)
+    layer = QuantizedLinear(quantized, None, "layer.weight")
     layer.bias = torch.nn.Parameter(bias.to(TEST_DEVICE))
     output = layer(inputs.to(TEST_DEVICE)).cpu()
     assert output.dtype == torch.float32 and output.shape == (rows, 80)
     expected = inputs @ weight.T + bias
+    # Each weight and input within 2^-4 of itself or half a subnormal step of its scale (a row's, or the
+    # call's for fp8_tensor); their products' errors add, plus float32 summation and the second order.
+    input_scales = inputs.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    if weight_format == "fp8_tensor":
+        input_scales = input_scales.amax().expand_as(input_scales)
+    weight_scales = quantized.scales.cpu()
     magnitudes = inputs.abs() @ weight.abs().T
-    bound = 2 * E4M3_RELATIVE * magnitudes + 96 * 2.0**-22 * magnitudes + 1e-5
+    subnormals = E4M3_SUBNORMAL_HALF_STEP * (
+        input_scales * weight.abs().sum(dim=1) + inputs.abs().sum(dim=1, keepdim=True) * weight_scales.T
+    )
+    bound = (2 * E4M3_RELATIVE + 2.0**-8 + 96 * 2.0**-22) * magnitudes + 2 * subnormals + 1e-5
     excess = (output - expected).abs() - bound
     assert bool((excess <= 0).all()), f"worst excess {excess.max().item()} over the bound"
     # Leading dimensions pass through, and a step that keeps no rows gets none back.
@@ -77,25 +92,34 @@ def test_an_fp8_layer_is_within_its_bound_of_the_full_precision_product(rows):
     assert layer(torch.empty(0, 96, device=TEST_DEVICE)).shape == (0, 80)
 
 
-@pytest.mark.parametrize("weight_format", ["fp8", "int4"])
+@pytest.mark.parametrize("weight_format", [*FP8_FORMATS, "int4"])
 def test_the_engine_on_quantized_weights_gives_generate_s_tokens_on_the_same_layers(weight_format):
     """fp8 rounds every layer's inputs, and a GPU's int4 layer rounds them to bfloat16, so the oracle is
     `generate` on the quantized model itself: the engine's paging, batching and sampling must add nothing
-    to what the layers compute. On the CPU, int4 runs the engine's kernel; on a GPU, tinygemm's."""
+    to what the layers compute. On the CPU, int4 runs the engine's kernel; on a GPU, tinygemm's.
+    fp8_tensor rounds a call's inputs with one scale for all its rows, so a row's result depends on the
+    rows beside it, as in vLLM's per-tensor fp8: its prompts are served one at a time, each step then
+    holding the rows `generate` gives the layers."""
     model = _tiny_llama(0)
     # Every decoder layer's seven, and the output layer but under fp8 (which keeps it full precision).
-    output_layers = 0 if weight_format == "fp8" else 1
+    output_layers = 0 if weight_format in FP8_FORMATS else 1
     assert quantize_model(model, weight_format) == 7 * tiny_config("llama").num_hidden_layers + output_layers
-    assert isinstance(model.lm_head, QuantizedLinear) == (weight_format != "fp8")
+    assert isinstance(model.lm_head, QuantizedLinear) == (weight_format not in FP8_FORMATS)
     reference = copy.deepcopy(model)
     prompts = [random_prompt(length, seed=length) for length in (3, 30)]
     new_tokens = [16, 9]
     config = ContinuousBatchingConfig(page_size=16, num_blocks=32, quantization=weight_format)
-    generated, _ = generate_greedy(model, config, prompts, new_tokens)
+    if weight_format == "fp8_tensor":
+        generated = [
+            generate_greedy(model, config, [prompt], [count])[0][0]
+            for prompt, count in zip(prompts, new_tokens, strict=True)
+        ]
+    else:
+        generated, _ = generate_greedy(model, config, prompts, new_tokens)
     assert_greedy_parity(reference, prompts, new_tokens, generated, weight_format)
 
 
-@pytest.mark.parametrize("weight_format", ["fp8", "int4"])
+@pytest.mark.parametrize("weight_format", [*FP8_FORMATS, "int4"])
 def test_a_full_precision_update_is_quantized_into_the_layers(weight_format):
     model = _tiny_llama(0)
     new_weights = _tiny_llama(1).state_dict()
