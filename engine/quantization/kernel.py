@@ -35,9 +35,6 @@ FORMAT_CODES = {"int8": 0, "int4": 1}
 INTEGER_MAX_ROWS = 4
 # A float32 weight in the kernel's panels (`float32_panels`, `float_linear`).
 FLOAT32_CODE = 2
-# Output channels a panel holds (PANEL in the source): a panelled weight has that many rows of [in, PANEL]
-# per panel, the last panel padded with zero channels.
-PANEL = 16
 # Bytes of packed weight times rows that make one thread's share of a call. A call forks and joins a team
 # of threads, which costs more than a second thread saves on a tiny layer. Beside busy neighbours the
 # thread budget (engine.system.thread_budget) already runs eager steps on fewer threads, and every call then
@@ -67,7 +64,11 @@ def load() -> ctypes.CDLL:
     return load_library(
         SOURCE,
         COMPILE_FLAGS,
-        {"quantized_linear": _ARGUMENT_TYPES, "pack_float32_panels": _PACK_ARGUMENT_TYPES},
+        {
+            "quantized_linear": _ARGUMENT_TYPES,
+            "pack_float32_panels": _PACK_ARGUMENT_TYPES,
+            "float32_panel_channels": [],
+        },
     )
 
 
@@ -80,16 +81,24 @@ def available() -> bool:
     return True
 
 
+def panel_channels() -> int:
+    """The output channels a float32 panel holds (PANEL in the source): 32 where the kernel is built for
+    AVX-512, 16 for AVX2. A panelled weight has that many rows of [in, PANEL] per panel, the last panel
+    padded with zero channels."""
+    return int(load().float32_panel_channels())
+
+
 def float32_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 `weight` [out, in] in the kernel's panels ([ceil(out / PANEL), in, PANEL], channels past
-    `out` zero), written into `out` when given (a tensor of that shape: a repack keeps the storage that
-    callers hold pointers to)."""
+    """The float32 `weight` [out, in] in the kernel's panels ([ceil(out / PANEL), in, PANEL] with PANEL
+    `panel_channels()`, channels past `out` zero), written into `out` when given (a tensor of that shape: a
+    repack keeps the storage that callers hold pointers to)."""
     if weight.dtype != torch.float32 or weight.dim() != 2:
         raise ValueError(
             f"float32_panels: weight must be a 2-d float32 tensor, got {weight.dtype} {tuple(weight.shape)}"
         )
     out_features, in_features = weight.shape
-    shape = ((out_features + PANEL - 1) // PANEL, in_features, PANEL)
+    panel = panel_channels()
+    shape = ((out_features + panel - 1) // panel, in_features, panel)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32)
     elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():

@@ -180,7 +180,9 @@ def test_a_repack_writes_the_panels_where_they_lie() -> None:
         with torch.inference_mode():
             torch.testing.assert_close(layer(inputs), F.linear(inputs, layer.weight))
         assert panelled.current(layer.weight).data_ptr() == address
-        assert packed.drop_copies() == 3 * 32 * 16 * 4  # 40 channels in three panels of 16
+        # 40 channels in whole panels: three of 16 (AVX2), two of 32 (AVX-512).
+        panel = packed_linear.kernel.panel_channels()
+        assert packed.drop_copies() == -(-40 // panel) * panel * 32 * 4
         with torch.inference_mode():
             torch.testing.assert_close(layer(inputs), F.linear(inputs, layer.weight))
     finally:
@@ -244,8 +246,8 @@ def test_sleep_level_2_frees_the_packed_copies_and_the_layers_pack_again_after_w
         manager.destroy()
     # The panels round each layer's channels up to whole panels.
     panel_bytes = sum(
-        -(-linear.out_features // packed_linear.kernel.PANEL)
-        * packed_linear.kernel.PANEL
+        -(-linear.out_features // packed_linear.kernel.panel_channels())
+        * packed_linear.kernel.panel_channels()
         * linear.in_features
         * 4
         for linear in _linears(model)
