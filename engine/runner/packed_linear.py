@@ -7,7 +7,8 @@ once when the engine is built removes that copy from every step (vLLM's and SGLa
 pack their weights at load).
 
 float32 layers are packed into the engine's own kernel's panels (`engine.quantization.kernel`, format
-float32: sixteen channels interleaved along the input, a 6-row x 16-channel register tile). One kernel
+float32: sixteen channels interleaved along the input, a 6-row x 16-channel register tile; 32 channels and
+12 rows where the kernel is built for AVX-512). One kernel
 serves every row count, from one request's decode (bound by reading the weight, which it streams once
 per call on every thread) to a prefill chunk (bound by the FMA units). Over SmolLM2's 210 decoder-layer
 products on the 2-core EPYC (Zen 2, AVX2), against oneDNN on its own packed weight (`python -m
