@@ -1,4 +1,4 @@
-"""Spec of `BlockPool`: block ids, reference counts, the LRU free queue and the prefix-cache map.
+"""Spec of `BlockPool`: block ids, reference counts, the free queue and the prefix-cache map.
 
 No model and no tensors: the pool only hands out block ids.
 """
@@ -103,7 +103,7 @@ def test_touch_adds_a_reference_and_free_drops_one() -> None:
     assert block.block_id not in pool.free_queue.block_ids(), "a block still referenced must not be free"
     pool.free([block])
     assert block.ref_count == 0
-    assert pool.free_queue.block_ids() == [2, 3, 1]
+    assert pool.free_queue.block_ids() == [1, 2, 3]
 
 
 def test_double_free_raises() -> None:
@@ -112,7 +112,7 @@ def test_double_free_raises() -> None:
     pool.free([block])
     with pytest.raises(RuntimeError, match=r"double free of KVBlock\(id=1"):
         pool.free([block])
-    assert pool.free_queue.block_ids() == [2, 3, 1], "a rejected free must not touch the queue"
+    assert pool.free_queue.block_ids() == [1, 2, 3], "a rejected free must not touch the queue"
 
 
 def test_freeing_a_never_allocated_block_is_a_double_free() -> None:
@@ -124,22 +124,33 @@ def test_freeing_a_never_allocated_block_is_a_double_free() -> None:
 # --- the free queue ------------------------------------------------------------------------------
 
 
-def test_freed_blocks_join_the_tail_of_the_free_queue_in_free_order() -> None:
+def test_freed_blocks_without_a_prefix_join_the_head_of_the_free_queue() -> None:
+    """Reused first, before blocks the process never wrote: their memory is already mapped."""
     pool = BlockPool(6)
     blocks = {block.block_id: block for block in pool.allocate(4)}
     assert pool.free_queue.block_ids() == [5]
     pool.free([blocks[3], blocks[1]])
-    assert pool.free_queue.block_ids() == [5, 3, 1]
+    assert pool.free_queue.block_ids() == [1, 3, 5]
     pool.free([blocks[4], blocks[2]])
-    assert pool.free_queue.block_ids() == [5, 3, 1, 4, 2]
+    assert pool.free_queue.block_ids() == [2, 4, 1, 3, 5]
 
 
-def test_allocate_reuses_the_least_recently_freed_block_first() -> None:
-    pool = BlockPool(5)
+def test_allocate_reuses_the_most_recently_freed_block_without_a_prefix_first() -> None:
+    pool = BlockPool(6)
     blocks = {block.block_id: block for block in pool.allocate(4)}
     pool.free([blocks[4], blocks[2], blocks[3]])
-    assert ids(pool.allocate(2)) == [4, 2]
-    assert pool.free_queue.block_ids() == [3]
+    assert ids(pool.allocate(2)) == [3, 2]
+    assert pool.free_queue.block_ids() == [4, 5]
+
+
+def test_freed_blocks_holding_a_prefix_join_the_tail_behind_never_used_blocks() -> None:
+    pool = BlockPool(6)
+    first, second = pool.allocate(2)
+    cache(pool, first, (1, 2))
+    pool.free([second, first])
+    assert pool.free_queue.block_ids() == [2, 3, 4, 5, 1], "a cached prefix is evicted last"
+    assert ids(pool.allocate(4)) == [2, 3, 4, 5]
+    assert first.block_hash is not None, "taking the blocks before it must not evict it"
 
 
 def test_cache_manager_frees_a_request_table_tail_first() -> None:
@@ -148,7 +159,9 @@ def test_cache_manager_frees_a_request_table_tail_first() -> None:
     assert ids(manager.allocate_slots(request, 10) or []) == [1, 2, 3]
     manager.free(request)
     got = manager.block_pool.free_queue.block_ids()
-    assert got == [4, 5, 3, 2, 1], f"the table [1, 2, 3] should be freed tail first, free queue is {got}"
+    # Blocks 1 and 2 are full and cached: they join the tail, the last block (3) first. Block 3 holds
+    # two tokens, no prefix: it goes to the head.
+    assert got == [3, 4, 5, 2, 1], f"the table [1, 2, 3] should be freed tail first, free queue is {got}"
 
 
 def test_free_queue_remove_unlinks_a_block_from_the_middle() -> None:
@@ -275,15 +288,15 @@ def test_touching_a_free_cached_block_takes_it_out_of_the_middle_of_the_queue() 
     a, b, c = pool.allocate(3)
     hb = cache(pool, b, (2,))
     pool.free([a, b, c])
-    assert pool.free_queue.block_ids() == [1, 2, 3]
+    assert pool.free_queue.block_ids() == [3, 1, 2]
     hit = pool.lookup(hb, None, (2,))
     assert hit is b
     pool.touch([hit])
-    assert pool.free_queue.block_ids() == [1, 3]
+    assert pool.free_queue.block_ids() == [3, 1]
     assert pool.num_free_blocks == 2
     assert b.ref_count == 1
     assert b.block_hash == hb, "a touched block keeps its prefix"
-    assert ids(pool.allocate(2)) == [1, 3]
+    assert ids(pool.allocate(2)) == [3, 1]
 
 
 def test_touching_a_block_in_use_does_not_touch_the_queue() -> None:

@@ -302,15 +302,15 @@ def test_freed_blocks_stay_reusable_hits_until_evicted() -> None:
     first = make_request("a", [*prompt, 1])
     first_blocks = prefill(manager, first)  # [1, 2, 3, 4]
     manager.free(first)
-    assert manager.block_pool.free_queue.block_ids() == [5, 4, 3, 2, 1]
+    assert manager.block_pool.free_queue.block_ids() == [4, 5, 3, 2, 1]
 
     hits = manager.get_computed_blocks(make_request("b", [*prompt, 2]))
     assert ids(hits) == first_blocks[:3], "freed blocks must still be hits"
     assert all(block.ref_count == 0 for block in hits)
 
-    # Reusing blocks 5, 4 and 3 evicts 4 (the partial one, never cached) and 3 (the third page).
+    # Block 4 (the partial one, never cached) is reused first; taking 4, 5 and 3 evicts 3 (the third page).
     filler = make_request("filler", list(range(500, 512)))
-    assert ids(manager.allocate_slots(filler, 12)) == [5, 4, 3]
+    assert ids(manager.allocate_slots(filler, 12)) == [4, 5, 3]
     hits = manager.get_computed_blocks(make_request("c", [*prompt, 2]))
     assert ids(hits) == [1, 2], f"after evicting block 3, hits are {ids(hits)}"
 
@@ -323,8 +323,8 @@ def test_a_freed_hit_is_taken_back_out_of_the_free_queue() -> None:
     second = make_request("b", [*range(8), 40, 41])
     hits = manager.get_computed_blocks(second)
     manager.allocate_slots(second, 2, hits)
-    assert manager.block_ids("b") == [1, 2, 4]
-    assert manager.block_pool.free_queue.block_ids() == [5, 3]
+    assert manager.block_ids("b") == [1, 2, 3], "a's partial block 3 (no prefix) is reused first"
+    assert manager.block_pool.free_queue.block_ids() == [4, 5]
 
 
 def test_reset_prefix_cache_drops_every_hit() -> None:

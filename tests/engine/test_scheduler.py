@@ -263,8 +263,8 @@ def test_a_preempted_request_goes_back_to_the_queue_head_with_its_blocks_freed()
     assert c.num_computed_tokens == 0
     assert c.num_preemptions == 1
     assert "c" not in manager.block_tables
-    assert manager.block_ids("a") == [1, 2, 6], "c's table is freed tail first, a's decode reuses block 6"
-    assert manager.block_pool.free_queue.block_ids() == [5]
+    assert manager.block_ids("a") == [1, 2, 5], "c's freed blocks are reused first"
+    assert manager.block_pool.free_queue.block_ids() == [6]
     assert c not in scheduler.running
     assert list(scheduler.waiting) == [c, late], "the preempted request goes ahead of later arrivals"
     assert scheduler.counters.preemptions == 1
