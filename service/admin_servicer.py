@@ -131,6 +131,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             counters={
                 "failed_steps": float(stats.failed_steps),
                 "forked_sequences": float(stats.forked_sequences),
+                **step_phase_counters(stats.step_timings),
             },
             prefix_caching_enabled=stats.prefix_caching_enabled,
             **weight_sync_status(host),
@@ -324,6 +325,19 @@ async def _read_update(
     if not tensors:
         raise ValueError("the update has no tensors and no safetensors_path")
     return tensors, label
+
+
+def step_phase_counters(step_timings: dict[str, float]) -> dict[str, float]:
+    """The engine's step phases as status counters: `steps`, and `step_seconds.<phase>` for schedule,
+    prepare_inputs, forward, sample and update, since the engine was last built (a Start rebuilds it).
+    Two readings' difference says where a workload's steps went."""
+    counters = {}
+    for name, value in step_timings.items():
+        if name == "num_steps":
+            counters["steps"] = float(value)
+        else:
+            counters[f"step_seconds.{name.removesuffix('_s')}"] = float(value)
+    return counters
 
 
 def _count_tensors(path: Any) -> int:

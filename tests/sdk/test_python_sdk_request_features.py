@@ -14,6 +14,7 @@ import functools
 import json
 import math
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -107,6 +108,23 @@ def first_new_token_after_the_start(token_ids: list[int]) -> int:
             return index
     assert token_ids[0] not in SPECIAL_TOKENS, token_ids
     return 0
+
+
+def test_status_counts_the_steps_and_the_seconds_of_each_phase(client: Client, served: RunningServer) -> None:
+    """What a user reads to see where a workload's time went: two readings around it."""
+    phases = ("schedule", "prepare_inputs", "forward", "sample", "update")
+    with AdminClient(served.admin_target, token=ADMIN_TOKEN, timeout=30) as admin:
+        before = admin.status().counters
+        started = time.monotonic()
+        client.generate(PROMPT, max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        elapsed = time.monotonic() - started
+        after = admin.status().counters
+    # One step computes the prompt and samples the first token, each later step one token.
+    assert after["steps"] - before["steps"] >= 8, (before, after)
+    spent = {phase: after[f"step_seconds.{phase}"] - before[f"step_seconds.{phase}"] for phase in phases}
+    assert all(seconds >= 0 for seconds in spent.values()), spent
+    assert spent["forward"] > 0, spent
+    assert sum(spent.values()) <= elapsed, (spent, elapsed)
 
 
 # -- n > 1: parallel sampling ---------------------------------------------------------------------------
