@@ -42,6 +42,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "silu_and_mul": [_pointer, _int64, _pointer, _int64, _int64, _int64, _pointer, _int64, _int],
     # the Decoder, its Layer array and the StepInputs (engine.runner.decoder_layers)
     "decoder_layers": [_pointer, _pointer, _pointer],
+    # the Decoder: floats of scratch per row decoder_layers needs
+    "decoder_scratch_floats": [_pointer],
 }  # fmt: skip
 
 

@@ -147,6 +147,9 @@ typedef struct {
     const int64_t *table_strides, *sliding_windows;
     const int32_t *query_starts, *seq_lens, *tile_requests, *tile_offsets;
     int64_t num_tiles, queries_per_tile, page_size, has_unowned_rows, threads;
+    /* rows * decoder_scratch_floats(decoder) floats for the intermediates, owned by the caller so that it
+       lives from one step to the next (see decoder_layers). */
+    float *scratch;
 } StepInputs;
 
 /* The threads engine.quantization.kernel.quantized_matmul gives a call: one per min_work_per_thread bytes of
@@ -175,16 +178,23 @@ static int write_cache(const Decoder *decoder, const StepInputs *step, int64_t i
     return 0;
 }
 
+/* Floats of scratch decoder_layers needs per row of a step: the norm's output, queries, keys, values,
+   attention's output, the block's pending output, gate and up. */
+int decoder_scratch_floats(const Decoder *decoder) {
+    const int64_t query_width = decoder->heads * decoder->head_dim, key_width = decoder->kv_heads * decoder->head_dim;
+    return (int)(2 * decoder->width + 2 * query_width + 2 * key_width + 2 * decoder->intermediate);
+}
+
 /* Every layer of the step: hidden [rows, width] holds the embeddings on the way in and the residual stream
-   after the last layer on the way out. Every intermediate lives in one buffer allocated here. Returns 0; 1
-   when this call or a kernel could not allocate its scratch; -2 for a write slot outside the caches. */
+   after the last layer on the way out. Every intermediate lives in step->scratch: a buffer allocated
+   here at every step would be fresh pages at every prefill chunk (tens of MB, above the size malloc
+   keeps for reuse), each first write a page fault. Returns 0; 1 when a kernel could not allocate its
+   scratch; -2 for a write slot outside the caches. */
 int decoder_layers(const Decoder *decoder, const Layer *layers, const StepInputs *step) {
     const int64_t rows = step->rows, width = decoder->width, head_dim = decoder->head_dim;
     const int64_t query_width = decoder->heads * head_dim, key_width = decoder->kv_heads * head_dim;
     const int threads = (int)step->threads;
-    float *scratch = malloc(sizeof(float) * rows * (2 * width + 2 * query_width + 2 * key_width + 2 * decoder->intermediate));
-    if (scratch == NULL) return 1;
-    float *normed = scratch, *queries = normed + rows * width, *keys = queries + rows * query_width;
+    float *normed = step->scratch, *queries = normed + rows * width, *keys = queries + rows * query_width;
     float *values = keys + rows * key_width, *attended = values + rows * key_width;
     /* The output of the attention or MLP block not yet added to hidden: each norm adds it on its way in. */
     float *pending = attended + rows * query_width, *gate = pending + rows * width;
@@ -236,6 +246,5 @@ int decoder_layers(const Decoder *decoder, const Layer *layers, const StepInputs
     }
     if (status == 0 && decoder->num_layers > 0)
         for (int64_t i = 0; i < rows * width; i++) step->hidden[i] += pending[i];
-    free(scratch);
     return status;
 }

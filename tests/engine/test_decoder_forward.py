@@ -129,7 +129,8 @@ def _step_until_done(engine: EngineCore, requests: list[Request]) -> None:
 def test_every_layer_in_one_call_gives_the_bits_of_the_layer_loop(family, quantization):
     """Each step runs both: the module-at-a-time loop first, then every layer in one C call, on the same
     inputs (both write the same keys and values), at every row count: three requests' decode, prefill
-    chunks of 42 rows; quantized layers decode on the integer path and prefill on the float one.
+    chunks of 42 rows, then, after those steps left their intermediates in the call's scratch, a prefill
+    of 59 rows that grows it; quantized layers decode on the integer path and prefill on the float one.
     Mistral's prompts outrun its window of 24. On CPU models whatever the test device: the decoder
     forward serves the CPU."""
     config = ContinuousBatchingConfig(num_blocks=64, page_size=8, quantization=quantization)
@@ -150,14 +151,15 @@ def test_every_layer_in_one_call_gives_the_bits_of_the_layer_loop(family, quanti
                 return logits
 
             paths.functions[path] = both
-        requests = [
-            Request(f"r{index}", random_prompt(length, seed=index), SamplingParams(max_new_tokens=20))
-            for index, length in enumerate([5, 7, 30])
-        ]
-        _step_until_done(engine, requests)
+        for first, lengths in ((0, [5, 7, 30]), (3, [50, 9])):
+            requests = [
+                Request(f"r{index}", random_prompt(length, seed=index), SamplingParams(max_new_tokens=20))
+                for index, length in enumerate(lengths, start=first)
+            ]
+            _step_until_done(engine, requests)
     finally:
         engine.release_model()
-    assert 3 in one_call_rows and max(one_call_rows) == 42, one_call_rows
+    assert 3 in one_call_rows and 42 in one_call_rows and max(one_call_rows) == 59, one_call_rows
 
 
 def test_a_layer_wrapped_by_another_library_keeps_every_step_on_the_layer_loop():
