@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc, types_pb2
 from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ADMIN_TOKEN = "s3cret-admin-token"
 
@@ -279,6 +280,51 @@ class FakeAdminService(admin_pb2_grpc.AdminServiceServicer):
         self._auth(context)
         self.rec.groups_left += 1
         return admin_pb2.DestroyWeightsUpdateGroupResponse(destroyed=True)
+
+
+class WatchableHealth(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1 for a fake server on grpc's thread-pool server: `set` changes a service's status,
+    `Check` reads it, `Watch` streams its changes.
+
+    Not grpcio-health-checking's servicer, whose `set` and `Watch` call into the server while holding
+    their lock, while the server's serving thread takes that lock to close a watch. Under the thread-pool
+    server the two deadlock: a client watching stays deaf to a change of health, and the server's `stop`
+    never returns (seen in a full test run; eight clients opening and cancelling watches while the
+    health changed every millisecond deadlocked it within three changes). Its blocking mode survived that
+    stress, but still registers each watch's close callback with grpc while holding the lock the
+    callback takes. Here nothing calls into grpc under the lock: each watch waits for a change and yields
+    outside it, and ends once its call is over. Each open watch holds a worker thread of the server's
+    pool."""
+
+    def __init__(self, statuses: dict[str, int] | None = None) -> None:
+        self._changed = threading.Condition()
+        self._statuses = dict(statuses or {})
+
+    def set(self, service: str, status: int) -> None:
+        with self._changed:
+            self._statuses[service] = status
+            self._changed.notify_all()
+
+    def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:
+        with self._changed:
+            status = self._statuses.get(request.service)
+        if status is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: Any
+    ) -> Iterator[health_pb2.HealthCheckResponse]:
+        sent = None
+        while context.is_active():
+            with self._changed:
+                status = self._statuses.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                if status == sent:
+                    # A bounded wait: the call's end notifies nothing here.
+                    self._changed.wait(timeout=0.1)
+                    continue
+            sent = status
+            yield health_pb2.HealthCheckResponse(status=status)
 
 
 @dataclass

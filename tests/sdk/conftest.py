@@ -24,4 +24,6 @@ def fake_server() -> Iterator[FakeServer]:
     try:
         yield fake
     finally:
-        server.stop(grace=None).wait(5)
+        # grace 0, not None: with None grpcio's `stop` itself waits for the shutdown, without a bound, so a
+        # handler that never returns would hang the run; with 0 it cancels every call and returns at once.
+        server.stop(grace=0).wait(5)

@@ -22,10 +22,11 @@ import pytest
 from cbserve_client import AdminClient, AsyncClient, Client, errors
 from cbserve_client._connection import ChannelSettings, channel_options, channel_target, service_config
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc, generation_pb2, generation_pb2_grpc, types_pb2
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from bench.ports import free_ports
 from tests.helpers.models import tiny_model
+from tests.helpers.sdk_fakes import WatchableHealth
 from tests.helpers.servers import ADMIN_TOKEN, NOT_SERVING, SERVING, ServerProcess, wait_until
 
 # -- the target and the channel options --------------------------------------------------------------
@@ -204,7 +205,7 @@ def flaky() -> Iterator[tuple[str, FlakyGenerationService, FlakyAdminService]]:
     try:
         yield f"127.0.0.1:{port}", generation, admin
     finally:
-        server.stop(grace=None).wait(5)
+        server.stop(grace=0).wait(5)
 
 
 def test_idempotent_unary_calls_are_retried_by_the_channel(flaky: Any) -> None:
@@ -330,7 +331,7 @@ class NamedGenerationService(generation_pb2_grpc.GenerationServiceServicer):
 @dataclass
 class FakeReplica:
     target: str
-    health: health.HealthServicer
+    health: WatchableHealth
     generation: NamedGenerationService
 
     def set_serving(self, serving: bool) -> None:
@@ -344,11 +345,12 @@ def replicas_a_b() -> Iterator[list[FakeReplica]]:
     servers, replicas = [], []
     try:
         for name in ("a", "b"):
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+            # Each open Watch holds a worker: room for every client a test opens, and for its calls.
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
             generation = NamedGenerationService(name)
             generation_pb2_grpc.add_GenerationServiceServicer_to_server(generation, server)
             admin_pb2_grpc.add_AdminServiceServicer_to_server(FlakyAdminService(failures=0), server)
-            servicer = health.HealthServicer()
+            servicer = WatchableHealth()
             health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
             port = server.add_insecure_port("127.0.0.1:0")
             server.start()
@@ -358,7 +360,7 @@ def replicas_a_b() -> Iterator[list[FakeReplica]]:
         yield replicas
     finally:
         for server in servers:
-            server.stop(grace=None).wait(5)
+            server.stop(grace=0).wait(5)  # bounded, unlike stop(None) (tests/sdk/conftest.py)
 
 
 def _served_by(client: Client, calls: int = 6) -> list[str]:

@@ -358,4 +358,4 @@ def test_spans_are_exported_over_otlp_when_an_endpoint_is_given(
         ids = [a.value.string_value for a in span.attributes if a.key == "gen_ai.response.id"]
         assert ids == [completion.request_id]
     finally:
-        grpc_server.stop(None)
+        grpc_server.stop(grace=0).wait(5)  # bounded, unlike stop(None) (tests/sdk/conftest.py)
