@@ -349,8 +349,8 @@ static inline __attribute__((always_inline)) void multiply_panel_tile(const int 
     } while (0)
     /* Two loops rather than a test at every step: the prefetching steps, then the others. */
     int64_t k = 0;
-    const int64_t prefetching = prefetch_lines < in_features ? prefetch_lines : in_features;
-    for (; k < prefetching; k++) {
+    const int64_t prefetching_steps = prefetch_lines < in_features ? prefetch_lines : in_features;
+    for (; k < prefetching_steps; k++) {
         __builtin_prefetch(prefetch + k * 64, 0, 3);
         PANEL_STEP(k);
     }
@@ -395,7 +395,8 @@ static void multiply_panels(const float *x, int64_t rows, int64_t x_stride, cons
                 const int64_t lines = !prefetching || from >= panel_lines ? 0
                                       : panel_lines - from < share ? panel_lines - from
                                                                    : share;
-                const char *prefetch = next_panel + from * 64;
+                /* Only a share that lies inside the next panel is pointed at (the last panel has none). */
+                const char *prefetch = lines > 0 ? next_panel + from * 64 : (const char *)panel_weights;
 #define PANEL_TILE(ROWS) \
     multiply_panel_tile(ROWS, x_rows, x_stride, panel_weights, in_features, prefetch, lines, results)
                 switch (left) {
