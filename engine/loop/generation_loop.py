@@ -48,7 +48,7 @@ from engine.loop.commands import (
 from engine.loop.listeners import LoopListeners
 from engine.loop.output_router import OutputRouter
 from engine.loop.weights_and_sleep import WeightsAndSleep
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FinishReason, GenerationOutput, Request, RequestStatus
 from engine.stats import ManagerStats
 
 logger = logging.getLogger(__name__)
@@ -407,21 +407,30 @@ class GenerationLoop:
     # ------------------------------------------------------------------ outputs
 
     def _publish(self, result: StepResult) -> None:
+        """Publishes a step's outputs together (see engine.loop.output_router): the streaming requests that
+        advanced, then the ones that ended."""
         self._num_generated_tokens += len(result.advanced)
-        for request in result.advanced:
-            if request.streaming and not request.is_finished and self._publishes_outputs:
-                self.router.publish(request.to_output())
-        for request in result.finished:
-            self._finish(request)
+        outputs: list[GenerationOutput | None] = [
+            request.to_output()
+            for request in result.advanced
+            if request.streaming and not request.is_finished and self._publishes_outputs
+        ]
+        outputs += [self._ended(request) for request in result.finished]
+        self.router.publish([output for output in outputs if output is not None])
         if result.num_newly_scheduled:
             with self._cond:
                 self.admissions.scheduled(result.num_newly_scheduled)
 
     def _finish(self, request: Request) -> None:
+        output = self._ended(request)
+        if output is not None:
+            self.router.publish([output])
+
+    def _ended(self, request: Request) -> GenerationOutput | None:
+        """Frees an ended request's admission; its final output, for the caller to publish."""
         with self._cond:
             self.admissions.finished(request)
-        if self._publishes_outputs:
-            self.router.publish(request.to_output())
+        return request.to_output() if self._publishes_outputs else None
 
     def _fail_everything(self, error: str) -> None:
         for request in self.engine.fail_all(error):
