@@ -260,14 +260,19 @@ class RequestRecord:
             chunk.error = self.error
             if self.status == RequestStatus.FAILED:
                 chunk.error_code = _INTERNAL
-        chunk.usage.CopyFrom(
-            types_pb2.Usage(
-                prompt_tokens=self.prompt_len,
-                generated_tokens=len(self.token_ids),
-                cached_tokens=self.num_cached_tokens,
+        # Usage and timings ride on the chunks where they say something new: one without tokens (a status
+        # change, or a reader's present status), the first token's and the terminal one. A chunk of later
+        # tokens carries its delta only: the two would be 68 of a decoded token's 119 bytes, built, sent and
+        # parsed for every token (the proto sets them on the terminal chunk and "may" on others).
+        if end <= start or start == 0 or self.finished:
+            chunk.usage.CopyFrom(
+                types_pb2.Usage(
+                    prompt_tokens=self.prompt_len,
+                    generated_tokens=len(self.token_ids),
+                    cached_tokens=self.num_cached_tokens,
+                )
             )
-        )
-        self._fill_timings(chunk.timings)
+            self._fill_timings(chunk.timings)
         return chunk
 
     def _fill_timings(self, timings: types_pb2.Timings) -> None:

@@ -41,6 +41,24 @@ def test_stream_chunks_concatenate_to_the_greedy_output(client: Client, referenc
     assert tokens == expected
 
 
+def test_usage_and_timings_ride_on_the_first_token_and_the_last_chunk_only(
+    client: Client, references: dict
+) -> None:
+    prompt, _expected = references[3]
+    with client.stream(prompt, max_new_tokens=24, ignore_eos=True) as stream:
+        chunks = list(stream)
+    first = next(chunk for chunk in chunks if chunk.token_ids)
+    assert first.token_index == 0
+    assert first.usage is not None and first.usage.generated_tokens == len(first.token_ids)
+    assert first.timings is not None and first.timings.first_token_at is not None
+    later = [chunk for chunk in chunks if chunk.token_index > 0 and chunk.token_ids and not chunk.finished]
+    assert later, f"every token came in the first or the last chunk: {chunks}"
+    assert all(chunk.usage is None and chunk.timings is None for chunk in later), later
+    last = chunks[-1]
+    assert last.finished and last.usage is not None and last.usage.generated_tokens == 24
+    assert last.timings is not None and last.timings.finished_at is not None
+
+
 def test_results_resumed_from_k_returns_exactly_the_tokens_from_k(client: Client, references: dict) -> None:
     prompt, expected = references[2]
     request_id = client.submit(prompt, max_new_tokens=24, ignore_eos=True)

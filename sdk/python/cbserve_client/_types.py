@@ -87,7 +87,9 @@ class Chunk:
     stopped it: the stop token id (an int) or the stop string (a str). ``prompt_logprobs`` (with the
     ``prompt_logprobs`` keyword) has one entry per prompt token after the first, on the chunk that
     carries the first generated token. With ``n`` > 1, ``index`` says which of the request's
-    sequences the chunk belongs to (0 to n - 1), and ``finished`` ends that sequence only.
+    sequences the chunk belongs to (0 to n - 1), and ``finished`` ends that sequence only. ``usage``
+    and ``timings`` are set on the chunk of the first token, on chunks without tokens and on the
+    last chunk; None on the chunks of later tokens.
     """
 
     request_id: str

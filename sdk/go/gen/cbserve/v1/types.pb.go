@@ -1290,9 +1290,11 @@ type GenerationChunk struct {
 	// Human-readable reason of a failure (status FAILED), e.g. "prompt of 9000 tokens exceeds the
 	// KV cache capacity". Empty otherwise.
 	Error string `protobuf:"bytes,8,opt,name=error,proto3" json:"error,omitempty"`
-	// Token counts so far. Always set on the final chunk; may be set on others.
+	// Token counts so far. Set on the final chunk, on the chunk of the first generated token and on
+	// chunks without tokens (status changes, a StreamResults reader's present status); unset on the
+	// chunks of later tokens, which carry only their delta.
 	Usage *Usage `protobuf:"bytes,9,opt,name=usage,proto3" json:"usage,omitempty"`
-	// The request's timings so far. Always set on the final chunk; may be set on others.
+	// The request's timings so far. Set on the same chunks as usage.
 	Timings *Timings `protobuf:"bytes,10,opt,name=timings,proto3" json:"timings,omitempty"`
 	// Version of the model weights that produced the tokens of this chunk (see
 	// AdminService.UpdateWeights). A request that spans a weight update shows the change here.

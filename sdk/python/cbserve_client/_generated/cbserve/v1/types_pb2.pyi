@@ -852,11 +852,14 @@ class GenerationChunk(_message.Message):
 
     @_builtins.property
     def usage(self) -> Global___Usage:
-        """Token counts so far. Always set on the final chunk; may be set on others."""
+        """Token counts so far. Set on the final chunk, on the chunk of the first generated token and on
+        chunks without tokens (status changes, a StreamResults reader's present status); unset on the
+        chunks of later tokens, which carry only their delta.
+        """
 
     @_builtins.property
     def timings(self) -> Global___Timings:
-        """The request's timings so far. Always set on the final chunk; may be set on others."""
+        """The request's timings so far. Set on the same chunks as usage."""
 
     @_builtins.property
     def token_timestamps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
