@@ -35,13 +35,26 @@ static int threads_for(int64_t elements, int threads) {
     return wanted < threads ? (int)wanted : threads;
 }
 
+/* Running sums of a row's mean of squares: lane l sums squares l, l + SQUARE_LANES, ..., and the lanes then
+   add in lane order. A fixed order whatever the row, call or thread, so a row's norm has the same bits in
+   every batch; and independent sums, where one running sum waited four cycles on its previous add at every
+   element (SmolLM2's 576-wide norm of a 64-row decode step took about 55 us on one thread). */
+#define SQUARE_LANES 16
+
 static void rms_norm_row(float *hidden, const float *addend, const float *weight, int64_t width, float eps,
                          float *out) {
     if (addend != 0)
         for (int64_t i = 0; i < width; i++) hidden[i] += addend[i];
-    /* The mean of squares in double: at least as close to the exact value as torch's float reduction. */
+    /* The mean of squares in double: at least as close to the exact value as torch's float reduction (a
+       float's square is exact in double; only the sums round). */
+    double lanes[SQUARE_LANES] = {0.0};
+    int64_t i = 0;
+    for (; i + SQUARE_LANES <= width; i += SQUARE_LANES)
+#pragma omp simd
+        for (int64_t lane = 0; lane < SQUARE_LANES; lane++) lanes[lane] += (double)hidden[i + lane] * hidden[i + lane];
     double squares = 0.0;
-    for (int64_t i = 0; i < width; i++) squares += (double)hidden[i] * hidden[i];
+    for (int64_t lane = 0; lane < SQUARE_LANES; lane++) squares += lanes[lane];
+    for (; i < width; i++) squares += (double)hidden[i] * hidden[i];
     const float variance = (float)(squares / (double)width);
     const float inverse = 1.0f / sqrtf(variance + eps);
     for (int64_t i = 0; i < width; i++) out[i] = weight[i] * (hidden[i] * inverse);
