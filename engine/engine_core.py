@@ -144,11 +144,17 @@ def use_async_batching(config: ContinuousBatchingConfig, device: torch.device) -
 
 
 def _allocate_caches(
-    plan: CachePlan, page_size: int, device: torch.device
+    plan: CachePlan, config: ContinuousBatchingConfig, device: torch.device
 ) -> tuple[list[PagedKVCache], list[HostKVCache] | None]:
     """The paged cache of each group, and its host copy when CPU offload is on."""
     kv_caches = [
-        PagedKVCache(plan.shape.for_layers(len(group.layer_indices)), count, page_size, device)
+        PagedKVCache(
+            plan.shape.for_layers(len(group.layer_indices)),
+            count,
+            config.page_size,
+            device,
+            populate=config.populate_kv_cache,
+        )
         for group, count in zip(plan.kv_cache_groups, plan.num_blocks, strict=True)
     ]
     if not plan.num_host_blocks:
@@ -243,7 +249,7 @@ class EngineCore:
         self.max_batch_tokens = plan.max_batch_tokens
         self.kv_cache_groups = plan.kv_cache_groups
         self.has_sliding_layers = plan.has_sliding_layers
-        self.kv_caches, self.host_kv_caches = _allocate_caches(plan, config.page_size, self.device)
+        self.kv_caches, self.host_kv_caches = _allocate_caches(plan, config, self.device)
         self.kv_cache_manager = _kv_cache_manager(plan, config)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -330,10 +336,13 @@ class EngineCore:
         return failed
 
     def release_model(self) -> None:
-        """Gives the model its own linear forwards back (the engine is done with it)."""
+        """Gives the model its own linear forwards back and stops the cache's background work (the engine
+        is done with both)."""
         if self.packed_linears is not None:
             self.packed_linears.restore()
             self.packed_linears = None
+        for cache in self.kv_caches:
+            cache.close()
 
     # ------------------------------------------------------------------ operations
 

@@ -256,6 +256,13 @@ def _parser() -> argparse.ArgumentParser:
         "held twice (pack_cpu_weights; default: packed)",
     )
     engine.add_argument(
+        "--lazy-kv-cache",
+        action="store_true",
+        help="on the CPU, back the KV cache's pages at their first write instead of at start and wake-up: "
+        "memory grows with use, and new requests pay a page fault per 4 KiB they write "
+        "(populate_kv_cache; default: backed at start)",
+    )
+    engine.add_argument(
         "--quantization",
         choices=("none", "int8", "int4", "fp8", "fp8_tensor"),
         help="on the CPU, serve the linear layers from 8-bit or 4-bit weights (a scale per 32; int4 also a "
@@ -337,6 +344,8 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
         values["use_async_batching"] = True
     if args.no_pack_cpu_weights:
         values["pack_cpu_weights"] = False
+    # The server backs its cache at start, as vLLM does: its first requests then write no fresh page.
+    values["populate_kv_cache"] = not args.lazy_kv_cache
     if args.no_quantize_activations:
         values["quantize_activations"] = False
     if args.batch_invariant:

@@ -10,8 +10,10 @@ a block is `page_size` consecutive rows of every layer's tensors::
 Rows are addressed as slots (`block_id * page_size + offset`), so attention reads and writes with
 plain `index_select` / `index_copy_`. On the CPU each tensor is a mapping of its own
 (`engine.system.untouched_memory`): the kernel only backs the pages a request actually writes, so a
-large cache costs address space, not RSS, until it fills. Only the null block is zeroed, because
-padding reads it.
+large cache costs address space, not RSS, until it fills, unless `populate` asks for every page to be
+backed ahead of its first write, in the background (engine.system.untouched_memory.Population), from the
+cache's creation and again after sleep gave its memory back (the engine's `populate_kv_cache`). Only the
+null block is zeroed, because padding reads it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from engine.kv.full_attention import blocks_for_tokens
 from engine.kv.layer_groups import KVCacheGroupSpec
 from engine.system.container_limits import read_container_limits
 from engine.system.device_copies import HostCopies, to_device
-from engine.system.untouched_memory import UntouchedHostTensor
+from engine.system.untouched_memory import Population, UntouchedHostTensor
 
 logger = logging.getLogger(__name__)
 
@@ -169,11 +171,19 @@ def block_slots(block_ids: list[int], page_size: int, device: torch.device) -> t
 
 
 class PagedKVCache:
-    def __init__(self, shape: KVCacheShape, num_blocks: int, page_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        shape: KVCacheShape,
+        num_blocks: int,
+        page_size: int,
+        device: torch.device,
+        populate: bool = False,
+    ) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.device = device
+        self.populate = populate
         num_slots = num_blocks * page_size
         row_shape = (num_slots, shape.num_kv_heads, shape.head_dim)
         # On the CPU each tensor owns its pages (see engine.system.untouched_memory); elsewhere the
@@ -190,7 +200,27 @@ class PagedKVCache:
             ]
         self.key_caches = tensors[: shape.num_layers]
         self.value_caches = tensors[shape.num_layers :]
+        self._population: Population | None = None
+        self._start_population()
         self._zero_null_block()
+
+    def _start_population(self) -> None:
+        if self.populate and self._host_tensors:
+            self._population = Population(self._host_tensors)
+
+    def _stop_population(self) -> None:
+        if self._population is not None:
+            self._population.stop()
+            self._population = None
+
+    def wait_populated(self, timeout: float | None = None) -> bool:
+        """Waits for the background backing of the pages (`populate`) to end; True at once without it."""
+        return self._population is None or self._population.wait(timeout)
+
+    def close(self) -> None:
+        """Stops the background backing of the pages, which then holds the tensors no longer (the engine is
+        done with them)."""
+        self._stop_population()
 
     def _zero_null_block(self) -> None:
         null_rows = slice(NULL_BLOCK_ID * self.page_size, (NULL_BLOCK_ID + 1) * self.page_size)
@@ -201,6 +231,7 @@ class PagedKVCache:
         """Gives every tensor's memory back (sleep); returns the bytes freed. The tensors stay, so
         whatever holds them sees the memory again after `restore_storage`."""
         if self._host_tensors:
+            self._stop_population()  # a chunk backed after the drop would hold its memory again
             return sum(host.drop_pages() for host in self._host_tensors)
         released = 0
         for tensor in (*self.key_caches, *self.value_caches):
@@ -215,6 +246,7 @@ class PagedKVCache:
         if not self._host_tensors:
             for tensor in (*self.key_caches, *self.value_caches):
                 tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        self._start_population()
         self._zero_null_block()
 
     def copy_blocks(self, source_block_ids: list[int], target_block_ids: list[int]) -> None:

@@ -239,6 +239,32 @@ def test_sleep_of_an_idle_server_reports_the_cache_memory_it_never_held() -> Non
         manager.destroy()
 
 
+def test_a_populated_cache_is_resident_from_the_start_and_again_after_a_wake_up() -> None:
+    """populate_kv_cache backs every page from the start: an idle engine's sleep gives back (nearly) the
+    whole cache, where a lazy one gives back only what requests wrote (the test above). A wake-up backs it
+    again; the outputs still equal generate's, so backing the pages changed nothing they hold."""
+    config = ContinuousBatchingConfig(
+        page_size=16, num_blocks=32768, max_batch_tokens=128, populate_kv_cache=True
+    )
+    manager = ContinuousBatchingManager(copy.deepcopy(tiny_model("llama")), continuous_batching_config=config)
+    manager.start()
+    try:
+        prompt = random_prompt(20, 1)
+        expected = reference_greedy(tiny_model("llama"), prompt, 4)
+        assert _generate(manager, prompt, 4).generated_tokens == expected
+        for _ in range(2):
+            caches = engine_core(manager).kv_caches
+            assert all(cache.wait_populated(timeout=120) for cache in caches)
+            outcome = manager.sleep(level=1)
+            assert outcome.released_bytes == 32768 * 16 * 512
+            assert outcome.resident_bytes_released is not None
+            assert outcome.resident_bytes_released >= 0.8 * outcome.released_bytes, outcome
+            assert manager.wake_up() == 0
+            assert _generate(manager, prompt, 4).generated_tokens == expected
+    finally:
+        manager.destroy()
+
+
 def test_weights_update_while_asleep_apply_after_wake_up(manager: ContinuousBatchingManager) -> None:
     manager.sleep(level=2, mode="wait")
     assert manager.stats().sleep_level == 2

@@ -51,6 +51,7 @@ def test_serve_flags_set_compilation_graphs_the_attention_kernel_async_batching_
         "64",
         "--async-batching",
         "--no-pack-cpu-weights",
+        "--lazy-kv-cache",
         "--quantization",
         "int4",
         "--no-quantize-activations",
@@ -60,12 +61,13 @@ def test_serve_flags_set_compilation_graphs_the_attention_kernel_async_batching_
     assert config.use_cuda_graph is True
     assert config.max_blocks_per_request == 64
     assert config.use_async_batching is True
-    assert config.pack_cpu_weights is False
+    assert config.pack_cpu_weights is False and config.populate_kv_cache is False
     assert config.quantization == "int4" and config.quantize_activations is False
     plain = engine_config(_parser().parse_args(["serve"]))
     assert plain.default_compile_level == 0 and plain.use_cuda_graph is None
     assert plain.max_blocks_per_request is None and plain.use_async_batching is None
     assert plain.pack_cpu_weights is True and plain.quantize_activations is True
+    assert plain.populate_kv_cache is True
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--compile-level", "4"])
 
