@@ -207,6 +207,8 @@ class EngineCore:
             if packs
             else None
         )
+        # Filled by the build; empty if it fails first, when release_model has no cache to stop.
+        self.kv_caches: list[PagedKVCache] = []
         try:
             self._build_cache_and_runner(model, config, parallel)
         except BaseException:
