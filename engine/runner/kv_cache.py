@@ -205,6 +205,7 @@ class PagedKVCache:
         self._zero_null_block()
 
     def _start_population(self) -> None:
+        self._stop_population()  # one at a time: a second would only back the same pages again
         if self.populate and self._host_tensors:
             self._population = Population(self._host_tensors)
 
