@@ -238,6 +238,10 @@ def main() -> None:
         json.dump(report, handle)
     if args.scenario in ("lockstep", "batch_invariant", "quantized"):
         manager.destroy()
+        # Both ranks reach the teardown before either closes the group: a rank that closed its connections
+        # while its peer still had gloo work in flight died in gloo's threads ("terminate called without an
+        # active exception", SIGABRT) in two full-suite runs, one rank each time.
+        dist.barrier()
         dist.destroy_process_group()
     else:
         os._exit(0)  # the peer is gone or hung: tearing the group down would wait for it
