@@ -263,7 +263,7 @@ class RequestRecord:
         # Usage and timings ride on the chunks where they say something new: one without tokens (a status
         # change, or a reader's present status), the first token's and the terminal one. A chunk of later
         # tokens carries its delta only: the two would be 68 of a decoded token's 119 bytes, built, sent and
-        # parsed for every token (the proto sets them on the terminal chunk and "may" on others).
+        # parsed for every token (the proto's GenerationChunk.usage and .timings say which chunks carry them).
         if end <= start or start == 0 or self.finished:
             chunk.usage.CopyFrom(
                 types_pb2.Usage(
