@@ -410,13 +410,16 @@ class GenerationLoop:
         """Publishes a step's outputs together (see engine.loop.output_router): the streaming requests that
         advanced, then the ones that ended."""
         self._num_generated_tokens += len(result.advanced)
-        outputs: list[GenerationOutput | None] = [
+        outputs = [
             request.to_output()
             for request in result.advanced
             if request.streaming and not request.is_finished and self._publishes_outputs
         ]
-        outputs += [self._ended(request) for request in result.finished]
-        self.router.publish([output for output in outputs if output is not None])
+        for request in result.finished:
+            output = self._ended(request)
+            if output is not None:
+                outputs.append(output)
+        self.router.publish(outputs)
         if result.num_newly_scheduled:
             with self._cond:
                 self.admissions.scheduled(result.num_newly_scheduled)
