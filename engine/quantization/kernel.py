@@ -88,6 +88,12 @@ def panel_channels() -> int:
     return int(load().float32_panel_channels())
 
 
+def float32_panels_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The shape of a [out_features, in_features] float32 weight's panels (`float32_panels`)."""
+    panel = panel_channels()
+    return ((out_features + panel - 1) // panel, in_features, panel)
+
+
 def float32_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 `weight` [out, in] in the kernel's panels ([ceil(out / PANEL), in, PANEL] with PANEL
     `panel_channels()`, channels past `out` zero), written into `out` when given (a tensor of that shape: a
@@ -97,8 +103,7 @@ def float32_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> tor
             f"float32_panels: weight must be a 2-d float32 tensor, got {weight.dtype} {tuple(weight.shape)}"
         )
     out_features, in_features = weight.shape
-    panel = panel_channels()
-    shape = ((out_features + panel - 1) // panel, in_features, panel)
+    shape = float32_panels_shape(out_features, in_features)
     if out is None:
         out = torch.empty(shape, dtype=torch.float32)
     elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():

@@ -20,8 +20,9 @@ Invariant: the layers' modules and the storage of their tensors do not change wh
 the model. Quantization replaces modules before the engine's first step; weight updates write in place
 (engine.weights). The plan holds references to every tensor it points to, so a tensor can never be freed
 under it. The one exception is a float32 layer's panels, which follow its weight: before each step the
-plan asks each for its current panels (repacked in place after a weight update, allocated anew after
-sleep freed them) and points at those.
+plan asks each for its current panels (repacked in place after a weight update or a wake-up: the
+engine's panels keep their storage, `PanelArena`; others are allocated anew after sleep freed them) and
+points at those.
 """
 
 from __future__ import annotations

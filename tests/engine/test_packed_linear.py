@@ -9,6 +9,9 @@ packing is a CPU path.
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,7 +169,7 @@ def test_float32_calls_of_every_row_count_run_on_the_kernel_within_the_summation
 
 def test_a_repack_writes_the_panels_where_they_lie() -> None:
     """The one-call decoder (engine.runner.decoder_layers) holds the panels' address: a weight written in
-    place is repacked into the same storage, and only sleep's drop gives new storage."""
+    place is repacked into the same storage, and so is one whose panels sleep dropped."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(32, 40, bias=False)
     packed = PackedLinears(layer)
@@ -185,6 +188,50 @@ def test_a_repack_writes_the_panels_where_they_lie() -> None:
         assert packed.drop_copies() == -(-40 // panel) * panel * 32 * 4
         with torch.inference_mode():
             torch.testing.assert_close(layer(inputs), F.linear(inputs, layer.weight))
+        assert panelled.current(layer.weight).data_ptr() == address
+    finally:
+        packed.restore()
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The fields of the /proc/self/smaps entry of the mapping holding `address`."""
+    fields: dict[str, str] = {}
+    holds = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(bound, 16) for bound in head.split("-"))
+            holds = low <= address < high
+        elif holds:
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="a kernel without transparent huge pages"
+)
+def test_a_models_panels_lie_in_one_mapping_on_huge_pages_which_sleep_gives_back() -> None:
+    """Every float32 layer's panels, in the model's order, in one mapping that starts on a 2 MiB boundary
+    and asks the kernel for huge pages (the weights a step streams then cost a page walk per 2 MiB, not per
+    4 KiB); dropping the copies hands its pages back and the layers still compute `F.linear`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 1024, bias=False) for _ in range(3)])
+    packed = PackedLinears(model)
+    try:
+        panels = [packed_linear.panelled_weight(layer).current(layer.weight) for layer in model]  # type: ignore[union-attr]
+        start = panels[0].data_ptr()
+        assert start % (2 << 20) == 0
+        for before, after in itertools.pairwise(panels):
+            assert after.data_ptr() == before.data_ptr() + before.nbytes
+        mapping = _mapping_of(start)
+        assert "hg" in mapping["VmFlags"].split(), mapping
+        assert int(mapping["Rss"].split()[0]) * 1024 >= 3 * 512 * 1024 * 4
+        assert packed.drop_copies() == 3 * 512 * 1024 * 4
+        assert int(_mapping_of(start)["Rss"].split()[0]) * 1024 < 3 * 512 * 1024 * 4 // 10
+        inputs = torch.randn(4, 512)
+        with torch.inference_mode():
+            torch.testing.assert_close(model[0](inputs), F.linear(inputs, model[0].weight))
     finally:
         packed.restore()
 
