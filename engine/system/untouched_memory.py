@@ -43,7 +43,7 @@ class UntouchedHostTensor:
     """One CPU tensor over a private anonymous mapping, and the means to drop its pages.
 
     With `huge_pages`, the tensor starts on a 2 MiB boundary of its mapping and the kernel is asked to
-    back it with transparent huge pages (`MADV_HUGEPAGE`; most hosts enable them only where asked). A
+    back it with transparent huge pages (`MADV_HUGEPAGE`; many hosts enable them only where asked). A
     tensor read from end to end at every step, as the linear kernel's panels are, then takes one TLB
     entry per 2 MiB instead of one per 4 KiB: see `engine.runner.packed_linear` for what that bought.
     Where the kernel has no transparent huge pages the tensor is backed by small pages as without it."""
@@ -61,8 +61,9 @@ class UntouchedHostTensor:
         # The tensor holds a reference to the mapping through the buffer protocol, so the pages live as
         # long as any view of the tensor does.
         raw = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        offset = -raw.data_ptr() % HUGE_PAGE_BYTES if huge_pages else 0
+        offset = 0
         if huge_pages:
+            offset = -raw.data_ptr() % HUGE_PAGE_BYTES
             _advise_huge_pages(self._mapping, offset, span)
         self.tensor = raw[offset : offset + self.nbytes].view(dtype).view(shape)
 
