@@ -136,6 +136,15 @@ def _warm_up(stream: StreamRequest, prompts: list[list[int]], max_new_tokens: in
         raise RuntimeError(f"{len(errors)} of {len(traces)} warmup requests failed: {errors[0]}")
 
 
+def _settle(stream: StreamRequest, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """The warmup's requests again, right before an engine's first round. The engines were warmed as each
+    became ready, and one that has been idle since may still act on what it saw then: cbserve's thread
+    budget last sampled the machine while vLLM compiled on every core, and samples again only when it
+    steps, so its first round began on one thread and reached two a second later. A failure here is left
+    to the round to report."""
+    workloads.run_concurrently(stream, prompts[:WARMUP_REQUESTS], max_new_tokens, ignore_eos=False)
+
+
 def _emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
@@ -211,6 +220,8 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
             for name in order[shift:] + order[:shift]:
                 print(f"round {round_index + 1}: {name}", file=sys.stderr, flush=True)
                 stream = streams[name]
+                if round_index == 0:
+                    _settle(stream, prompts, args.max_new_tokens)
                 record = {
                     "bench": "peers",
                     "engine": name,
