@@ -46,10 +46,10 @@ LAYERS = 30
 KERNELS = ("panels", "panels_small_pages", "onednn", "blas")
 
 
-def _packed_panels(weights: list[torch.Tensor], huge_pages: bool) -> tuple[PanelArena, list[torch.Tensor]]:
+def _packed_panels(weights: list[torch.Tensor], huge_pages: bool) -> list[torch.Tensor]:
+    """The weights' panels in one arena, as `PackedLinears` lays them out (the views keep it mapped)."""
     arena = PanelArena([kernel.float32_panels_shape(*weight.shape) for weight in weights], huge_pages)
-    panels = [kernel.float32_panels(weight, out) for weight, out in zip(weights, arena.views, strict=True)]
-    return arena, panels
+    return [kernel.float32_panels(weight, out) for weight, out in zip(weights, arena.views, strict=True)]
 
 
 def _products(
@@ -79,9 +79,10 @@ def _measure(rows_list: list[int], repeats: int) -> dict[int, dict[str, float]]:
     """The best seconds of each kernel over all the layers, per row count."""
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(shape, generator=generator) * 0.02 for _ in range(LAYERS) for shape in SHAPES]
-    huge_arena, huge_panels = _packed_panels(weights, huge_pages=True)
-    small_arena, small_panels = _packed_panels(weights, huge_pages=False)
-    panels = {"panels": huge_panels, "panels_small_pages": small_panels}
+    panels = {
+        "panels": _packed_panels(weights, huge_pages=True),
+        "panels_small_pages": _packed_panels(weights, huge_pages=False),
+    }
     onednn = [torch.ops.mkldnn._reorder_linear_weight(weight, None) for weight in weights]
     flops_per_row = 2 * sum(weight.numel() for weight in weights)
     results = {}
@@ -106,7 +107,6 @@ def _measure(rows_list: list[int], repeats: int) -> dict[int, dict[str, float]]:
         line["huge_pages_faster_passes"] = f"{sum(huge < small for huge, small in pairs)}/{repeats}"
         print(json.dumps(line), flush=True)
         results[rows] = best
-    del huge_arena, small_arena
     return results
 
 

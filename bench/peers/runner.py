@@ -140,9 +140,9 @@ def _settle(stream: StreamRequest, prompts: list[list[int]], max_new_tokens: int
     """The warmup's requests again, right before an engine's first round. The engines were warmed as each
     became ready, and one that has been idle since may still act on what it saw then: cbserve's thread
     budget last sampled the machine while vLLM compiled on every core, and samples again only when it
-    steps, so its first round began on one thread and reached two a second later. A failure here is left
-    to the round to report."""
-    workloads.run_concurrently(stream, prompts[:WARMUP_REQUESTS], max_new_tokens, ignore_eos=False)
+    steps, so its first round began on one thread and reached two a second later."""
+    with contextlib.suppress(RuntimeError):  # failed requests: the round that follows reports them
+        _warm_up(stream, prompts, max_new_tokens)
 
 
 def _emit(record: dict[str, Any]) -> None:

@@ -208,13 +208,11 @@ def _mapping_of(address: int) -> dict[str, str]:
     return fields
 
 
-@pytest.mark.skipif(
-    not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="a kernel without transparent huge pages"
-)
 def test_a_models_panels_lie_in_one_mapping_on_huge_pages_which_sleep_gives_back() -> None:
     """Every float32 layer's panels, in the model's order, in one mapping that starts on a 2 MiB boundary
-    and asks the kernel for huge pages (the weights a step streams then cost a page walk per 2 MiB, not per
-    4 KiB); dropping the copies hands its pages back and the layers still compute `F.linear`."""
+    and asks the kernel for huge pages where it has them (the weights a step streams then cost a page walk
+    per 2 MiB, not per 4 KiB); dropping the copies hands its pages back and the layers still compute
+    `F.linear`."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 1024, bias=False) for _ in range(3)])
     packed = PackedLinears(model)
@@ -225,7 +223,9 @@ def test_a_models_panels_lie_in_one_mapping_on_huge_pages_which_sleep_gives_back
         for before, after in itertools.pairwise(panels):
             assert after.data_ptr() == before.data_ptr() + before.nbytes
         mapping = _mapping_of(start)
-        assert "hg" in mapping["VmFlags"].split(), mapping
+        # A kernel built without transparent huge pages has no such flag to set (nor this folder).
+        if Path("/sys/kernel/mm/transparent_hugepage").exists():
+            assert "hg" in mapping["VmFlags"].split(), mapping
         assert int(mapping["Rss"].split()[0]) * 1024 >= 3 * 512 * 1024 * 4
         assert packed.drop_copies() == 3 * 512 * 1024 * 4
         assert int(_mapping_of(start)["Rss"].split()[0]) * 1024 < 3 * 512 * 1024 * 4 // 10
