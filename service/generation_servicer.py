@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
@@ -23,6 +24,10 @@ T = TypeVar("T")
 
 # Marks the end of a Generate stream's output queue.
 _END = object()
+
+# Serialized bytes of chunks above which a stream with batch_chunks starts another message: well under
+# the 4 MiB that gRPC clients accept by default. A larger single chunk still goes, alone.
+BATCH_BYTES = 1 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +109,51 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if isinstance(item, RequestRejected):
                     await context.abort(item.code, item.message)
                 assert isinstance(item, types_pb2.GenerationChunk)
-                yield generation_pb2.GenerateResponse(chunk=item)
+                if stream.batch_chunks:
+                    yield generation_pb2.GenerateResponse(chunks=stream.outbox.take_chunks(item, BATCH_BYTES))
+                else:
+                    yield generation_pb2.GenerateResponse(chunk=item)
         finally:
             # Runs however the call ends (completion, client cancel, deadline, broken connection), so
             # the stream's unfinished requests never keep their KV blocks.
             reader.cancel()
             stream.close()
+
+
+class _Outbox:
+    """What a Generate call sends next, in order: chunks, then a rejection or the end. Used on the event
+    loop only."""
+
+    def __init__(self) -> None:
+        self._items: deque[object] = deque()
+        self._nonempty = asyncio.Event()
+
+    def put(self, item: object) -> None:
+        self._items.append(item)
+        self._nonempty.set()
+
+    async def get(self) -> object:
+        while not self._items:
+            self._nonempty.clear()
+            await self._nonempty.wait()
+        return self._items.popleft()
+
+    def take_chunks(
+        self, first: types_pb2.GenerationChunk, byte_limit: int
+    ) -> list[types_pb2.GenerationChunk]:
+        """``first`` and the chunks queued right behind it, up to ``byte_limit`` serialized bytes. A step's
+        outputs wake every request's tail before the writer runs, so they are all queued by then."""
+        chunks, size = [first], first.ByteSize()
+        while self._items:
+            chunk = self._items[0]
+            if not isinstance(chunk, types_pb2.GenerationChunk):
+                break
+            size += chunk.ByteSize()
+            if size > byte_limit:
+                break
+            chunks.append(chunk)
+            self._items.popleft()
+        return chunks
 
 
 class _GenerateStream:
@@ -120,16 +164,26 @@ class _GenerateStream:
         self.intake = intake
         # The caller's trace context, read from the call's metadata: the parent of every request's span.
         self.trace_parent = trace_parent
-        self.outbox: asyncio.Queue[object] = asyncio.Queue()
+        self.outbox = _Outbox()
+        # GenerateStreamOptions.batch_chunks, from the stream's first message.
+        self.batch_chunks = False
         self.groups: dict[str, SequenceGroup] = {}
         self.tails: set[asyncio.Task[None]] = set()
 
     async def read(self, request_iterator: AsyncIterator[generation_pb2.GenerateRequest]) -> None:
         """Runs as its own task, so it must end the call itself when reading fails: nothing else would."""
         try:
+            first = True
             async for message in request_iterator:
                 action = message.WhichOneof("action")
-                if action == "add":
+                if action == "options":
+                    if not first:
+                        self.outbox.put(
+                            invalid("GenerateRequest.options: only the stream's first message may set them")
+                        )
+                        return
+                    self.batch_chunks = message.options.batch_chunks
+                elif action == "add":
                     self._add(message.add)
                 elif action == "cancel":
                     cancel = message.cancel
@@ -138,40 +192,39 @@ class _GenerateStream:
                             cancel.request_id, cancel.index if cancel.HasField("index") else None
                         )
                 else:
-                    self.outbox.put_nowait(
-                        invalid("GenerateRequest.action: one of add or cancel must be set")
+                    self.outbox.put(
+                        invalid("GenerateRequest.action: one of add, cancel or options must be set")
                     )
                     return
+                first = False
         except RequestRejected as exc:  # a malformed message (service.message_decoding)
-            self.outbox.put_nowait(exc)
+            self.outbox.put(exc)
             return
         except Exception as exc:
             logger.exception("Generate: reading the request stream failed")
-            self.outbox.put_nowait(
-                RequestRejected(grpc.StatusCode.INTERNAL, f"reading the stream failed: {exc}")
-            )
+            self.outbox.put(RequestRejected(grpc.StatusCode.INTERNAL, f"reading the stream failed: {exc}"))
             return
         # Half-closed: the call completes once every request made on it has ended.
         if self.tails:
             await asyncio.wait(set(self.tails))
-        self.outbox.put_nowait(_END)
+        self.outbox.put(_END)
 
     def _add(self, request: types_pb2.GenerationRequest) -> None:
         try:
             group = _submit(self.intake, self.host, request, self.trace_parent)
         except RequestRejected as exc:
-            self.outbox.put_nowait(_rejection(request.request_id, exc))
+            self.outbox.put(_rejection(request.request_id, exc))
             return
         self.groups[group.request_id] = group
         for chunk in group.current_chunks():
-            self.outbox.put_nowait(chunk)
+            self.outbox.put(chunk)
         task = asyncio.create_task(self._tail(group))
         self.tails.add(task)
         task.add_done_callback(self.tails.discard)
 
     async def _tail(self, group: SequenceGroup) -> None:
         async for chunk in group.tail(0, send_current=False):
-            self.outbox.put_nowait(chunk)
+            self.outbox.put(chunk)
 
     def close(self) -> None:
         for task in list(self.tails):

@@ -117,13 +117,15 @@ def vllm_stream(port: int, model_name: str) -> StreamRequest:
     return request
 
 
-def cbserve_stream(client: Any) -> StreamRequest:
-    """`client` is a `cbserve_client.Client`: one channel that the concurrent requests' threads share."""
+def cbserve_stream(session: Any) -> StreamRequest:
+    """`session` is a `cbserve_client.GenerateSession`: one Generate stream that the concurrent requests'
+    threads share, whose chunks the server batches by engine step (the SDK's way to keep many requests in
+    flight at one server)."""
 
     def request(prompt: list[int], max_new_tokens: int, ignore_eos: bool) -> Trace:
         trace = Trace(sent_at=time.perf_counter())
         try:
-            for chunk in client.stream(
+            for chunk in session.stream(
                 prompt, max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos
             ):
                 if chunk.error:

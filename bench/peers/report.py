@@ -164,8 +164,9 @@ def _workloads_paragraph(settings: dict[str, Any]) -> str:
         f"{settings['chats']} chat prompts all at once (greedy, up to {tokens} new tokens, EOS on);",
         f"one request alone ({tokens} tokens, EOS ignored);",
         f"{concurrent} concurrent requests ({settings['concurrent_new_tokens']} tokens each, EOS ignored).",
-        "Every engine is called through its own network API (cbserve over gRPC with the Python SDK, the",
-        "others over HTTP), streaming, with prompt caching off. Outputs are compared in the first round's",
+        "Every engine is called through its own network API (cbserve over gRPC with the Python SDK, on one",
+        "session's stream; the others over HTTP), streaming, with prompt caching off. Outputs are compared",
+        "in the first round's",
         "chats, request by request, with cbserve's.",
     )
     if settings.get("neighbour"):

@@ -25,7 +25,13 @@ from typing import Any
 from bench.embedded_model import chat_prompts
 from bench.peers import workloads
 from bench.peers.cache import PeerCache, SetupError
-from bench.peers.clients import StreamRequest, cbserve_stream, llama_cpp_stream, vllm_stream
+from bench.peers.clients import (
+    REQUEST_TIMEOUT_S,
+    StreamRequest,
+    cbserve_stream,
+    llama_cpp_stream,
+    vllm_stream,
+)
 from bench.peers.floor import weight_reading_floor_ms
 from bench.peers.report import EngineRow, engine_row, machine, markdown, plot
 from bench.peers.servers import ServerProcess, start_cbserve, start_llama_cpp, start_vllm
@@ -84,9 +90,15 @@ def setup_peers(cache: PeerCache, peers: set[str]) -> tuple[dict[str, Any], dict
 
 
 def _start(
-    spec: EngineSpec, installs: dict[str, Any], model_dir: str, log_dir: Path, threads: int
+    spec: EngineSpec,
+    installs: dict[str, Any],
+    model_dir: str,
+    log_dir: Path,
+    threads: int,
+    running: contextlib.ExitStack,
 ) -> tuple[ServerProcess, Callable[[], StreamRequest]]:
-    """The engine's server, started, and how to make its request function once it is ready."""
+    """The engine's server, started, and how to make its request function once it is ready. What the
+    request function holds open is closed by ``running``, before the server stops."""
     if spec.peer == "cbserve":
         quantization = "int4" if spec.name == "cbserve_int4" else "none"
         server, target = start_cbserve(model_dir, log_dir, spec.name, quantization)
@@ -94,7 +106,8 @@ def _start(
         def cbserve_requests() -> StreamRequest:
             from cbserve_client import Client
 
-            return cbserve_stream(Client(target, stream_timeout=900))
+            client = running.enter_context(Client(target, stream_timeout=REQUEST_TIMEOUT_S))
+            return cbserve_stream(running.enter_context(client.session()))
 
         return server, cbserve_requests
     if spec.peer == "vllm":
@@ -196,7 +209,7 @@ def run(args: argparse.Namespace) -> list[EngineRow]:
                     errors[spec.name] = setup_errors[peer]
                     continue
                 try:
-                    started[spec.name] = _start(spec, installs, model_dir, log_dir, args.threads)
+                    started[spec.name] = _start(spec, installs, model_dir, log_dir, args.threads, running)
                     running.callback(started[spec.name][0].stop)
                 except (OSError, RuntimeError) as error:
                     errors[spec.name] = _first_line(error)

@@ -194,24 +194,140 @@ def test_a_client_deadline_cancels_the_request(client: Client, admin: AdminClien
     assert _final_status(client, stream.request_id) == "cancelled"
 
 
-def test_one_generate_stream_carries_several_requests(served: RunningServer, references: dict) -> None:
-    import grpc
-    from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
+def _adds(references: dict, prefix: str) -> list:
+    """One Generate add of each reference prompt, 24 tokens, ids ``prefix-<seed>``."""
+    from cbserve_client.proto import generation_pb2, types_pb2
 
-    adds = [
+    return [
         generation_pb2.GenerateRequest(
             add=types_pb2.GenerationRequest(
-                request_id=f"multi-{seed}",
+                request_id=f"{prefix}-{seed}",
                 token_ids=types_pb2.TokenIds(ids=prompt),
                 sampling=types_pb2.SamplingParams(max_new_tokens=24, ignore_eos=True),
             )
         )
         for seed, (prompt, _) in references.items()
     ]
+
+
+def _raw_generate(served: RunningServer, messages: list) -> list:
+    """The responses of one Generate call that sends ``messages`` and half-closes."""
+    import grpc
+    from cbserve_client.proto import generation_pb2_grpc
+
     with grpc.insecure_channel(served.target) as channel:
-        responses = list(generation_pb2_grpc.GenerationServiceStub(channel).Generate(iter(adds), timeout=60))
+        return list(generation_pb2_grpc.GenerationServiceStub(channel).Generate(iter(messages), timeout=60))
+
+
+def test_one_generate_stream_carries_several_requests(served: RunningServer, references: dict) -> None:
+    responses = _raw_generate(served, _adds(references, "multi"))
     tokens: dict[str, list[int]] = {}
     for response in responses:
         tokens.setdefault(response.chunk.request_id, []).extend(response.chunk.token_ids)
     assert [response.chunk.request_id for response in responses[:1]] == ["multi-1"]
     assert tokens == {f"multi-{seed}": expected for seed, (_, expected) in references.items()}
+
+
+def test_a_stream_with_batch_chunks_sends_a_steps_chunks_in_one_message(
+    served: RunningServer, references: dict
+) -> None:
+    from cbserve_client.proto import generation_pb2
+
+    options = generation_pb2.GenerateRequest(options=generation_pb2.GenerateStreamOptions(batch_chunks=True))
+    responses = _raw_generate(served, [options, *_adds(references, "batched")])
+    assert all(not response.HasField("chunk") and response.chunks for response in responses), responses[:3]
+    tokens: dict[str, list[int]] = {}
+    for response in responses:
+        for chunk in response.chunks:
+            tokens.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+    assert tokens == {f"batched-{seed}": expected for seed, (_, expected) in references.items()}
+    # The three requests decode in the same steps: their tokens share messages.
+    shared = [response for response in responses if len({chunk.request_id for chunk in response.chunks}) == 3]
+    assert len(shared) >= 20, [[chunk.request_id for chunk in response.chunks] for response in responses]
+
+
+def test_options_after_a_streams_first_message_fail_the_call(served: RunningServer) -> None:
+    import grpc
+    from cbserve_client.proto import generation_pb2, types_pb2
+
+    add = generation_pb2.GenerateRequest(
+        add=types_pb2.GenerationRequest(
+            token_ids=types_pb2.TokenIds(ids=[5, 6, 7]), sampling=types_pb2.SamplingParams(max_new_tokens=2)
+        )
+    )
+    options = generation_pb2.GenerateRequest(options=generation_pb2.GenerateStreamOptions(batch_chunks=True))
+    with pytest.raises(grpc.RpcError) as raised:
+        _raw_generate(served, [add, options])
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "GenerateRequest.options" in raised.value.details()
+
+
+def test_a_session_serves_requests_from_many_threads_equal_to_greedy(
+    client: Client, references: dict
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with client.session() as session, ThreadPoolExecutor(len(references)) as pool:
+        completions = pool.map(
+            lambda prompt: session.generate(prompt, max_new_tokens=24, ignore_eos=True),
+            [prompt for prompt, _ in references.values()],
+        )
+        for completion, (_, expected) in zip(completions, references.values(), strict=True):
+            assert completion.token_ids == expected
+            assert completion.finish_reason == "length"
+            assert completion.usage is not None and completion.usage.generated_tokens == 24
+
+
+def test_closing_a_session_stream_cancels_its_request_only(client: Client, admin: AdminClient) -> None:
+    with client.session() as session:
+        kept = session.stream(random_prompt(30, 9), max_new_tokens=48, ignore_eos=True)
+        dropped = session.stream(random_prompt(40, 7), max_new_tokens=LONG, ignore_eos=True)
+        next(chunk for chunk in dropped if chunk.token_ids)
+        dropped.close()
+        assert sum(len(chunk.token_ids) for chunk in kept) == 48
+        with pytest.raises(StopIteration):
+            next(dropped)
+    assert _final_status(client, dropped.request_id) == "cancelled"
+    assert _final_status(client, kept.request_id) == "finished"
+    wait_all_blocks_free(admin)
+
+
+def test_a_refused_request_raises_from_its_stream_and_the_session_goes_on(
+    client: Client, references: dict
+) -> None:
+    from cbserve_client import InvalidArgumentError
+
+    prompt, expected = references[2]
+    with client.session() as session:
+        with pytest.raises(InvalidArgumentError, match="token"):
+            list(session.stream([10**6], max_new_tokens=4))
+        assert session.generate(prompt, max_new_tokens=24, ignore_eos=True).token_ids == expected
+
+
+def test_a_session_requests_timeout_cancels_it(client: Client, admin: AdminClient) -> None:
+    with client.session() as session:
+        stream = session.stream(random_prompt(40, 7), max_new_tokens=LONG, ignore_eos=True, timeout=2.0)
+        next(chunk for chunk in stream if chunk.token_ids)
+        with admin.paused(), pytest.raises(DeadlineExceededError, match="timeout of 2 s"):
+            for _ in stream:
+                pass
+    wait_all_blocks_free(admin)
+    assert _final_status(client, stream.request_id) == "cancelled"
+
+
+def test_closing_a_session_cancels_its_requests_and_frees_their_blocks(
+    client: Client, admin: AdminClient
+) -> None:
+    from cbserve_client import CancelledError
+
+    session = client.session()
+    stream = session.stream(random_prompt(40, 7), max_new_tokens=LONG, ignore_eos=True)
+    next(chunk for chunk in stream if chunk.token_ids)
+    session.close()
+    with pytest.raises(CancelledError, match="session was closed"):
+        for _ in stream:
+            pass
+    with pytest.raises(CancelledError):
+        session.stream([5, 6, 7], max_new_tokens=2)
+    wait_all_blocks_free(admin)
+    assert _final_status(client, stream.request_id) == "cancelled"

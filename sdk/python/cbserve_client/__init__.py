@@ -5,7 +5,8 @@
     with Client("localhost:50051") as client:
         print(client.generate("The capital of France is", max_new_tokens=8).text)
 
-Public API: :class:`Client` (sync), :class:`AsyncClient` (asyncio), :class:`AdminClient` (pause, as a
+Public API: :class:`Client` (sync; :meth:`Client.session` for many requests on one stream, as a
+:class:`GenerateSession`), :class:`AsyncClient` (asyncio), :class:`AdminClient` (pause, as a
 :class:`PauseLease`; stop/start, status, weight updates, sleep/wake-up, prefix-cache reset, weight
 checksum), :class:`AdminFleet` (the same on every replica of a deployment at once, and
 :meth:`AdminFleet.check_weights`), :class:`WeightSyncGroup` (a trainer's weight push over NCCL or gloo),
@@ -62,6 +63,7 @@ from cbserve_client.errors import (
     WeightsMismatchError,
 )
 from cbserve_client.fleet import AdminFleet, replica_targets
+from cbserve_client.session import GenerateSession, SessionStream
 from cbserve_client.weight_sync import WeightSyncGroup
 
 __version__ = "0.1.0"
@@ -83,6 +85,7 @@ __all__ = [
     "DeadlineExceededError",
     "FailedPreconditionError",
     "FleetError",
+    "GenerateSession",
     "InternalError",
     "InvalidArgumentError",
     "ModelInfo",
@@ -95,6 +98,7 @@ __all__ = [
     "Prompt",
     "PromptLogprob",
     "ResourceExhaustedError",
+    "SessionStream",
     "SleepResult",
     "Status",
     "StopResult",

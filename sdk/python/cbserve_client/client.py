@@ -43,6 +43,7 @@ from cbserve_client._convert import (
 from cbserve_client._generated.cbserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from cbserve_client._types import Chunk, Completion, ModelInfo
 from cbserve_client.errors import CbserveError, from_rpc_error
+from cbserve_client.session import GenerateSession
 
 __all__ = ["ChunkStream", "Client"]
 
@@ -301,6 +302,20 @@ class Client(ChannelOwner):
             raise_rejections=True,
             to_error=self._error,
             retry=GenerationRetry(start, self._retry_attempts, deadline),
+        )
+
+    def session(self, *, metadata: MetadataArg = ()) -> GenerateSession:
+        """Opens one ``Generate`` call for many requests, whose chunks the server sends batched, one message
+        per engine step (see :class:`GenerateSession`): ``with client.session() as session:`` then
+        ``session.stream(...)`` or ``session.generate(...)`` from any thread. The call has no deadline: each
+        request's ``timeout`` (default: the client's ``stream_timeout``) bounds that request only. Requests
+        are not retried: a session whose call fails raises the error from every unfinished request.
+        """
+        call_metadata = self._metadata(metadata)
+        return GenerateSession(
+            lambda messages: self._stub.Generate(messages, metadata=call_metadata),
+            self._error,
+            self.stream_timeout,
         )
 
     def submit(

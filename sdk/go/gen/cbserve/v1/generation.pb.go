@@ -344,6 +344,7 @@ type GenerateRequest struct {
 	//
 	//	*GenerateRequest_Add
 	//	*GenerateRequest_Cancel
+	//	*GenerateRequest_Options
 	Action        isGenerateRequest_Action `protobuf_oneof:"action"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -404,6 +405,15 @@ func (x *GenerateRequest) GetCancel() *GenerateCancel {
 	return nil
 }
 
+func (x *GenerateRequest) GetOptions() *GenerateStreamOptions {
+	if x != nil {
+		if x, ok := x.Action.(*GenerateRequest_Options); ok {
+			return x.Options
+		}
+	}
+	return nil
+}
+
 type isGenerateRequest_Action interface {
 	isGenerateRequest_Action()
 }
@@ -418,9 +428,67 @@ type GenerateRequest_Cancel struct {
 	Cancel *GenerateCancel `protobuf:"bytes,2,opt,name=cancel,proto3,oneof"`
 }
 
+type GenerateRequest_Options struct {
+	// Settings of this stream. Only its first message may carry them: later, they fail the call
+	// with INVALID_ARGUMENT.
+	Options *GenerateStreamOptions `protobuf:"bytes,3,opt,name=options,proto3,oneof"`
+}
+
 func (*GenerateRequest_Add) isGenerateRequest_Action() {}
 
 func (*GenerateRequest_Cancel) isGenerateRequest_Action() {}
+
+func (*GenerateRequest_Options) isGenerateRequest_Action() {}
+
+// Settings of one Generate stream, sent as its first message.
+type GenerateStreamOptions struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Send the chunks that are ready together (one engine step's outputs for every request of
+	// this stream) in one GenerateResponse, in `chunks`, instead of one message each. Their order
+	// is the order they would have had one by one. A message carries at most about 1 MiB of
+	// chunks; a larger single chunk goes alone. Streaming many requests on one stream then costs
+	// one message per step instead of one per request and step, on the server and on the client.
+	BatchChunks   bool `protobuf:"varint,1,opt,name=batch_chunks,json=batchChunks,proto3" json:"batch_chunks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GenerateStreamOptions) Reset() {
+	*x = GenerateStreamOptions{}
+	mi := &file_cbserve_v1_generation_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GenerateStreamOptions) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GenerateStreamOptions) ProtoMessage() {}
+
+func (x *GenerateStreamOptions) ProtoReflect() protoreflect.Message {
+	mi := &file_cbserve_v1_generation_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GenerateStreamOptions.ProtoReflect.Descriptor instead.
+func (*GenerateStreamOptions) Descriptor() ([]byte, []int) {
+	return file_cbserve_v1_generation_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *GenerateStreamOptions) GetBatchChunks() bool {
+	if x != nil {
+		return x.BatchChunks
+	}
+	return false
+}
 
 // Cancels one request on a Generate stream.
 type GenerateCancel struct {
@@ -435,7 +503,7 @@ type GenerateCancel struct {
 
 func (x *GenerateCancel) Reset() {
 	*x = GenerateCancel{}
-	mi := &file_cbserve_v1_generation_proto_msgTypes[7]
+	mi := &file_cbserve_v1_generation_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -447,7 +515,7 @@ func (x *GenerateCancel) String() string {
 func (*GenerateCancel) ProtoMessage() {}
 
 func (x *GenerateCancel) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_generation_proto_msgTypes[7]
+	mi := &file_cbserve_v1_generation_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -460,7 +528,7 @@ func (x *GenerateCancel) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateCancel.ProtoReflect.Descriptor instead.
 func (*GenerateCancel) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_generation_proto_rawDescGZIP(), []int{7}
+	return file_cbserve_v1_generation_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *GenerateCancel) GetRequestId() string {
@@ -480,15 +548,19 @@ func (x *GenerateCancel) GetIndex() uint32 {
 // A message from the server on a Generate stream.
 type GenerateResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// An output delta of one of the stream's requests (chunk.request_id says which).
-	Chunk         *GenerationChunk `protobuf:"bytes,1,opt,name=chunk,proto3" json:"chunk,omitempty"`
+	// An output delta of one of the stream's requests (chunk.request_id says which). Unset on a
+	// stream whose options set batch_chunks.
+	Chunk *GenerationChunk `protobuf:"bytes,1,opt,name=chunk,proto3" json:"chunk,omitempty"`
+	// On a stream whose options set batch_chunks: one or more output deltas, in order, each
+	// tagged with its request_id. Empty otherwise.
+	Chunks        []*GenerationChunk `protobuf:"bytes,2,rep,name=chunks,proto3" json:"chunks,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateResponse) Reset() {
 	*x = GenerateResponse{}
-	mi := &file_cbserve_v1_generation_proto_msgTypes[8]
+	mi := &file_cbserve_v1_generation_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -500,7 +572,7 @@ func (x *GenerateResponse) String() string {
 func (*GenerateResponse) ProtoMessage() {}
 
 func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_generation_proto_msgTypes[8]
+	mi := &file_cbserve_v1_generation_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -513,12 +585,19 @@ func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateResponse.ProtoReflect.Descriptor instead.
 func (*GenerateResponse) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_generation_proto_rawDescGZIP(), []int{8}
+	return file_cbserve_v1_generation_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GenerateResponse) GetChunk() *GenerationChunk {
 	if x != nil {
 		return x.Chunk
+	}
+	return nil
+}
+
+func (x *GenerateResponse) GetChunks() []*GenerationChunk {
+	if x != nil {
+		return x.Chunks
 	}
 	return nil
 }
@@ -532,7 +611,7 @@ type GetModelInfoRequest struct {
 
 func (x *GetModelInfoRequest) Reset() {
 	*x = GetModelInfoRequest{}
-	mi := &file_cbserve_v1_generation_proto_msgTypes[9]
+	mi := &file_cbserve_v1_generation_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -544,7 +623,7 @@ func (x *GetModelInfoRequest) String() string {
 func (*GetModelInfoRequest) ProtoMessage() {}
 
 func (x *GetModelInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_generation_proto_msgTypes[9]
+	mi := &file_cbserve_v1_generation_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -557,7 +636,7 @@ func (x *GetModelInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetModelInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetModelInfoRequest) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_generation_proto_rawDescGZIP(), []int{9}
+	return file_cbserve_v1_generation_proto_rawDescGZIP(), []int{10}
 }
 
 // Response of GenerationService.GetModelInfo.
@@ -585,7 +664,7 @@ type GetModelInfoResponse struct {
 
 func (x *GetModelInfoResponse) Reset() {
 	*x = GetModelInfoResponse{}
-	mi := &file_cbserve_v1_generation_proto_msgTypes[10]
+	mi := &file_cbserve_v1_generation_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -597,7 +676,7 @@ func (x *GetModelInfoResponse) String() string {
 func (*GetModelInfoResponse) ProtoMessage() {}
 
 func (x *GetModelInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_cbserve_v1_generation_proto_msgTypes[10]
+	mi := &file_cbserve_v1_generation_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -610,7 +689,7 @@ func (x *GetModelInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetModelInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetModelInfoResponse) Descriptor() ([]byte, []int) {
-	return file_cbserve_v1_generation_proto_rawDescGZIP(), []int{10}
+	return file_cbserve_v1_generation_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GetModelInfoResponse) GetModelName() string {
@@ -685,18 +764,22 @@ const file_cbserve_v1_generation_proto_rawDesc = "" +
 	"\x05index\x18\x02 \x01(\rH\x00R\x05index\x88\x01\x01B\b\n" +
 	"\x06_index\".\n" +
 	"\x0eCancelResponse\x12\x1c\n" +
-	"\tcancelled\x18\x01 \x01(\bR\tcancelled\"\x84\x01\n" +
+	"\tcancelled\x18\x01 \x01(\bR\tcancelled\"\xc3\x01\n" +
 	"\x0fGenerateRequest\x121\n" +
 	"\x03add\x18\x01 \x01(\v2\x1d.cbserve.v1.GenerationRequestH\x00R\x03add\x124\n" +
-	"\x06cancel\x18\x02 \x01(\v2\x1a.cbserve.v1.GenerateCancelH\x00R\x06cancelB\b\n" +
-	"\x06action\"T\n" +
+	"\x06cancel\x18\x02 \x01(\v2\x1a.cbserve.v1.GenerateCancelH\x00R\x06cancel\x12=\n" +
+	"\aoptions\x18\x03 \x01(\v2!.cbserve.v1.GenerateStreamOptionsH\x00R\aoptionsB\b\n" +
+	"\x06action\":\n" +
+	"\x15GenerateStreamOptions\x12!\n" +
+	"\fbatch_chunks\x18\x01 \x01(\bR\vbatchChunks\"T\n" +
 	"\x0eGenerateCancel\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x19\n" +
 	"\x05index\x18\x02 \x01(\rH\x00R\x05index\x88\x01\x01B\b\n" +
-	"\x06_index\"E\n" +
+	"\x06_index\"z\n" +
 	"\x10GenerateResponse\x121\n" +
-	"\x05chunk\x18\x01 \x01(\v2\x1b.cbserve.v1.GenerationChunkR\x05chunk\"\x15\n" +
+	"\x05chunk\x18\x01 \x01(\v2\x1b.cbserve.v1.GenerationChunkR\x05chunk\x123\n" +
+	"\x06chunks\x18\x02 \x03(\v2\x1b.cbserve.v1.GenerationChunkR\x06chunks\"\x15\n" +
 	"\x13GetModelInfoRequest\"\x9e\x02\n" +
 	"\x14GetModelInfoResponse\x12\x1d\n" +
 	"\n" +
@@ -728,7 +811,7 @@ func file_cbserve_v1_generation_proto_rawDescGZIP() []byte {
 	return file_cbserve_v1_generation_proto_rawDescData
 }
 
-var file_cbserve_v1_generation_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_cbserve_v1_generation_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_cbserve_v1_generation_proto_goTypes = []any{
 	(*AddRequestRequest)(nil),     // 0: cbserve.v1.AddRequestRequest
 	(*AddRequestResponse)(nil),    // 1: cbserve.v1.AddRequestResponse
@@ -737,34 +820,37 @@ var file_cbserve_v1_generation_proto_goTypes = []any{
 	(*CancelRequest)(nil),         // 4: cbserve.v1.CancelRequest
 	(*CancelResponse)(nil),        // 5: cbserve.v1.CancelResponse
 	(*GenerateRequest)(nil),       // 6: cbserve.v1.GenerateRequest
-	(*GenerateCancel)(nil),        // 7: cbserve.v1.GenerateCancel
-	(*GenerateResponse)(nil),      // 8: cbserve.v1.GenerateResponse
-	(*GetModelInfoRequest)(nil),   // 9: cbserve.v1.GetModelInfoRequest
-	(*GetModelInfoResponse)(nil),  // 10: cbserve.v1.GetModelInfoResponse
-	(*GenerationRequest)(nil),     // 11: cbserve.v1.GenerationRequest
-	(*GenerationChunk)(nil),       // 12: cbserve.v1.GenerationChunk
+	(*GenerateStreamOptions)(nil), // 7: cbserve.v1.GenerateStreamOptions
+	(*GenerateCancel)(nil),        // 8: cbserve.v1.GenerateCancel
+	(*GenerateResponse)(nil),      // 9: cbserve.v1.GenerateResponse
+	(*GetModelInfoRequest)(nil),   // 10: cbserve.v1.GetModelInfoRequest
+	(*GetModelInfoResponse)(nil),  // 11: cbserve.v1.GetModelInfoResponse
+	(*GenerationRequest)(nil),     // 12: cbserve.v1.GenerationRequest
+	(*GenerationChunk)(nil),       // 13: cbserve.v1.GenerationChunk
 }
 var file_cbserve_v1_generation_proto_depIdxs = []int32{
-	11, // 0: cbserve.v1.AddRequestRequest.request:type_name -> cbserve.v1.GenerationRequest
-	12, // 1: cbserve.v1.StreamResultsResponse.chunk:type_name -> cbserve.v1.GenerationChunk
-	11, // 2: cbserve.v1.GenerateRequest.add:type_name -> cbserve.v1.GenerationRequest
-	7,  // 3: cbserve.v1.GenerateRequest.cancel:type_name -> cbserve.v1.GenerateCancel
-	12, // 4: cbserve.v1.GenerateResponse.chunk:type_name -> cbserve.v1.GenerationChunk
-	0,  // 5: cbserve.v1.GenerationService.AddRequest:input_type -> cbserve.v1.AddRequestRequest
-	2,  // 6: cbserve.v1.GenerationService.StreamResults:input_type -> cbserve.v1.StreamResultsRequest
-	4,  // 7: cbserve.v1.GenerationService.Cancel:input_type -> cbserve.v1.CancelRequest
-	6,  // 8: cbserve.v1.GenerationService.Generate:input_type -> cbserve.v1.GenerateRequest
-	9,  // 9: cbserve.v1.GenerationService.GetModelInfo:input_type -> cbserve.v1.GetModelInfoRequest
-	1,  // 10: cbserve.v1.GenerationService.AddRequest:output_type -> cbserve.v1.AddRequestResponse
-	3,  // 11: cbserve.v1.GenerationService.StreamResults:output_type -> cbserve.v1.StreamResultsResponse
-	5,  // 12: cbserve.v1.GenerationService.Cancel:output_type -> cbserve.v1.CancelResponse
-	8,  // 13: cbserve.v1.GenerationService.Generate:output_type -> cbserve.v1.GenerateResponse
-	10, // 14: cbserve.v1.GenerationService.GetModelInfo:output_type -> cbserve.v1.GetModelInfoResponse
-	10, // [10:15] is the sub-list for method output_type
-	5,  // [5:10] is the sub-list for method input_type
-	5,  // [5:5] is the sub-list for extension type_name
-	5,  // [5:5] is the sub-list for extension extendee
-	0,  // [0:5] is the sub-list for field type_name
+	12, // 0: cbserve.v1.AddRequestRequest.request:type_name -> cbserve.v1.GenerationRequest
+	13, // 1: cbserve.v1.StreamResultsResponse.chunk:type_name -> cbserve.v1.GenerationChunk
+	12, // 2: cbserve.v1.GenerateRequest.add:type_name -> cbserve.v1.GenerationRequest
+	8,  // 3: cbserve.v1.GenerateRequest.cancel:type_name -> cbserve.v1.GenerateCancel
+	7,  // 4: cbserve.v1.GenerateRequest.options:type_name -> cbserve.v1.GenerateStreamOptions
+	13, // 5: cbserve.v1.GenerateResponse.chunk:type_name -> cbserve.v1.GenerationChunk
+	13, // 6: cbserve.v1.GenerateResponse.chunks:type_name -> cbserve.v1.GenerationChunk
+	0,  // 7: cbserve.v1.GenerationService.AddRequest:input_type -> cbserve.v1.AddRequestRequest
+	2,  // 8: cbserve.v1.GenerationService.StreamResults:input_type -> cbserve.v1.StreamResultsRequest
+	4,  // 9: cbserve.v1.GenerationService.Cancel:input_type -> cbserve.v1.CancelRequest
+	6,  // 10: cbserve.v1.GenerationService.Generate:input_type -> cbserve.v1.GenerateRequest
+	10, // 11: cbserve.v1.GenerationService.GetModelInfo:input_type -> cbserve.v1.GetModelInfoRequest
+	1,  // 12: cbserve.v1.GenerationService.AddRequest:output_type -> cbserve.v1.AddRequestResponse
+	3,  // 13: cbserve.v1.GenerationService.StreamResults:output_type -> cbserve.v1.StreamResultsResponse
+	5,  // 14: cbserve.v1.GenerationService.Cancel:output_type -> cbserve.v1.CancelResponse
+	9,  // 15: cbserve.v1.GenerationService.Generate:output_type -> cbserve.v1.GenerateResponse
+	11, // 16: cbserve.v1.GenerationService.GetModelInfo:output_type -> cbserve.v1.GetModelInfoResponse
+	12, // [12:17] is the sub-list for method output_type
+	7,  // [7:12] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_cbserve_v1_generation_proto_init() }
@@ -777,15 +863,16 @@ func file_cbserve_v1_generation_proto_init() {
 	file_cbserve_v1_generation_proto_msgTypes[6].OneofWrappers = []any{
 		(*GenerateRequest_Add)(nil),
 		(*GenerateRequest_Cancel)(nil),
+		(*GenerateRequest_Options)(nil),
 	}
-	file_cbserve_v1_generation_proto_msgTypes[7].OneofWrappers = []any{}
+	file_cbserve_v1_generation_proto_msgTypes[8].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cbserve_v1_generation_proto_rawDesc), len(file_cbserve_v1_generation_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   11,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

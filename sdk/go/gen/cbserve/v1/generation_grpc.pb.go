@@ -67,7 +67,8 @@ type GenerationServiceClient interface {
 	// stream: it gets a single chunk with status FAILED and the reason in error. Closing the stream
 	// (half-close is not enough: the call must end), or losing the connection, cancels every
 	// unfinished request made on it and frees its KV blocks. The server completes the call with OK
-	// once the client has half-closed and all its requests have ended.
+	// once the client has half-closed and all its requests have ended. A first message with
+	// options (GenerateStreamOptions) sets how the stream sends its chunks.
 	Generate(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[GenerateRequest, GenerateResponse], error)
 	// Describes the served model.
 	GetModelInfo(ctx context.Context, in *GetModelInfoRequest, opts ...grpc.CallOption) (*GetModelInfoResponse, error)
@@ -172,7 +173,8 @@ type GenerationServiceServer interface {
 	// stream: it gets a single chunk with status FAILED and the reason in error. Closing the stream
 	// (half-close is not enough: the call must end), or losing the connection, cancels every
 	// unfinished request made on it and frees its KV blocks. The server completes the call with OK
-	// once the client has half-closed and all its requests have ended.
+	// once the client has half-closed and all its requests have ended. A first message with
+	// options (GenerateStreamOptions) sets how the stream sends its chunks.
 	Generate(grpc.BidiStreamingServer[GenerateRequest, GenerateResponse]) error
 	// Describes the served model.
 	GetModelInfo(context.Context, *GetModelInfoRequest) (*GetModelInfoResponse, error)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cbserve_client._generated.cbserve.v1 import types_pb2 as cbserve_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x62serve/v1/generation.proto\x12\ncbserve.v1\x1a\x16\x63\x62serve/v1/types.proto\"C\n\x11\x41\x64\x64RequestRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.cbserve.v1.GenerationRequest\"(\n\x12\x41\x64\x64RequestResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"D\n\x14StreamResultsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x66rom_token_index\x18\x02 \x01(\r\"C\n\x15StreamResultsResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1b.cbserve.v1.GenerationChunk\"A\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"w\n\x0fGenerateRequest\x12,\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x1d.cbserve.v1.GenerationRequestH\x00\x12,\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1a.cbserve.v1.GenerateCancelH\x00\x42\x08\n\x06\x61\x63tion\"B\n\x0eGenerateCancel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\">\n\x10GenerateResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1b.cbserve.v1.GenerationChunk\"\x15\n\x13GetModelInfoRequest\"\xbb\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\x16\n\x0eweight_version\x18\x07 \x01(\x04\x32\x97\x03\n\x11GenerationService\x12K\n\nAddRequest\x12\x1d.cbserve.v1.AddRequestRequest\x1a\x1e.cbserve.v1.AddRequestResponse\x12V\n\rStreamResults\x12 .cbserve.v1.StreamResultsRequest\x1a!.cbserve.v1.StreamResultsResponse0\x01\x12?\n\x06\x43\x61ncel\x12\x19.cbserve.v1.CancelRequest\x1a\x1a.cbserve.v1.CancelResponse\x12I\n\x08Generate\x12\x1b.cbserve.v1.GenerateRequest\x1a\x1c.cbserve.v1.GenerateResponse(\x01\x30\x01\x12Q\n\x0cGetModelInfo\x12\x1f.cbserve.v1.GetModelInfoRequest\x1a .cbserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x63\x62serve/v1/generation.proto\x12\ncbserve.v1\x1a\x16\x63\x62serve/v1/types.proto\"C\n\x11\x41\x64\x64RequestRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.cbserve.v1.GenerationRequest\"(\n\x12\x41\x64\x64RequestResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"D\n\x14StreamResultsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x66rom_token_index\x18\x02 \x01(\r\"C\n\x15StreamResultsResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1b.cbserve.v1.GenerationChunk\"A\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\xad\x01\n\x0fGenerateRequest\x12,\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x1d.cbserve.v1.GenerationRequestH\x00\x12,\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1a.cbserve.v1.GenerateCancelH\x00\x12\x34\n\x07options\x18\x03 \x01(\x0b\x32!.cbserve.v1.GenerateStreamOptionsH\x00\x42\x08\n\x06\x61\x63tion\"-\n\x15GenerateStreamOptions\x12\x14\n\x0c\x62\x61tch_chunks\x18\x01 \x01(\x08\"B\n\x0eGenerateCancel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\x05index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"k\n\x10GenerateResponse\x12*\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1b.cbserve.v1.GenerationChunk\x12+\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x1b.cbserve.v1.GenerationChunk\"\x15\n\x13GetModelInfoRequest\"\xbb\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x15\n\rhas_tokenizer\x18\x06 \x01(\x08\x12\x16\n\x0eweight_version\x18\x07 \x01(\x04\x32\x97\x03\n\x11GenerationService\x12K\n\nAddRequest\x12\x1d.cbserve.v1.AddRequestRequest\x1a\x1e.cbserve.v1.AddRequestResponse\x12V\n\rStreamResults\x12 .cbserve.v1.StreamResultsRequest\x1a!.cbserve.v1.StreamResultsResponse0\x01\x12?\n\x06\x43\x61ncel\x12\x19.cbserve.v1.CancelRequest\x1a\x1a.cbserve.v1.CancelResponse\x12I\n\x08Generate\x12\x1b.cbserve.v1.GenerateRequest\x1a\x1c.cbserve.v1.GenerateResponse(\x01\x30\x01\x12Q\n\x0cGetModelInfo\x12\x1f.cbserve.v1.GetModelInfoRequest\x1a .cbserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,16 +44,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANCELREQUEST']._serialized_end=382
   _globals['_CANCELRESPONSE']._serialized_start=384
   _globals['_CANCELRESPONSE']._serialized_end=419
-  _globals['_GENERATEREQUEST']._serialized_start=421
-  _globals['_GENERATEREQUEST']._serialized_end=540
-  _globals['_GENERATECANCEL']._serialized_start=542
-  _globals['_GENERATECANCEL']._serialized_end=608
-  _globals['_GENERATERESPONSE']._serialized_start=610
-  _globals['_GENERATERESPONSE']._serialized_end=672
-  _globals['_GETMODELINFOREQUEST']._serialized_start=674
-  _globals['_GETMODELINFOREQUEST']._serialized_end=695
-  _globals['_GETMODELINFORESPONSE']._serialized_start=698
-  _globals['_GETMODELINFORESPONSE']._serialized_end=885
-  _globals['_GENERATIONSERVICE']._serialized_start=888
-  _globals['_GENERATIONSERVICE']._serialized_end=1295
+  _globals['_GENERATEREQUEST']._serialized_start=422
+  _globals['_GENERATEREQUEST']._serialized_end=595
+  _globals['_GENERATESTREAMOPTIONS']._serialized_start=597
+  _globals['_GENERATESTREAMOPTIONS']._serialized_end=642
+  _globals['_GENERATECANCEL']._serialized_start=644
+  _globals['_GENERATECANCEL']._serialized_end=710
+  _globals['_GENERATERESPONSE']._serialized_start=712
+  _globals['_GENERATERESPONSE']._serialized_end=819
+  _globals['_GETMODELINFOREQUEST']._serialized_start=821
+  _globals['_GETMODELINFOREQUEST']._serialized_end=842
+  _globals['_GETMODELINFORESPONSE']._serialized_start=845
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1032
+  _globals['_GENERATIONSERVICE']._serialized_start=1035
+  _globals['_GENERATIONSERVICE']._serialized_end=1442
 # @@protoc_insertion_point(module_scope)

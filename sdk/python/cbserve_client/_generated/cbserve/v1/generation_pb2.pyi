@@ -194,6 +194,7 @@ class GenerateRequest(_message.Message):
 
     ADD_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
+    OPTIONS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add(self) -> _types_pb2.GenerationRequest:
         """Queue a new request; its outputs come back on this stream."""
@@ -202,21 +203,55 @@ class GenerateRequest(_message.Message):
     def cancel(self) -> Global___GenerateCancel:
         """Cancel a request made on this stream (idempotent; unknown ids are ignored)."""
 
+    @_builtins.property
+    def options(self) -> Global___GenerateStreamOptions:
+        """Settings of this stream. Only its first message may carry them: later, they fail the call
+        with INVALID_ARGUMENT.
+        """
+
     def __init__(
         self,
         *,
         add: _types_pb2.GenerationRequest | None = ...,
         cancel: Global___GenerateCancel | None = ...,
+        options: Global___GenerateStreamOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "add", b"add", "cancel", b"cancel"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "add", b"add", "cancel", b"cancel", "options", b"options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "add", b"add", "cancel", b"cancel"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "add", b"add", "cancel", b"cancel", "options", b"options"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["add", "cancel"]  # noqa: Y015
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["add", "cancel", "options"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class GenerateStreamOptions(_message.Message):
+    """Settings of one Generate stream, sent as its first message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_CHUNKS_FIELD_NUMBER: _builtins.int
+    batch_chunks: _builtins.bool
+    """Send the chunks that are ready together (one engine step's outputs for every request of
+    this stream) in one GenerateResponse, in `chunks`, instead of one message each. Their order
+    is the order they would have had one by one. A message carries at most about 1 MiB of
+    chunks; a larger single chunk goes alone. Streaming many requests on one stream then costs
+    one message per step instead of one per request and step, on the server and on the client.
+    """
+    def __init__(
+        self,
+        *,
+        batch_chunks: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_chunks", b"batch_chunks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateStreamOptions: _TypeAlias = GenerateStreamOptions  # noqa: Y015
 
 @_typing.final
 class GenerateCancel(_message.Message):
@@ -253,18 +288,28 @@ class GenerateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CHUNK_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def chunk(self) -> _types_pb2.GenerationChunk:
-        """An output delta of one of the stream's requests (chunk.request_id says which)."""
+        """An output delta of one of the stream's requests (chunk.request_id says which). Unset on a
+        stream whose options set batch_chunks.
+        """
+
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.GenerationChunk]:
+        """On a stream whose options set batch_chunks: one or more output deltas, in order, each
+        tagged with its request_id. Empty otherwise.
+        """
 
     def __init__(
         self,
         *,
         chunk: _types_pb2.GenerationChunk | None = ...,
+        chunks: _abc.Iterable[_types_pb2.GenerationChunk] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "chunks", b"chunks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

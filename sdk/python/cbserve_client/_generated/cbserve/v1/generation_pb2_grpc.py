@@ -105,7 +105,8 @@ class GenerationServiceServicer:
         stream: it gets a single chunk with status FAILED and the reason in error. Closing the stream
         (half-close is not enough: the call must end), or losing the connection, cancels every
         unfinished request made on it and frees its KV blocks. The server completes the call with OK
-        once the client has half-closed and all its requests have ended.
+        once the client has half-closed and all its requests have ended. A first message with
+        options (GenerateStreamOptions) sets how the stream sends its chunks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -72,7 +72,8 @@ class GenerationServiceStub:
     stream: it gets a single chunk with status FAILED and the reason in error. Closing the stream
     (half-close is not enough: the call must end), or losing the connection, cancels every
     unfinished request made on it and frees its KV blocks. The server completes the call with OK
-    once the client has half-closed and all its requests have ended.
+    once the client has half-closed and all its requests have ended. A first message with
+    options (GenerateStreamOptions) sets how the stream sends its chunks.
     """
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_generation_pb2.GetModelInfoRequest, _generation_pb2.GetModelInfoResponse]
     """Describes the served model."""
@@ -109,7 +110,8 @@ class GenerationServiceAsyncStub(GenerationServiceStub):
     stream: it gets a single chunk with status FAILED and the reason in error. Closing the stream
     (half-close is not enough: the call must end), or losing the connection, cancels every
     unfinished request made on it and frees its KV blocks. The server completes the call with OK
-    once the client has half-closed and all its requests have ended.
+    once the client has half-closed and all its requests have ended. A first message with
+    options (GenerateStreamOptions) sets how the stream sends its chunks.
     """
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_generation_pb2.GetModelInfoRequest, _generation_pb2.GetModelInfoResponse]  # type: ignore[assignment]
     """Describes the served model."""
@@ -167,7 +169,8 @@ class GenerationServiceServicer(metaclass=_abc_1.ABCMeta):
         stream: it gets a single chunk with status FAILED and the reason in error. Closing the stream
         (half-close is not enough: the call must end), or losing the connection, cancels every
         unfinished request made on it and frees its KV blocks. The server completes the call with OK
-        once the client has half-closed and all its requests have ended.
+        once the client has half-closed and all its requests have ended. A first message with
+        options (GenerateStreamOptions) sets how the stream sends its chunks.
         """
 
     @_abc_1.abstractmethod
