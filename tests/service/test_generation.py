@@ -331,3 +331,55 @@ def test_closing_a_session_cancels_its_requests_and_frees_their_blocks(
         session.stream([5, 6, 7], max_new_tokens=2)
     wait_all_blocks_free(admin)
     assert _final_status(client, stream.request_id) == "cancelled"
+
+
+def test_an_async_session_serves_concurrent_tasks_equal_to_greedy(
+    served: RunningServer, references: dict
+) -> None:
+    import asyncio
+
+    from cbserve_client import AsyncClient
+
+    async def generate_all() -> list:
+        async with AsyncClient(served.target) as client, client.session() as session:
+            return await asyncio.gather(
+                *(
+                    session.generate(prompt, max_new_tokens=24, ignore_eos=True)
+                    for prompt, _ in references.values()
+                )
+            )
+
+    completions = asyncio.run(generate_all())
+    assert [completion.token_ids for completion in completions] == [
+        expected for _, expected in references.values()
+    ]
+
+
+def test_an_async_sessions_timeout_and_close_cancel_its_requests(
+    served: RunningServer, client: Client, admin: AdminClient
+) -> None:
+    import asyncio
+
+    from cbserve_client import AsyncClient, CancelledError
+
+    async def run() -> tuple[str, str]:
+        async with AsyncClient(served.target) as async_client:
+            session = async_client.session()
+            timed = session.stream(random_prompt(40, 7), max_new_tokens=LONG, ignore_eos=True, timeout=2.0)
+            kept = session.stream(random_prompt(30, 9), max_new_tokens=LONG, ignore_eos=True)
+            async for chunk in timed:
+                if chunk.token_ids:
+                    break
+            with admin.paused(), pytest.raises(DeadlineExceededError, match="timeout of 2 s"):
+                async for _ in timed:
+                    pass
+            await session.aclose()
+            with pytest.raises(CancelledError, match="session was closed"):
+                async for _ in kept:
+                    pass
+            return timed.request_id, kept.request_id
+
+    timed_id, kept_id = asyncio.run(run())
+    wait_all_blocks_free(admin)
+    assert _final_status(client, timed_id) == "cancelled"
+    assert _final_status(client, kept_id) == "cancelled"

@@ -41,6 +41,7 @@ from cbserve_client._types import (
 from cbserve_client._weights_transfer import WeightsTransfer
 from cbserve_client.admin import AdminClient
 from cbserve_client.aio import AsyncChunkStream, AsyncClient
+from cbserve_client.aio_session import AsyncGenerateSession, AsyncSessionStream
 from cbserve_client.checksum import weights_checksum
 from cbserve_client.client import ChunkStream, Client
 from cbserve_client.errors import (
@@ -75,6 +76,8 @@ __all__ = [
     "AlreadyExistsError",
     "AsyncChunkStream",
     "AsyncClient",
+    "AsyncGenerateSession",
+    "AsyncSessionStream",
     "BucketTensor",
     "CancelledError",
     "CbserveError",

@@ -1,4 +1,5 @@
-"""What the synchronous clients share: one channel, the caller's token and default timeout."""
+"""What the synchronous clients share: one channel, the caller's token and default timeout; and the `with`
+support of the objects that close (`Closeable`, `AsyncCloseable`)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,24 @@ class Closeable(ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class AsyncCloseable(ABC):
+    """`async with` support for an object with an `aclose()`: leaving the block closes it."""
+
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
 
 
 class ChannelOwner(Closeable):

@@ -34,6 +34,7 @@ from cbserve_client._call import (
     make_aio_channel,
     resolve_timeout,
 )
+from cbserve_client._channel import AsyncCloseable
 from cbserve_client._connection import (
     DEFAULT_KEEPALIVE_TIMEOUT_S,
     DEFAULT_LOAD_BALANCING,
@@ -58,6 +59,7 @@ from cbserve_client._convert import (
 )
 from cbserve_client._generated.cbserve.v1 import generation_pb2, generation_pb2_grpc, types_pb2
 from cbserve_client._types import Chunk, Completion, ModelInfo
+from cbserve_client.aio_session import AsyncGenerateSession
 from cbserve_client.errors import CancelledError, CbserveError, from_rpc_error
 
 __all__ = ["AsyncChunkStream", "AsyncClient"]
@@ -90,7 +92,7 @@ class _ServingFirstCall:
         return bool(self._call.cancel())
 
 
-class AsyncChunkStream(AsyncIterator[Chunk]):
+class AsyncChunkStream(AsyncCloseable, AsyncIterator[Chunk]):
     """An async iterator over a streaming call's chunks.
 
     ``await aclose()`` / ``cancel()`` (or leaving an ``async with`` block) cancels the RPC: for
@@ -166,17 +168,6 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
         self._call.cancel()
 
     async def aclose(self) -> None:
-        self.cancel()
-
-    async def __aenter__(self) -> AsyncChunkStream:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
         self.cancel()
 
 
@@ -330,6 +321,14 @@ class AsyncClient:
             raise_rejections=True,
             to_error=self._error,
             retry=GenerationRetry(start, self._retry_attempts, deadline),
+        )
+
+    def session(self, *, metadata: MetadataArg = ()) -> AsyncGenerateSession:
+        """Opens one ``Generate`` call for many requests, whose chunks the server sends batched (see
+        ``Client.session``): ``async with client.session() as session:`` then ``session.stream(...)`` or
+        ``await session.generate(...)`` from any task. Call it inside the running event loop."""
+        return AsyncGenerateSession(
+            self._stub.Generate(metadata=self._metadata(metadata)), self._error, self.stream_timeout
         )
 
     async def submit(

@@ -5,26 +5,26 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 
-from cbserve_client._call import DEFAULT_TIMEOUT, Timeout, resolve_timeout
+from cbserve_client._call import DEFAULT_TIMEOUT, Timeout
 from cbserve_client._channel import Closeable
-from cbserve_client._convert import (
-    CompletionsBuilder,
-    Prompt,
-    build_request,
-    chunk_from_proto,
-    num_sequences,
-    rejection_error,
-    with_request_id,
-)
+from cbserve_client._convert import CompletionsBuilder, Prompt, num_sequences
 from cbserve_client._generated.cbserve.v1 import generation_pb2, types_pb2
+from cbserve_client._session_routes import (
+    BATCHED_CHUNKS,
+    RequestProgress,
+    Routes,
+    add_request,
+    cancel_request,
+    closed_error,
+    ended_error,
+)
 from cbserve_client._types import Chunk, Completion
-from cbserve_client.errors import CancelledError, CbserveError, DeadlineExceededError
+from cbserve_client.errors import CbserveError
 
 __all__ = ["GenerateSession", "SessionStream"]
 
@@ -36,65 +36,35 @@ class SessionStream(Closeable, Iterator[Chunk]):
     """The chunks of one request of a :class:`GenerateSession`, as they come.
 
     Iteration ends after the request's last chunk (every sequence's, with ``n`` > 1). ``close()`` (or
-    leaving a ``with`` block) before that cancels the request on the server; the session goes on.
+    leaving a ``with`` block, or dropping the stream) before that cancels the request on the server; the
+    session goes on.
     """
 
-    def __init__(
-        self, session: GenerateSession, request_id: str, sequences: int, timeout: float | None
-    ) -> None:
+    def __init__(self, session: GenerateSession, progress: RequestProgress) -> None:
         #: The id of the request this stream follows.
-        self.request_id = request_id
+        self.request_id = progress.request_id
         self._session = session
-        self._sequences = sequences
-        self._finished: set[int] = set()
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._timeout = timeout
-        # Filled by the session's reader thread: GenerationChunk messages, or the CbserveError that ended
-        # the session.
+        self._progress = progress
+        # Filled by the session's reader thread: the request's chunks, then the error that ended the session
+        # if it ended first.
         self.inbox: queue.SimpleQueue[types_pb2.GenerationChunk | CbserveError] = queue.SimpleQueue()
-        self.done = False
 
     def __iter__(self) -> SessionStream:
         return self
 
     def __next__(self) -> Chunk:
-        if self.done:
+        if self._progress.done:
             raise StopIteration
         try:
-            item = self.inbox.get(timeout=self._time_left())
+            item = self.inbox.get(timeout=self._progress.time_left())
         except queue.Empty:
             self.close()
-            raise DeadlineExceededError(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"request {self.request_id} did not end within its timeout of {self._timeout:g} s; it was "
-                "cancelled (pass timeout= to the call, or stream_timeout= to the client, for a longer one, "
-                "None for none)",
-            ) from None
-        if isinstance(item, CbserveError):
-            self.done = True
-            raise item
-        chunk = chunk_from_proto(item)
-        rejection = rejection_error(chunk)
-        if rejection is not None:
-            self._end()
-            raise rejection
-        if chunk.finished:
-            self._finished.add(chunk.index)
-            if len(self._finished) >= self._sequences:
-                self._end()
-        return chunk
-
-    def _time_left(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-    def _end(self) -> None:
-        self.done = True
-        self._session.forget(self.request_id)
+            raise self._progress.deadline_error() from None
+        return self._progress.take(item)
 
     def close(self) -> None:
         """Cancels the request unless it has ended (no-op then)."""
-        if not self.done:
-            self._end()
+        if self._progress.stop():
             self._session.cancel(self.request_id)
 
     cancel = close
@@ -107,14 +77,13 @@ class SessionStream(Closeable, Iterator[Chunk]):
 class GenerateSession(Closeable):
     """Requests on one ``Generate`` call, whose chunks the server sends batched: one message for all the
     chunks of an engine step (``GenerateStreamOptions.batch_chunks``), where :meth:`Client.stream` costs a
-    message per request and step, and its own call. Made by :meth:`Client.session`.
+    message per request and step, and a call per request. Made by :meth:`Client.session`.
 
-    For a process that keeps many requests in flight at one server (a batch job, an RL rollout): with 64
-    streaming requests, the client spends about a tenth of the CPU time it spends on 64 separate streams.
-    Every request of a session goes to the one replica its call reached; spread requests over replicas with
+    For a process that keeps many requests in flight at one server (a batch job, an RL rollout). Every
+    request of a session goes to the one replica its call reached; spread requests over replicas with
     :meth:`Client.stream`, which opens a call per request.
 
-    Any thread may call :meth:`stream` and :meth:`generate`. One thread of the session reads the call and
+    Any thread may call :meth:`stream` and :meth:`generate`. A thread of the session reads the call and
     hands each chunk to its request's :class:`SessionStream`, whose queue holds the chunks its reader has not
     taken yet. When the call fails (the server stops, the connection drops), every unfinished request's
     stream raises the error. ``close()`` (or leaving a ``with`` block) ends the call: the server cancels its
@@ -128,9 +97,7 @@ class GenerateSession(Closeable):
         stream_timeout: float | None,
     ) -> None:
         self._outgoing: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._streams: dict[str, SessionStream] = {}
-        self._lock = threading.Lock()
-        self._error: CbserveError | None = None
+        self._routes: Routes[SessionStream] = Routes()
         self._closed = False
         self._to_error = to_error
         self._stream_timeout = stream_timeout
@@ -139,7 +106,7 @@ class GenerateSession(Closeable):
         self._reader.start()
 
     def _messages(self) -> Iterator[generation_pb2.GenerateRequest]:
-        yield generation_pb2.GenerateRequest(options=generation_pb2.GenerateStreamOptions(batch_chunks=True))
+        yield BATCHED_CHUNKS
         while (message := self._outgoing.get()) is not _HALF_CLOSE:
             assert isinstance(message, generation_pb2.GenerateRequest)
             yield message
@@ -149,18 +116,13 @@ class GenerateSession(Closeable):
         try:
             for response in self._call:
                 for chunk in response.chunks:
-                    stream = self._streams.get(chunk.request_id)
+                    stream = self._routes.get(chunk.request_id)
                     if stream is not None:
                         stream.inbox.put(chunk)
-            error = CancelledError(grpc.StatusCode.CANCELLED, "the session's call ended")
+            error = ended_error()
         except grpc.RpcError as exc:
-            error = self._to_error(exc)
-            if self._closed:
-                error = CancelledError(grpc.StatusCode.CANCELLED, "the session was closed")
-        with self._lock:
-            self._error = error
-            streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
+            error = closed_error() if self._closed else self._to_error(exc)
+        for stream in self._routes.end(error):
             stream.inbox.put(error)
 
     def stream(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> SessionStream:
@@ -172,16 +134,10 @@ class GenerateSession(Closeable):
         stream's first ``next``; the session and its other requests go on. Raises the session's error if its
         call has already ended, and ValueError for a ``request_id`` that a request of this session still uses.
         """
-        request = build_request(prompt, **with_request_id(sampling))
-        left = resolve_timeout(timeout, self._stream_timeout)
-        stream = SessionStream(self, request.request_id, num_sequences(sampling, many=True), left)
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            if request.request_id in self._streams:
-                raise ValueError(f"request_id {request.request_id!r} is in use by a request of this session")
-            self._streams[request.request_id] = stream
-        self._outgoing.put(generation_pb2.GenerateRequest(add=request))
+        add, progress = add_request(prompt, timeout, self._stream_timeout, sampling, self._routes.forget)
+        stream = SessionStream(self, progress)
+        self._routes.add(progress.request_id, stream)
+        self._outgoing.put(add)
         return stream
 
     def generate(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> Completion:
@@ -206,15 +162,9 @@ class GenerateSession(Closeable):
                 builder.add(chunk)
         return builder.build()
 
-    def forget(self, request_id: str) -> None:
-        """Stops routing ``request_id``'s chunks (its stream has ended)."""
-        with self._lock:
-            self._streams.pop(request_id, None)
-
     def cancel(self, request_id: str) -> None:
         """Asks the server to cancel one request of the session (idempotent)."""
-        cancel = generation_pb2.GenerateCancel(request_id=request_id)
-        self._outgoing.put(generation_pb2.GenerateRequest(cancel=cancel))
+        self._outgoing.put(cancel_request(request_id))
 
     def close(self) -> None:
         """Ends the call: the server cancels the session's unfinished requests. Idempotent."""
