@@ -36,8 +36,8 @@ class SessionStream(Closeable, Iterator[Chunk]):
     """The chunks of one request of a :class:`GenerateSession`, as they come.
 
     Iteration ends after the request's last chunk (every sequence's, with ``n`` > 1). ``close()`` (or
-    leaving a ``with`` block, or dropping the stream) before that cancels the request on the server; the
-    session goes on.
+    leaving a ``with`` block) before that cancels the request on the server; the session goes on. A stream
+    nobody reads still takes its request's chunks until the request ends: the session holds it till then.
     """
 
     def __init__(self, session: GenerateSession, progress: RequestProgress) -> None:
@@ -68,10 +68,6 @@ class SessionStream(Closeable, Iterator[Chunk]):
             self._session.cancel(self.request_id)
 
     cancel = close
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 class GenerateSession(Closeable):
