@@ -553,3 +553,34 @@ def test_a_replica_joining_and_one_killed_while_calls_flow_fail_no_call_a_retry_
         first.close()
         if second is not None:
             second.close()
+
+
+def test_a_session_whose_server_is_killed_fails_every_open_request_at_once(tmp_path: Path) -> None:
+    """A session's requests share one call: when its server dies mid-generation (SIGKILL), every open
+    stream raises UnavailableError at once instead of waiting for chunks that cannot come, and the session
+    takes no new request."""
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    server = ServerProcess(tmp_path / "model", tmp_path / "server.log", *ENGINE_FLAGS)
+    try:
+        server.wait_serving(timeout=STARTUP_TIMEOUT_S)
+        with (
+            Client(server.target, stream_timeout=CALL_TIMEOUT_S) as client,
+            client.session() as session,
+            AdminClient(server.admin_target, token=ADMIN_TOKEN) as admin,
+        ):
+            streams = [session.stream([5, 6, 7 + i], max_new_tokens=200, ignore_eos=True) for i in range(3)]
+            for stream in streams:
+                next(chunk for chunk in stream if chunk.token_ids)
+            with admin.pause():  # no request can end before the kill
+                server.process.send_signal(signal.SIGKILL)
+                server.process.wait(timeout=CALL_TIMEOUT_S)
+                killed_at = time.monotonic()
+                for stream in streams:
+                    with pytest.raises(errors.UnavailableError):
+                        for _ in stream:
+                            pass
+                assert time.monotonic() - killed_at < CALL_TIMEOUT_S / 3
+                with pytest.raises(errors.UnavailableError):
+                    session.stream([5, 6, 7], max_new_tokens=2)
+    finally:
+        server.close()
