@@ -150,12 +150,8 @@ func (c *Client) Conn() *grpc.ClientConn { return c.conn }
 // Generate returns one completion, so WithN(n) with n > 1 fails with ErrInvalidArgument before
 // anything is sent: call GenerateN for the n completions of one prompt.
 func (c *Client) Generate(ctx context.Context, prompt Prompt, opts ...GenerateOption) (*Completion, error) {
-	if cfg := applyGenerateOptions(opts); cfg.n != nil && *cfg.n > 1 {
-		if err := cfg.check(); err != nil { // a bad n says what is wrong with it first
-			return nil, err
-		}
-		return nil, newError(codes.InvalidArgument,
-			"WithN(%d): Generate returns one completion; call GenerateN for n > 1 (or Stream, whose chunks carry their sequence's Index)", *cfg.n)
+	if err := refuseManySequences(opts); err != nil {
+		return nil, err
 	}
 	var b completionBuilder
 	var failure error
@@ -259,6 +255,12 @@ func (c *Client) GenerateN(ctx context.Context, prompt Prompt, n int, opts ...Ge
 // nothing until the request has ended, also make the call again when the connection breaks
 // later (a replica killed mid-request), unless WithRequestID chose the id.
 func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOption) iter.Seq2[*Chunk, error] {
+	return singleUse(func(yield func(*Chunk, error) bool) { c.generate(ctx, prompt, opts, nil, yield) })
+}
+
+// singleUse is a Stream sequence that sends its request in its first range only: a second range
+// yields ErrFailedPrecondition without sending anything.
+func singleUse(send iter.Seq2[*Chunk, error]) iter.Seq2[*Chunk, error] {
 	var ranged atomic.Bool
 	return func(yield func(*Chunk, error) bool) {
 		if ranged.Swap(true) {
@@ -266,8 +268,21 @@ func (c *Client) Stream(ctx context.Context, prompt Prompt, opts ...GenerateOpti
 				"this Stream sequence was already ranged over, and a range sends its request: call Stream again for another request"))
 			return
 		}
-		c.generate(ctx, prompt, opts, nil, yield)
+		send(yield)
 	}
+}
+
+// refuseManySequences fails a call that returns one completion when opts ask for n > 1 (WithN).
+func refuseManySequences(opts []GenerateOption) error {
+	cfg := applyGenerateOptions(opts)
+	if cfg.n == nil || *cfg.n <= 1 {
+		return nil
+	}
+	if err := cfg.check(); err != nil { // a bad n says what is wrong with it first
+		return err
+	}
+	return newError(codes.InvalidArgument,
+		"WithN(%d): Generate returns one completion; call GenerateN for n > 1 (or Stream, whose chunks carry their sequence's Index)", *cfg.n)
 }
 
 // generate sends a request on a Generate call and yields its chunks, as Stream does. A call that
