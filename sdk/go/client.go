@@ -153,9 +153,17 @@ func (c *Client) Generate(ctx context.Context, prompt Prompt, opts ...GenerateOp
 	if err := refuseManySequences(opts); err != nil {
 		return nil, err
 	}
+	return collectCompletion(func(restart func(), yield func(*Chunk, error) bool) {
+		c.generate(ctx, prompt, opts, restart, yield)
+	})
+}
+
+// collectCompletion assembles the one completion of a request whose chunks send yields, as generate
+// does; send calls restart when it starts the request again, to forget what was collected.
+func collectCompletion(send func(restart func(), yield func(*Chunk, error) bool)) (*Completion, error) {
 	var b completionBuilder
 	var failure error
-	c.generate(ctx, prompt, opts, func() { b = completionBuilder{} }, func(chunk *Chunk, err error) bool {
+	send(func() { b = completionBuilder{} }, func(chunk *Chunk, err error) bool {
 		if err != nil {
 			failure = err
 			return false
@@ -172,7 +180,7 @@ func (c *Client) Generate(ctx context.Context, prompt Prompt, opts ...GenerateOp
 	if failure != nil {
 		return nil, failure
 	}
-	if !b.done { // generate reports a stream that ends early; this is a safety net.
+	if !b.done { // the request's stream reports one that ends early; this is a safety net.
 		return nil, newError(codes.Internal, "the stream of request %s ended before the request finished", b.c.RequestID)
 	}
 	return b.build(), nil

@@ -244,27 +244,7 @@ func (s *Session) Generate(ctx context.Context, prompt Prompt, opts ...GenerateO
 	if err := refuseManySequences(opts); err != nil {
 		return nil, err
 	}
-	var b completionBuilder
-	var failure error
-	s.generate(ctx, prompt, opts, func(chunk *Chunk, err error) bool {
-		if err != nil {
-			failure = err
-			return false
-		}
-		b.c.RequestID = chunk.RequestID
-		if b.done {
-			return true
-		}
-		failure = b.add(chunk)
-		return failure == nil
-	})
-	if failure != nil {
-		return nil, failure
-	}
-	if !b.done {
-		return nil, newError(codes.Internal, "request %s ended before it finished", b.c.RequestID)
-	}
-	return b.build(), nil
+	return collectCompletion(func(_ func(), yield func(*Chunk, error) bool) { s.generate(ctx, prompt, opts, yield) })
 }
 
 // Close ends the session's call: the server cancels its unfinished requests, which yield

@@ -6,7 +6,7 @@ import datetime as _dt
 import json
 import math
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import grpc
@@ -693,6 +693,22 @@ class CompletionsBuilder:
     @property
     def done(self) -> bool:
         return all(sequence.done for sequence in self._sequences)
+
+    def collect(self, chunks: Iterable[Chunk]) -> list[Completion]:
+        """Takes ``chunks`` until every sequence is done; the completions, by index."""
+        for chunk in chunks:
+            self.add(chunk)
+            if self.done:
+                break
+        return self.build()
+
+    async def collect_async(self, chunks: AsyncIterable[Chunk]) -> list[Completion]:
+        """:meth:`collect` for an async iterator of chunks."""
+        async for chunk in chunks:
+            self.add(chunk)
+            if self.done:
+                break
+        return self.build()
 
     def build(self) -> list[Completion]:
         """The completions, by index."""

@@ -283,12 +283,7 @@ class AsyncClient:
         self, prompt: Prompt, n: int, timeout: Timeout, metadata: MetadataArg, sampling: dict[str, Any]
     ) -> list[Completion]:
         async with self.stream(prompt, timeout=timeout, metadata=metadata, **sampling) as stream:
-            builder = CompletionsBuilder(stream.request_id, n, sampling)
-            async for chunk in stream:
-                builder.add(chunk)
-                if builder.done:
-                    break
-        return builder.build()
+            return await CompletionsBuilder(stream.request_id, n, sampling).collect_async(stream)
 
     def stream(
         self,

@@ -145,10 +145,7 @@ class AsyncGenerateSession(AsyncCloseable):
         self, prompt: Prompt, n: int, timeout: Timeout, sampling: dict[str, Any]
     ) -> list[Completion]:
         async with self.stream(prompt, timeout=timeout, **sampling) as stream:
-            builder = CompletionsBuilder(stream.request_id, n, sampling)
-            async for chunk in stream:
-                builder.add(chunk)
-        return builder.build()
+            return await CompletionsBuilder(stream.request_id, n, sampling).collect_async(stream)
 
     def cancel(self, request_id: str) -> None:
         """Asks the server to cancel one request of the session (idempotent)."""

@@ -260,12 +260,7 @@ class Client(ChannelOwner):
         self, prompt: Prompt, n: int, timeout: Timeout, metadata: MetadataArg, sampling: dict[str, Any]
     ) -> list[Completion]:
         with self.stream(prompt, timeout=timeout, metadata=metadata, **sampling) as stream:
-            builder = CompletionsBuilder(stream.request_id, n, sampling)
-            for chunk in stream:
-                builder.add(chunk)
-                if builder.done:
-                    break
-        return builder.build()
+            return CompletionsBuilder(stream.request_id, n, sampling).collect(stream)
 
     def stream(
         self,

@@ -153,10 +153,7 @@ class GenerateSession(Closeable):
         self, prompt: Prompt, n: int, timeout: Timeout, sampling: dict[str, Any]
     ) -> list[Completion]:
         with self.stream(prompt, timeout=timeout, **sampling) as stream:
-            builder = CompletionsBuilder(stream.request_id, n, sampling)
-            for chunk in stream:
-                builder.add(chunk)
-        return builder.build()
+            return CompletionsBuilder(stream.request_id, n, sampling).collect(stream)
 
     def cancel(self, request_id: str) -> None:
         """Asks the server to cancel one request of the session (idempotent)."""
