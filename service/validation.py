@@ -116,12 +116,23 @@ def prepare(
     return PreparedRequest(
         request_id=request_id,
         input_ids=input_ids,
-        sampling=sampling_params(settings, limits, CBSERVE_NAMES),
+        sampling=sampling_params(settings, limits, _cbserve_names(settings)),
         record_timestamps=request.record_timestamps,
         stop_strings=stop_strings,
         skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
         priority=request.priority,
     )
+
+
+def _cbserve_names(settings: Mapping[str, Any]) -> WireNames:
+    """CBSERVE_NAMES for one request: the engine names a constraint's text `structured_output.spec`, which
+    on the wire is the member of StructuredOutput's oneof the request set (`sampling.structured_output.regex`
+    for a regex)."""
+    constraint = settings.get("structured_output")
+    if constraint is None:
+        return CBSERVE_NAMES
+    spec_field = f"sampling.structured_output.{constraint.kind}"
+    return WireNames(CBSERVE_NAMES.prefix, {**CBSERVE_NAMES.renamed, "structured_output.spec": spec_field})
 
 
 def checked_request_id(request_id: str) -> str:

@@ -122,3 +122,15 @@ def test_an_empty_request_id_gets_a_fresh_one_the_client_can_follow() -> None:
 
     assert len(with_request_id({"request_id": ""})["request_id"]) == 32
     assert with_request_id({"request_id": "mine"})["request_id"] == "mine"
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "grammar"])
+def test_a_too_long_structured_output_spec_is_refused_by_both_naming_the_field_the_caller_set(
+    kind: str,
+) -> None:
+    too_long = "x" * (_bounds.MAX_STRUCTURED_OUTPUT_CHARS + 1)
+    server = _server_answer(structured_output=types_pb2.StructuredOutput(**{kind: too_long}))
+    with pytest.raises(InvalidArgumentError) as refused:
+        build_request(PROMPT, **{kind: too_long})
+    expected = f"sampling.structured_output.{kind} must be at most 65536 characters, got 65537"
+    assert (server, refused.value.details) == (expected, expected)
