@@ -314,10 +314,9 @@ class NamedGenerationService(generation_pb2_grpc.GenerationServiceServicer):
         return generation_pb2.GetModelInfoResponse(model_name=self.name)
 
     def Generate(self, request_iterator: Any, context: Any) -> Iterator[generation_pb2.GenerateResponse]:
-        # As a cbserve server does, the request is read before the call is refused: a client still
-        # writing it would otherwise get grpc-core's INTERNAL "Internal error from Core", not the reason.
-        add = next(request_iterator).add
+        # Refused before the request is read, racing the client's write of it (test_sdk_aio_refusals.py).
         self._refuse_unless_serving(context)
+        add = next(request_iterator).add
         yield generation_pb2.GenerateResponse(
             chunk=types_pb2.GenerationChunk(
                 request_id=add.request_id,

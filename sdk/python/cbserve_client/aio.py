@@ -67,6 +67,64 @@ __all__ = ["AsyncChunkStream", "AsyncClient"]
 T = TypeVar("T")
 
 
+class _FirstStatusCall:
+    """A grpc.aio Generate call whose failed read reports the status the call ended with first.
+
+    A write that fails because the call has already ended (a server refused it before reading the request,
+    or round_robin failed it at once for want of a serving replica) makes grpc.aio replace the call's status
+    with INTERNAL "Internal error from Core" (grpc/grpc#36066), and the read that follows reports that
+    instead of the server's reason. grpc.aio runs a done callback once, when the first status is set, so the
+    status read there is the real one."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._ended = False
+        self._ended_with: grpc.aio.AioRpcError | None = None  # None once ended: it ended with OK
+        call.add_done_callback(self._keep_first_status)
+
+    def _keep_first_status(self, call: Any) -> None:
+        # The status accessors are coroutines, but return without waiting once the call has ended: run
+        # here, before anything else can replace the status. Had one waited, nothing is kept and the read
+        # reports grpc.aio's status.
+        try:
+            _status_error(call).send(None)
+        except StopIteration as read:
+            self._ended, self._ended_with = True, read.value
+
+    async def read(self) -> Any:
+        try:
+            return await self._call.read()
+        except grpc.RpcError as exc:
+            if not self._ended:
+                raise
+            if self._ended_with is None:  # a late write's failure after the server's OK: all was read
+                return grpc.aio.EOF
+            raise self._ended_with from exc
+
+    async def write(self, message: Any) -> None:
+        await self._call.write(message)
+
+    async def done_writing(self) -> None:
+        await self._call.done_writing()
+
+    def cancel(self) -> bool:
+        return bool(self._call.cancel())
+
+
+async def _status_error(call: Any) -> grpc.aio.AioRpcError | None:
+    """The error an ended ``call``'s read raises for its status, or None if it ended with OK."""
+    code = await call.code()
+    if code == grpc.StatusCode.OK:
+        return None
+    return grpc.aio.AioRpcError(
+        code,
+        await call.initial_metadata(),
+        await call.trailing_metadata(),
+        await call.details(),
+        await call.debug_error_string(),
+    )
+
+
 class _ServingFirstCall:
     """The asyncio twin of ``_channel.ServingFirstCall``: a streaming call opened again on the channel
     to any replica when its first read fails because no replica serves."""
@@ -304,7 +362,7 @@ class AsyncClient:
         def start(left: float | None) -> Any:
             def open_on(stub: Any) -> Any:
                 messages = iter([generation_pb2.GenerateRequest(add=request)])
-                return stub.Generate(messages, timeout=left, metadata=call_metadata)
+                return _FirstStatusCall(stub.Generate(messages, timeout=left, metadata=call_metadata))
 
             return _ServingFirstCall(open_on, self._stub, self._stub_to_any_replica)
 
@@ -323,7 +381,9 @@ class AsyncClient:
         ``Client.session``): ``async with client.session() as session:`` then ``session.stream(...)`` or
         ``await session.generate(...)`` from any task. Call it inside the running event loop."""
         return AsyncGenerateSession(
-            self._stub.Generate(metadata=self._metadata(metadata)), self._error, self.stream_timeout
+            _FirstStatusCall(self._stub.Generate(metadata=self._metadata(metadata))),
+            self._error,
+            self.stream_timeout,
         )
 
     async def submit(
