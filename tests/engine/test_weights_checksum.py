@@ -1,16 +1,22 @@
-"""The weights' digest (engine.weights.checksum): equal weights, equal digests; any difference shows, in the
-tensor it is in."""
+"""The weights' digest (engine.weights.checksum, of cbserve_checksum's algorithm): equal weights, equal
+digests; any difference shows, in the tensor it is in."""
 
 from __future__ import annotations
 
+import cbserve_checksum
 import pytest
 import torch
+from cbserve_checksum import TensorDigester, combined_digest
 
 from engine import ContinuousBatchingConfig, ContinuousBatchingManager
-from engine.weights.checksum import ALGORITHM, combined_digest, tensor_digest, weights_checksum
+from engine.weights.checksum import weights_checksum
 from tests.helpers.models import fresh_tiny_model, seeded_tiny_llama
 
 CONFIG = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=64)
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    return TensorDigester().digest(tensor)
 
 
 @pytest.fixture
@@ -24,7 +30,7 @@ def manager():
 def test_the_servers_digest_equals_the_digest_of_the_same_weights_elsewhere(manager) -> None:
     served = manager.weights_checksum()
     expected = weights_checksum(fresh_tiny_model("llama").state_dict())
-    assert served.algorithm == ALGORITHM == "cbserve-wsum-v1"
+    assert served.algorithm == expected.algorithm == "xxh3-128"
     assert served.digest == expected.digest
     assert served.tensors == expected.tensors
     assert served.weight_version == 1
@@ -69,17 +75,21 @@ def test_the_dtype_held_counts_and_the_memory_layout_does_not() -> None:
     assert tensor_digest(odd_offset) == tensor_digest(weights), "a view at an unaligned offset"
 
 
-def test_the_digest_spans_tensors_larger_than_a_chunk(monkeypatch) -> None:
-    from engine.weights import checksum as module
-
-    weights = torch.randn(1003, generator=torch.Generator().manual_seed(3))
-    whole = tensor_digest(weights)
-    monkeypatch.setattr(module, "CHUNK_BYTES", 64)
-    assert tensor_digest(weights) == whole
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_tensors_digest_equals_its_host_copys() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool):
         host = (torch.randn(257, 33) * 100).to(dtype)
         assert tensor_digest(host.cuda()) == tensor_digest(host), dtype
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_tensor_of_many_chunks_streams_through_two_buffers_to_its_host_copys_digest(
+    monkeypatch,
+) -> None:
+    """Chunk k reuses chunk k - 2's pinned buffer: a chunk hashed after its buffer was refilled would
+    change the digest."""
+    monkeypatch.setattr(cbserve_checksum, "CHUNK_BYTES", 4096)
+    host = torch.randn(1003, 7, generator=torch.Generator().manual_seed(3))
+    digester = TensorDigester()
+    assert digester.digest(host.cuda()) == digester.digest(host)
+    assert digester.digest(host.cuda() * 2) == digester.digest(host * 2), "the staging buffers reused"

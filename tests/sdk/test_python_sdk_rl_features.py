@@ -143,7 +143,7 @@ def test_reset_prefix_cache_is_refused_with_a_request_in_flight_unless_it_aborts
 def test_the_servers_checksum_equals_the_trainers_own_of_the_same_weights(admin: AdminClient) -> None:
     served = admin.weights_checksum(per_tensor=True)
     trainer = weights_checksum(fresh_tiny_model("llama").state_dict())
-    assert served.algorithm == trainer.algorithm == "cbserve-wsum-v1"
+    assert served.algorithm == trainer.algorithm == "xxh3-128"
     assert served.digest == trainer.digest
     assert served.tensors == trainer.tensors
     assert served.num_tensors == len(served.tensors) == len(fresh_tiny_model("llama").state_dict())
@@ -176,9 +176,9 @@ def test_the_trainers_checksum_of_what_it_pushed_equals_the_servers_after_the_pu
             admin.update_weights(fresh_tiny_model("llama").state_dict())
 
 
-def test_the_trainers_digest_equals_the_engines_for_every_dtype_and_layout(monkeypatch) -> None:
-    from cbserve_client import checksum as trainer_side
-
+def test_the_trainers_checksum_equals_the_engines_for_every_dtype_and_layout() -> None:
+    """Both apply cbserve_checksum's one algorithm; this checks what each adds around it (dtype names,
+    shapes, tied names, the order of the model's lines)."""
     from engine.weights import checksum as server_side
 
     generator = torch.Generator().manual_seed(0)
@@ -194,13 +194,12 @@ def test_the_trainers_digest_equals_the_engines_for_every_dtype_and_layout(monke
         "empty": torch.empty(0, 4),
         "column-major": values.t(),
     }
-    for chunk_bytes in (server_side.CHUNK_BYTES, 12):  # one pass, then many of three words
-        monkeypatch.setattr(server_side, "CHUNK_BYTES", chunk_bytes)
-        monkeypatch.setattr(trainer_side, "_CHUNK_BYTES", chunk_bytes)
-        trainer = weights_checksum(tensors)
-        for name, tensor in tensors.items():
-            assert trainer.tensors[name].digest == server_side.tensor_digest(tensor), (name, chunk_bytes)
-        assert trainer.digest == server_side.weights_checksum(tensors).digest
+    trainer = weights_checksum(tensors)
+    server = server_side.weights_checksum(tensors)
+    assert {name: (c.digest, c.dtype, c.shape) for name, c in trainer.tensors.items()} == {
+        c.name: (c.digest, c.dtype, c.shape) for c in server.tensors
+    }
+    assert trainer.digest == server.digest
 
 
 def test_tied_weights_are_digested_once_under_each_name() -> None:
