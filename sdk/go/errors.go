@@ -177,13 +177,11 @@ func convertError(ctx context.Context, err error) error {
 	var withStatus interface{ GRPCStatus() *status.Status }
 	if errors.As(err, &withStatus) {
 		// The innermost status, not status.FromError's: that one's message is the whole chain's
-		// text, which nests gRPC's "rpc error: code = ... desc = ..." (as its retries' "max retries
-		// exhausted: failed after 4 attempts: rpc error: ..." does).
+		// text, which nests gRPC's "rpc error: code = ... desc = ..." and whatever wrapped it, such
+		// as grpc-go's retries' "max retries exhausted: failed after 4 attempts: ". The chain stays
+		// the cause, for errors.Unwrap.
 		s := withStatus.GRPCStatus()
 		code, message = s.Code(), s.Message()
-		if outer, inner := err.Error(), s.Err().Error(); outer != inner && strings.HasSuffix(outer, ": "+inner) {
-			message += " (" + strings.TrimSuffix(outer, ": "+inner) + ")"
-		}
 	} else {
 		s := status.FromContextError(err)
 		code, message = s.Code(), s.Message()
