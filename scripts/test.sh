@@ -119,6 +119,6 @@ stage buf "buf lint proto, buf format proto" check_proto
 stage go "go vet, gofmt -l, go test against a live server (sdk/go)" test_go_sdk
 stage java "mvn verify: warnings as errors, JUnit against a live server (sdk/java)" test_java_sdk
 # The buf stage ran buf lint and format already. pytest exits 5 when it collected nothing; that is a failure
-# here, as is any other non-zero status.
+# here, as is any other non-zero status. -rs lists each skipped test with its reason, which -q alone hides.
 stage --stream pytest "python3 -m pytest" \
-    python3 -m pytest -q -p no:cacheprovider --deselect tests/sdk/test_sdk_codegen.py::test_buf_lint_and_format "$@"
+    python3 -m pytest -q -rs -p no:cacheprovider --deselect tests/sdk/test_sdk_codegen.py::test_buf_lint_and_format "$@"
