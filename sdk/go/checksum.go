@@ -2,8 +2,6 @@ package cbserve
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"fmt"
 	"slices"
@@ -11,25 +9,21 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/zeebo/xxh3"
 	"google.golang.org/grpc/codes"
 )
 
-// ChecksumAlgorithm names the digest Admin.WeightsChecksum and ChecksumOf compute.
+// ChecksumAlgorithm names the digest Admin.WeightsChecksum and ChecksumOf compute, and starts
+// every digest string ("xxh3-128:" and 32 hex digits), so a digest of another algorithm never
+// compares equal by accident.
 //
-// "cbserve-wsum-v1" depends on a tensor's bytes, shape and dtype alone, so equal tensors give
-// equal digests on any device. A tensor's bytes (C order, little-endian, zero-padded to a
-// multiple of 4) are read as 32-bit words w_i; with q_i = i * 0x9E3779B1 + 0x243F6A88 and
-// h_i = fmix32(w_i XOR q_i) (mod 2^32, i taken mod 2^32; fmix32 is MurmurHash3's finaliser), two
-// lanes sum int32(h_i) and int32(h_i * (q_i OR 1)), mod 2^64; the tensor's digest is the hex
-// SHA-256 of "{dtype}:{shape, comma-separated}:{bytes}:" followed by the two lanes as 8-byte
-// little-endian integers; the model's is the hex SHA-256 of the lines "{name}\t{digest}\n" in
-// name order.
-const ChecksumAlgorithm = "cbserve-wsum-v1"
-
-const (
-	positionMultiplier = 0x9E3779B1
-	positionOffset     = 0x243F6A88
-)
+// "xxh3-128" depends on a tensor's bytes, shape and dtype alone, so equal tensors give equal
+// digests on any device: a tensor's digest is the lowercase hex (canonical, big-endian) of
+// XXH3-128, seed 0, of "{dtype}:{shape, comma-separated}:{bytes}:" followed by the tensor's bytes
+// (C order, little-endian); the model's is the same of the lines "{name}\t{digest}\n" in name
+// order. The server and the Python SDK define it in cbserve_checksum; the three SDKs check the
+// same vectors (tests/data/weights_checksum_vectors.json).
+const ChecksumAlgorithm = "xxh3-128"
 
 // TensorChecksum is the digest of one tensor: its name in the model's state dict, the dtype it
 // is held in (as safetensors names it: "F32", "BF16", ...) and its (whole) shape.
@@ -58,37 +52,19 @@ func TensorDigest(t Tensor) (string, error) {
 	if err := t.check(); err != nil {
 		return "", err
 	}
-	var lanes [2]uint64
-	var word [4]byte
-	for start := 0; start < len(t.Data); start += 4 {
-		clear(word[:])
-		copy(word[:], t.Data[start:])
-		w := binary.LittleEndian.Uint32(word[:])
-		q := uint32(start/4)*positionMultiplier + positionOffset // the word's index, mod 2^32
-		h := fmix32(w ^ q)
-		lanes[0] += uint64(int64(int32(h)))
-		lanes[1] += uint64(int64(int32(h * (q | 1))))
-	}
 	shape := make([]string, len(t.Shape))
 	for i, dim := range t.Shape {
 		shape[i] = strconv.FormatInt(dim, 10)
 	}
-	hash := sha256.New()
+	hash := xxh3.New128()
 	fmt.Fprintf(hash, "%s:%s:%d:", t.DType, strings.Join(shape, ","), len(t.Data))
-	var lane [8]byte
-	for _, sum := range lanes {
-		binary.LittleEndian.PutUint64(lane[:], sum)
-		hash.Write(lane[:])
-	}
-	return hex.EncodeToString(hash.Sum(nil)), nil
+	hash.Write(t.Data)
+	return prefixedDigest(hash), nil
 }
 
-func fmix32(h uint32) uint32 {
-	h ^= h >> 16
-	h *= 0x85EBCA6B
-	h ^= h >> 13
-	h *= 0xC2B2AE35
-	return h ^ h>>16
+func prefixedDigest(hash *xxh3.Hasher128) string {
+	sum := hash.Sum128().Bytes()
+	return ChecksumAlgorithm + ":" + hex.EncodeToString(sum[:])
 }
 
 // ChecksumOf returns the digest of each tensor and of them all, as a server holding exactly these
@@ -118,11 +94,11 @@ func combinedDigest(tensors map[string]TensorChecksum) string {
 		names = append(names, name)
 	}
 	slices.Sort(names)
-	hash := sha256.New()
+	hash := xxh3.New128()
 	for _, name := range names {
 		fmt.Fprintf(hash, "%s\t%s\n", name, tensors[name].Digest)
 	}
-	return hex.EncodeToString(hash.Sum(nil))
+	return prefixedDigest(hash)
 }
 
 // WeightsMismatchError is CheckWeights' error when replicas hold other weights than the

@@ -3,11 +3,13 @@ module github.com/cbserve/cbserve/sdk/go
 go 1.26.0
 
 require (
+	github.com/zeebo/xxh3 v1.1.0
 	google.golang.org/grpc v1.85.0
 	google.golang.org/protobuf v1.36.12
 )
 
 require (
+	github.com/klauspost/cpuid/v2 v2.2.10 // indirect
 	golang.org/x/net v0.60.0 // indirect
 	golang.org/x/sys v0.48.0 // indirect
 	golang.org/x/text v0.42.0 // indirect
