@@ -1,10 +1,7 @@
 package dev.cbserve.client;
 
 import java.nio.ByteBuffer;
-import java.nio.ByteOrder;
 import java.nio.charset.StandardCharsets;
-import java.security.MessageDigest;
-import java.security.NoSuchAlgorithmException;
 import java.util.ArrayList;
 import java.util.HexFormat;
 import java.util.LinkedHashMap;
@@ -16,6 +13,7 @@ import java.util.TreeSet;
 import java.util.concurrent.CompletableFuture;
 import java.util.concurrent.CompletionException;
 import java.util.stream.Collectors;
+import net.openhft.hashing.LongTupleHashFunction;
 
 /**
  * The weights' checksum on the client's side: the digest a server computes of the weights it
@@ -23,52 +21,32 @@ import java.util.stream.Collectors;
  * and the comparison of every replica's in one call ({@link #check(WeightsChecksum, List)}).
  *
  * <p>The algorithm, {@value #ALGORITHM}, depends on a tensor's bytes, shape and dtype alone, so
- * equal tensors give equal digests on any device. A tensor's bytes (C order, little-endian,
- * zero-padded to a multiple of 4) are read as 32-bit words w<sub>i</sub>; with q<sub>i</sub> = i *
- * 0x9E3779B1 + 0x243F6A88 and h<sub>i</sub> = fmix32(w<sub>i</sub> XOR q<sub>i</sub>) (mod
- * 2<sup>32</sup>, i taken mod 2<sup>32</sup>; fmix32 is MurmurHash3's finaliser), two lanes sum
- * int32(h<sub>i</sub>) and int32(h<sub>i</sub> * (q<sub>i</sub> OR 1)), mod 2<sup>64</sup>; the
- * tensor's digest is the hex SHA-256 of {@code "{dtype}:{shape, comma-separated}:{bytes}:"}
- * followed by the two lanes as 8-byte little-endian integers; the model's is the hex SHA-256 of the
- * lines {@code "{name}\t{digest}\n"} in name order.
+ * equal tensors give equal digests on any device: a tensor's digest is {@code "xxh3-128:"} and the
+ * lowercase hex (canonical, big-endian) of XXH3-128, seed 0, of {@code
+ * "{dtype}:{shape, comma-separated}:{bytes}:"} followed by the tensor's bytes (C order,
+ * little-endian); the model's is the same of the lines {@code "{name}\t{digest}\n"} in name order.
+ * The algorithm's name starts every digest, so a digest of another algorithm never compares equal
+ * by accident. The server and the Python SDK define it in {@code cbserve_checksum}; the three SDKs
+ * check the same vectors ({@code tests/data/weights_checksum_vectors.json}).
  */
 public final class WeightsChecksums {
   /** The algorithm's name, as servers report it. */
-  public static final String ALGORITHM = "cbserve-wsum-v1";
+  public static final String ALGORITHM = "xxh3-128";
 
-  private static final int POSITION_MULTIPLIER = 0x9E3779B1;
-  private static final int POSITION_OFFSET = 0x243F6A88;
+  private static final LongTupleHashFunction XXH3_128 = LongTupleHashFunction.xx128();
 
   private WeightsChecksums() {}
 
   /** The digest of one tensor, as a server computes it of a tensor of the same dtype, shape and bytes. */
   public static String tensorDigest(Tensor tensor) {
     byte[] data = tensor.data();
-    long[] lanes = new long[2];
-    ByteBuffer words = ByteBuffer.wrap(data).order(ByteOrder.LITTLE_ENDIAN);
-    byte[] tail = new byte[4];
-    for (int start = 0; start < data.length; start += 4) {
-      int word;
-      if (start + 4 <= data.length) {
-        word = words.getInt(start);
-      } else {
-        java.util.Arrays.fill(tail, (byte) 0);
-        System.arraycopy(data, start, tail, 0, data.length - start);
-        word = ByteBuffer.wrap(tail).order(ByteOrder.LITTLE_ENDIAN).getInt();
-      }
-      int q = (start >>> 2) * POSITION_MULTIPLIER + POSITION_OFFSET; // the word's index, mod 2^32
-      int h = fmix32(word ^ q);
-      lanes[0] += h;
-      lanes[1] += h * (q | 1);
-    }
     String shape = tensor.shape().stream().map(String::valueOf).collect(Collectors.joining(","));
-    MessageDigest sha256 = sha256();
-    sha256.update(
-        (tensor.dtype() + ":" + shape + ":" + data.length + ":").getBytes(StandardCharsets.US_ASCII));
-    ByteBuffer laneBytes = ByteBuffer.allocate(16).order(ByteOrder.LITTLE_ENDIAN);
-    laneBytes.putLong(lanes[0]).putLong(lanes[1]);
-    sha256.update(laneBytes.array());
-    return HexFormat.of().formatHex(sha256.digest());
+    byte[] header =
+        (tensor.dtype() + ":" + shape + ":" + data.length + ":").getBytes(StandardCharsets.US_ASCII);
+    // The hash takes one buffer: the header and the bytes, side by side.
+    ByteBuffer input =
+        ByteBuffer.allocate(header.length + data.length).put(header).put(data).flip();
+    return prefixedDigest(XXH3_128.hashBytes(input));
   }
 
   /**
@@ -160,28 +138,16 @@ public final class WeightsChecksums {
   }
 
   static String combinedDigest(Map<String, TensorChecksum> tensors) {
-    MessageDigest sha256 = sha256();
+    StringBuilder lines = new StringBuilder();
     for (TensorChecksum tensor : new TreeMap<>(tensors).values()) {
-      sha256.update((tensor.name() + "\t" + tensor.digest() + "\n").getBytes(StandardCharsets.UTF_8));
+      lines.append(tensor.name()).append('\t').append(tensor.digest()).append('\n');
     }
-    return HexFormat.of().formatHex(sha256.digest());
+    return prefixedDigest(XXH3_128.hashBytes(lines.toString().getBytes(StandardCharsets.UTF_8)));
   }
 
-  /** MurmurHash3's 32-bit finaliser. */
-  private static int fmix32(int h) {
-    h ^= h >>> 16;
-    h *= 0x85EBCA6B;
-    h ^= h >>> 13;
-    h *= 0xC2B2AE35;
-    h ^= h >>> 16;
-    return h;
-  }
-
-  private static MessageDigest sha256() {
-    try {
-      return MessageDigest.getInstance("SHA-256");
-    } catch (NoSuchAlgorithmException e) {
-      throw new IllegalStateException("every Java platform has SHA-256", e);
-    }
+  /** {@code "xxh3-128:"} and the hash in XXH3's canonical form: the high 64 bits first. */
+  private static String prefixedDigest(long[] lowThenHigh) {
+    HexFormat hex = HexFormat.of();
+    return ALGORITHM + ":" + hex.toHexDigits(lowThenHigh[1]) + hex.toHexDigits(lowThenHigh[0]);
   }
 }
