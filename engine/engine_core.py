@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from engine.config import ContinuousBatchingConfig
+from engine.families import check_model_support, layer_kind_counts
 from engine.kv.cache_manager import KVCacheManager, KVCacheStats
 from engine.kv.events import KVCacheEvent
 from engine.kv.offload import HostBlockPool
@@ -189,6 +190,7 @@ class EngineCore:
         config: ContinuousBatchingConfig,
         parallel: TensorParallelGroup | None = None,
     ) -> None:
+        check_model_support(model)
         self.model = model
         self.config = config
         self.device = model_device(model)
@@ -244,6 +246,8 @@ class EngineCore:
     ) -> None:
         """The cache plan, the caches, their manager, the scheduler and the runner."""
         plan = plan_cache(model, config, tensor_parallel_size(model), parallel)
+        text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
+        logger.info("%s: %s layers", type(model).__name__, layer_kind_counts(text_config))
         if config.batch_invariant:
             check_table_width(config, plan.max_model_len)
         self.max_model_len = plan.max_model_len

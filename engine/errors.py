@@ -20,3 +20,8 @@ class WeightTransferError(RuntimeError):
 
 class WeightTransferTimeout(WeightTransferError, TimeoutError):
     """The trainer, or another member of its group, did not answer within the group's timeout."""
+
+
+class UnsupportedModelError(ValueError):
+    """The engine cannot serve this model exactly (engine.families): refused at load, before anything is
+    built."""

@@ -27,6 +27,7 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.engine_core import EngineCore, call_on_steps_thread, cb_attention_implementation
+from engine.families import check_model_support
 from engine.kv.events import KVCacheEvent
 from engine.loop.admission import RejectionReason, build_request
 from engine.loop.commands import PauseHandle, PauseMode, PrefixCacheReset, SleepOutcome
@@ -102,6 +103,8 @@ class ContinuousBatchingManager:
         if self._destroyed:
             raise RuntimeError("this ContinuousBatchingManager was destroyed; create a new one")
         if self._engine is None:
+            # Before the attention switch, which some refused families fail in ways that name no reason.
+            check_model_support(self.model)
             self.switch_to_cb_friendly_attn(self.model, self.config.auto_switch_to_flash)
             group = TensorParallelGroup.for_model(self.model, self.config.cpu_group_timeout)
             # Built on a thread that ends, like every step: building runs torch ops (zeroing the null

@@ -1,15 +1,22 @@
 """KV cache groups: which layers share a block pool, derived from the model config.
 
 Full-attention layers keep every token of a request; sliding-window layers only need the last
-`sliding_window` tokens. The two kinds cannot share block tables (a sliding table drops pages a full
-table keeps), so each kind is one group with its own pool, tables and tensors. A model with one kind of
-layer has one group; a hybrid model (Gemma 2: alternating sliding and full layers) has both.
+`sliding_window` tokens. Those are the only layer kinds the engine keeps a cache for: any other
+`layer_types` entry (linear attention, convolutions, chunked attention, ...) raises here, so no layer is
+ever cached as something it is not (engine.families refuses such models first, with the family's name).
+
+The two kinds cannot share block tables (a sliding table drops pages a full table keeps), so each kind
+is one group with its own pool, tables and tensors. A model with one kind of layer has one group; a
+hybrid model (Gemma 2: alternating sliding and full layers) has both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+# The `layer_types` names of the layers a group can hold.
+CACHED_LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,12 @@ def kv_cache_groups(text_config: Any) -> list[KVCacheGroupSpec]:
     `layer_types` ("sliding_attention" / "full_attention" per layer) wins when the config has it;
     otherwise `sliding_window` (unless `use_sliding_window` is False) makes every layer sliding.
     """
+    unknown = sorted(set(getattr(text_config, "layer_types", None) or ()) - set(CACHED_LAYER_KINDS))
+    if unknown:
+        raise ValueError(
+            f"the model config has layers of kind {', '.join(map(repr, unknown))}; the KV cache holds "
+            f"only {' and '.join(CACHED_LAYER_KINDS)} layers"
+        )
     num_layers: int = text_config.num_hidden_layers
     window: int | None = getattr(text_config, "sliding_window", None)
     layer_types = getattr(text_config, "layer_types", None)

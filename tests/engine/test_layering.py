@@ -91,6 +91,8 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.runner.batch_invariant",
     },
     {"engine.runner.cache_plan"},
+    # Which model families the engine serves exactly: checked before any cache is planned.
+    {"engine.families"},
     {"engine.engine_core"},
     {
         "engine.loop.commands",

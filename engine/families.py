@@ -1,0 +1,339 @@
+"""Which model families the engine serves exactly, decided at load: a family it cannot serve is refused
+before any cache exists, with one line naming the family and the layer kind or feature it lacks.
+
+The engine runs a model's own modules and puts its paged attention in place of the model's attention
+(engine.runner.attention). That gives `model.generate`'s tokens exactly when every layer is attention of
+a kind the paged kernels compute (full or sliding window, with the model's own scale and soft-cap) and
+nothing else in the forward needs state across steps or a mask the model builds itself. A model that
+breaks either rule does not fail loudly: it yields fluent, wrong tokens. So families are admitted by
+name, never on trust:
+
+- `SERVED_FAMILIES`: the model types that tests/engine/test_model_families.py serves with greedy parity
+  on a tiny random model, one prompt alone and several batched with one longer than any window;
+- `REFUSED_FAMILIES`: every other model type of the installed transformers' causal-LM mapping, with what
+  the engine lacks to serve it;
+- a model type in neither (a newer transformers, remote code) is refused as unverified.
+
+Within a served family, a config may still turn on what the engine lacks (`layer_types` naming another
+layer kind, Falcon's ALiBi): `refusal_reason` checks those too. docs/model-families.md is generated from
+these tables (scripts/generate_family_table.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from engine.errors import UnsupportedModelError
+from engine.kv.layer_groups import CACHED_LAYER_KINDS
+
+# Verified by the conformance test: greedy parity with model.generate in fp32.
+SERVED_FAMILIES = frozenset(
+    {
+        "afmoe",
+        "apertus",
+        "arcee",
+        "aria_text",
+        "beam",
+        "bitnet",
+        "cohere",
+        "cohere2",
+        "cohere2_moe",
+        "cwm",
+        "ernie4_5",
+        "ernie4_5_moe",
+        "exaone4",
+        "exaone_moe",
+        "flex_olmo",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "glm",
+        "glm4",
+        "glm4_moe",
+        "gpt-sw3",
+        "gpt2",
+        "gpt_neox",
+        "granite",
+        "granitemoe",
+        "granitemoeshared",
+        "helium",
+        "hrm_text",
+        "hunyuan_v1_dense",
+        "hunyuan_v1_moe",
+        "hy_v3",
+        "hyperclovax",
+        "internlm3",
+        "iquestcoder",
+        "jais2",
+        "kolibri1",
+        "laguna",
+        "llama",
+        "mellum",
+        "minimax_m2",
+        "minimax_m3_vl_text",
+        "ministral",
+        "ministral3",
+        "mistral",
+        "mixtral",
+        "modernbert-decoder",
+        "nanochat",
+        "olmo",
+        "olmo2",
+        "olmo3",
+        "olmoe",
+        "opt",
+        "persimmon",
+        "phi",
+        "phi3",
+        "phimoe",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "seed_oss",
+        "smollm3",
+        "solar_open",
+        "starcoder2",
+        "vaultgemma",
+    }
+)
+
+# What the engine lacks, one line per kind ("the kind: what is missing"); the families below name them.
+ATTENTION_SINKS = (
+    "attention sinks (a learned logit per head in every softmax): the paged kernels do not add them"
+)
+CHUNKED_ATTENTION = (
+    "chunked local attention (tokens attend within their chunk only): the paged kernels do not bound it"
+)
+ALIBI = "ALiBi position biases: the model adds them through its own mask, which the paged kernels do not read"
+LATENT_ATTENTION = (
+    "multi-head latent attention (MLA: keys and values of other widths than the queries): the paged cache "
+    "and kernels hold one width"
+)
+SPARSE_ATTENTION = (
+    "sparse attention (a learned top-k selection of keys): the paged kernels attend to every key"
+)
+PER_LAYER_SHAPES = (
+    "attention layers of different head counts or widths: the paged cache has one shape for all layers"
+)
+PER_LAYER_CACHE_SHARING = (
+    "layers that read another layer's keys and values: the paged cache gives each layer its own"
+)
+DIFFERENTIAL_ATTENTION = (
+    "differential attention (two softmaxes subtracted per head): the paged kernels compute one"
+)
+MAMBA = "Mamba (selective state-space) layers: the engine holds no per-request recurrent state"
+LINEAR_ATTENTION = (
+    "linear-attention layers (gated DeltaNet and kin): the engine holds no per-request recurrent state"
+)
+SHORT_CONVOLUTION = "short-convolution layers: the engine holds no per-request convolution state"
+RECURRENT = "recurrent layers (RWKV, xLSTM, RG-LRU): the engine holds no per-request recurrent state"
+OWN_ATTENTION = (
+    "attention computed in the model's own code, not through transformers' attention interface: the paged "
+    "kernels cannot take its place"
+)
+OWN_ROTARY_ATTENTION = (
+    "interleaved or partial rotary embeddings inside attention computed in the model's own code: the paged "
+    "kernels cannot take its place"
+)
+UNVERIFIED_ATTENTION = (
+    "an attention variant the paged kernels do not reproduce: its greedy tokens differ from model.generate's"
+)
+ENCODER = (
+    "encoder layers (bidirectional attention, optional cross-attention): the engine serves decoder-only "
+    "causal LMs"
+)
+ENCODER_DECODER = (
+    "the decoder of an encoder-decoder model: its cross-attention reads encoder states the engine has not"
+)
+MULTIMODAL = (
+    "a multimodal generation class (image, audio or video inputs): serve its text model's family instead"
+)
+UNTESTED = (
+    "a configuration the conformance test cannot build a tiny model of yet, so its tokens are unverified"
+)
+UNVERIFIED_FAMILY = (
+    "a family cbserve has not verified to give model.generate's greedy tokens (docs/model-families.md lists "
+    "those it serves)"
+)
+
+REFUSED_FAMILIES: dict[str, str] = {
+    "axk1": LATENT_ATTENTION,
+    "axk2": LATENT_ATTENTION,
+    "bailing_hybrid": LINEAR_ATTENTION,
+    "bamba": MAMBA,
+    "bart": ENCODER_DECODER,
+    "bert": ENCODER,
+    "bert-generation": ENCODER,
+    "big_bird": ENCODER,
+    "bigbird_pegasus": ENCODER_DECODER,
+    "biogpt": OWN_ATTENTION,
+    "blenderbot": ENCODER_DECODER,
+    "blenderbot-small": ENCODER_DECODER,
+    "bloom": ALIBI,
+    "blt": MULTIMODAL,
+    "camembert": ENCODER,
+    "codegen": OWN_ROTARY_ATTENTION,
+    "cohere_compass_text": UNTESTED,
+    "cpmant": UNVERIFIED_ATTENTION,
+    "ctrl": OWN_ATTENTION,
+    "data2vec-text": ENCODER,
+    "dbrx": UNTESTED,
+    "deepseek_v2": LATENT_ATTENTION,
+    "deepseek_v3": LATENT_ATTENTION,
+    "deepseek_v32": SPARSE_ATTENTION,
+    "deepseek_v4": SPARSE_ATTENTION,
+    "diffllama": DIFFERENTIAL_ATTENTION,
+    "doge": OWN_ATTENTION,
+    "dots1": UNTESTED,
+    "dots3_note": MULTIMODAL,
+    "dots3_note_text": PER_LAYER_SHAPES,
+    "electra": ENCODER,
+    "emu3": MULTIMODAL,
+    "ernie": ENCODER,
+    "falcon": OWN_ATTENTION,
+    "falcon_h1": MAMBA,
+    "falcon_mamba": MAMBA,
+    "flint": UNVERIFIED_ATTENTION,
+    "fuyu": MULTIMODAL,
+    "gemma3": MULTIMODAL,
+    "gemma3n": MULTIMODAL,
+    "gemma3n_text": PER_LAYER_CACHE_SHARING,
+    "gemma4": MULTIMODAL,
+    "gemma4_assistant": PER_LAYER_CACHE_SHARING,
+    "gemma4_text": PER_LAYER_SHAPES,
+    "gemma4_unified": MULTIMODAL,
+    "gemma4_unified_assistant": PER_LAYER_CACHE_SHARING,
+    "gemma4_unified_text": PER_LAYER_SHAPES,
+    "git": MULTIMODAL,
+    "glm4_moe_lite": LATENT_ATTENTION,
+    "glm_moe_dsa": SPARSE_ATTENTION,
+    "got_ocr2": MULTIMODAL,
+    "gpt_bigcode": OWN_ATTENTION,
+    "gpt_neo": OWN_ATTENTION,
+    "gpt_neox_japanese": OWN_ATTENTION,
+    "gpt_oss": ATTENTION_SINKS,
+    "gptj": OWN_ROTARY_ATTENTION,
+    "granite_swa": UNVERIFIED_ATTENTION,
+    "granitemoe_swa": UNVERIFIED_ATTENTION,
+    "granitemoehybrid": MAMBA,
+    "hy_v4": OWN_ATTENTION,
+    "inkling2_text": UNVERIFIED_ATTENTION,
+    "inkling_text": UNVERIFIED_ATTENTION,
+    "jamba": MAMBA,
+    "jetmoe": OWN_ATTENTION,
+    "kimi_linear": LINEAR_ATTENTION,
+    "lfm2": SHORT_CONVOLUTION,
+    "lfm2_moe": SHORT_CONVOLUTION,
+    "lfm3": LINEAR_ATTENTION,
+    "llama4": MULTIMODAL,
+    "llama4_text": CHUNKED_ATTENTION,
+    "longcat_flash": LATENT_ATTENTION,
+    "mamba": MAMBA,
+    "mamba2": MAMBA,
+    "marian": ENCODER_DECODER,
+    "mbart": ENCODER_DECODER,
+    "megatron-bert": ENCODER,
+    "mimo_v2_flash": PER_LAYER_SHAPES,
+    "minicpm3": LATENT_ATTENTION,
+    "minimax": LINEAR_ATTENTION,
+    "mllama": MULTIMODAL,
+    "moshi": MULTIMODAL,
+    "moss_transcribe_diarize": MULTIMODAL,
+    "mpt": ALIBI,
+    "musicgen": MULTIMODAL,
+    "musicgen_melody": MULTIMODAL,
+    "mvp": ENCODER_DECODER,
+    "nemotron": OWN_ATTENTION,
+    "nemotron_h": MAMBA,
+    "olmo_hybrid": LINEAR_ATTENTION,
+    "openai-gpt": OWN_ATTENTION,
+    "pegasus": ENCODER_DECODER,
+    "phi4_multimodal": MULTIMODAL,
+    "plbart": ENCODER_DECODER,
+    "prophetnet": ENCODER_DECODER,
+    "qwen3_5": LINEAR_ATTENTION,
+    "qwen3_5_moe": LINEAR_ATTENTION,
+    "qwen3_5_moe_text": LINEAR_ATTENTION,
+    "qwen3_5_text": LINEAR_ATTENTION,
+    "qwen3_next": LINEAR_ATTENTION,
+    "qwen4_exp": MULTIMODAL,
+    "qwen4_exp_text": LINEAR_ATTENTION,
+    "recurrent_gemma": RECURRENT,
+    "reformer": OWN_ATTENTION,
+    "rembert": ENCODER,
+    "roberta": ENCODER,
+    "roberta-prelayernorm": ENCODER,
+    "roc_bert": ENCODER,
+    "roformer": ENCODER,
+    "rwkv": RECURRENT,
+    "stablelm": OWN_ATTENTION,
+    "trocr": ENCODER_DECODER,
+    "whisper": ENCODER_DECODER,
+    "xglm": OWN_ATTENTION,
+    "xlm": ENCODER,
+    "xlm-roberta": ENCODER,
+    "xlm-roberta-xl": ENCODER,
+    "xlnet": ENCODER,
+    "xlstm": RECURRENT,
+    "xmod": ENCODER,
+    "youtu": LATENT_ATTENTION,
+    "zamba": MAMBA,
+    "zamba2": MAMBA,
+    "zaya": UNTESTED,
+}
+
+# `layer_types` names of layers the engine holds no state for, and what each kind lacks.
+LAYER_KIND_REASONS = {
+    "chunked_attention": CHUNKED_ATTENTION,
+    "linear_attention": LINEAR_ATTENTION,
+    "mamba": MAMBA,
+    "mamba2": MAMBA,
+    "conv": SHORT_CONVOLUTION,
+    "short_conv": SHORT_CONVOLUTION,
+}
+
+
+def layer_kind_counts(text_config: Any) -> str:
+    """The model's layers by kind, such as `24 full_attention, 24 sliding_attention` (the line the server
+    logs at load)."""
+    kinds = getattr(text_config, "layer_types", None)
+    if not kinds:
+        window = getattr(text_config, "sliding_window", None)
+        sliding = window is not None and getattr(text_config, "use_sliding_window", True)
+        kinds = ["sliding_attention" if sliding else "full_attention"] * text_config.num_hidden_layers
+    return ", ".join(f"{count} {kind}" for kind, count in Counter(kinds).items())
+
+
+def _layer_kind_reason(text_config: Any) -> str | None:
+    """What a served family's config turns on that the engine lacks, if anything: a layer kind it keeps no
+    cache for."""
+    for kind in getattr(text_config, "layer_types", None) or ():
+        if kind not in CACHED_LAYER_KINDS:
+            return LAYER_KIND_REASONS.get(
+                kind,
+                f"layers of kind {kind!r}: the engine computes {' and '.join(CACHED_LAYER_KINDS)} only",
+            )
+    return None
+
+
+def refusal_reason(config: Any) -> str | None:
+    """Why the engine refuses a model with this config, or None when it serves it exactly."""
+    model_type: str = getattr(config, "model_type", "") or ""
+    if model_type in REFUSED_FAMILIES:
+        return REFUSED_FAMILIES[model_type]
+    if model_type not in SERVED_FAMILIES:
+        return UNVERIFIED_FAMILY
+    return _layer_kind_reason(config.get_text_config())
+
+
+def check_model_support(model: Any) -> None:
+    """Raises `UnsupportedModelError` naming the family and what the engine lacks, before anything is
+    built for a model it cannot serve exactly."""
+    config = model.config
+    reason = refusal_reason(config)
+    if reason is not None:
+        raise UnsupportedModelError(
+            f"cbserve cannot serve {type(model).__name__} (model type {config.model_type!r}): {reason}"
+        )

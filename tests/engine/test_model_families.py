@@ -1,0 +1,108 @@
+"""The conformance matrix: every causal-LM family of the installed transformers is served with
+`model.generate`'s greedy tokens or refused at load with what the engine lacks (engine.families).
+
+A served family runs a tiny random model (tests/helpers/families.py) with one prompt alone and three
+batched, one of them longer than any sliding window; a refused family is refused before anything is
+built, through the public API, with the table's reason in the message.
+"""
+
+from __future__ import annotations
+
+import pytest
+from transformers import GenerationConfig, PretrainedConfig
+
+from engine import ContinuousBatchingConfig, generate_batch
+from engine.errors import UnsupportedModelError
+from engine.families import REFUSED_FAMILIES, SERVED_FAMILIES, UNVERIFIED_FAMILY, refusal_reason
+from tests.helpers.families import (
+    LONG_PROMPT,
+    causal_lm_families,
+    tiny_family_config,
+    tiny_family_model,
+    weightless_family_model,
+)
+from tests.helpers.models import random_prompt
+from tests.helpers.oracle import reference_greedy
+
+NEW_TOKENS = 10
+PROMPT_LENGTHS = (5, 31, LONG_PROMPT)
+CONFIG = dict(page_size=8, num_blocks=96, max_batch_tokens=64)
+
+
+def engine_tokens(model, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = generate_batch(
+        model,
+        prompts,
+        generation_config=GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None),
+        continuous_batching_config=ContinuousBatchingConfig(**CONFIG),
+        warmup=False,
+    )
+    errors = [output.error for output in outputs.values() if output.error]
+    assert not errors, errors[0]
+    return [list(output.generated_tokens) for output in outputs.values()]
+
+
+def test_every_causal_lm_family_is_either_served_or_refused_by_name():
+    installed = set(causal_lm_families())
+    unclassified = sorted(installed - SERVED_FAMILIES - set(REFUSED_FAMILIES))
+    assert not unclassified, f"families of the installed transformers in neither table: {unclassified}"
+    both = sorted(SERVED_FAMILIES & set(REFUSED_FAMILIES))
+    assert not both, f"families both served and refused: {both}"
+
+
+@pytest.mark.parametrize("model_type", sorted(SERVED_FAMILIES))
+def test_a_served_family_gives_model_generates_greedy_tokens_alone_and_batched(model_type):
+    model = tiny_family_model(model_type)
+    prompts = [random_prompt(length, seed=length) for length in PROMPT_LENGTHS]
+    expected = [reference_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
+    assert len({tuple(tokens) for tokens in expected}) > 1, (
+        f"{model_type}: every prompt gives the same tokens, so parity would prove nothing: {expected}"
+    )
+    runs = {"alone": engine_tokens(model, prompts[-1:]), "batched": engine_tokens(model, prompts)}
+    for label, (got, wanted) in (
+        ("alone", (runs["alone"], expected[-1:])),
+        ("batched", (runs["batched"], expected)),
+    ):
+        for prompt, tokens, reference in zip(prompts[-len(got) :], got, wanted, strict=True):
+            assert tokens == reference, (
+                f"{model_type} {label}, prompt of {len(prompt)} tokens, differs from model.generate\n"
+                f"  engine:   {tokens}\n  generate: {reference}"
+            )
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED_FAMILIES))
+def test_a_refused_family_is_refused_at_load_naming_what_the_engine_lacks(model_type):
+    model = weightless_family_model(model_type)
+    if model is None:  # its default config builds no model: the engine would read the type alone
+        config = PretrainedConfig()
+        config.model_type = model_type
+        assert refusal_reason(config) == REFUSED_FAMILIES[model_type]
+        return
+    with pytest.raises(UnsupportedModelError) as refused:
+        generate_batch(model, [[3, 4, 5]], max_new_tokens=1, warmup=False)
+    message = str(refused.value)
+    # A multimodal family's causal-LM class is built on its text config, which the engine reads.
+    served_type = model.config.model_type
+    assert f"cannot serve {type(model).__name__} (model type {served_type!r})" in message, message
+    assert REFUSED_FAMILIES.get(served_type, UNVERIFIED_FAMILY) in message, message
+
+
+def test_a_family_outside_both_tables_is_refused_as_unverified():
+    config = tiny_family_config("llama")
+    config.model_type = "llama_from_the_future"
+    assert refusal_reason(config) == UNVERIFIED_FAMILY
+
+
+@pytest.mark.parametrize(
+    ("layer_kind", "lacking"),
+    [
+        ("linear_attention", "recurrent state"),
+        ("conv", "convolution state"),
+        ("moe_attention", "'moe_attention'"),
+    ],
+)
+def test_a_served_family_with_a_layer_kind_the_engine_lacks_is_refused_naming_it(layer_kind, lacking):
+    model = tiny_family_model("qwen2")
+    model.config.layer_types = ["full_attention", layer_kind]
+    with pytest.raises(UnsupportedModelError, match=lacking):
+        generate_batch(model, [[3, 4, 5]], max_new_tokens=1, warmup=False)
