@@ -16,9 +16,11 @@ from engine.errors import (
     DuplicateRequestError,
     EngineBusyError,
     QueueFullError,
+    UnsupportedModelError,
     WeightTransferError,
     WeightTransferTimeout,
 )
+from engine.families import check_model_support
 from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from engine.loop.commands import PauseHandle, PauseMode, PrefixCacheReset, SleepOutcome
 from engine.manager import ContinuousBatchingManager
@@ -92,6 +94,7 @@ __all__ = [
     "SleepOutcome",
     "StructuredOutput",
     "TensorChecksum",
+    "UnsupportedModelError",
     "WeightBucket",
     "WeightTransferError",
     "WeightTransferTimeout",
@@ -99,6 +102,7 @@ __all__ = [
     "build_sampling_params",
     "cache_root",
     "call_on_steps_thread",
+    "check_model_support",
     "check_tensor_parallel_size",
     "check_token_ids",
     "checkpoint_quantization",

@@ -190,7 +190,7 @@ class EngineCore:
         config: ContinuousBatchingConfig,
         parallel: TensorParallelGroup | None = None,
     ) -> None:
-        check_model_support(model)
+        check_model_support(model.config, type(model).__name__)
         self.model = model
         self.config = config
         self.device = model_device(model)

@@ -328,12 +328,12 @@ def refusal_reason(config: Any) -> str | None:
     return _layer_kind_reason(config.get_text_config())
 
 
-def check_model_support(model: Any) -> None:
-    """Raises `UnsupportedModelError` naming the family and what the engine lacks, before anything is
-    built for a model it cannot serve exactly."""
-    config = model.config
+def check_model_support(config: Any, class_name: str) -> None:
+    """Raises `UnsupportedModelError` naming the family and what the engine lacks when the engine cannot
+    serve a model of class `class_name` with this config exactly. The engine checks the model it is
+    given before it builds anything; a server checks the folder's config before it loads any weights."""
     reason = refusal_reason(config)
     if reason is not None:
         raise UnsupportedModelError(
-            f"cbserve cannot serve {type(model).__name__} (model type {config.model_type!r}): {reason}"
+            f"cbserve cannot serve {class_name} (model type {config.model_type!r}): {reason}"
         )

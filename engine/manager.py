@@ -104,7 +104,7 @@ class ContinuousBatchingManager:
             raise RuntimeError("this ContinuousBatchingManager was destroyed; create a new one")
         if self._engine is None:
             # Before the attention switch, which some refused families fail in ways that name no reason.
-            check_model_support(self.model)
+            check_model_support(self.model.config, type(self.model).__name__)
             self.switch_to_cb_friendly_attn(self.model, self.config.auto_switch_to_flash)
             group = TensorParallelGroup.for_model(self.model, self.config.cpu_group_timeout)
             # Built on a thread that ends, like every step: building runs torch ops (zeroing the null

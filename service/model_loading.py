@@ -11,6 +11,7 @@ import torch
 
 from engine import (
     ContinuousBatchingConfig,
+    check_model_support,
     checkpoint_quantization,
     load_gguf_linears,
     load_quantized_checkpoint,
@@ -55,6 +56,21 @@ def is_gguf_file(path: str) -> bool:
     return path.endswith(".gguf") and os.path.isfile(path)
 
 
+def serving_attention(source: str, from_pretrained_arguments: dict[str, Any]) -> str:
+    """The attention implementation to load the model at `source` with, once its config shows that the
+    engine serves its family (engine.check_model_support: refused before any weight is read): SDPA, or
+    eager for a class that has no SDPA attention (Gemma 2). The engine's paged attention replaces either;
+    this one serves the model's plain forwards."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source, **from_pretrained_arguments)
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if model_class is None:
+        raise ValueError(f"{source} holds a {type(config).__name__}, which has no causal-LM class")
+    check_model_support(config, model_class.__name__)
+    return "sdpa" if model_class._supports_sdpa else "eager"
+
+
 def load_pretrained(
     path: str, device: str = "auto", dtype: str = "auto"
 ) -> tuple[torch.nn.Module, Any | None]:
@@ -73,6 +89,7 @@ def load_pretrained(
     if is_gguf_file(path):
         source, name = os.path.split(os.path.abspath(path))
         gguf_arguments = {"gguf_file": name, "local_files_only": True}
+    attention = serving_attention(source, gguf_arguments)
     quantized_checkpoint = None if gguf_arguments else checkpoint_quantization(path)
     if quantized_checkpoint is not None:
         if torchrun_world_size() > 1 or resolved_device.type != "cpu":
@@ -80,16 +97,16 @@ def load_pretrained(
                 f"{quantized_checkpoint['quant_method']} checkpoints are served on one CPU process (the int4 "
                 f"kernel); got device {resolved_device.type} with {torchrun_world_size()} rank(s)"
             )
-        model = load_quantized_checkpoint(path, resolved_dtype, "sdpa")
+        model = load_quantized_checkpoint(path, resolved_dtype, attention)
     elif torchrun_world_size() > 1:
         if gguf_arguments:
             raise ValueError(f"a GGUF file is served on one process; got {torchrun_world_size()} ranks")
-        model = load_sharded_model(path, resolved_dtype, "sdpa")
+        model = load_sharded_model(path, resolved_dtype, attention)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=resolved_dtype,
-            attn_implementation="sdpa",
+            attn_implementation=attention,
             device_map=str(resolved_device),
             **gguf_arguments,
         )
