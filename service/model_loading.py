@@ -64,7 +64,7 @@ def serving_attention(source: str, from_pretrained_arguments: dict[str, Any]) ->
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(source, **from_pretrained_arguments)
-    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    model_class: Any = AutoModelForCausalLM._model_mapping.get(type(config), None)
     if model_class is None:
         raise ValueError(f"{source} holds a {type(config).__name__}, which has no causal-LM class")
     check_model_support(config, model_class.__name__)
