@@ -21,17 +21,29 @@ Prints one JSON object per path (median and every push's seconds) and a last one
 and the machine's load.
 The first push into a fresh server also pages its weights in (they are mapped from the safetensors file
 until first written), whichever path it takes.
+
+    python -m bench.weight_sync --checksum                          # GetWeightsChecksum, embedded model
+    python -m bench.weight_sync --checksum --baseline-tree /tmp/old  # the same, alternating with a server
+                                                                     # of another checkout (git archive)
+
+`--checksum` measures the checksum a trainer asks for after a push, on the embedded SmolLM2-135M-Instruct
+(float32, 0.5 GB): the call's seconds, and the longest gap between two tokens of a request streaming
+beside it (generation waits while the engine digests its weights), against the longest gap of the same
+stream without a checksum. With `--baseline-tree` a second server runs from that folder (its own engine,
+service and SDK), and the rounds alternate between the two.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +55,7 @@ from cbserve_client._buckets import DEFAULT_BUCKET_BYTES
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from bench.serving_load import ServerProcess
+from service.default_model import ensure_default_model
 
 TOKEN = "weight-sync-bench"
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
@@ -210,6 +223,121 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
+class StreamBeside:
+    """A greedy request streaming many tokens, with the time each token arrived."""
+
+    def __init__(self, target: str, num_tokens: int) -> None:
+        self.arrivals: list[float] = []
+        self._client = Client(target, timeout=600)
+        self._thread = threading.Thread(target=self._read, args=(num_tokens,), daemon=True)
+        self._thread.start()
+
+    def _read(self, num_tokens: int) -> None:
+        for _chunk in self._client.stream(PROMPT, max_new_tokens=num_tokens, ignore_eos=True, timeout=600):
+            self.arrivals.append(time.perf_counter())
+
+    def wait_tokens(self, count: int) -> None:
+        while len(self.arrivals) < count and self._thread.is_alive():
+            time.sleep(0.005)
+
+    def longest_gap(self, start: float, end: float) -> float:
+        """The longest wait for a token between `start` and `end` (a wait cut by either counts to it)."""
+        times = [start, *(arrival for arrival in self.arrivals if start < arrival < end), end]
+        return max(later - earlier for earlier, later in itertools.pairwise(times))
+
+    def close(self) -> None:
+        self._thread.join()
+        self._client.close()
+
+
+def checksum_round(server: ServerProcess) -> dict[str, float]:
+    """One GetWeightsChecksum beside a streaming request: the call's seconds, the stream's longest gap
+    while it ran, and the stream's longest gap over as long a window before it, with no checksum."""
+    with AdminClient(f"127.0.0.1:{server.admin_port}", token=TOKEN, timeout=600) as admin:
+        stream = StreamBeside(server.target, num_tokens=300)
+        try:
+            stream.wait_tokens(20)
+            quiet_start = time.perf_counter()
+            stream.wait_tokens(60)
+            started = time.perf_counter()
+            admin.weights_checksum()
+            ended = time.perf_counter()
+            seconds = ended - started
+            stream.wait_tokens(len(stream.arrivals) + 5)
+            return {
+                "checksum_s": seconds,
+                "stall_s": stream.longest_gap(started, ended + 1e-3),
+                "quiet_gap_s": stream.longest_gap(quiet_start, started),
+            }
+        finally:
+            stream.close()
+
+
+def checksum_server(model_dir: str, tree: Path | None, log_path: Path, threads: int) -> ServerProcess:
+    """`cbserve serve` of this checkout, or of `tree` (its engine, service and SDK first on the path)."""
+    server_args = argparse.Namespace(page_size=16, max_batch_tokens=256, num_blocks=256, threads=threads)
+    if tree is None:
+        return ServerProcess(model_dir, log_path, server_args)
+    # PYTHONSAFEPATH: `python -m` then leaves out its working folder (this checkout), so the tree's
+    # packages on PYTHONPATH come before this checkout's, which the editable installs map.
+    tree_path = {
+        "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "sdk" / "python")]),
+        "PYTHONSAFEPATH": "1",
+    }
+    saved = {name: os.environ.get(name) for name in tree_path}
+    os.environ.update(tree_path)
+    try:
+        server = ServerProcess(model_dir, log_path, server_args)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+    return server
+
+
+def measure_checksum(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Rounds alternate between this checkout's server and the baseline's, when there is one."""
+    model_dir = ensure_default_model()
+    os.environ["CBSERVE_ADMIN_TOKEN"] = TOKEN
+    num_bytes = sum(path.stat().st_size for path in Path(model_dir).glob("*.safetensors"))
+    trees = {"this_tree": None} | ({"baseline": Path(args.baseline_tree)} if args.baseline_tree else {})
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    algorithms: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        servers: dict[str, ServerProcess] = {}
+        try:
+            for name, tree in trees.items():
+                servers[name] = checksum_server(model_dir, tree, Path(folder) / f"{name}.log", args.threads)
+            for name, server in servers.items():
+                server.wait_serving()
+                with AdminClient(f"127.0.0.1:{server.admin_port}", token=TOKEN, timeout=600) as admin:
+                    algorithms[name] = admin.weights_checksum().algorithm  # pages the weights in, untimed
+            for _ in range(args.rounds):
+                for name, server in servers.items():
+                    rounds[name].append(checksum_round(server))
+        finally:
+            for server in servers.values():
+                server.stop()
+    records: list[dict[str, Any]] = []
+    for name, measured in rounds.items():
+        medians = {key: round(statistics.median(r[key] for r in measured), 4) for key in measured[0]}
+        records.append(
+            {
+                "path": f"checksum_{name}",
+                "algorithm": algorithms[name],
+                "model_bytes": num_bytes,
+                "rounds": args.rounds,
+                **{f"median_{key}": value for key, value in medians.items()},
+                "checksum_gb_per_s": round(num_bytes / medians["checksum_s"] / 1e9, 2),
+                "checksum_s": [round(r["checksum_s"], 4) for r in measured],
+                "stall_s": [round(r["stall_s"], 4) for r in measured],
+            }
+        )
+    return records
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -231,11 +359,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--busy-neighbour", action="store_true", help="beside a process that keeps one CPU busy"
     )
+    parser.add_argument(
+        "--checksum", action="store_true", help="measure GetWeightsChecksum on the embedded model instead"
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        help="with --checksum: a checkout (git archive) whose server alternates with this one",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    for entry in run(parse_args(argv)):
+    args = parse_args(argv)
+    for entry in measure_checksum(args) if args.checksum else run(args):
         print(json.dumps(entry), flush=True)
 
 
