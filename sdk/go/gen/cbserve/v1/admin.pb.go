@@ -2120,7 +2120,7 @@ type TensorChecksum struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The tensor's name in the model's state dict.
 	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
-	// Lowercase hex digest of the tensor's bytes, shape and dtype.
+	// Digest of the tensor's bytes, shape and dtype, prefixed as GetWeightsChecksumResponse.digest.
 	Digest string `protobuf:"bytes,2,opt,name=digest,proto3" json:"digest,omitempty"`
 	// The dtype the server holds it in, as TensorChunk.dtype names it ("F32", "BF16", ...).
 	Dtype string `protobuf:"bytes,3,opt,name=dtype,proto3" json:"dtype,omitempty"`
@@ -2191,10 +2191,10 @@ func (x *TensorChecksum) GetShape() []int64 {
 // Response of AdminService.GetWeightsChecksum.
 type GetWeightsChecksumResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Lowercase hex digest of every tensor of the model's state dict (parameters and persistent
-	// buffers, tied names included) together.
+	// Digest of every tensor of the model's state dict (parameters and persistent buffers, tied names
+	// included) together: the algorithm's name, ":" and lowercase hex, e.g. "xxh3-128:" and 32 digits.
 	Digest string `protobuf:"bytes,1,opt,name=digest,proto3" json:"digest,omitempty"`
-	// The algorithm the digests are computed with, e.g. "cbserve-wsum-v1".
+	// The algorithm the digests are computed with, e.g. "xxh3-128".
 	Algorithm string `protobuf:"bytes,2,opt,name=algorithm,proto3" json:"algorithm,omitempty"`
 	// Version of the weights the digest is of.
 	WeightVersion uint64 `protobuf:"varint,3,opt,name=weight_version,json=weightVersion,proto3" json:"weight_version,omitempty"`

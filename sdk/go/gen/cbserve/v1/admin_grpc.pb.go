@@ -116,11 +116,11 @@ type AdminServiceClient interface {
 	// FAILED_PRECONDITION and changes nothing, unless `abort` is set, which cancels them first (each
 	// ends CANCELLED).
 	ResetPrefixCache(ctx context.Context, in *ResetPrefixCacheRequest, opts ...grpc.CallOption) (*ResetPrefixCacheResponse, error)
-	// A digest of the weights the server holds (slime's check_weights), computed on the device that
-	// holds them, between two engine steps: equal weights give equal digests, on any device, so a
-	// trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
-	// with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-	// defined in docs/weight-sync.md ("Weight checksum").
+	// A digest of the weights the server holds (slime's check_weights), computed between two engine
+	// steps: equal weights give equal digests, on any device, so a trainer checks that every replica
+	// holds what it pushed by comparing theirs (and its own, computed with the SDK's weights_checksum).
+	// The algorithm is named in the response and starts every digest; "xxh3-128" is defined in
+	// docs/weight-sync.md ("Weight checksum").
 	GetWeightsChecksum(ctx context.Context, in *GetWeightsChecksumRequest, opts ...grpc.CallOption) (*GetWeightsChecksumResponse, error)
 }
 
@@ -359,11 +359,11 @@ type AdminServiceServer interface {
 	// FAILED_PRECONDITION and changes nothing, unless `abort` is set, which cancels them first (each
 	// ends CANCELLED).
 	ResetPrefixCache(context.Context, *ResetPrefixCacheRequest) (*ResetPrefixCacheResponse, error)
-	// A digest of the weights the server holds (slime's check_weights), computed on the device that
-	// holds them, between two engine steps: equal weights give equal digests, on any device, so a
-	// trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
-	// with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-	// defined in docs/weight-sync.md ("Weight checksum").
+	// A digest of the weights the server holds (slime's check_weights), computed between two engine
+	// steps: equal weights give equal digests, on any device, so a trainer checks that every replica
+	// holds what it pushed by comparing theirs (and its own, computed with the SDK's weights_checksum).
+	// The algorithm is named in the response and starts every digest; "xxh3-128" is defined in
+	// docs/weight-sync.md ("Weight checksum").
 	GetWeightsChecksum(context.Context, *GetWeightsChecksumRequest) (*GetWeightsChecksumResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }

@@ -1080,7 +1080,7 @@ class TensorChecksum(_message.Message):
     name: _builtins.str
     """The tensor's name in the model's state dict."""
     digest: _builtins.str
-    """Lowercase hex digest of the tensor's bytes, shape and dtype."""
+    """Digest of the tensor's bytes, shape and dtype, prefixed as GetWeightsChecksumResponse.digest."""
     dtype: _builtins.str
     """The dtype the server holds it in, as TensorChunk.dtype names it ("F32", "BF16", ...)."""
     @_builtins.property
@@ -1115,11 +1115,11 @@ class GetWeightsChecksumResponse(_message.Message):
     TENSORS_FIELD_NUMBER: _builtins.int
     NUM_TENSORS_FIELD_NUMBER: _builtins.int
     digest: _builtins.str
-    """Lowercase hex digest of every tensor of the model's state dict (parameters and persistent
-    buffers, tied names included) together.
+    """Digest of every tensor of the model's state dict (parameters and persistent buffers, tied names
+    included) together: the algorithm's name, ":" and lowercase hex, e.g. "xxh3-128:" and 32 digits.
     """
     algorithm: _builtins.str
-    """The algorithm the digests are computed with, e.g. "cbserve-wsum-v1"."""
+    """The algorithm the digests are computed with, e.g. "xxh3-128"."""
     weight_version: _builtins.int
     """Version of the weights the digest is of."""
     num_tensors: _builtins.int

@@ -237,11 +237,11 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetWeightsChecksum(self, request, context):
-        """A digest of the weights the server holds (slime's check_weights), computed on the device that
-        holds them, between two engine steps: equal weights give equal digests, on any device, so a
-        trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
-        with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-        defined in docs/weight-sync.md ("Weight checksum").
+        """A digest of the weights the server holds (slime's check_weights), computed between two engine
+        steps: equal weights give equal digests, on any device, so a trainer checks that every replica
+        holds what it pushed by comparing theirs (and its own, computed with the SDK's weights_checksum).
+        The algorithm is named in the response and starts every digest; "xxh3-128" is defined in
+        docs/weight-sync.md ("Weight checksum").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -119,11 +119,11 @@ class AdminServiceStub:
     ends CANCELLED).
     """
     GetWeightsChecksum: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetWeightsChecksumRequest, _admin_pb2.GetWeightsChecksumResponse]
-    """A digest of the weights the server holds (slime's check_weights), computed on the device that
-    holds them, between two engine steps: equal weights give equal digests, on any device, so a
-    trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
-    with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-    defined in docs/weight-sync.md ("Weight checksum").
+    """A digest of the weights the server holds (slime's check_weights), computed between two engine
+    steps: equal weights give equal digests, on any device, so a trainer checks that every replica
+    holds what it pushed by comparing theirs (and its own, computed with the SDK's weights_checksum).
+    The algorithm is named in the response and starts every digest; "xxh3-128" is defined in
+    docs/weight-sync.md ("Weight checksum").
     """
 
 @_typing.type_check_only
@@ -211,11 +211,11 @@ class AdminServiceAsyncStub(AdminServiceStub):
     ends CANCELLED).
     """
     GetWeightsChecksum: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetWeightsChecksumRequest, _admin_pb2.GetWeightsChecksumResponse]  # type: ignore[assignment]
-    """A digest of the weights the server holds (slime's check_weights), computed on the device that
-    holds them, between two engine steps: equal weights give equal digests, on any device, so a
-    trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
-    with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-    defined in docs/weight-sync.md ("Weight checksum").
+    """A digest of the weights the server holds (slime's check_weights), computed between two engine
+    steps: equal weights give equal digests, on any device, so a trainer checks that every replica
+    holds what it pushed by comparing theirs (and its own, computed with the SDK's weights_checksum).
+    The algorithm is named in the response and starts every digest; "xxh3-128" is defined in
+    docs/weight-sync.md ("Weight checksum").
     """
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -378,11 +378,11 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.GetWeightsChecksumRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.GetWeightsChecksumResponse, _abc.Awaitable[_admin_pb2.GetWeightsChecksumResponse]]:
-        """A digest of the weights the server holds (slime's check_weights), computed on the device that
-        holds them, between two engine steps: equal weights give equal digests, on any device, so a
-        trainer checks that every replica holds what it pushed by comparing theirs (and its own, computed
-        with the SDK's weights_checksum). The algorithm is named in the response; "cbserve-wsum-v1" is
-        defined in docs/weight-sync.md ("Weight checksum").
+        """A digest of the weights the server holds (slime's check_weights), computed between two engine
+        steps: equal weights give equal digests, on any device, so a trainer checks that every replica
+        holds what it pushed by comparing theirs (and its own, computed with the SDK's weights_checksum).
+        The algorithm is named in the response and starts every digest; "xxh3-128" is defined in
+        docs/weight-sync.md ("Weight checksum").
         """
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
