@@ -116,7 +116,10 @@ class PagedAttentionMetadata:
         return tensors
 
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float | None], torch.Tensor]
+Kernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float | None, torch.Tensor | None],
+    torch.Tensor,
+]
 
 
 def sdpa_kernel(
@@ -126,9 +129,10 @@ def sdpa_kernel(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if softcap is not None:
-        return eager_kernel(query, key, value, mask, scale, softcap)
+    if softcap is not None or sinks is not None:
+        return eager_kernel(query, key, value, mask, scale, softcap, sinks)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
 
 
@@ -139,12 +143,19 @@ def eager_kernel(
     mask: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """`sinks` [1, H_kv, rows, 1]: each score row's sink logit, one more softmax column that takes
+    probability mass and contributes no value (gpt-oss)."""
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores + mask
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
     return torch.matmul(probs, value)
 
 
@@ -174,8 +185,10 @@ def paged_attention(
 ) -> tuple[torch.Tensor, None]:
     """query [1, H, T, D], key/value [1, H_kv, T, D] -> output [1, T, H, D].
 
-    `sliding_window` needs no handling here: each cache group's masks already apply its window.
+    `sliding_window` needs no handling here: each cache group's masks already apply its window. Attention
+    sinks arrive as `s_aux` [H] (gpt-oss's keyword), one logit per query head.
     """
+    sinks: torch.Tensor | None = kwargs.get("s_aux")  # type: ignore[assignment]
     if paged_metadata is None:
         # A plain forward (model.generate, a trainer computing logprobs) while the engine owns the model;
         # under `engine.trainer_exact`, through the engine's kernel in its batch-invariant order.
@@ -186,7 +199,8 @@ def paged_attention(
                 module, query, key, value, attention_mask, scaling, sliding_window=sliding_window,
                 softcap=softcap, **kwargs,  # type: ignore[arg-type]
             )  # fmt: skip
-        fallback = _sdpa_fallback if kernel is sdpa_kernel else _eager_fallback(module)
+        uses_sdpa = kernel is sdpa_kernel and sinks is None  # the model's eager code adds its sinks
+        fallback = _sdpa_fallback if uses_sdpa else _eager_fallback(module)
         return fallback(
             module,
             query,
@@ -199,9 +213,9 @@ def paged_attention(
             **kwargs,
         )
     if paged_metadata.kernel_inputs is not None:
-        return _kernel_attention(module, query, key, value, paged_metadata, scaling, softcap), None
+        return _kernel_attention(module, query, key, value, paged_metadata, scaling, softcap, sinks), None
     gathered = _gather_attention if paged_metadata.is_decode_only else _varlen_gather_attention
-    return gathered(kernel, module, query, key, value, paged_metadata, scaling, softcap), None
+    return gathered(kernel, module, query, key, value, paged_metadata, scaling, softcap, sinks), None
 
 
 def _write_keys_and_values(
@@ -242,6 +256,7 @@ def _kernel_attention(
     meta: PagedAttentionMetadata,
     scaling: float | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """The kernel path: one launch for the whole step, keys read in place.
 
@@ -251,7 +266,8 @@ def _kernel_attention(
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     rows = query[0].transpose(0, 1)
     keys, values = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    return write_and_attend(module.layer_idx, rows, keys, values, meta, scale, softcap)[None]  # type: ignore[arg-type]
+    layer_index: int = module.layer_idx  # type: ignore[assignment]
+    return write_and_attend(layer_index, rows, keys, values, meta, scale, softcap, sinks)[None]
 
 
 def write_and_attend(
@@ -262,9 +278,11 @@ def write_and_attend(
     meta: PagedAttentionMetadata,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's attention on the kernel path: writes the step's keys and values [T, H_kv, D] into the
-    layer's caches, then attends the queries [T, H, D] to their requests' keys; returns [T, H, D]."""
+    layer's caches, then attends the queries [T, H, D] to their requests' keys (with the layer's sink
+    logits [H], if it has them); returns [T, H, D]."""
     key_cache, value_cache, group = _write_keys_and_values(layer_index, keys, values, meta)
     inputs = meta.kernel_inputs
     assert inputs is not None and meta.attention_kernel is not None
@@ -284,6 +302,7 @@ def write_and_attend(
         meta.sliding_windows[group],
         inputs.has_unowned_rows,
         inputs.fixed_order,
+        sinks,
     )
 
 
@@ -296,6 +315,7 @@ def _gather_attention(
     meta: PagedAttentionMetadata,
     scaling: float | None,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """The gather path: every batch of the step, each filling the rows it names. A decode-only step has one
     batch covering every row in order (`output_rows` None), which is the output itself, or, run eagerly,
@@ -303,10 +323,12 @@ def _gather_attention(
     batch per chunk besides its decode rows."""
     rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
     if len(meta.batches) == 1 and meta.batches[0].output_rows is None:
-        return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap)[None]
+        return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap, sinks)[
+            None
+        ]
     output = torch.zeros_like(rows)
     for batch in meta.batches:
-        attended = attend(kernel, batch, group, rows, key_cache, value_cache, scale, softcap)
+        attended = attend(kernel, batch, group, rows, key_cache, value_cache, scale, softcap, sinks)
         output.index_copy_(0, batch.output_rows, attended)  # type: ignore[arg-type]
     return output[None]
 
@@ -326,8 +348,10 @@ def attend(
     value_cache: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """rows [T, H, D] -> [N, H, D]: the batch's real queries attended over their own keys."""
+    """rows [T, H, D] -> [N, H, D]: the batch's real queries attended over their own keys (with the
+    layer's sink logits [H], if it has them)."""
     num_requests, num_queries = batch.query_rows.shape
     num_heads, head_dim = rows.shape[1], rows.shape[2]
     num_kv_heads = key_cache.shape[1]
@@ -345,7 +369,17 @@ def attend(
     gathered_shape = (num_requests, key_slots.shape[1], num_kv_heads, head_dim)
     keys = key_cache.index_select(0, flat_slots).view(gathered_shape).transpose(1, 2)  # [S, H_kv, K, D]
     values = value_cache.index_select(0, flat_slots).view(gathered_shape).transpose(1, 2)
-    attended = kernel(grouped, keys, values, batch.masks[group], scale, softcap)  # [S, H_kv, G*Q, D]
+    # The grouped rows run (head within its group, query): each row's sink is its head's.
+    row_sinks = (
+        None
+        if sinks is None
+        else sinks.view(num_kv_heads, group_size, 1)
+        .expand(-1, -1, num_queries)
+        .reshape(1, num_kv_heads, -1, 1)
+    )
+    attended = kernel(
+        grouped, keys, values, batch.masks[group], scale, softcap, row_sinks
+    )  # [S, H_kv, G*Q, D]
     result = (
         attended.view(num_requests, num_kv_heads, group_size, num_queries, head_dim)
         .permute(0, 3, 1, 2, 4)

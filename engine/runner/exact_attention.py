@@ -170,6 +170,8 @@ def exact_attention(
     `attention_mask` is not read (`exact_mask` refuses padding masks)."""
     if dropout:
         raise ValueError(f"trainer_exact: attention dropout must be off, got {dropout}; call model.eval()")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("trainer_exact does not compute attention sinks (gpt-oss): its backward has none")
     if key.shape[2] != query.shape[2]:
         raise ValueError(
             f"trainer_exact computes whole sequences without a KV cache: {query.shape[2]} queries against "

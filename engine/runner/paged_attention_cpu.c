@@ -133,6 +133,7 @@ typedef struct {
     float scale, softcap; /* softcap <= 0: none */
     int64_t sliding_window;
     int fixed_order;
+    const float *sinks; /* [num_heads] or NULL: a learned logit per query head in every softmax (gpt-oss) */
 } Step;
 
 /* Writes the chunk's keys of every KV head into scratch->transposed_keys, position innermost; positions
@@ -312,6 +313,13 @@ static void attend_chunk(const Step *step, Scratch *scratch, int64_t num_rows, i
     }
 }
 
+/* A row's softmax sum (relative to its maximum score `maximum`) with its head's sink added: the sink is one
+   more score that takes probability mass and contributes no value. exp(sink - maximum) may exceed 1; the
+   output then tends to 0 as it should, and the maximum is finite (every row sees a key). */
+static inline float with_sink(const Step *step, int64_t head, float maximum, float sum) {
+    return step->sinks == NULL ? sum : sum + expf(step->sinks[head] - maximum);
+}
+
 /* One query head's output at `offset` of the output: its accumulator over its softmax's sum. */
 static void write_output(const Step *step, int64_t offset, const float *accumulator, float sum) {
     const float inverse = 1.0f / sum;
@@ -418,7 +426,8 @@ static void attend_tile(const Step *step, Scratch *scratch, int64_t tile, const 
         const int64_t query = first_query + row / num_heads, head = row % num_heads;
         const int64_t offset = (query_start + query) * step->stride_output_row + head * step->stride_output_head;
         /* Every row sees at least its own key, so its sum is positive. */
-        write_output(step, offset, scratch->accumulators + row * head_dim, scratch->running_sum[row]);
+        write_output(step, offset, scratch->accumulators + row * head_dim,
+                     with_sink(step, head, scratch->running_max[row], scratch->running_sum[row]));
     }
 }
 
@@ -452,7 +461,7 @@ static void merge_parts(const Step *step, int64_t tile, const float *partials, i
         const int64_t query = first_query + row / num_heads, head = row % num_heads;
         const int64_t offset = (query_start + query) * step->stride_output_row + head * step->stride_output_head;
         /* Every row sees at least its own key, in some part, so the total is positive. */
-        write_output(step, offset, merged, total);
+        write_output(step, offset, merged, with_sink(step, head, largest, total));
     }
 }
 
@@ -464,12 +473,12 @@ int paged_attention(int dtype, const void *queries, int64_t stride_query_row, in
                     const int32_t *tile_offsets, int64_t num_tiles, void *output, int64_t stride_output_row,
                     int64_t stride_output_head, int64_t num_kv_heads, int64_t group_size, int64_t head_dim,
                     int64_t queries_per_tile, int64_t page_size, float scale, float softcap,
-                    int64_t sliding_window, int fixed_order, int num_threads) {
+                    int64_t sliding_window, int fixed_order, const float *sinks, int num_threads) {
     const Step step = {dtype, queries, stride_query_row, stride_query_head, key_cache, value_cache,
                        stride_cache_slot, stride_cache_head, block_table, stride_table_row, query_starts,
                        seq_lens, tile_requests, tile_offsets, output, stride_output_row, stride_output_head,
                        num_kv_heads, group_size, head_dim, queries_per_tile, page_size, scale, softcap,
-                       sliding_window, fixed_order};
+                       sliding_window, fixed_order, sinks};
     const int64_t max_rows = queries_per_tile * num_kv_heads * group_size;
     /* Parts per tile: enough that every thread has work, when the tiles alone do not give it and their
        requests are long enough to pay for it. */

@@ -60,7 +60,7 @@ _ARGUMENT_TYPES: list[Any] = [
     _pointer, _int64, _int64,  # output, row and head strides
     _int64, _int64, _int64, _int64, _int64,  # kv heads, group size, head dim, queries per tile, page size
     ctypes.c_float, ctypes.c_float, _int64,  # scale, softcap (<= 0: none), sliding window
-    ctypes.c_int, ctypes.c_int,  # fixed order, threads
+    ctypes.c_int, _pointer, ctypes.c_int,  # fixed order, sinks (NULL: none), threads
 ]  # fmt: skip
 # Stands for "no sliding window": larger than any position.
 NO_WINDOW = 1 << 62
@@ -111,6 +111,7 @@ def attend_in_place(
     sliding_window: int | None,
     has_unowned_rows: bool = False,
     fixed_order: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """queries [T, H, D] -> [T, H, D]; the contract of `paged_attention_kernel.paged_attention`.
 
@@ -124,6 +125,8 @@ def attend_in_place(
     num_heads, head_dim = queries.shape[1], queries.shape[2]
     num_kv_heads = key_cache.shape[1]
     queries, output = kernel_queries_and_output(queries, has_unowned_rows)
+    # Read as float32 whatever the model's dtype; held here until the call returns.
+    sink_logits = sinks.float().contiguous() if sinks is not None else None
     status = library.paged_attention(
         DTYPE_CODES[queries.dtype],
         queries.data_ptr(),
@@ -152,6 +155,7 @@ def attend_in_place(
         softcap if softcap is not None else 0.0,
         sliding_window if sliding_window is not None else NO_WINDOW,
         int(fixed_order),
+        sink_logits.data_ptr() if sink_logits is not None else None,
         torch.get_num_threads(),
     )
     if status != 0:

@@ -49,6 +49,7 @@ def _paged_attention_kernel(
     tile_requests_ptr,  # [P] request of each tile, -1 for a padding tile
     tile_offsets_ptr,  # [P] index of the tile's first query among its request's queries
     output_ptr,  # [T, H, D]
+    sinks_ptr,  # [H] float32 logit per query head added to every softmax (read when USE_SINKS)
     scale,
     softcap,
     sliding_window,
@@ -67,6 +68,7 @@ def _paged_attention_kernel(
     BLOCK_DIM: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -149,6 +151,11 @@ def _paged_attention_kernel(
         accumulator = accumulator * correction[:, None] + attended
         running_max = tile_max
 
+    if USE_SINKS:
+        # The sink is one more score in the softmax that contributes no value; a real row's maximum is
+        # finite (it saw its own key), and padding rows add nothing.
+        sinks = tl.load(sinks_ptr + heads, mask=row_valid, other=0.0)
+        running_sum += tl.where(row_valid, tl.exp(sinks - running_max), 0.0)
     # Every real row saw at least its own key; padding rows are not stored.
     result = accumulator / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
@@ -177,13 +184,16 @@ def paged_attention(
     sliding_window: int | None,
     has_unowned_rows: bool = False,
     fixed_order: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """queries [T, H, D] -> [T, H, D].
 
     Request r owns packed rows query_starts[r] .. query_starts[r + 1] - 1, the last of its seq_lens[r]
     positions, and finds its keys through block_table[r]. Each query attends causally (and within
-    `sliding_window`) to its request's keys. With `has_unowned_rows` (a padded step), rows no request
-    owns are zero; otherwise every row is written and the output is not cleared first.
+    `sliding_window`) to its request's keys; `sinks` [H] (gpt-oss) adds one logit per query head to every
+    softmax, a score that takes probability mass and contributes no value. With `has_unowned_rows` (a
+    padded step), rows no request owns are zero; otherwise every row is written and the output is not
+    cleared first.
 
     `fixed_order` (batch-invariant mode) asks that each query's output have the same bits whatever tile
     serves it. A row's dots, maxima and sums here depend only on the tile's shape (its keys start at
@@ -212,6 +222,7 @@ def paged_attention(
         tile_requests,
         tile_offsets,
         output,
+        sinks.float().contiguous() if sinks is not None else output,
         scale,
         softcap if softcap is not None else 1.0,
         sliding_window if sliding_window is not None else NO_WINDOW,
@@ -230,6 +241,7 @@ def paged_attention(
         BLOCK_DIM=block_dim,
         BLOCK_KEYS=KEYS_PER_TILE,
         USE_SOFTCAP=softcap is not None,
+        USE_SINKS=sinks is not None,
         USE_DOT=use_dot,
         DOT_PRECISION="ieee" if queries.dtype == torch.float32 else "tf32",
     )

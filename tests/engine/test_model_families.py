@@ -8,6 +8,10 @@ built, through the public API, with the table's reason in the message.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from transformers import GenerationConfig, PretrainedConfig
 
@@ -24,17 +28,18 @@ from tests.helpers.families import (
 from tests.helpers.models import random_prompt
 from tests.helpers.oracle import reference_greedy
 
+ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 10
 PROMPT_LENGTHS = (5, 31, LONG_PROMPT)
 CONFIG = dict(page_size=8, num_blocks=96, max_batch_tokens=64)
 
 
-def engine_tokens(model, prompts: list[list[int]]) -> list[list[int]]:
+def engine_tokens(model, prompts: list[list[int]], **config) -> list[list[int]]:
     outputs = generate_batch(
         model,
         prompts,
         generation_config=GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None),
-        continuous_batching_config=ContinuousBatchingConfig(**CONFIG),
+        continuous_batching_config=ContinuousBatchingConfig(**{**CONFIG, **config}),
         warmup=False,
     )
     errors = [output.error for output in outputs.values() if output.error]
@@ -48,6 +53,16 @@ def test_every_causal_lm_family_is_either_served_or_refused_by_name():
     assert not unclassified, f"families of the installed transformers in neither table: {unclassified}"
     both = sorted(SERVED_FAMILIES & set(REFUSED_FAMILIES))
     assert not both, f"families both served and refused: {both}"
+
+
+def test_the_documented_family_table_is_the_one_these_tables_give():
+    check = subprocess.run(
+        [sys.executable, "scripts/generate_family_table.py", "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 @pytest.mark.parametrize("model_type", sorted(SERVED_FAMILIES))
@@ -68,6 +83,17 @@ def test_a_served_family_gives_model_generates_greedy_tokens_alone_and_batched(m
                 f"{model_type} {label}, prompt of {len(prompt)} tokens, differs from model.generate\n"
                 f"  engine:   {tokens}\n  generate: {reference}"
             )
+
+
+# The gather path (no kernel) and steps of 16 tokens, which split every prompt into chunks beside decodes.
+@pytest.mark.parametrize(
+    "config", [dict(max_blocks_per_request=0), dict(max_batch_tokens=16)], ids=["gather", "chunked"]
+)
+def test_attention_sinks_give_model_generates_tokens_on_every_attention_path(config):
+    model = tiny_family_model("gpt_oss")  # sinks on every layer, sliding and full layers alternating
+    prompts = [random_prompt(length, seed=length) for length in PROMPT_LENGTHS]
+    expected = [reference_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
+    assert engine_tokens(model, prompts, **config) == expected
 
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED_FAMILIES))

@@ -44,9 +44,20 @@ def kernel_module(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
 
 def _reference(
-    queries, key_cache, value_cache, tables, query_starts, seq_lens, page_size, scale, softcap, window
+    queries,
+    key_cache,
+    value_cache,
+    tables,
+    query_starts,
+    seq_lens,
+    page_size,
+    scale,
+    softcap,
+    window,
+    sinks=None,
 ):
-    """Per request, query and head: gather the keys the query may see by position, softmax in fp32."""
+    """Per request, query and head: gather the keys the query may see by position, softmax in fp32 (with
+    the head's sink as one more score whose value is zero, as gpt-oss's eager attention computes it)."""
     num_heads = queries.shape[1]
     group = num_heads // key_cache.shape[1]
     output = torch.zeros_like(queries)
@@ -63,7 +74,11 @@ def _reference(
                 scores = keys[:, head // group] @ queries[row, head].float() * scale
                 if softcap is not None:
                     scores = torch.tanh(scores / softcap) * softcap
-                attended = torch.softmax(scores, 0) @ values[:, head // group]
+                if sinks is not None:
+                    probabilities = torch.softmax(torch.cat([scores, sinks[head : head + 1].float()]), 0)[:-1]
+                else:
+                    probabilities = torch.softmax(scores, 0)
+                attended = probabilities @ values[:, head // group]
                 output[row, head] = attended.to(queries.dtype)
     return output
 
@@ -123,7 +138,7 @@ def test_the_cpu_kernel_splitting_a_lone_tiles_keys_matches_a_gathered_softmax(
 
 def _check_against_a_gathered_softmax(
     kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch,
-    device=TEST_DEVICE,
+    device=TEST_DEVICE, with_sinks=False,
 ) -> None:  # fmt: skip
     generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim + page_size)
     shape, queries_per_tile, threads = STEPS[step]
@@ -154,11 +169,45 @@ def _check_against_a_gathered_softmax(
     tiles = [
         torch.tensor(values, dtype=torch.int32, device=device) for values in (tile_requests, tile_offsets)
     ]
+    # Sinks from -1 to 3: against scores of about unit size, each takes a real share of the mass.
+    sinks = (torch.rand(num_heads, generator=generator) * 4 - 1).to(device) if with_sinks else None
     output = kernel_module.paged_attention(
-        *device_tensors, *tiles, queries_per_tile, page_size, scale, softcap, window, has_unowned_rows=True
-    )
-    expected = _reference(*device_tensors, page_size, scale, softcap, window)
+        *device_tensors, *tiles, queries_per_tile, page_size, scale, softcap, window, has_unowned_rows=True,
+        sinks=sinks,
+    )  # fmt: skip
+    expected = _reference(*device_tensors, page_size, scale, softcap, window, sinks)
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("step", ["mixed", "decode"])
+@pytest.mark.parametrize("window", [None, 10], ids=["full", "sliding"])
+def test_kernel_with_attention_sinks_matches_a_softmax_with_a_sink_column(
+    kernel_module, step, window, monkeypatch
+):
+    """gpt-oss: a learned logit per query head in every softmax, with grouped heads and its sliding layers."""
+    _check_against_a_gathered_softmax(
+        kernel_module, step, 8, 2, 16, 8, None, window, monkeypatch, with_sinks=True
+    )
+
+
+@pytest.mark.parametrize("step", ["one_decode", "one_prefill"])
+def test_the_cpu_kernel_adds_sinks_once_when_it_splits_a_tiles_keys(step, monkeypatch):
+    """The split tile's parts merge before the sink is added: added per part, it would count several times."""
+    from engine.runner import paged_attention_cpu
+
+    _check_against_a_gathered_softmax(
+        paged_attention_cpu,
+        step,
+        8,
+        2,
+        16,
+        8,
+        None,
+        None,
+        monkeypatch,
+        device=torch.device("cpu"),
+        with_sinks=True,
+    )
 
 
 PROMPT_LENGTHS = (5, 9, 16, 17, 40, 90)
