@@ -24,6 +24,7 @@ query axis, `[S, Q, H, D] -> [S, H_kv, G * Q, D]`, and masks are built for that 
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,18 @@ class PagedAttentionMetadata:
         return tensors
 
 
+# The metadata of the step running on this thread, for models whose decoder layers do not hand their
+# keyword arguments down to attention (StableLM, Falcon, GPT-J, ...): `paged_metadata` never reaches
+# them. Bound by the engine's eager forwards around the model call only (engine.runner.forward_paths), so
+# a plain forward on another thread, or the same thread between steps, never sees a step's caches.
+_running_step = threading.local()
+
+
+def bind_step_metadata(metadata: PagedAttentionMetadata | None) -> None:
+    """Makes `metadata` the running step's on this thread (None: no step runs)."""
+    _running_step.metadata = metadata
+
+
 Kernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float | None, torch.Tensor | None],
     torch.Tensor,
@@ -189,6 +202,8 @@ def paged_attention(
     sinks arrive as `s_aux` [H] (gpt-oss's keyword), one logit per query head.
     """
     sinks: torch.Tensor | None = kwargs.get("s_aux")  # type: ignore[assignment]
+    if paged_metadata is None and not torch.compiler.is_compiling():
+        paged_metadata = getattr(_running_step, "metadata", None)
     if paged_metadata is None:
         # A plain forward (model.generate, a trainer computing logprobs) while the engine owns the model;
         # under `engine.trainer_exact`, through the engine's kernel in its batch-invariant order.

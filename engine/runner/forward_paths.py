@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import ContinuousBatchingConfig
-from engine.runner.attention import AttentionBatch, KernelInputs, PagedAttentionMetadata
+from engine.runner.attention import AttentionBatch, KernelInputs, PagedAttentionMetadata, bind_step_metadata
 from engine.runner.batch_invariant import BatchInvariantUnsupported, EngineForwards
 from engine.runner.decoder_forward import DecoderForward, unsupported_reason
 from engine.runner.inputs import BatchInputs
@@ -78,15 +78,24 @@ def model_forward_functions(
         logits_indices: torch.Tensor,
         metadata: PagedAttentionMetadata,
     ) -> torch.Tensor:
-        with mode():
-            outputs = model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=placeholder_mask,
-                use_cache=False,
-                logits_to_keep=logits_indices,
-                paged_metadata=metadata,
-            )
+        # Bound for layers that drop `paged_metadata` on its way down; a compiled graph cannot bind it, so
+        # under torch.compile such a model's attention gets no metadata and fails the step with an error.
+        binds = not torch.compiler.is_compiling()
+        if binds:
+            bind_step_metadata(metadata)
+        try:
+            with mode():
+                outputs = model(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    attention_mask=placeholder_mask,
+                    use_cache=False,
+                    logits_to_keep=logits_indices,
+                    paged_metadata=metadata,
+                )
+        finally:
+            if binds:
+                bind_step_metadata(None)
         return outputs.logits[0]
 
     def decode_forward(

@@ -52,8 +52,12 @@ def tiny_family_config(model_type: str) -> PretrainedConfig:
         for name, value in SIZES.items()
         if hasattr(default, name) and not isinstance(getattr(config_class, name, None), property)
     }
+    if getattr(default, "multi_query", False):  # one KV head (GPT-BigCode, Falcon), which the class derives
+        sizes.pop("num_key_value_heads", None)
     if getattr(default, "sliding_window", None) is not None:
         sizes["sliding_window"] = SLIDING_WINDOW
+    if getattr(default, "rotary_dim", None):  # GPT-J and CodeGen rotate the first dimensions of each head
+        sizes["rotary_dim"] = 8
     sizes.update({name: 32 for name in EXPERT_WIDTHS if hasattr(default, name)})
     sizes.update({name: 4 for name in EXPERT_COUNTS if getattr(default, name, None)})
     sizes.update(
