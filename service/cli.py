@@ -1,10 +1,11 @@
 """`cbserve serve` (run the server) and `cbserve generate` (stream a completion through the SDK).
 
 A mistake the user can fix (a missing model folder, a port in use, no server at --target, an answer cut off)
-ends in one `cbserve: error:` line saying what to do, with exit status 1 (2 for a bad flag); a traceback
-comes only with `--debug`, or from a bug. `serve` checks what it can before it opens its ports (flags, the
-model folder, the embedded model's package, the ports); the model then loads with the ports open and
-health NOT_SERVING, and a load that fails shuts the servers down before the error is reported.
+ends in one `cbserve: error:` line saying what to do in terms of the CLI's flags, with exit status 1 (2 for
+a bad flag); a traceback, and gRPC's own log lines, come only with `--debug` (a traceback also from a bug).
+`serve` checks what it can before it opens its ports (flags, the model folder, the embedded model's package,
+the ports); the model then loads with the ports open and health NOT_SERVING, and a load that fails shuts
+the servers down before the error is reported.
 
 Only the standard library loads at import, so `--help` and `generate` start at once: the server's stack
 (torch, transformers, the engine) is imported inside the serve path, the SDK inside `generate`.
@@ -16,6 +17,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -49,6 +51,13 @@ ENGINE_KNOBS = (
     "max_queue_size",
     "max_blocks_per_request",
 )
+# The request fields that `generate` sets, as the server's refusals name them (service.validation): at the
+# start of a refusal, the prompt as text or as a chat message; anywhere, --max-new-tokens and each --stop.
+REFUSED_FIELD = re.compile(r"^(?:text|messages)\b|sampling\.max_new_tokens|sampling\.stop(?:\[(\d+)\]|\b)")
+# How gRPC's load balancing fails a call it had no connection for; then "; last error: " and why.
+NO_CONNECTION = ("failed to connect to all addresses", "connections to all backends failing")
+
+logger = logging.getLogger(__name__)
 
 
 class CommandError(Exception):
@@ -56,11 +65,11 @@ class CommandError(Exception):
 
 
 class _ArgumentParser(argparse.ArgumentParser):
-    """argparse, with a flag error told in two lines (the error, then where the help is) instead of the
+    """argparse, with a flag error told in one line (the error, then where the help is) instead of the
     whole usage, which for `serve` runs to a dozen lines."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n(see `{self.prog} --help`)\n")
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--debug",
         action="store_true",
-        help="on an error, show the Python traceback too, not only the one-line message",
+        help="on an error, show the Python traceback too, not only the one-line message; and let gRPC log as "
+        "$GRPC_VERBOSITY says (without it, `generate` silences gRPC's own log lines)",
     )
 
     serve = commands.add_parser(
@@ -83,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(command_parser=serve)  # run_serve reports flag errors through it
     serve.add_argument(
         "--model",
-        metavar="FOLDER",
+        metavar="PATH",
         default=None,
         help="folder of a transformers causal LM and its tokenizer, as save_pretrained writes it, or a "
         "GGUF file (served from its own quantized blocks unless --quantization none) "
@@ -358,7 +368,7 @@ def check_model_folder(path: str) -> None:
     loaded)."""
     folder = Path(path)
     if not folder.exists():
-        raise CommandError(f"--model {path}: no such folder")
+        raise CommandError(f"--model {path}: no such {'file' if folder.suffix == '.gguf' else 'folder'}")
     if folder.is_file() and folder.suffix == ".gguf":
         return
     if not folder.is_dir():
@@ -490,7 +500,7 @@ async def serve(
             raise CommandError(
                 f"could not load the model {model}: {_one_line(failure)} (--debug shows the traceback)"
             ) from failure
-        logging.getLogger(__name__).info("serving %s", model)
+        logger.info("serving %s", model)
         await stop_requested
     finally:
         await server.shutdown()
@@ -499,8 +509,10 @@ async def serve(
 def generate(args: argparse.Namespace) -> int:
     """`cbserve generate`: streams the answer to stdout. An answer that did not come whole (the request
     failed or was cancelled, or the connection broke) is followed by a CommandError saying so."""
-    # gRPC's C core logs a lost connection at INFO on stderr, next to the CLI's own message about it.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    if not args.debug:
+        # The C core reads this once, when grpc is imported. It logs what the CLI's own message says better
+        # (a lost connection, the admin port's missing health service) in lines of its own before it.
+        os.environ["GRPC_VERBOSITY"] = "NONE"
     from cbserve_client import CbserveError, Chunk, Client
 
     from service.tls import TlsConfigError, client_credentials
@@ -531,7 +543,7 @@ def generate(args: argparse.Namespace) -> int:
     except CbserveError as exc:
         if printed:
             sys.stdout.write("\n")
-        raise CommandError(_call_failure(exc, args.target, started=last is not None)) from exc
+        raise CommandError(_call_failure(exc, args, started=last is not None)) from exc
     sys.stdout.write("\n")
     if last is None or last.finish_reason is None:
         raise CommandError("the output was cut off: the stream ended before the request finished")
@@ -545,24 +557,66 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _call_failure(error: CbserveError, target: str, started: bool) -> str:
-    """What went wrong with the call to `target`, and what to try."""
+def _call_failure(error: CbserveError, args: argparse.Namespace, started: bool) -> str:
+    """What went wrong with the call to --target, and what to try, in the CLI's terms."""
     import grpc
 
+    target = args.target
     if started:
         return f"the output was cut off: the call to {target} broke: {error}"
-    details = error.details
-    # gRPC's own words for a target it could not reach (the server's UNAVAILABLE says loading or draining).
-    unreached = ("connect", "resolv", "socket closed", "unreachable")
-    if error.code == grpc.StatusCode.UNAVAILABLE and any(sign in details.lower() for sign in unreached):
-        reason = details.rsplit(": ", 1)[-1].strip(" []")
-        return f"nothing answers at --target {target} ({reason}); is `cbserve serve` running there?"
+    if error.code == grpc.StatusCode.UNAVAILABLE:
+        unreached = _unreached(error, target, tls=args.tls_ca is not None or args.tls_cert is not None)
+        if unreached is not None:
+            return unreached
     if error.code == grpc.StatusCode.UNIMPLEMENTED:
         return (
             f"{target} does not serve cbserve's GenerationService: is it the admin port? --target takes the "
             "server's --port (50051 by default)"
         )
-    return f"the request to {target} was refused: {error}"
+    return f"the request to {target} was refused: {_in_flag_terms(error.details, args.stop or [])}"
+
+
+def _unreached(error: CbserveError, target: str, tls: bool) -> str | None:
+    """The message for a call that reached no server, from gRPC's own error (which the SDK keeps as the
+    cause of the one it reworded for its callers); None when a server answered (loading or draining)."""
+    details = getattr(error.__cause__, "details", None)
+    grpc_text = details() if callable(details) else error.details
+    if grpc_text.startswith("errors resolving"):
+        return f"--target {target}: no such host ({grpc_text.rsplit(': ', 1)[-1].strip(' []')})"
+    if not grpc_text.startswith(NO_CONNECTION):
+        return None
+    last = grpc_text.partition("last error: ")[2]
+    # "UNKNOWN: ipv4:127.0.0.1:50099: Failed to connect to remote host: Connection refused": the status
+    # code and the address say nothing the message does not.
+    reason = re.sub(r"^[A-Z_]+: (?:ipv[46]:\S+: )?", "", last)
+    if "handshake failed" in reason.lower():
+        reason = "the TLS handshake failed"
+    else:
+        reason = reason.rsplit(": ", 1)[-1]
+    security = (
+        "--tls-ca must be the CA that signed its certificate, and a plaintext server takes no --tls-ca"
+        if tls
+        else "A server with --tls-cert needs --tls-ca"
+    )
+    return (
+        f"nothing answers at --target {target} ({reason}): is `cbserve serve` running there, on that --port "
+        f"(50051 by default)? {security}"
+    )
+
+
+def _in_flag_terms(details: str, stops: list[str]) -> str:
+    """A refusal's text with the request fields the CLI set named as the user gave them: --max-new-tokens
+    for sampling.max_new_tokens, --stop 'TEXT' for sampling.stop[i], the prompt for text and messages."""
+
+    def flag(field: re.Match[str]) -> str:
+        if field[0] == "sampling.max_new_tokens":
+            return "--max-new-tokens"
+        if field[0].startswith("sampling.stop"):
+            index = field[1]
+            return f"--stop {stops[int(index)]!r}" if index and int(index) < len(stops) else "--stop"
+        return "the prompt"
+
+    return REFUSED_FIELD.sub(flag, details) or "no reason given"
 
 
 def launch_tensor_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> int:

@@ -1,5 +1,6 @@
 """The mistakes a user can make with the `cbserve` CLI, and the answers it can cut short: each ends in one
-line saying what is wrong and what to do, with a non-zero exit status and no traceback (unless --debug).
+line saying what is wrong and what to do, in the CLI's flags (not the wire's fields or the SDK's keywords),
+with a non-zero exit status, no traceback (unless --debug) and none of gRPC's own log lines.
 
 The CLI runs as users run it, `python -m service ...` in a subprocess; servers it talks to run in this
 process (tests.helpers.servers.RunningServer) on loopback free ports.
@@ -7,7 +8,6 @@ process (tests.helpers.servers.RunningServer) on loopback free ports.
 
 from __future__ import annotations
 
-import os
 import re
 import select
 import socket
@@ -22,47 +22,30 @@ from cbserve_client import AdminClient
 
 from bench.ports import free_port
 from service import cli
+from service.tls import load_server_tls
+from tests.helpers.certificates import Pki, make_pki
+from tests.helpers.cli import CLI_TIMEOUT_S, run_cli
 from tests.helpers.models import fresh_tiny_model
 from tests.helpers.servers import ADMIN_TOKEN, REPO_ROOT, ByteTokenizer, RunningServer, loaded_server
 
-CLI_TIMEOUT_S = 120
 # Lines of the server's log ("2026-12-01 16:03:10,697 INFO ..."), which are not part of an error message.
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ")
+# A line of gRPC's C core ("E1207 13:26:39.326849   11031 health_check_client.cc:221] ...").
+GRPC_LOG_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ", re.MULTILINE)
 # Enough tokens that the answer still streams when the test cuts it off (the model has no EOS to end it).
 LONG_ANSWER_TOKENS = "900"
 
 
-def run_cli(
-    *args: str, env: dict[str, str] | None = None, prelude: str = ""
-) -> subprocess.CompletedProcess[str]:
-    """`python -m service ARGS`; `prelude` is Python run first in the same process (to hide a package)."""
-    command = [sys.executable, "-m", "service", *args]
-    if prelude:
-        command = [
-            sys.executable,
-            "-c",
-            f"{prelude}\nimport sys\nfrom service.cli import main\nsys.exit(main())",
-        ]
-        command += list(args)
-    return subprocess.run(
-        command,
-        cwd=REPO_ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=CLI_TIMEOUT_S,
-    )
-
-
 def assert_short_error(result: subprocess.CompletedProcess[str], *key_words: str) -> str:
-    """The run failed with a message of at most two lines (besides the server's log) holding every key word,
-    and none of the noise a crash leaves; returns the message."""
+    """The run failed with a message of one line (besides the server's log) holding every key word, and
+    none of the noise a crash or gRPC's logging leaves; returns the message."""
     shown = f"exit status {result.returncode}, stderr:\n{result.stderr}"
     assert result.returncode != 0, shown
     for noise in ("Traceback", "Event loop is closed", "never awaited", "Exception ignored"):
         assert noise not in result.stderr, shown
+    assert not GRPC_LOG_LINE.search(result.stderr), f"gRPC's own log reached the terminal: {shown}"
     message = [line for line in result.stderr.splitlines() if line.strip() and not LOG_LINE.match(line)]
-    assert 1 <= len(message) <= 2, shown
+    assert len(message) == 1, shown
     text = "\n".join(message)
     for word in key_words:
         assert word in text, f"{word!r} missing from the message:\n{text}"
@@ -77,6 +60,13 @@ def test_serve_names_a_model_folder_that_does_not_exist(tmp_path: Path) -> None:
     result = run_cli("serve", "--model", missing, "--port", "0", "--admin-port", "0")
     assert_short_error(result, missing, "no such folder")
     assert result.returncode == 1
+
+
+def test_serve_names_a_gguf_file_that_does_not_exist(tmp_path: Path) -> None:
+    missing = str(tmp_path / "x.gguf")
+    result = run_cli("serve", "--model", missing, "--port", "0", "--admin-port", "0")
+    message = assert_short_error(result, f"--model {missing}: no such file")
+    assert "folder" not in message, message
 
 
 def test_serve_says_a_folder_without_a_model_config_holds_no_model(tmp_path: Path) -> None:
@@ -157,11 +147,36 @@ def test_one_port_for_two_flags_is_refused_before_anything_starts() -> None:
 # ---------------------------------------------------------------------------------------------- generate
 
 
-def test_generate_with_no_server_says_nothing_answers_and_suggests_serve() -> None:
+def test_generate_with_no_server_says_nothing_answers_and_suggests_serve_once() -> None:
     target = f"127.0.0.1:{free_port()}"
     result = run_cli("generate", "Hello", "--target", target)
-    assert_short_error(result, f"nothing answers at --target {target}", "cbserve serve")
+    message = assert_short_error(
+        result, f"nothing answers at --target {target} (Connection refused)", "--port", "--tls-ca"
+    )
+    assert message.count("cbserve serve") == 1, f"the advice is given more than once: {message}"
+    for sdk_words in ("credentials=", "))"):
+        assert sdk_words not in message, f"{sdk_words!r}, the SDK's message, in the CLI's: {message}"
     assert result.returncode == 1
+
+
+def test_generate_at_a_host_that_does_not_resolve_says_so() -> None:
+    result = run_cli("generate", "Hello", "--target", "no-such-host.invalid:50051")
+    assert_short_error(result, "--target no-such-host.invalid:50051: no such host")
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def test_generate_in_plaintext_at_a_tls_server_says_to_pass_tls_ca(pki: Pki) -> None:
+    tls = load_server_tls(str(pki.server_cert), str(pki.server_key))
+    running = loaded_server(fresh_tiny_model("llama"), tokenizer=ByteTokenizer(), tls=tls)
+    try:
+        result = run_cli("generate", "Hello", "--target", running.target)
+    finally:
+        running.close()
+    assert_short_error(result, f"nothing answers at --target {running.target}", "needs --tls-ca")
 
 
 @pytest.fixture(scope="module")
@@ -185,11 +200,32 @@ def endless_server(endless_model: torch.nn.Module) -> Iterator[RunningServer]:
 def test_generate_at_the_admin_port_says_it_is_the_admin_port(endless_server: RunningServer) -> None:
     result = run_cli("generate", "Hello", "--target", endless_server.admin_target)
     assert_short_error(result, "is it the admin port?", "--port")
+    assert "health_check_client" not in result.stderr, result.stderr
 
 
-def test_generate_that_the_server_refuses_says_why(endless_server: RunningServer) -> None:
+def test_generate_with_tls_at_a_plaintext_server_says_the_handshake_failed(
+    endless_server: RunningServer, pki: Pki
+) -> None:
+    result = run_cli("generate", "Hello", "--target", endless_server.target, "--tls-ca", str(pki.ca))
+    assert_short_error(result, "(the TLS handshake failed)", "plaintext server takes no --tls-ca")
+
+
+def test_a_max_new_tokens_the_server_refuses_is_named_by_its_flag(endless_server: RunningServer) -> None:
     result = run_cli("generate", "Hello", "--target", endless_server.target, "--max-new-tokens", "0")
-    assert_short_error(result, "was refused", "INVALID_ARGUMENT", "max_new_tokens")
+    message = assert_short_error(result, "was refused", "--max-new-tokens must be an int >= 1, got 0")
+    assert "sampling." not in message, message
+
+
+def test_a_stop_string_the_server_refuses_is_named_by_its_flag_and_value(
+    endless_server: RunningServer,
+) -> None:
+    result = run_cli("generate", "Hello", "--target", endless_server.target, "--stop", "ok", "--stop", "")
+    assert_short_error(result, "was refused", "--stop '' must be 1 to 256 characters")
+
+
+def test_an_empty_prompt_is_named_as_the_prompt(endless_server: RunningServer) -> None:
+    result = run_cli("generate", "", "--raw", "--target", endless_server.target)
+    assert_short_error(result, "was refused", "the prompt must not be empty")
 
 
 def start_long_answer(target: str) -> subprocess.Popen[str]:
