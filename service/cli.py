@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from service.default_model import DEFAULT_MODEL_NAME
+from service.default_model import CHAT_MAX_NEW_TOKENS, DEFAULT_MODEL_NAME
 
 if TYPE_CHECKING:
     from cbserve_client import CbserveError
@@ -313,7 +313,9 @@ def _parser() -> argparse.ArgumentParser:
         "--max-new-tokens",
         type=int,
         metavar="N",
-        help="most tokens to generate (default: the server's, from the model's generation config)",
+        default=CHAT_MAX_NEW_TOKENS,
+        help=f"most tokens to generate; an answer cut at N is followed by a notice on stderr (default "
+        f"{CHAT_MAX_NEW_TOKENS}: a few paragraphs; the prompt and N together must fit the model's context)",
     )
     generate.add_argument(
         "--stop",
@@ -508,7 +510,8 @@ async def serve(
 
 def generate(args: argparse.Namespace) -> int:
     """`cbserve generate`: streams the answer to stdout. An answer that did not come whole (the request
-    failed or was cancelled, or the connection broke) is followed by a CommandError saying so."""
+    failed or was cancelled, or the connection broke) is followed by a CommandError saying so; one cut at
+    --max-new-tokens, by a notice on stderr naming the flag."""
     if not args.debug:
         # The C core reads this once, when grpc is imported. It logs what the CLI's own message says better
         # (a lost connection, the admin port's missing health service) in lines of its own before it.
@@ -517,7 +520,7 @@ def generate(args: argparse.Namespace) -> int:
 
     from service.tls import TlsConfigError, client_credentials
 
-    sampling: dict[str, Any] = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    sampling: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
     if args.stop:
         sampling["stop"] = args.stop
     use_tls = args.tls_ca is not None or args.tls_cert is not None
@@ -554,6 +557,13 @@ def generate(args: argparse.Namespace) -> int:
     if last.finish_reason == "cancelled":
         why = last.error or "by an admin Pause in ABORT mode, or a Cancel from another client"
         raise CommandError(f"the output was cut off: the request was cancelled on the server ({why})")
+    if last.finish_reason == "length":
+        # The server refuses a --max-new-tokens past the model's context, so "length" is always this limit.
+        print(
+            f"cbserve: the answer stopped at --max-new-tokens {args.max_new_tokens}; pass a larger "
+            "--max-new-tokens for a longer answer",
+            file=sys.stderr,
+        )
     return 0
 
 

