@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import logging
 import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -51,6 +53,8 @@ ENGINE_KNOBS = (
     "max_queue_size",
     "max_blocks_per_request",
 )
+# How `cbserve serve`'s stop line names the signal that stopped it.
+STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)"}
 # The request fields that `generate` sets, as the server's refusals name them (service.validation): at the
 # start of a refusal, the prompt as text or as a chat message; anywhere, --max-new-tokens and each --stop.
 REFUSED_FIELD = re.compile(r"^(?:text|messages)\b|sampling\.max_new_tokens|sampling\.stop(?:\[(\d+)\]|\b)")
@@ -72,8 +76,25 @@ class _ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
+class _VersionAction(argparse.Action):
+    """`--version`: the version pip installed, from the package's metadata, looked up only when asked (it
+    reads the installed distributions, which every other command would pay for)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> NoReturn:
+        try:
+            version = importlib.metadata.version("cbserve")
+        except importlib.metadata.PackageNotFoundError:
+            parser.error("--version: cbserve is not installed as a package (`pip install -e .`)")
+        print(f"cbserve {version}")
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(prog="cbserve", description="Continuous-batching LLM inference over gRPC")
+    parser.add_argument("--version", action=_VersionAction, help="print cbserve's version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
     common = _ArgumentParser(add_help=False)
     common.add_argument(
@@ -450,8 +471,9 @@ async def serve(
     args: argparse.Namespace, config: ContinuousBatchingConfig, admin_token: str | None, tls: ServerTls | None
 ) -> None:
     """Opens the ports at once (health NOT_SERVING while the model loads), serves until SIGTERM or SIGINT,
-    then drains. Whatever fails once the servers exist, they are shut down before the error goes up, so
-    the process ends without asyncio's complaints about servers never stopped."""
+    then drains and logs a line saying which signal stopped it and how long it served. Whatever fails once
+    the servers exist, they are shut down before the error goes up, so the process ends without asyncio's
+    complaints about servers never stopped."""
     from service.default_model import ensure_default_model
     from service.model_loading import load_host
     from service.ports import PortError
@@ -473,11 +495,17 @@ async def serve(
         server = CbserveServer(options)
     except PortError as exc:
         raise CommandError(str(exc)) from exc
-    stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stopping.set)
+    stop_signal: asyncio.Future[signal.Signals] = loop.create_future()
+
+    def stop_on(signum: signal.Signals) -> None:
+        if not stop_signal.done():  # a second signal during the drain changes nothing
+            stop_signal.set_result(signum)
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, stop_on, signum)
     model = args.model or DEFAULT_MODEL_NAME
+    serving_since: float | None = None
     try:
         try:
             await server.start()
@@ -492,20 +520,38 @@ async def serve(
                 )
             )
         )
-        stop_requested = asyncio.ensure_future(stopping.wait())
-        await asyncio.wait([loading, stop_requested], return_when=asyncio.FIRST_COMPLETED)
-        if not loading.done():  # stopped while loading
+        either: list[asyncio.Future[Any]] = [loading, stop_signal]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            failure = loading.exception()
+            if failure is not None:
+                raise CommandError(
+                    f"could not load the model {model}: {_one_line(failure)} (--debug shows the traceback)"
+                ) from failure
+            serving_since = time.monotonic()
+            logger.info("serving %s", model)
+            await stop_signal
+        else:
             loading.cancel()
-            return
-        failure = loading.exception()
-        if failure is not None:
-            raise CommandError(
-                f"could not load the model {model}: {_one_line(failure)} (--debug shows the traceback)"
-            ) from failure
-        logger.info("serving %s", model)
-        await stop_requested
     finally:
         await server.shutdown()
+    why = STOP_SIGNALS[stop_signal.result()]
+    if serving_since is None:
+        logger.info("stopped on %s while loading %s", why, model)
+    else:
+        served = _duration(time.monotonic() - serving_since)
+        logger.info("stopped on %s after serving %s for %s", why, model, served)
+
+
+def _duration(seconds: float) -> str:
+    """`seconds` as a person reads it: 42 s, 7 min 05 s, 3 h 12 min."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, seconds_left = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds_left:02d} s"
+    hours, minutes_left = divmod(minutes, 60)
+    return f"{hours} h {minutes_left:02d} min"
 
 
 def generate(args: argparse.Namespace) -> int:
