@@ -73,6 +73,7 @@ SERVED_FAMILIES = frozenset(
         "kolibri1",
         "laguna",
         "llama",
+        "llama4_text",
         "mellum",
         "minimax_m2",
         "minimax_m3_vl_text",
@@ -230,7 +231,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "lfm2_moe": SHORT_CONVOLUTION,
     "lfm3": LINEAR_ATTENTION,
     "llama4": MULTIMODAL,
-    "llama4_text": CHUNKED_ATTENTION,
     "longcat_flash": LATENT_ATTENTION,
     "mamba": MAMBA,
     "mamba2": MAMBA,
@@ -315,6 +315,21 @@ def _layer_kind_reason(text_config: Any) -> str | None:
                 kind,
                 f"layers of kind {kind!r}: the engine computes {' and '.join(CACHED_LAYER_KINDS)} only",
             )
+    return None
+
+
+def exact_length_limit(text_config: Any) -> int | None:
+    """The longest sequence (and step) the engine computes exactly for this config, when it is shorter
+    than the model's own limit; None otherwise.
+
+    Llama 4's layers without rotary embeddings scale their queries by log1p(floor((position + 1) /
+    floor_scale)) * attn_scale + 1, with the position taken from the token's index in the forward's input,
+    not from position_ids. The engine packs many requests' tokens into one input, so that index is not the
+    token's position; the scale is 1 for both while every position and every step's token count stays
+    below floor_scale - 1 (8191 tokens for Llama 4 Scout and Maverick)."""
+    rope_layers = getattr(text_config, "no_rope_layers", None) or ()
+    if getattr(text_config, "attn_temperature_tuning", False) and not all(rope_layers):
+        return int(text_config.floor_scale) - 1
     return None
 
 

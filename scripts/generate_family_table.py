@@ -43,16 +43,52 @@ layer kinds it found, such as `Gemma2ForCausalLM: 13 sliding_attention, 13 full_
 
 ## Attention variants and what each is tested with
 
-| variant | families | CPU kernel | gather path | Triton kernel | trainer_exact |
-|---|---|---|---|---|---|
-| full and sliding-window attention, soft-capping | most served families | parity | parity | parity (interpreter on the CPU) | yes |
-| attention sinks | `gpt_oss` | parity, chunked prefill | parity | against a softmax with a sink column (interpreter) | refused with a message |
+{variants}
+
+Llama 4's layers without rotary embeddings scale their queries by a function of the token's index in the
+forward's input, which under continuous batching is not its position; the scale is 1 below `floor_scale`
+(8192), so the engine bounds such a model's requests and steps to `floor_scale - 1` tokens and logs it.
 
 Tensor parallelism, quantization and CUDA graphs are tested on the Llama family (docs/configuration.md);
-for gpt-oss they are untested: its experts are not linear layers, so int8/int4 quantization leaves them in
-their float weights.
+for gpt-oss and Llama 4 they are untested. gpt-oss's experts are not linear layers, so int8/int4
+quantization leaves them in their float weights.
 
 """
+
+
+# (variant, families, CPU kernel, gather path, Triton kernel, trainer_exact)
+VARIANTS = [
+    (
+        "full and sliding-window attention, soft-capping",
+        "most served families",
+        "parity",
+        "parity",
+        "parity (interpreter on the CPU)",
+        "yes",
+    ),
+    (
+        "attention sinks",
+        "`gpt_oss`",
+        "parity, chunked prefill",
+        "parity",
+        "against a softmax with a sink column (interpreter)",
+        "refused with a message",
+    ),
+    (
+        "chunked local attention, layers without rotary embeddings",
+        "`llama4_text`",
+        "parity, prompts across chunks",
+        "refused at build: chunks need the kernel",
+        "bounded like the window (untested on a GPU)",
+        "refused with a message",
+    ),
+]
+
+
+def _variants_table() -> str:
+    header = ("variant", "families", "CPU kernel", "gather path", "Triton kernel", "trainer_exact")
+    rows = [header, ("---",) * len(header), *VARIANTS]
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
 def render() -> str:
@@ -64,7 +100,7 @@ def render() -> str:
         f"(model type 'llama4_text'): {CHUNKED_ATTENTION} (--debug shows the traceback)"
     )
     lines = [
-        INTRODUCTION.format(example=example),
+        INTRODUCTION.format(example=example, variants=_variants_table()),
         f"## Served ({len(served)} model types, transformers {transformers.__version__})\n",
         "| model type | causal-LM class |",
         "|---|---|",

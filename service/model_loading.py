@@ -67,7 +67,9 @@ def serving_attention(source: str, from_pretrained_arguments: dict[str, Any]) ->
     model_class: Any = AutoModelForCausalLM._model_mapping.get(type(config), None)
     if model_class is None:
         raise ValueError(f"{source} holds a {type(config).__name__}, which has no causal-LM class")
-    check_model_support(config, model_class.__name__)
+    # A multimodal folder's causal-LM class is built on its text config (Llama 4): that is the model served.
+    built_on = config.get_text_config() if model_class.config_class is not type(config) else config
+    check_model_support(built_on, model_class.__name__)
     return "sdpa" if model_class._supports_sdpa else "eager"
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# The `layer_types` names of the layers a group can hold.
-CACHED_LAYER_KINDS = ("full_attention", "sliding_attention")
+# The `layer_types` names of the layers a group can hold. Chunked layers (Llama 4: a query attends within
+# its chunk of `attention_chunk_size` positions) keep every token in the full group, so their blocks are
+# never freed early and prefix caching stays exact; the attention kernels bound the chunk.
+CACHED_LAYER_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,15 @@ class KVCacheGroupSpec:
     @property
     def name(self) -> str:
         return "full" if self.sliding_window is None else "sliding"
+
+
+def attention_chunks(text_config: Any) -> list[int | None]:
+    """Per layer, the chunk its queries attend within (`chunked_attention` layers), else None."""
+    chunk: int | None = getattr(text_config, "attention_chunk_size", None)
+    kinds = getattr(text_config, "layer_types", None) or ()
+    if "chunked_attention" in kinds and not chunk:
+        raise ValueError("the model config has chunked_attention layers but no attention_chunk_size")
+    return [chunk if kind == "chunked_attention" else None for kind in kinds]
 
 
 def kv_cache_groups(text_config: Any) -> list[KVCacheGroupSpec]:

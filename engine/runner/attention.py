@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +106,13 @@ class PagedAttentionMetadata:
     # The kernel path instead: `paged_attention_kernel.paged_attention` and its inputs.
     attention_kernel: Callable[..., torch.Tensor] | None = None
     kernel_inputs: KernelInputs | None = None
+    # Per model layer: the chunk its queries attend within (Llama 4's chunked layers), or None; empty when
+    # no layer is chunked. Only the kernels bound chunks, so such a model's steps take the kernel path
+    # (engine.runner.inputs refuses to gather them).
+    attention_chunks: list[int | None] = field(default_factory=list)
+
+    def attention_chunk(self, layer_index: int) -> int | None:
+        return self.attention_chunks[layer_index] if self.attention_chunks else None
 
     def step_tensors(self) -> list[torch.Tensor]:
         """Every per-step tensor attention reads, in a fixed order (the caches are not per-step)."""
@@ -318,6 +325,7 @@ def write_and_attend(
         inputs.has_unowned_rows,
         inputs.fixed_order,
         sinks,
+        meta.attention_chunk(layer_index),
     )
 
 

@@ -7,12 +7,14 @@ driver's seed, so all ranks build the same cache and sample the same tokens.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import ContinuousBatchingConfig
+from engine.families import exact_length_limit
 from engine.kv.layer_groups import KVCacheGroupSpec, kv_cache_groups
 from engine.runner.kv_cache import (
     DEFAULT_CPU_CACHE_BUDGET_BYTES,
@@ -23,6 +25,8 @@ from engine.runner.kv_cache import (
 
 if TYPE_CHECKING:
     from engine.parallel import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUESTS_PER_BATCH = 1024
 
@@ -59,6 +63,14 @@ def plan_cache(
     device = weights.device
     text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
     max_model_len: int | None = getattr(text_config, "max_position_embeddings", None)
+    exact_limit = exact_length_limit(text_config)
+    if exact_limit is not None and (max_model_len is None or exact_limit < max_model_len):
+        logger.info(
+            "requests and steps are bounded to %d tokens, the longest the engine computes this model's "
+            "position-scaled queries exactly for (engine.families.exact_length_limit)",
+            exact_limit,
+        )
+        max_model_len = exact_limit
     max_requests_per_batch = config.max_requests_per_batch or DEFAULT_MAX_REQUESTS_PER_BATCH
     shape = KVCacheShape.from_model_config(model.config, weights.dtype, tp_size)
     groups = kv_cache_groups(text_config)
@@ -85,6 +97,8 @@ def plan_cache(
         config.cpu_offload_space_safety_threshold,
         shape.bytes_per_token() * config.page_size,
     )
+    if exact_limit is not None:
+        max_batch_tokens = min(max_batch_tokens, exact_limit)
     seed = config.seed
     if parallel is not None:
         *num_blocks, max_batch_tokens, num_host_blocks = parallel.smallest(

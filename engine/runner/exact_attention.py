@@ -172,6 +172,9 @@ def exact_attention(
         raise ValueError(f"trainer_exact: attention dropout must be off, got {dropout}; call model.eval()")
     if kwargs.get("s_aux") is not None:
         raise ValueError("trainer_exact does not compute attention sinks (gpt-oss): its backward has none")
+    layer_kinds = getattr(getattr(module, "config", None), "layer_types", None) or ()
+    if "chunked_attention" in layer_kinds:
+        raise ValueError("trainer_exact does not compute chunked attention (Llama 4): it attends causally")
     if key.shape[2] != query.shape[2]:
         raise ValueError(
             f"trainer_exact computes whole sequences without a KV cache: {query.shape[2]} queries against "

@@ -162,6 +162,7 @@ class InputBuilder:
         max_blocks_per_request: int = 0,
         split_decode_rows: bool = False,
         fixed_order: bool = False,
+        attention_chunks: Sequence[int | None] = (),
     ) -> None:
         """With `attention_kernel`, steps whose requests hold at most `max_blocks_per_request` blocks take
         the kernel path (block tables, no gathered keys or masks); other steps gather.
@@ -174,7 +175,10 @@ class InputBuilder:
         serves it, and every step uses tiles of PREFILL_QUERIES_PER_TILE queries, decode steps included,
         so the Triton kernel's dot shapes never change (the CPU kernel's tiles hold a decode request's one
         query either way). Every step then needs the kernel path: a request whose table is wider than
-        `max_blocks_per_request` raises instead of gathering."""
+        `max_blocks_per_request` raises instead of gathering.
+
+        `attention_chunks` (per layer: Llama 4's chunked layers' chunk, or None): only the kernels bound a
+        chunk, so every step needs the kernel path too."""
         self.groups = list(groups)
         self.key_caches = key_caches
         self.value_caches = value_caches
@@ -187,6 +191,13 @@ class InputBuilder:
         self.max_blocks_per_request = max_blocks_per_request
         self.split_decode_rows = split_decode_rows
         self.fixed_order = fixed_order
+        self.attention_chunks = list(attention_chunks) if any(attention_chunks) else []
+        if self.attention_chunks and attention_kernel is None:
+            raise ValueError(
+                "the model has chunked attention layers (Llama 4), which only the attention kernel computes, "
+                "and it is off here: max_blocks_per_request is 0, or the kernel could not be built (the log "
+                "says why)"
+            )
 
     def build(
         self,
@@ -223,6 +234,12 @@ class InputBuilder:
                 raise RuntimeError(
                     f"batch_invariant: a request holds more than max_blocks_per_request="
                     f"{self.max_blocks_per_request} blocks, and gathering its keys would change its bits"
+                )
+            if kernel_inputs is None and self.attention_chunks:
+                raise RuntimeError(
+                    f"a request holds more than max_blocks_per_request={self.max_blocks_per_request} "
+                    "blocks, and the model's chunked attention layers cannot gather their keys; raise it or "
+                    "leave it None"
                 )
             if kernel_inputs is not None and varlen_shape is not None:
                 step.tokens.pad_varlen(varlen_shape)
@@ -311,6 +328,7 @@ class InputBuilder:
             page_size=self.page_size,
             attention_kernel=self.attention_kernel if kernel_inputs is not None else None,
             kernel_inputs=kernel_inputs,
+            attention_chunks=self.attention_chunks,
         )
 
     def _input_ids(self, step: _PackedStep, previous: PreviousTokens | None) -> torch.Tensor:

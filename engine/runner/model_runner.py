@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.config import ContinuousBatchingConfig
-from engine.kv.layer_groups import KVCacheGroupSpec
+from engine.kv.layer_groups import KVCacheGroupSpec, attention_chunks
 from engine.request import Request
 from engine.runner.forward_paths import ForwardPaths
 from engine.runner.inputs import BatchInputs, InputBuilder, PreviousTokens, PromptLogprobSpan
@@ -203,6 +203,7 @@ class ModelRunner:
             self.forward_paths.max_blocks_per_request,
             split_decode_rows=self.forward_paths.decode_runs_eagerly,
             fixed_order=config.batch_invariant,
+            attention_chunks=attention_chunks(text_config),
         )
 
     def capture_decode_graphs(self, max_rows: int) -> int:

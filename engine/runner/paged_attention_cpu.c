@@ -132,6 +132,7 @@ typedef struct {
     int64_t num_kv_heads, group_size, head_dim, queries_per_tile, page_size;
     float scale, softcap; /* softcap <= 0: none */
     int64_t sliding_window;
+    int64_t attention_chunk; /* keys a query sees start at its chunk's first position (Llama 4) */
     int fixed_order;
     const float *sinks; /* [num_heads] or NULL: a learned logit per query head in every softmax (gpt-oss) */
 } Step;
@@ -366,7 +367,9 @@ static void attend_tile(const Step *step, Scratch *scratch, int64_t tile, const 
                  step->dtype, query_row, head_dim);
         for (int64_t d = 0; d < head_dim; d++) query_row[d] *= step->scale;
         const int64_t position = context_len + query;
-        const int64_t first = position - step->sliding_window + 1;
+        const int64_t window_first = position - step->sliding_window + 1;
+        const int64_t chunk_first = position - position % step->attention_chunk;
+        const int64_t first = window_first > chunk_first ? window_first : chunk_first;
         scratch->positions[row] = position;
         scratch->firsts[row] = first > 0 ? first : 0;
         if (scratch->firsts[row] < lowest) lowest = scratch->firsts[row];
@@ -473,12 +476,13 @@ int paged_attention(int dtype, const void *queries, int64_t stride_query_row, in
                     const int32_t *tile_offsets, int64_t num_tiles, void *output, int64_t stride_output_row,
                     int64_t stride_output_head, int64_t num_kv_heads, int64_t group_size, int64_t head_dim,
                     int64_t queries_per_tile, int64_t page_size, float scale, float softcap,
-                    int64_t sliding_window, int fixed_order, const float *sinks, int num_threads) {
+                    int64_t sliding_window, int64_t attention_chunk, int fixed_order, const float *sinks,
+                    int num_threads) {
     const Step step = {dtype, queries, stride_query_row, stride_query_head, key_cache, value_cache,
                        stride_cache_slot, stride_cache_head, block_table, stride_table_row, query_starts,
                        seq_lens, tile_requests, tile_offsets, output, stride_output_row, stride_output_head,
                        num_kv_heads, group_size, head_dim, queries_per_tile, page_size, scale, softcap,
-                       sliding_window, fixed_order, sinks};
+                       sliding_window, attention_chunk, fixed_order, sinks};
     const int64_t max_rows = queries_per_tile * num_kv_heads * group_size;
     /* Parts per tile: enough that every thread has work, when the tiles alone do not give it and their
        requests are long enough to pay for it. */

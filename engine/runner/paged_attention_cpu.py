@@ -59,7 +59,7 @@ _ARGUMENT_TYPES: list[Any] = [
     _pointer, _pointer, _pointer, _pointer, _int64,  # query starts, seq lens, tile requests, offsets, count
     _pointer, _int64, _int64,  # output, row and head strides
     _int64, _int64, _int64, _int64, _int64,  # kv heads, group size, head dim, queries per tile, page size
-    ctypes.c_float, ctypes.c_float, _int64,  # scale, softcap (<= 0: none), sliding window
+    ctypes.c_float, ctypes.c_float, _int64, _int64,  # scale, softcap (<= 0: none), sliding window, chunk
     ctypes.c_int, _pointer, ctypes.c_int,  # fixed order, sinks (NULL: none), threads
 ]  # fmt: skip
 # Stands for "no sliding window": larger than any position.
@@ -112,6 +112,7 @@ def attend_in_place(
     has_unowned_rows: bool = False,
     fixed_order: bool = False,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """queries [T, H, D] -> [T, H, D]; the contract of `paged_attention_kernel.paged_attention`.
 
@@ -154,6 +155,7 @@ def attend_in_place(
         scale,
         softcap if softcap is not None else 0.0,
         sliding_window if sliding_window is not None else NO_WINDOW,
+        attention_chunk if attention_chunk is not None else NO_WINDOW,
         int(fixed_order),
         sink_logits.data_ptr() if sink_logits is not None else None,
         torch.get_num_threads(),

@@ -53,6 +53,7 @@ def _paged_attention_kernel(
     scale,
     softcap,
     sliding_window,
+    attention_chunk,
     stride_query_row,
     stride_query_head,
     stride_cache_slot,
@@ -102,8 +103,10 @@ def _paged_attention_kernel(
     )
     query_positions = context_len + queries
 
-    # Keys this tile reads: from the window start of its first query to its last query's position.
-    first_position = tl.maximum(context_len + query_offset - sliding_window + 1, 0)
+    # Keys this tile reads: from the window (or chunk) start of its first query to its last query's position.
+    first_query_position = context_len + query_offset
+    first_position = tl.maximum(first_query_position - sliding_window + 1, 0)
+    first_position = tl.maximum(first_position, first_query_position // attention_chunk * attention_chunk)
     end_position = tl.minimum(context_len + query_offset + QUERIES_PER_TILE, seq_len)
     end_position = tl.where(tile_request >= 0, end_position, first_position)
 
@@ -135,6 +138,7 @@ def _paged_attention_kernel(
             key_valid[None, :]
             & (positions[None, :] <= query_positions[:, None])
             & (positions[None, :] > query_positions[:, None] - sliding_window)
+            & (positions[None, :] >= query_positions[:, None] // attention_chunk * attention_chunk)
         )
         scores = tl.where(allowed, scores, float("-inf"))
         tile_max = tl.maximum(running_max, tl.max(scores, axis=1))
@@ -185,13 +189,15 @@ def paged_attention(
     has_unowned_rows: bool = False,
     fixed_order: bool = False,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """queries [T, H, D] -> [T, H, D].
 
     Request r owns packed rows query_starts[r] .. query_starts[r + 1] - 1, the last of its seq_lens[r]
     positions, and finds its keys through block_table[r]. Each query attends causally (and within
     `sliding_window`) to its request's keys; `sinks` [H] (gpt-oss) adds one logit per query head to every
-    softmax, a score that takes probability mass and contributes no value. With `has_unowned_rows` (a
+    softmax, a score that takes probability mass and contributes no value; with `attention_chunk` (Llama
+    4), a query sees only the keys of its own chunk of positions. With `has_unowned_rows` (a
     padded step), rows no request owns are zero; otherwise every row is written and the output is not
     cleared first.
 
@@ -226,6 +232,7 @@ def paged_attention(
         scale,
         softcap if softcap is not None else 1.0,
         sliding_window if sliding_window is not None else NO_WINDOW,
+        attention_chunk if attention_chunk is not None else NO_WINDOW,
         queries.stride(0),
         queries.stride(1),
         key_cache.stride(0),

@@ -64,6 +64,8 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.kv.cache_manager",
         "engine.kv.layer_groups",
     },
+    # Which model families the engine serves exactly: checked before any cache is planned.
+    {"engine.families"},
     # The one admission decision: what a request must fit (the cache's sizes) and the ledger of live ids.
     {"engine.loop.admission"},
     {"engine.scheduler"},
@@ -91,8 +93,6 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.runner.batch_invariant",
     },
     {"engine.runner.cache_plan"},
-    # Which model families the engine serves exactly: checked before any cache is planned.
-    {"engine.families"},
     {"engine.engine_core"},
     {
         "engine.loop.commands",

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import GenerationConfig, PretrainedConfig
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from engine import ContinuousBatchingConfig, generate_batch
 from engine.errors import UnsupportedModelError
@@ -96,6 +97,26 @@ def test_attention_sinks_give_model_generates_tokens_on_every_attention_path(con
     assert engine_tokens(model, prompts, **config) == expected
 
 
+def test_chunked_attention_is_refused_where_only_the_gather_path_would_run_it():
+    with pytest.raises(ValueError, match="chunked attention layers"):
+        engine_tokens(tiny_family_model("llama4_text"), [random_prompt(5, seed=5)], max_blocks_per_request=0)
+
+
+def test_llama4_position_scaled_queries_bound_requests_below_floor_scale():
+    """Its layers without rotary embeddings scale queries by the token's index in the input, which the
+    engine's packed steps do not keep: exact only below floor_scale, so requests are bounded there."""
+    config = tiny_family_config("llama4_text")
+    config.floor_scale = 32
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.raises(ValueError, match="at most 31"):
+        engine_tokens(model, [random_prompt(25, seed=25)])  # 25 + 10 new tokens
+    prompts = [random_prompt(length, seed=length) for length in (5, 21)]
+    assert engine_tokens(model, prompts) == [
+        reference_greedy(model, prompt, NEW_TOKENS) for prompt in prompts
+    ]
+
+
 @pytest.mark.parametrize("model_type", sorted(REFUSED_FAMILIES))
 def test_a_refused_family_is_refused_at_load_naming_what_the_engine_lacks(model_type):
     model = weightless_family_model(model_type)
@@ -104,11 +125,15 @@ def test_a_refused_family_is_refused_at_load_naming_what_the_engine_lacks(model_
         config.model_type = model_type
         assert refusal_reason(config) == REFUSED_FAMILIES[model_type]
         return
+    # A multimodal family's causal-LM class is built on its text config, which the engine reads: where
+    # that family is served (Llama 4's text model), only the multimodal class itself is refused.
+    served_type = model.config.model_type
+    if served_type in SERVED_FAMILIES:
+        assert served_type != model_type, f"{model_type} is both served and refused"
+        return
     with pytest.raises(UnsupportedModelError) as refused:
         generate_batch(model, [[3, 4, 5]], max_new_tokens=1, warmup=False)
     message = str(refused.value)
-    # A multimodal family's causal-LM class is built on its text config, which the engine reads.
-    served_type = model.config.model_type
     assert f"cannot serve {type(model).__name__} (model type {served_type!r})" in message, message
     assert REFUSED_FAMILIES.get(served_type, UNVERIFIED_FAMILY) in message, message
 

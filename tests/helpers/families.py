@@ -56,6 +56,10 @@ def tiny_family_config(model_type: str) -> PretrainedConfig:
         sizes.pop("num_key_value_heads", None)
     if getattr(default, "sliding_window", None) is not None:
         sizes["sliding_window"] = SLIDING_WINDOW
+    if getattr(default, "attention_chunk_size", None):  # Llama 4: prompts of LONG_PROMPT span chunks
+        sizes["attention_chunk_size"] = 16
+    if getattr(default, "no_rope_layers", None):  # Llama 4: the second layer without rotary embeddings
+        sizes["no_rope_layers"] = [1, 0]
     if getattr(default, "rotary_dim", None):  # GPT-J and CodeGen rotate the first dimensions of each head
         sizes["rotary_dim"] = 8
     sizes.update({name: 32 for name in EXPERT_WIDTHS if hasattr(default, name)})
