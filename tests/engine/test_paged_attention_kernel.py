@@ -55,6 +55,7 @@ def _reference(
     softcap,
     window,
     sinks=None,
+    chunk=None,
 ):
     """Per request, query and head: gather the keys the query may see by position, softmax in fp32 (with
     the head's sink as one more score whose value is zero, as gpt-oss's eager attention computes it)."""
@@ -67,6 +68,8 @@ def _reference(
         for index, row in enumerate(range(first_row, end_row)):
             position = context + index
             first = 0 if window is None else max(0, position - window + 1)
+            if chunk is not None:
+                first = max(first, position - position % chunk)
             positions = torch.arange(first, position + 1, device=queries.device)
             slots = tables[request].long()[positions // page_size] * page_size + positions % page_size
             keys, values = key_cache[slots].float(), value_cache[slots].float()
@@ -138,7 +141,7 @@ def test_the_cpu_kernel_splitting_a_lone_tiles_keys_matches_a_gathered_softmax(
 
 def _check_against_a_gathered_softmax(
     kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch,
-    device=TEST_DEVICE, with_sinks=False,
+    device=TEST_DEVICE, with_sinks=False, chunk=None,
 ) -> None:  # fmt: skip
     generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim + page_size)
     shape, queries_per_tile, threads = STEPS[step]
@@ -173,9 +176,9 @@ def _check_against_a_gathered_softmax(
     sinks = (torch.rand(num_heads, generator=generator) * 4 - 1).to(device) if with_sinks else None
     output = kernel_module.paged_attention(
         *device_tensors, *tiles, queries_per_tile, page_size, scale, softcap, window, has_unowned_rows=True,
-        sinks=sinks,
+        sinks=sinks, attention_chunk=chunk,
     )  # fmt: skip
-    expected = _reference(*device_tensors, page_size, scale, softcap, window, sinks)
+    expected = _reference(*device_tensors, page_size, scale, softcap, window, sinks, chunk)
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)
 
 
@@ -188,6 +191,16 @@ def test_kernel_with_attention_sinks_matches_a_softmax_with_a_sink_column(
     _check_against_a_gathered_softmax(
         kernel_module, step, 8, 2, 16, 8, None, window, monkeypatch, with_sinks=True
     )
+
+
+@pytest.mark.parametrize("step", ["mixed", "decode"])
+@pytest.mark.parametrize("chunk", [8, 48], ids=["chunk-8", "chunk-48"])
+def test_kernel_with_chunked_attention_matches_a_softmax_over_each_querys_chunk(
+    kernel_module, step, chunk, monkeypatch
+):
+    """Llama 4's chunked layers: a query sees its own chunk's keys only, chunks shorter and longer than a
+    tile or a page."""
+    _check_against_a_gathered_softmax(kernel_module, step, 8, 2, 16, 8, None, None, monkeypatch, chunk=chunk)
 
 
 @pytest.mark.parametrize("step", ["one_decode", "one_prefill"])
