@@ -196,10 +196,9 @@ def paged_attention(
     Request r owns packed rows query_starts[r] .. query_starts[r + 1] - 1, the last of its seq_lens[r]
     positions, and finds its keys through block_table[r]. Each query attends causally (and within
     `sliding_window`) to its request's keys; `sinks` [H] (gpt-oss) adds one logit per query head to every
-    softmax, a score that takes probability mass and contributes no value; with `attention_chunk` (Llama
-    4), a query sees only the keys of its own chunk of positions. With `has_unowned_rows` (a
-    padded step), rows no request owns are zero; otherwise every row is written and the output is not
-    cleared first.
+    softmax, a score with no value; with `attention_chunk` (Llama 4), a query sees only its own chunk's
+    keys. With `has_unowned_rows` (a padded step), rows no request owns are zero; otherwise every row is
+    written and the output is not cleared first.
 
     `fixed_order` (batch-invariant mode) asks that each query's output have the same bits whatever tile
     serves it. A row's dots, maxima and sums here depend only on the tile's shape (its keys start at

@@ -46,7 +46,7 @@ def test_a_served_family_gives_model_generates_tokens_through_the_server(model_t
 
 
 def test_a_refused_family_exits_before_serving_with_the_engines_reason(tmp_path):
-    tiny_family_model("gpt_oss").save_pretrained(tmp_path / "model")
+    tiny_family_model("lfm2").save_pretrained(tmp_path / "model")
     server = ServerProcess(tmp_path / "model", tmp_path / "server.log", *ENGINE_FLAGS)
     try:
         status = server.process.wait(timeout=STARTUP_TIMEOUT_S)
@@ -54,7 +54,7 @@ def test_a_refused_family_exits_before_serving_with_the_engines_reason(tmp_path)
         server.close()
     log = server.log_path.read_text(errors="replace")
     assert status != 0, log
-    refusal = [line for line in log.splitlines() if "cannot serve GptOssForCausalLM" in line]
+    refusal = [line for line in log.splitlines() if "cannot serve Lfm2ForCausalLM" in line]
     assert len(refusal) == 1, log
-    assert "(model type 'gpt_oss'): attention sinks" in refusal[0], refusal[0]
+    assert "(model type 'lfm2'): short-convolution layers" in refusal[0], refusal[0]
     assert "serving" not in log.replace("cannot serve", ""), log
