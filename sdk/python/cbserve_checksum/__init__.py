@@ -36,14 +36,22 @@ import xxhash
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALGORITHM", "CHUNK_BYTES", "TensorDigester", "combined_digest", "safetensors_dtype_name"]
+__all__ = [
+    "ALGORITHM",
+    "CHUNK_BYTES",
+    "SAFETENSORS_NAMES",
+    "TensorDigester",
+    "combined_digest",
+    "safetensors_dtype_name",
+]
 
 ALGORITHM = "xxh3-128"
 # A CUDA tensor crosses the link in chunks of this size, two in flight: large enough that a chunk's fixed
 # costs (a copy call, an event) vanish beside its transfer, small enough that pinned memory stays 32 MiB.
 CHUNK_BYTES = 2**24
 
-_SAFETENSORS_NAMES = {
+# torch dtype names -> safetensors names (the SDK's weight messages add numpy's and the short aliases).
+SAFETENSORS_NAMES = {
     "float64": "F64",
     "float32": "F32",
     "float16": "F16",
@@ -65,7 +73,7 @@ _SAFETENSORS_NAMES = {
 def safetensors_dtype_name(dtype: torch.dtype) -> str:
     """safetensors' name of a torch dtype ("F32", "BF16", ...); torch's own for one safetensors lacks."""
     name = str(dtype).removeprefix("torch.")
-    return _SAFETENSORS_NAMES.get(name, name)
+    return SAFETENSORS_NAMES.get(name, name)
 
 
 def _prefixed(hasher: xxhash.xxh3_128) -> str:

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
+from cbserve_checksum import SAFETENSORS_NAMES
+
 from cbserve_client._generated.cbserve.v1 import admin_pb2
 
 #: Largest ``data`` of one TensorChunk message.
@@ -44,29 +46,15 @@ ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
 }
 
-# numpy / torch dtype names -> safetensors names.
+# numpy / torch dtype names -> safetensors names: torch's, its short aliases and numpy's kind codes.
 _ALIASES: dict[str, str] = {
-    "float64": "F64",
+    **SAFETENSORS_NAMES,
     "double": "F64",
-    "float32": "F32",
     "float": "F32",
-    "float16": "F16",
     "half": "F16",
-    "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-    "int64": "I64",
     "long": "I64",
-    "int32": "I32",
     "int": "I32",
-    "int16": "I16",
     "short": "I16",
-    "int8": "I8",
-    "uint64": "U64",
-    "uint32": "U32",
-    "uint16": "U16",
-    "uint8": "U8",
-    "bool": "BOOL",
     # numpy's one-character kind codes with explicit little-endian byte order
     "<f8": "F64",
     "<f4": "F32",
