@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.kv.cache_manager import DeviceBlockCopy, KVCacheManager, blocks_for_tokens
 from engine.kv.offload import BlockCopy, HostBlockPool
+from engine.pending_work import NO_SHARE, PendingShare, PendingTotals, PendingWork
 from engine.request import FinishReason, Request, RequestStatus, check_stop
 
 SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority")
@@ -96,6 +97,7 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     counters: SchedulerCounters
+    pending: PendingTotals
 
 
 class Scheduler:
@@ -130,6 +132,8 @@ class Scheduler:
         # First sequences of n > 1 requests whose other sequences wait to be forked from them.
         self._forking: list[Request] = []
         self.counters = SchedulerCounters()
+        # Every live request's share of the work no step has done yet, kept as each request changes.
+        self.pending_work = PendingWork()
 
     @property
     def num_waiting(self) -> int:
@@ -143,7 +147,9 @@ class Scheduler:
         return bool(self.running) or bool(self.waiting)
 
     def make_stats(self) -> SchedulerStats:
-        return SchedulerStats(self.num_running, self.num_waiting, replace(self.counters))
+        return SchedulerStats(
+            self.num_running, self.num_waiting, replace(self.counters), self.pending_work.totals()
+        )
 
     def add_request(self, request: Request) -> None:
         """Queues `request`; its `pending_forks` (n > 1) wait on it to be forked."""
@@ -162,6 +168,7 @@ class Scheduler:
             self.waiting.appendleft(request)
         else:
             self.waiting.append(request)
+        self._track_queued(request)
 
     def has_preempted_waiting(self) -> bool:
         """Whether a preempted request waits to run again (it is still in flight)."""
@@ -227,6 +234,7 @@ class Scheduler:
             len(self.waiting),
         )
         self.waiting.insert(position, sequence)
+        self._track_queued(sequence)
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         """The tokens `request` gets this step from `num_computed` on: all it lacks, within `budget`. A first
@@ -350,6 +358,32 @@ class Scheduler:
         request.num_computed_tokens = num_computed_tokens + num_new_tokens
         if item.samples_token:
             request.num_output_placeholders += 1
+        self._track(request)
+
+    def _track_queued(self, request: Request) -> None:
+        """`request` has just joined the queue: its share of the pending work is the tokens it will compute
+        when admitted, after the prefix-cache hit it finds now (engine.pending_work)."""
+        if request.offloaded is not None:
+            num_to_compute = request.num_tokens - request.offloaded.num_tokens
+        else:
+            num_hit_blocks = len(self.kv_cache_manager.get_computed_blocks(request))
+            num_to_compute = request.num_tokens - num_hit_blocks * self.kv_cache_manager.page_size
+        share = PendingShare(
+            waiting_uncached_tokens=num_to_compute,
+            prefill_pending_tokens=num_to_compute if request.num_generated_tokens == 0 else 0,
+            preempted_waiting=1 if request.num_preemptions > 0 else 0,
+        )
+        self.pending_work.set_share(request.request_id, share)
+
+    def _track(self, request: Request) -> None:
+        """`request` was scheduled or finished: its share of the pending work is the prompt it has still to
+        compute while it has produced no token, nothing once it is finished."""
+        prompt_to_compute = request.num_prompt_tokens - request.num_computed_tokens
+        if request.is_finished or request.num_generated_tokens > 0 or prompt_to_compute <= 0:
+            share = NO_SHARE
+        else:
+            share = PendingShare(prefill_pending_tokens=prompt_to_compute)
+        self.pending_work.set_share(request.request_id, share)
 
     def _restore(self, request: Request, output: SchedulerOutput, budget: int) -> bool:
         """Re-admits an offloaded request: its KV comes back from the host instead of being recomputed."""
@@ -444,6 +478,7 @@ class Scheduler:
             f"but only {self.kv_cache_manager.block_pool.num_free_blocks} of "
             f"{self.kv_cache_manager.block_pool.num_usable_blocks} can ever be free; raise num_blocks",
         )
+        self._track(request)
         output.failed.append(request)
 
     def update_from_output(
@@ -493,6 +528,7 @@ class Scheduler:
                 self._release_fork(sequence)
             request.pending_forks = []
         request.finish(status, reason, error, stop_reason)
+        self._track(request)
         self.kv_cache_manager.free(request)
         if request.offloaded is not None and self.host_block_pool is not None:
             self.host_block_pool.free_now(request.offloaded.all_host_block_ids)

@@ -44,6 +44,19 @@ class ManagerStats:
     weights_incomplete: str | None = None
     # Ranks this engine's tensor-parallel ranks hold in a trainer's weight-update group; () when none.
     weights_update_group_ranks: tuple[int, ...] = ()
+    # Token work no step has done yet (engine.pending_work): tokens the queued requests will compute
+    # beyond their prefix-cache hits, and prompt tokens still to compute of the requests with no token yet.
+    waiting_uncached_tokens: int = 0
+    prefill_pending_tokens: int = 0
+    # Requests waiting in the queue to run again after a preemption.
+    num_preempted_waiting: int = 0
+    # Whether requests are queued or running in the engine (posted ones join it between two steps).
+    has_unfinished_requests: bool = False
+    # Steps the loop completed since it was built, and the `time.monotonic()` of its last sign of
+    # progress: the end of its last step, or the moment an idle engine took a request, whichever is later.
+    # While requests are unfinished, now less `progress_at` is how long the engine has been silent.
+    num_steps: int = 0
+    progress_at: float = 0.0
 
     @property
     def serving(self) -> bool:
@@ -65,11 +78,13 @@ class ManagerStats:
         sleep_level: int,
         weights_incomplete: str | None,
         weights_update_group_ranks: tuple[int, ...],
+        num_steps: int,
+        progress_at: float,
     ) -> ManagerStats:
         """The engine's counters now (each of its parts makes its own: `EngineCore.make_stats`), with the
         loop's own state (passed in by the loop)."""
         stats = engine.make_stats()
-        kv_cache, counters = stats.kv_cache, stats.scheduler.counters
+        kv_cache, counters, pending = stats.kv_cache, stats.scheduler.counters, stats.scheduler.pending
         return cls(
             running=running,
             paused=paused,
@@ -96,4 +111,10 @@ class ManagerStats:
             sleep_level=sleep_level,
             weights_incomplete=weights_incomplete,
             weights_update_group_ranks=weights_update_group_ranks,
+            waiting_uncached_tokens=pending.waiting_uncached_tokens,
+            prefill_pending_tokens=pending.prefill_pending_tokens,
+            num_preempted_waiting=pending.num_preempted_waiting,
+            has_unfinished_requests=engine.has_unfinished_requests(),
+            num_steps=num_steps,
+            progress_at=progress_at,
         )

@@ -15,7 +15,9 @@ The engine reports blocks stored, removed and cleared (engine.kv.events); this m
 Every batch carries the engine's load (`EngineLoad`), and while nothing is stored or removed the stream
 sends `load_only` batches, repeating the last sequence sent: when the load changed (checked every
 `LOAD_TICK_S`), or after `HEARTBEAT_S` of silence (`IDLE_HEARTBEAT_S` once two heartbeats in a row
-carried the same load), so the gateway keeps the replica's load current and knows it lives.
+carried the same load and no request is in flight), so the gateway keeps the replica's load current and
+knows it lives. The telemetry (cache hit rate, token counts, queues) rides on heartbeats and a stream's
+first record only, as common.proto asks.
 
 Block hashes are the engine's SHA-256 chain folded to its last eight bytes, big-endian and signed, as
 vLLM's servicer folds a raw digest into the proto's int64. The gateway hashes token ids itself and keeps
@@ -281,7 +283,10 @@ class _LoadRecords:
         if last_sequence == 0 and not before_first_batch:
             return None
         record = self._load()
-        interval = IDLE_HEARTBEAT_S if self._unchanged_heartbeats >= 2 else HEARTBEAT_S
+        # While requests are in flight the record carries the engine's silence, which the gateway judges
+        # against its wedge bound: it goes out every HEARTBEAT_S however still the rest is.
+        idle = self._unchanged_heartbeats >= 2 and not record.HasField("engine_silence_ms")
+        interval = IDLE_HEARTBEAT_S if idle else HEARTBEAT_S
         changed = _core(record) != self._last_core
         if self._sent_any and not changed and time.monotonic() - self._last_sent_at < interval:
             return None
@@ -301,7 +306,7 @@ class _LoadRecords:
         record.sample = self._sample
         record.load_only = load_only
         if not telemetry:
-            for name in ("cache_hit_rate", "num_used_tokens", "max_total_num_tokens"):
+            for name in ("cache_hit_rate", "num_used_tokens", "max_total_num_tokens", "queues"):
                 record.ClearField(name)
         self._last_core = _core(record)
         self._last_sent_at = time.monotonic()
@@ -310,4 +315,10 @@ class _LoadRecords:
 
 def _core(record: common_pb2.EngineLoad) -> tuple[object, ...]:
     """The routing inputs of a record: a heartbeat goes out early when these change."""
-    return (record.running_requests, record.waiting_requests, round(record.token_usage, 4))
+    return (
+        record.running_requests,
+        record.waiting_requests,
+        round(record.token_usage, 4),
+        record.waiting_uncached_tokens,
+        record.prefill_pending_tokens,
+    )

@@ -196,6 +196,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 cache_hit_rate=load.cache_hit_rate,
                 utilization=load.token_usage,
                 max_running_requests=load.max_running_requests,
+                num_waiting_uncached_tokens=min(load.waiting_uncached_tokens, 2**31 - 1),
             )
         )
         return response

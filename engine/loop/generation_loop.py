@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -82,6 +83,9 @@ class GenerationLoop:
         self.loop_error: str | None = None
         # Tokens sampled since the engine was built (a rate for routers: tokens per second).
         self._num_generated_tokens = 0
+        # Steps completed, and the monotonic time of the last progress (ManagerStats.progress_at).
+        self._num_steps = 0
+        self._progress_at = time.monotonic()
         self._last_action: LoopAction | None = None
         self.weights = WeightsAndSleep(engine, agreement, self._flush_step_in_flight)
         self._cond = threading.Condition()
@@ -337,6 +341,8 @@ class GenerationLoop:
             logger.exception("generation loop error; failing every live request")
             result = StepResult(finished=self.engine.fail_all(f"engine error: {type(exc).__name__}: {exc}"))
         self._on_step_result(result)
+        self._num_steps += 1
+        self._progress_at = time.monotonic()
         self._publish(result)
         self._refresh_stats()
 
@@ -345,6 +351,8 @@ class GenerationLoop:
     def _apply(self, command: LoopCommand) -> None:
         engine = self.engine
         if isinstance(command, AddRequest):
+            if not engine.has_unfinished_requests():
+                self._progress_at = time.monotonic()  # silence counts from the first request on
             if not engine.add_request(command.request):
                 for sequence in (command.request, *command.request.pending_forks):
                     self._finish(sequence)
@@ -473,6 +481,8 @@ class GenerationLoop:
             sleep_level=weights.sleep_level(),
             weights_incomplete=weights.incomplete.reason if weights.incomplete else None,
             weights_update_group_ranks=weights.update_group_ranks,
+            num_steps=self._num_steps,
+            progress_at=self._progress_at,
         )
 
     # ------------------------------------------------------------------ hooks (engine.loop.lockstep)
