@@ -536,14 +536,20 @@ class EngineCore:
             prompt_logprobs.add_to(request)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.token_ids)
         now = time.time()
-        for item, logprob, top in zip(
-            scheduler_output.scheduled, runner_output.logprobs, runner_output.top_logprobs, strict=True
+        for item, logprob, top, log_kept_mass in zip(
+            scheduler_output.scheduled,
+            runner_output.logprobs,
+            runner_output.top_logprobs,
+            runner_output.log_kept_masses,
+            strict=True,
         ):
             request = item.request
             if logprob is not None and request.sampling.logprobs:
                 request.logprobs.append(logprob)
             if top is not None and request.sampling.top_logprobs:
                 request.top_logprobs.append(top)
+            if log_kept_mass is not None and request.sampling.return_kept_mass:
+                request.log_kept_masses.append(log_kept_mass)
         for item in advanced:
             request = item.request
             request.weight_version = step.weight_version

@@ -71,6 +71,9 @@ class GenerationOutput:
     generated_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With SamplingParams.return_kept_mass: per generated token, the log of the probability mass top-k,
+    # top-p and min-p kept of the distribution it was drawn from (engine.sampling.sampler.log_kept_mass).
+    log_kept_masses: list[float] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -129,6 +132,7 @@ class Request:
         "fork_source",
         "generator",
         "index",
+        "log_kept_masses",
         "logprobs",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -185,6 +189,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
+        self.log_kept_masses: list[float] = []
         self.timestamps: list[float] = []
         self.created_time = time.time()
         self.scheduled_time: float | None = None
@@ -290,6 +295,7 @@ class Request:
             generated_tokens=self.generated_tokens,
             logprobs=list(self.logprobs),
             top_logprobs=list(self.top_logprobs),
+            log_kept_masses=list(self.log_kept_masses),
             status=self.status,
             finish_reason=self.finish_reason,
             error=self.error,

@@ -145,6 +145,9 @@ class ModelRunnerOutput:
     top_logprobs: list[dict[int, float] | None]
     # The prompt logprobs of the requests that asked and had prompt positions in the step.
     prompt_logprobs: list[tuple[Request, PromptLogprobs]] = field(default_factory=list)
+    # Per scheduled request, the log of the mass its sampled token's truncation kept, or None when no
+    # request of the step asked (SamplingParams.return_kept_mass).
+    log_kept_masses: list[float | None] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -310,16 +313,20 @@ class ModelRunner:
         token_ids: list[int | None] = []
         logprobs: list[float | None] = []
         top_logprobs: list[dict[int, float] | None] = []
+        kept_masses = sampled.log_kept_masses if sampled is not None else None
+        log_kept_masses: list[float | None] = []
         row = 0
         for item in launched.scheduler_output.scheduled:
             if item.samples_token and sampled is not None:
                 token_ids.append(sampled.token_ids[row])
                 logprobs.append(sampled.logprobs[row] if sampled.logprobs is not None else None)
                 top_logprobs.append(sampled.top_logprobs[row] if sampled.top_logprobs is not None else None)
+                log_kept_masses.append(kept_masses[row] if kept_masses is not None else None)
                 row += 1
             else:
                 token_ids.append(None)
                 logprobs.append(None)
                 top_logprobs.append(None)
+                log_kept_masses.append(None)
         self.timings.sample_s += time.perf_counter() - waiting
-        return ModelRunnerOutput(token_ids, logprobs, top_logprobs, prompt_logprobs)
+        return ModelRunnerOutput(token_ids, logprobs, top_logprobs, prompt_logprobs, log_kept_masses)

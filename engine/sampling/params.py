@@ -54,6 +54,7 @@ SAMPLING_KWARGS = (
     "num_return_sequences",
     "n",
     "logprobs_mode",
+    "return_kept_mass",
 )
 
 
@@ -133,6 +134,9 @@ class SamplingParams:
     n: int = 1
     # What `logprobs` and `top_logprobs` are the logprobs of (prompt logprobs are always raw).
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    # Each generated token also reports the log of the probability mass top-k, top-p and min-p kept
+    # (engine.sampling.sampler.log_kept_mass); implies `logprobs`, needs a request that samples.
+    return_kept_mass: bool = False
 
     @property
     def is_greedy(self) -> bool:
@@ -219,11 +223,13 @@ def build_sampling_params(
     eos_ids = frozenset(check_token_ids(fields.name("eos_token_id"), _eos_ids(eos_token_id), vocab_size))
     top_logprobs = settings.get("top_logprobs") or 0
     fields.check_int("top_logprobs", top_logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
+    sampler_settings = _sampler_settings(settings, generation_config, fields)
+    return_kept_mass = _return_kept_mass(settings.get("return_kept_mass"), sampler_settings, fields)
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         eos_token_ids=eos_ids,
-        **_sampler_settings(settings, generation_config, fields),
-        logprobs=bool(settings.get("logprobs") or top_logprobs or return_logprobs),
+        **sampler_settings,
+        logprobs=bool(settings.get("logprobs") or top_logprobs or return_logprobs or return_kept_mass),
         top_logprobs=top_logprobs,
         **_penalties(settings, generation_config, max_new_tokens, fields),
         logit_bias=_logit_bias(settings.get("logit_bias"), vocab_size, fields),
@@ -232,7 +238,25 @@ def build_sampling_params(
         structured_output=_structured_output(settings.get("structured_output"), fields),
         n=_num_sequences(settings, generation_config, fields),
         logprobs_mode=_logprobs_mode(settings.get("logprobs_mode"), default_logprobs_mode, fields),
+        return_kept_mass=return_kept_mass,
     )
+
+
+def _return_kept_mass(value: Any, sampler_settings: Mapping[str, Any], fields: _Fields) -> bool:
+    """Refused for a greedy request: its token is the argmax, drawn from no distribution, so there is no
+    truncated mass to correct an importance ratio by."""
+    if value is None or value is False:
+        return False
+    if value is not True:
+        raise InvalidParameterError(fields.name("return_kept_mass"), f" must be a bool, got {value!r}")
+    temperature = sampler_settings["temperature"]
+    if temperature is None or temperature == 0.0:
+        raise InvalidParameterError(
+            fields.name("return_kept_mass"),
+            f" needs a request that samples (temperature > 0), got temperature {temperature}: a greedy "
+            "token is drawn from no distribution, so no mass is truncated",
+        )
+    return True
 
 
 def _logprobs_mode(value: Any, default: LogprobsMode | str, fields: _Fields) -> LogprobsMode:

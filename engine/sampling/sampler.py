@@ -7,7 +7,9 @@ and min-p are applied to all sampled rows in one pass. The random draw uses the 
 noise from its own generator, so its tokens depend on its seed alone, never on which requests share its batch.
 
 Logprobs are of the raw logits, or, for a request in `processed_logprobs` mode
-(engine.sampling.params.LogprobsMode), of the very logits its token was drawn from.
+(engine.sampling.params.LogprobsMode), of the very logits its token was drawn from. A request with
+`return_kept_mass` also gets the log of the mass the truncation kept (`log_kept_mass`): a processed logprob
+plus it is the token's log-probability before top-k, top-p and min-p.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # the chosen token's, as its request's logprobs_mode says
     top_logprobs: list[dict[int, float]] | None
+    # Per row, `log_kept_mass` of its distribution for the rows that asked (SamplingParams.return_kept_mass),
+    # 0.0 for the others; None when no row asked.
+    log_kept_masses: list[float] | None = None
 
 
 class SampledTokens:
@@ -64,13 +69,17 @@ class SampledTokens:
         logprobs: torch.Tensor | None,
         top_logprobs: tuple[torch.Tensor, torch.Tensor] | None,
         top_logprob_counts: list[int],
+        log_kept_masses: torch.Tensor | None = None,
     ) -> None:
         self.token_ids = token_ids
         self._has_logprobs = logprobs is not None
         self._has_top = top_logprobs is not None
+        self._has_kept_masses = log_kept_masses is not None
         tensors = [token_ids]
         if logprobs is not None:
             tensors.append(logprobs)
+        if log_kept_masses is not None:
+            tensors.append(log_kept_masses)
         if top_logprobs is not None:
             tensors.extend(top_logprobs)
         self._copies = HostCopies(tensors)
@@ -79,6 +88,7 @@ class SampledTokens:
     def to_output(self) -> SamplerOutput:
         token_ids, *rest = self._copies.wait()
         logprobs = rest.pop(0).tolist() if self._has_logprobs else None
+        log_kept_masses = rest.pop(0).tolist() if self._has_kept_masses else None
         top_logprobs = None
         if self._has_top:
             values, indices = rest
@@ -93,7 +103,7 @@ class SampledTokens:
                 }
                 for row, count in enumerate(self._top_logprob_counts)
             ]
-        return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+        return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs, log_kept_masses)
 
 
 class Sampler:
@@ -133,16 +143,20 @@ class Sampler:
         apply_grammar_masks(processed, requests, grammar_rows)
         token_ids = greedy_tokens(processed)
         # Rows drawn at a temperature, and greedy ones at a temperature (top_k=1) whose processed logprobs
-        # come from the same filtered logits.
+        # or kept mass come from the same filtered logits.
         scaled_rows = [
             row
             for row, p in enumerate(params)
-            if not p.is_greedy or (p.samples and p.wants_processed_logprobs)
+            if not p.is_greedy or (p.samples and (p.wants_processed_logprobs or p.return_kept_mass))
         ]
         scaled: torch.Tensor | None = None
+        log_kept_masses: torch.Tensor | None = None
         if scaled_rows:
             rows = to_device(scaled_rows, torch.long, logits.device)
-            scaled = sampling_logits(processed.index_select(0, rows), [params[r] for r in scaled_rows])
+            scaled_params = [params[r] for r in scaled_rows]
+            tempered = tempered_logits(processed.index_select(0, rows), scaled_params)
+            scaled = truncated_logits(tempered, scaled_params)
+            log_kept_masses = _log_kept_masses(tempered, scaled, scaled_rows, params)
             drawn = [index for index, row in enumerate(scaled_rows) if not params[row].is_greedy]
             if len(drawn) == len(scaled_rows):
                 token_ids.index_copy_(0, rows, self._draw(scaled, [generators[row] for row in scaled_rows]))
@@ -164,7 +178,9 @@ class Sampler:
             max_top = max(p.top_logprobs for p in params)
             if max_top:
                 top_logprobs = log_probs.topk(max_top, dim=-1)
-        return SampledTokens(token_ids, logprobs, top_logprobs, [p.top_logprobs for p in params])
+        return SampledTokens(
+            token_ids, logprobs, top_logprobs, [p.top_logprobs for p in params], log_kept_masses
+        )
 
     def _draw(self, logits: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One token per row of the (temperature-scaled, filtered) `logits`, by the exponential race."""
@@ -199,12 +215,49 @@ def _logprobs_source(
     return source
 
 
-def sampling_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """`logits` (one row per request, penalised) divided by each request's temperature, with top-k, top-p
-    and min-p applied: the tokens they remove are at -inf. Softmax of the result is what a token is drawn
-    from."""
+def _log_kept_masses(
+    tempered: torch.Tensor, truncated: torch.Tensor, scaled_rows: list[int], params: list[SamplingParams]
+) -> torch.Tensor | None:
+    """`log_kept_mass` of the rows of `scaled_rows` that asked for it, in a tensor with one entry per row of
+    the step (0.0 for the others); None, computing nothing, when none asked."""
+    wanted = [index for index, row in enumerate(scaled_rows) if params[row].return_kept_mass]
+    if not wanted:
+        return None
+    if len(wanted) < len(scaled_rows):
+        picks = to_device(wanted, torch.long, tempered.device)
+        tempered, truncated = tempered.index_select(0, picks), truncated.index_select(0, picks)
+    masses = torch.zeros(len(params), dtype=tempered.dtype, device=tempered.device)
+    rows = to_device([scaled_rows[index] for index in wanted], torch.long, tempered.device)
+    return masses.index_copy_(0, rows, log_kept_mass(tempered, truncated))
+
+
+def log_kept_mass(tempered: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """Per row, the log of the probability mass under softmax(`tempered`) of the tokens `truncated` (the
+    same logits after top-k, top-p and min-p, the removed ones at -inf) still has: log S, with the
+    token's processed logprob log(p / S). 0.0 exactly for a row nothing was removed from.
+
+    log S = logsumexp(truncated) - logsumexp(tempered), taken as the difference of the rows' largest
+    log_softmax: the most likely token is never removed, so both are its logit minus its row's logsumexp.
+    log_softmax reduces each row on its own in a fixed order on both devices (a plain sum reduction splits
+    a row by the batch's shape on CUDA), so the value has the same bits whatever else is in the batch; and
+    a sum of the same terms in the same order with some of them zero is never larger, so it is never
+    above 0.
+    """
+    most_likely_of_all = torch.log_softmax(tempered, dim=-1).amax(dim=-1)
+    most_likely_of_kept = torch.log_softmax(truncated, dim=-1).amax(dim=-1)
+    return most_likely_of_all - most_likely_of_kept
+
+
+def tempered_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`logits` (one row per request, penalised) divided by each request's temperature: the distribution
+    top-k, top-p and min-p then act on."""
     temperatures = to_device([p.temperature or 1.0 for p in params], logits.dtype, logits.device)
-    logits = logits / temperatures.unsqueeze(1)
+    return logits / temperatures.unsqueeze(1)
+
+
+def truncated_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Tempered `logits` with each request's top-k, top-p and min-p applied: the tokens they remove are
+    at -inf. Softmax of the result is what a token is drawn from."""
     vocab_size = logits.shape[1]
     top_ks = [p.top_k if p.top_k else vocab_size for p in params]
     top_ps = [p.top_p if p.top_p is not None else 1.0 for p in params]
