@@ -68,8 +68,6 @@ def test_an_async_stream_refused_before_its_request_is_read_reports_the_reason(l
     assert outcomes == {f"UnavailableError: {REASON}": CALLS}
 
 
-# A session has no second channel without health checking: under NOT_SERVING round_robin alone answers it.
-@pytest.mark.parametrize("loading_server", [SERVING], ids=["health SERVING"], indirect=True)
 def test_an_async_session_refused_before_its_first_message_is_read_reports_the_reason(
     loading_server: str,
 ) -> None:

@@ -314,17 +314,26 @@ class NamedGenerationService(generation_pb2_grpc.GenerationServiceServicer):
         return generation_pb2.GetModelInfoResponse(model_name=self.name)
 
     def Generate(self, request_iterator: Any, context: Any) -> Iterator[generation_pb2.GenerateResponse]:
+        """Answers each add with one finished chunk, batched when the stream's options ask, until the client
+        half-closes: a stream's one request, or a session's many."""
         # Refused before the request is read, racing the client's write of it (test_sdk_aio_refusals.py).
         self._refuse_unless_serving(context)
-        add = next(request_iterator).add
-        yield generation_pb2.GenerateResponse(
-            chunk=types_pb2.GenerationChunk(
-                request_id=add.request_id,
+        batched = False
+        for message in request_iterator:
+            if message.HasField("options"):
+                batched = message.options.batch_chunks
+                continue
+            chunk = types_pb2.GenerationChunk(
+                request_id=message.add.request_id,
                 text=self.name,
                 status=types_pb2.REQUEST_STATUS_FINISHED,
                 finish_reason=types_pb2.FINISH_REASON_LENGTH,
             )
-        )
+            yield (
+                generation_pb2.GenerateResponse(chunks=[chunk])
+                if batched
+                else generation_pb2.GenerateResponse(chunk=chunk)
+            )
 
 
 @dataclass
@@ -414,6 +423,41 @@ def test_with_no_replica_serving_a_replica_says_why_it_refuses_the_call(
                 await client.generate([5])
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def test_with_no_replica_serving_a_session_goes_to_any_replica_as_a_stream_does(
+    replicas_a_b: list[FakeReplica],
+) -> None:
+    """A session's call, too, is sent where health is not watched: a replica says why it refuses it, or
+    serves every request the session sent before it answered."""
+    for replica in replicas_a_b:
+        replica.set_serving(False)
+    targets = [replica.target for replica in replicas_a_b]
+    refusal = r"^UNAVAILABLE: the model is still loading$"
+    with Client(targets) as client:
+        with client.session() as session, pytest.raises(errors.UnavailableError, match=refusal):
+            session.generate([5])
+        for replica in replicas_a_b:
+            replica.generation.serving = True  # ready, though their health has not said so yet
+        with client.session() as session:
+            streams = [session.stream([5 + i]) for i in range(3)]
+            texts = {"".join(chunk.text for chunk in stream) for stream in streams}
+        assert len(texts) == 1 and texts <= {"a", "b"}, texts  # one call, to one replica
+
+    async def main() -> set[str]:
+        async with AsyncClient(targets) as client:
+            async with client.session() as session:
+                streams = [session.stream([5 + i]) for i in range(3)]
+                texts = {"".join([chunk.text async for chunk in stream]) for stream in streams}
+            for replica in replicas_a_b:
+                replica.generation.serving = False
+            async with client.session() as session:
+                with pytest.raises(errors.UnavailableError, match=refusal):
+                    await session.generate([5])
+        return texts
+
+    texts = asyncio.run(asyncio.wait_for(main(), timeout=30))
+    assert len(texts) == 1 and texts <= {"a", "b"}, texts
 
 
 def test_admin_calls_reach_a_server_whose_health_is_not_serving(replicas_a_b: list[FakeReplica]) -> None:

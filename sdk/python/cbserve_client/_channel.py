@@ -130,13 +130,15 @@ class ServingFirstCall:
     """A streaming call that follows the client's rule for a call no replica serves: opened with
     ``open_on(stub)``, and when its first read fails because every replica reports NOT_SERVING, opened
     again with ``open_on(fallback_stub())``, a stub of the channel to any replica (see
-    ``Client._serving_first``)."""
+    ``Client._serving_first``). ``cancel()`` may come from another thread than the reads: a call opened
+    again after it is cancelled at once."""
 
     def __init__(self, open_on: Callable[[Any], Any], stub: Any, fallback_stub: Callable[[], Any]) -> None:
         self._open_on = open_on
         self._fallback_stub = fallback_stub
         self._call = open_on(stub)
         self._read_any = False
+        self._cancelled = False
 
     def __iter__(self) -> ServingFirstCall:
         return self
@@ -145,12 +147,15 @@ class ServingFirstCall:
         try:
             message = next(self._call)
         except grpc.RpcError as exc:
-            if self._read_any or not no_replica_serving(exc):
+            if self._read_any or self._cancelled or not no_replica_serving(exc):
                 raise
             self._call = self._open_on(self._fallback_stub())
+            if self._cancelled:  # set before cancel() read self._call: that was the failed call
+                self._call.cancel()
             message = next(self._call)
         self._read_any = True
         return message
 
     def cancel(self) -> bool:
+        self._cancelled = True
         return bool(self._call.cancel())

@@ -1,10 +1,12 @@
-"""What the sync and asyncio Generate sessions share: the stream's options, which request each chunk goes
-to, and when a request's chunks have all come."""
+"""What the sync and asyncio Generate sessions share: the stream's options, the messages a session sends
+(kept until the server answers, for the call to be opened again on another channel), which request each
+chunk goes to, and when a request's chunks have all come."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -28,6 +30,9 @@ BATCHED_CHUNKS = generation_pb2.GenerateRequest(
     options=generation_pb2.GenerateStreamOptions(batch_chunks=True)
 )
 
+# Ends a session's outgoing messages (the client half-closes the call).
+HALF_CLOSE = object()
+
 S = TypeVar("S")
 
 
@@ -41,6 +46,54 @@ def ended_error() -> CancelledError:
 
 def cancel_request(request_id: str) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(cancel=generation_pb2.GenerateCancel(request_id=request_id))
+
+
+class Outbox:
+    """The messages a session sends, in order, to the call that sends them: its stream options first, then
+    each add, cancel and the half-close (:data:`HALF_CLOSE`), as they are put.
+
+    A call opened by the client's rule for calls no replica serves (``ServingFirstCall``) may fail at once
+    and be opened again on the channel to any replica: until the server has answered (:meth:`answered`),
+    the outbox keeps the messages the call took, and a new call (:meth:`new_call`) takes them again. The
+    call it replaces takes nothing more. Not thread-safe: the sync session guards it with a lock."""
+
+    def __init__(self) -> None:
+        self._pending: deque[object] = deque([BATCHED_CHUNKS])
+        self._taken: list[object] | None = []  # None once the server has answered
+        self._call = 0  # the number of the call that takes the messages
+
+    def put(self, message: object) -> None:
+        self._pending.append(message)
+
+    def new_call(self) -> int:
+        """The number of a new call, which takes every message from the first on; an earlier call's
+        :meth:`take` then gives nothing."""
+        if self._taken:
+            self._pending.extendleft(reversed(self._taken))
+            self._taken.clear()
+        self._call += 1
+        return self._call
+
+    def answered(self) -> None:
+        """The server has answered: the call is not opened again, and what it took is not kept."""
+        self._taken = None
+
+    def ready(self, call: int) -> bool:
+        """Whether :meth:`take` gives call number ``call`` an answer without waiting."""
+        return call != self._call or bool(self._pending)
+
+    def take(self, call: int) -> generation_pb2.GenerateRequest | None:
+        """The next message of call number ``call``; None once it has no more to send (the half-close was
+        taken, or a new call replaced it). Call only when :meth:`ready`."""
+        if call != self._call:
+            return None
+        message = self._pending.popleft()
+        if self._taken is not None:
+            self._taken.append(message)
+        if message is HALF_CLOSE:
+            return None
+        assert isinstance(message, generation_pb2.GenerateRequest)
+        return message
 
 
 class RequestProgress:

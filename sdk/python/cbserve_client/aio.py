@@ -380,11 +380,16 @@ class AsyncClient:
         """Opens one ``Generate`` call for many requests, whose chunks the server sends batched (see
         ``Client.session``): ``async with client.session() as session:`` then ``session.stream(...)`` or
         ``await session.generate(...)`` from any task. Call it inside the running event loop."""
-        return AsyncGenerateSession(
-            _FirstStatusCall(self._stub.Generate(metadata=self._metadata(metadata))),
-            self._error,
-            self.stream_timeout,
-        )
+        call_metadata = self._metadata(metadata)
+
+        def open_call(messages: Callable[[], AsyncIterator[generation_pb2.GenerateRequest]]) -> Any:
+            return _ServingFirstCall(
+                lambda stub: _FirstStatusCall(stub.Generate(messages(), metadata=call_metadata)),
+                self._stub,
+                self._stub_to_any_replica,
+            )
+
+        return AsyncGenerateSession(open_call, self._error, self.stream_timeout)
 
     async def submit(
         self,

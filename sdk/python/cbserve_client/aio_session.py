@@ -13,9 +13,10 @@ import grpc.aio
 from cbserve_client._call import DEFAULT_TIMEOUT, Timeout
 from cbserve_client._channel import AsyncCloseable
 from cbserve_client._convert import CompletionsBuilder, Prompt, num_sequences
-from cbserve_client._generated.cbserve.v1 import types_pb2
+from cbserve_client._generated.cbserve.v1 import generation_pb2, types_pb2
 from cbserve_client._session_routes import (
-    BATCHED_CHUNKS,
+    HALF_CLOSE,
+    Outbox,
     RequestProgress,
     Routes,
     add_request,
@@ -27,9 +28,6 @@ from cbserve_client._types import Chunk, Completion
 from cbserve_client.errors import CbserveError
 
 __all__ = ["AsyncGenerateSession", "AsyncSessionStream"]
-
-# Ends the session's outgoing messages (the client half-closes the call).
-_HALF_CLOSE = object()
 
 
 class AsyncSessionStream(AsyncCloseable, AsyncIterator[Chunk]):
@@ -71,38 +69,51 @@ class AsyncGenerateSession(AsyncCloseable):
     """The asyncio twin of :class:`cbserve_client.GenerateSession`, made by :meth:`AsyncClient.session`
     inside a running event loop: ``stream()`` returns an :class:`AsyncSessionStream` at once;
     ``generate()`` and ``generate_n()`` are awaited; ``await aclose()`` (or leaving ``async with``) ends
-    the call and cancels the unfinished requests. Two tasks of the session write and read its call."""
+    the call and cancels the unfinished requests. A task of the session reads its call; grpc.aio's own
+    task sends the session's messages."""
 
     def __init__(
         self,
-        call: Any,
+        open_call: Callable[[Callable[[], AsyncIterator[generation_pb2.GenerateRequest]]], Any],
         to_error: Callable[[grpc.RpcError], CbserveError],
         stream_timeout: float | None,
     ) -> None:
+        """As :class:`cbserve_client.GenerateSession`'s, with the messages as an async iterator."""
         loop = asyncio.get_running_loop()
-        self._call = call
-        self._outgoing: asyncio.Queue[object] = asyncio.Queue()
+        self._outbox = Outbox()
+        self._outbox_changed = asyncio.Event()
         self._routes: Routes[AsyncSessionStream] = Routes()
         self._closed = False
         self._to_error = to_error
         self._stream_timeout = stream_timeout
-        self._writer = loop.create_task(self._write())
+        self._call = open_call(self._messages)
         self._reader = loop.create_task(self._read())
 
-    async def _write(self) -> None:
-        # A write fails only once the call has ended (or been cancelled): the reader reports why.
-        try:
-            await self._call.write(BATCHED_CHUNKS)
-            while (message := await self._outgoing.get()) is not _HALF_CLOSE:
-                await self._call.write(message)
-            await self._call.done_writing()
-        except (grpc.RpcError, asyncio.InvalidStateError, asyncio.CancelledError):
-            return
+    def _messages(self) -> AsyncIterator[generation_pb2.GenerateRequest]:
+        """The messages of a new try of the session's call: every one the session sent, then each it sends."""
+        call = self._outbox.new_call()
+        self._outbox_changed.set()  # an earlier try's messages end
+        return self._send(call)
+
+    async def _send(self, call: int) -> AsyncIterator[generation_pb2.GenerateRequest]:
+        while True:
+            while not self._outbox.ready(call):
+                self._outbox_changed.clear()
+                await self._outbox_changed.wait()
+            message = self._outbox.take(call)
+            if message is None:
+                return
+            yield message
+
+    def _put(self, message: object) -> None:
+        self._outbox.put(message)
+        self._outbox_changed.set()
 
     async def _read(self) -> None:
         error: CbserveError
         try:
             while (response := await self._call.read()) is not grpc.aio.EOF:
+                self._outbox.answered()
                 for chunk in response.chunks:
                     stream = self._routes.get(chunk.request_id)
                     if stream is not None:
@@ -123,7 +134,7 @@ class AsyncGenerateSession(AsyncCloseable):
         add, progress = add_request(prompt, timeout, self._stream_timeout, sampling, self._routes.forget)
         stream = AsyncSessionStream(self, progress)
         self._routes.add(progress.request_id, stream)
-        self._outgoing.put_nowait(add)
+        self._put(add)
         return stream
 
     async def generate(
@@ -149,13 +160,13 @@ class AsyncGenerateSession(AsyncCloseable):
 
     def cancel(self, request_id: str) -> None:
         """Asks the server to cancel one request of the session (idempotent)."""
-        self._outgoing.put_nowait(cancel_request(request_id))
+        self._put(cancel_request(request_id))
 
     async def aclose(self) -> None:
         """Ends the call: the server cancels the session's unfinished requests. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._outgoing.put_nowait(_HALF_CLOSE)
+        self._put(HALF_CLOSE)
         self._call.cancel()
-        await asyncio.gather(self._writer, self._reader)
+        await self._reader

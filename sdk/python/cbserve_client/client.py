@@ -304,14 +304,19 @@ class Client(ChannelOwner):
         per engine step (see :class:`GenerateSession`): ``with client.session() as session:`` then
         ``session.stream(...)`` or ``session.generate(...)`` from any thread. The call has no deadline: each
         request's ``timeout`` (default: the client's ``stream_timeout``) bounds that request only. Requests
-        are not retried: a session whose call fails raises the error from every unfinished request.
+        are not retried: a session whose call fails raises the error from every unfinished request. The call
+        goes to a replica as :meth:`stream`'s does: one whose health says SERVING, else any replica.
         """
         call_metadata = self._metadata(metadata)
-        return GenerateSession(
-            lambda messages: self._stub.Generate(messages, metadata=call_metadata),
-            self._error,
-            self.stream_timeout,
-        )
+
+        def open_call(messages: Callable[[], Iterator[generation_pb2.GenerateRequest]]) -> ServingFirstCall:
+            return ServingFirstCall(
+                lambda stub: stub.Generate(messages(), metadata=call_metadata),
+                self._stub,
+                self._stub_to_any_replica,
+            )
+
+        return GenerateSession(open_call, self._error, self.stream_timeout)
 
     def submit(
         self,

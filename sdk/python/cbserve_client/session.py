@@ -15,7 +15,8 @@ from cbserve_client._channel import Closeable
 from cbserve_client._convert import CompletionsBuilder, Prompt, num_sequences
 from cbserve_client._generated.cbserve.v1 import generation_pb2, types_pb2
 from cbserve_client._session_routes import (
-    BATCHED_CHUNKS,
+    HALF_CLOSE,
+    Outbox,
     RequestProgress,
     Routes,
     add_request,
@@ -27,9 +28,6 @@ from cbserve_client._types import Chunk, Completion
 from cbserve_client.errors import CbserveError
 
 __all__ = ["GenerateSession", "SessionStream"]
-
-# Ends the session's outgoing messages (the client half-closes the call).
-_HALF_CLOSE = object()
 
 
 class SessionStream(Closeable, Iterator[Chunk]):
@@ -88,29 +86,52 @@ class GenerateSession(Closeable):
 
     def __init__(
         self,
-        open_call: Callable[[Iterator[generation_pb2.GenerateRequest]], Any],
+        open_call: Callable[[Callable[[], Iterator[generation_pb2.GenerateRequest]]], Any],
         to_error: Callable[[grpc.RpcError], CbserveError],
         stream_timeout: float | None,
     ) -> None:
-        self._outgoing: queue.SimpleQueue[object] = queue.SimpleQueue()
+        """``open_call(messages)`` opens the session's call, each try of it with ``messages()``'s messages
+        (the client's rule for a call no replica serves may open it twice: see ``ServingFirstCall``)."""
+        self._outbox = Outbox()
+        self._outbox_changed = threading.Condition()
         self._routes: Routes[SessionStream] = Routes()
         self._closed = False
         self._to_error = to_error
         self._stream_timeout = stream_timeout
-        self._call = open_call(self._messages())
+        self._call = open_call(self._messages)
         self._reader = threading.Thread(target=self._read, name="cbserve-session-reader", daemon=True)
         self._reader.start()
 
     def _messages(self) -> Iterator[generation_pb2.GenerateRequest]:
-        yield BATCHED_CHUNKS
-        while (message := self._outgoing.get()) is not _HALF_CLOSE:
-            assert isinstance(message, generation_pb2.GenerateRequest)
+        """The messages of a new try of the session's call: every one the session sent, then each it sends."""
+        with self._outbox_changed:
+            call = self._outbox.new_call()
+            self._outbox_changed.notify_all()
+        return self._send(call)
+
+    def _send(self, call: int) -> Iterator[generation_pb2.GenerateRequest]:
+        while True:
+            with self._outbox_changed:
+                self._outbox_changed.wait_for(lambda: self._outbox.ready(call))
+                message = self._outbox.take(call)
+            if message is None:
+                return
             yield message
+
+    def _put(self, message: object) -> None:
+        with self._outbox_changed:
+            self._outbox.put(message)
+            self._outbox_changed.notify_all()
 
     def _read(self) -> None:
         error: CbserveError
+        answered = False
         try:
             for response in self._call:
+                if not answered:
+                    with self._outbox_changed:
+                        self._outbox.answered()
+                    answered = True
                 for chunk in response.chunks:
                     stream = self._routes.get(chunk.request_id)
                     if stream is not None:
@@ -133,7 +154,7 @@ class GenerateSession(Closeable):
         add, progress = add_request(prompt, timeout, self._stream_timeout, sampling, self._routes.forget)
         stream = SessionStream(self, progress)
         self._routes.add(progress.request_id, stream)
-        self._outgoing.put(add)
+        self._put(add)
         return stream
 
     def generate(self, prompt: Prompt, *, timeout: Timeout = DEFAULT_TIMEOUT, **sampling: Any) -> Completion:
@@ -157,14 +178,14 @@ class GenerateSession(Closeable):
 
     def cancel(self, request_id: str) -> None:
         """Asks the server to cancel one request of the session (idempotent)."""
-        self._outgoing.put(cancel_request(request_id))
+        self._put(cancel_request(request_id))
 
     def close(self) -> None:
         """Ends the call: the server cancels the session's unfinished requests. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._outgoing.put(_HALF_CLOSE)
+        self._put(HALF_CLOSE)
         self._call.cancel()
         if self._reader is not threading.current_thread():
             self._reader.join()
