@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	cbserve "github.com/cbserve/cbserve/sdk/go"
+	pb "github.com/cbserve/cbserve/sdk/go/gen/cbserve/v1"
 )
 
 func TestStaticAddressListSpreadsCalls(t *testing.T) {
@@ -243,5 +244,40 @@ func TestReplicaThatIsNotServingIsSkipped(t *testing.T) {
 		if _, err := client.ModelInfo(testContext(t)); err != nil {
 			t.Fatalf("ModelInfo: %v", err)
 		}
+	}
+}
+
+// TestSessionWithNoReplicaServingGoesToAnyReplica: a session's call, as a Stream's, reaches a
+// replica though none is SERVING, which says why it refuses it, or serves it.
+func TestSessionWithNoReplicaServingGoesToAnyReplica(t *testing.T) {
+	loading := &fakeGeneration{chunks: []*pb.GenerationChunk{{
+		TokenIds: []uint32{7}, Status: pb.RequestStatus_REQUEST_STATUS_FINISHED,
+		FinishReason: pb.FinishReason_FINISH_REASON_LENGTH,
+	}}}
+	health := grpchealth.NewServer()
+	health.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	client, err := cbserve.NewClient(startFakeWith(t, loading, func(s *grpc.Server) { healthpb.RegisterHealthServer(s, health) }))
+	if err != nil {
+		t.Fatalf("NewClient: %v", err)
+	}
+	defer client.Close()
+	generate := func() (*cbserve.Completion, error) {
+		session, err := client.Session(testContext(t))
+		if err != nil {
+			return nil, err
+		}
+		defer session.Close()
+		return session.Generate(testContext(t), cbserve.Text("hi"))
+	}
+	loading.mu.Lock()
+	loading.generateErrors = []error{status.Error(codes.Unavailable, "the model is still loading")}
+	loading.mu.Unlock()
+	_, err = generate()
+	if want := "cbserve: Unavailable: the model is still loading"; err == nil || err.Error() != want {
+		t.Errorf("a session's Generate with no replica serving:\n\t%v\nwant\n\t%s", err, want)
+	}
+	completion, err := generate() // the replica answers now, though still NOT_SERVING
+	if err != nil || !slices.Equal(completion.TokenIDs, []uint32{7}) {
+		t.Errorf("a session's Generate once the replica answers: %v, %v; want token ids [7]", completion, err)
 	}
 }

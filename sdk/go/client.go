@@ -85,14 +85,23 @@ func noReplicaServing(err error) bool {
 	return ok && s.Code() == codes.Unavailable && strings.Contains(s.Message(), notServingPick)
 }
 
-// unary makes a unary call on the client's connection, and again on one to any replica when no
-// replica serves (see anyReplicaConn).
+// fallback is the client's rule for a call that found no replica serving: a call made on gen
+// that failed with err is made again on the returned stub, of the connection to any replica
+// (anyReplicaConn); nil when it is not made again (it failed otherwise, it was already made on
+// any replica, or the client is closed).
+func (c *Client) fallback(gen pb.GenerationServiceClient, err error) pb.GenerationServiceClient {
+	if gen != c.gen || !noReplicaServing(err) {
+		return nil
+	}
+	return c.anyReplica.stub()
+}
+
+// unary makes a unary call, or opens a stream, on the client's connection, and again on one to
+// any replica when no replica serves (see fallback).
 func unary[T any](c *Client, call func(pb.GenerationServiceClient) (T, error)) (T, error) {
 	response, err := call(c.gen)
-	if noReplicaServing(err) {
-		if gen := c.anyReplica.stub(); gen != nil {
-			return call(gen)
-		}
+	if gen := c.fallback(c.gen, err); gen != nil {
+		return call(gen)
 	}
 	return response, err
 }
@@ -302,7 +311,7 @@ func refuseManySequences(opts []GenerateOption) error {
 // restart tells the caller to forget what it got (Generate collects a completion the caller has
 // not seen), and the next call uses a fresh id, so a replica that still holds the old request
 // cannot refuse it as a duplicate. A call that found no replica serving goes to any replica
-// (anyReplicaConn) before the tries count.
+// (fallback) before the tries count.
 func (c *Client) generate(ctx context.Context, prompt Prompt, opts []GenerateOption, restart func(), yield func(*Chunk, error) bool) {
 	request, err := buildRequest(prompt, opts)
 	if err != nil {
@@ -321,12 +330,10 @@ func (c *Client) generate(ctx context.Context, prompt Prompt, opts []GenerateOpt
 		if err == nil || stopped {
 			return
 		}
-		if noReplicaServing(err) && gen == c.gen {
-			if fallback := c.anyReplica.stub(); fallback != nil {
-				gen = fallback // a replica says why it does not serve, or serves: not a try of its own
-				attempt--
-				continue
-			}
+		if fallback := c.fallback(gen, err); fallback != nil {
+			gen = fallback // a replica says why it does not serve, or serves: not a try of its own
+			attempt--
+			continue
 		}
 		err = deadline.error(err)
 		retry := status.Code(err) == codes.Unavailable && (!yielded || (restart != nil && chosenID)) &&

@@ -144,13 +144,26 @@ func (f *fakeGeneration) StreamResults(_ *pb.StreamResultsRequest, stream pb.Gen
 	return stream.Context().Err()
 }
 
-// Generate records the request of the stream's first (add) message and answers f.chunks, then
-// ends the call as the server does once the request has ended.
+// Generate records the request of the stream's first add message and answers f.chunks, then
+// ends the call as the server does once the request has ended. A session's options come first:
+// its chunks then go batched.
 func (f *fakeGeneration) Generate(stream pb.GenerationService_GenerateServer) error {
 	f.record(stream.Context())
 	message, err := stream.Recv()
 	if err != nil {
 		return err
+	}
+	batched := message.GetOptions().GetBatchChunks()
+	if message.GetOptions() != nil {
+		if message, err = stream.Recv(); err != nil {
+			return err
+		}
+	}
+	send := func(chunk *pb.GenerationChunk) error {
+		if batched {
+			return stream.Send(&pb.GenerateResponse{Chunks: []*pb.GenerationChunk{chunk}})
+		}
+		return stream.Send(&pb.GenerateResponse{Chunk: chunk})
 	}
 	request := message.GetAdd()
 	f.mu.Lock()
@@ -165,11 +178,11 @@ func (f *fakeGeneration) Generate(stream pb.GenerationService_GenerateServer) er
 		return err
 	}
 	if reject {
-		return stream.Send(&pb.GenerateResponse{Chunk: &pb.GenerationChunk{
+		return send(&pb.GenerationChunk{
 			RequestId: request.GetRequestId(), Status: pb.RequestStatus_REQUEST_STATUS_FAILED,
 			FinishReason: pb.FinishReason_FINISH_REASON_ERROR, Error: "the server is stopped or draining",
 			ErrorCode: uint32(codes.Unavailable),
-		}})
+		})
 	}
 	midStreamError := f.nextError(&f.midStreamErrors)
 	if f.stall {
@@ -187,7 +200,7 @@ func (f *fakeGeneration) Generate(stream pb.GenerationService_GenerateServer) er
 			if sequences > 1 {
 				chunk.Index = index
 			}
-			if err := stream.Send(&pb.GenerateResponse{Chunk: chunk}); err != nil {
+			if err := send(chunk); err != nil {
 				return err
 			}
 			if midStreamError != nil {

@@ -91,10 +91,13 @@ func (b *sessionInbox) take(ctx context.Context) ([]*pb.GenerationChunk, error) 
 
 // Session opens a Generate call for many requests whose chunks the server sends batched (see
 // Session). ctx bounds the whole session; the client's stream timeout does not (each request's
-// does). Close it when done.
+// does). The call goes to a replica as Stream's does: one whose health says SERVING, else any
+// replica, which says why it does not serve, or serves. Close it when done.
 func (c *Client) Session(ctx context.Context) (*Session, error) {
 	ctx, cancel := context.WithCancel(ctx)
-	stream, err := c.gen.Generate(ctx)
+	stream, err := unary(c, func(gen pb.GenerationServiceClient) (pb.GenerationService_GenerateClient, error) {
+		return gen.Generate(ctx)
+	})
 	if err != nil {
 		cancel()
 		return nil, convertError(ctx, err)
