@@ -191,7 +191,7 @@ public final class CbserveClient implements AutoCloseable {
   }
 
   /** Reads a Generate stream until its first {@code n} sequences have ended, and closes it. */
-  private static List<Completion> collect(ChunkIterator stream, int n) {
+  static List<Completion> collect(ChunkIterator stream, int n) {
     try (ChunkIterator chunks = stream) {
       SequencesBuilder builder = new SequencesBuilder(chunks.requestId(), n);
       while (!builder.done() && chunks.hasNext()) {
@@ -269,6 +269,21 @@ public final class CbserveClient implements AutoCloseable {
         options,
         chunks.observer(Generation.GenerateResponse::getChunk));
     return chunks;
+  }
+
+  /**
+   * Opens one {@code Generate} call for many requests, whose chunks the server sends batched, one
+   * message per engine step: a {@link GenerateSession}, whose {@code stream} and {@code generate}
+   * take the same arguments as the client's, from any thread. Close it when done (its unfinished
+   * requests are then cancelled).
+   */
+  public GenerateSession session() {
+    return session(Map.of());
+  }
+
+  /** {@link #session()}, with extra headers sent with the session's call. */
+  public GenerateSession session(Map<String, String> headers) {
+    return new GenerateSession(this::stub, Map.copyOf(headers), streamTimeout);
   }
 
   /** {@link #generate(Prompt)} without blocking. */
@@ -458,7 +473,7 @@ public final class CbserveClient implements AutoCloseable {
   }
 
   /** Refuses parameters of n &gt; 1 in a call that returns one completion. */
-  private static void checkSingle(SamplingParams params, String method) {
+  static void checkSingle(SamplingParams params, String method) {
     Objects.requireNonNull(params, "params");
     Integer n = params.n();
     if (n != null && n > 1) {
@@ -471,7 +486,7 @@ public final class CbserveClient implements AutoCloseable {
   }
 
   /** The GenerationRequest of a generateN call: {@code request(...)} with sampling.n set. */
-  private static Types.GenerationRequest requestN(
+  static Types.GenerationRequest requestN(
       Prompt prompt, int n, SamplingParams params, RequestOptions options) {
     SamplingParams.Builder.checkN(n);
     Objects.requireNonNull(params, "params");

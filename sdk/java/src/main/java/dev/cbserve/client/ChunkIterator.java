@@ -8,19 +8,22 @@ import java.util.Iterator;
 import java.util.NoSuchElementException;
 import java.util.concurrent.BlockingQueue;
 import java.util.concurrent.LinkedBlockingQueue;
+import java.util.concurrent.TimeUnit;
 import java.util.function.Function;
 
 /**
  * The chunks of one streaming call ({@link CbserveClient#stream} or {@link
- * CbserveClient#results}), in order, as they come. {@link #hasNext()} blocks until the next chunk
- * arrives or the call ends; a failed call throws the matching {@link CbserveException} from it.
+ * CbserveClient#results}), or of one request of a {@link GenerateSession}, in order, as they
+ * come. {@link #hasNext()} blocks until the next chunk arrives or the call ends; a failed call
+ * throws the matching {@link CbserveException} from it.
  * With {@link SamplingParams.Builder#n(int) n} &gt; 1 the chunks of the n sequences come
  * interleaved ({@link Chunk#index()}), and the iterator ends once every sequence has sent its
  * terminal chunk, not after the first.
  *
  * <p>{@link #close()} cancels the call. For {@code stream} that cancels the request on the server
  * too (and frees its KV cache); for {@code results} it only stops reading (cancel the request with
- * {@link CbserveClient#cancel}). Use it in try-with-resources, and read it with for-each (it is
+ * {@link CbserveClient#cancel}); for a session's request it cancels that request only, unless it
+ * has ended (the session goes on). Use it in try-with-resources, and read it with for-each (it is
  * its own {@link Iterable}, for one pass):
  *
  * <pre>{@code
@@ -57,6 +60,8 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
   private final int sequences;
   private final BitSet endedSequences = new BitSet();
   private final BlockingQueue<Event> events = new LinkedBlockingQueue<>();
+  /** The session this iterator's request is made on, or null for a call of its own. */
+  private final SessionRequests session;
   private volatile ClientCallStreamObserver<?> call;
   private volatile boolean closed;
   /** The try whose events count; a stale try's are dropped. */
@@ -67,7 +72,7 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
   private boolean anyReplica;
   private boolean delivered;
   private Chunk next;
-  private boolean ended;
+  private volatile boolean ended;
   private boolean iterated;
 
   /**
@@ -89,10 +94,50 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
    *     unknown (then only the call's completion ends it)
    */
   ChunkIterator(String requestId, boolean raiseRejections, CallTimeout timeout, int sequences) {
+    this(requestId, raiseRejections, timeout, sequences, null);
+  }
+
+  private ChunkIterator(
+      String requestId,
+      boolean raiseRejections,
+      CallTimeout timeout,
+      int sequences,
+      SessionRequests session) {
     this.requestId = requestId;
     this.raiseRejections = raiseRejections;
     this.timeout = timeout;
     this.sequences = sequences;
+    this.session = session;
+  }
+
+  /** What the iterator of a session's request needs of its session. */
+  interface SessionRequests {
+    /** Asks the server to cancel the request (idempotent). */
+    void cancel(String requestId);
+
+    /** The request's iterator has ended: the session hands it nothing more. */
+    void forget(String requestId);
+  }
+
+  /**
+   * The iterator of request {@code requestId} of {@code session}, fed by {@link #deliver} and
+   * {@link #fail}: it ends after the terminal chunks of its {@code sequences} (at least 1), and
+   * when {@code timeout} passes first it cancels the request and throws {@link
+   * DeadlineExceededException}.
+   */
+  static ChunkIterator ofSession(
+      String requestId, CallTimeout timeout, int sequences, SessionRequests session) {
+    return new ChunkIterator(requestId, true, timeout, Math.max(1, sequences), session);
+  }
+
+  /** Hands a chunk of a session's request to its iterator. */
+  void deliver(Chunk chunk) {
+    events.add(new Event(0, chunk));
+  }
+
+  /** Ends a session's request with the error that ended the session's call. */
+  void fail(CbserveException error) {
+    events.add(new Event(0, new Failure(error)));
   }
 
   /** Starts try number {@code attempt} of the call, fed by {@link #observer(int, Function)}. */
@@ -191,7 +236,7 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
     }
     while (!ended) {
       if (closed || (sequences > 0 && endedSequences.cardinality() >= sequences)) {
-        ended = true;
+        end();
         break;
       }
       Event tagged = take();
@@ -200,24 +245,26 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
       }
       Object event = tagged.payload();
       if (event == END) {
-        ended = true;
+        end();
       } else if (event instanceof Failure failure) {
         if (closed) {
-          ended = true;
+          end();
         } else if (!retried(failure.error())) {
-          ended = true;
+          end();
           throw failure.error();
         }
       } else {
-        call.request(1);
+        if (call != null) {
+          call.request(1);
+        }
         Chunk chunk = (Chunk) event;
         CbserveException rejected = raiseRejections ? Calls.rejection(chunk) : null;
         if (rejected != null) {
           if (retried(rejected)) {
             continue;
           }
+          end();
           close();
-          ended = true;
           throw rejected;
         }
         if (chunk.isFinished() && chunk.index() >= 0 && requestId.equals(chunk.requestId())) {
@@ -270,25 +317,57 @@ public final class ChunkIterator implements Iterator<Chunk>, Iterable<Chunk>, Au
     return starter.start(attempt, anyReplica);
   }
 
-  /** Cancels the call (no-op once it has completed); idempotent, callable from any thread. */
+  /**
+   * Cancels the call (no-op once it has completed), or a session's request unless it has ended;
+   * idempotent, callable from any thread.
+   */
   @Override
   public void close() {
     if (closed) {
       return;
     }
     closed = true;
+    if (session != null) {
+      if (!ended) {
+        session.cancel(requestId);
+      }
+      session.forget(requestId);
+      return;
+    }
     ClientCallStreamObserver<?> c = call;
     if (c != null) {
       c.cancel("closed by the client", null);
     }
   }
 
+  /** The stream has nothing more: a session hands this iterator no more chunks. */
+  private void end() {
+    ended = true;
+    if (session != null) {
+      session.forget(requestId);
+    }
+  }
+
+  /**
+   * The next event. A session's request waits no longer than its deadline (its call has none):
+   * then the request is cancelled.
+   */
   private Event take() {
     try {
-      return events.take();
+      if (session == null || timeout.duration() == null) {
+        return events.take();
+      }
+      Event event = events.poll(timeout.leftNanos(), TimeUnit.NANOSECONDS);
+      if (event == null) {
+        close();
+        end();
+        throw new DeadlineExceededException(
+            "request " + requestId + " was cancelled: " + timeout.explanation());
+      }
+      return event;
     } catch (InterruptedException e) {
       close();
-      ended = true;
+      end();
       Thread.currentThread().interrupt();
       throw new CancelledException("interrupted while waiting for the next chunk", e);
     }

@@ -105,22 +105,33 @@ final class FakeReplica implements AutoCloseable {
     @Override
     public StreamObserver<Generation.GenerateRequest> generate(
         StreamObserver<Generation.GenerateResponse> response) {
+      // A session's options come first: its chunks then go batched, and its call ends when the
+      // client's does, after any number of requests.
       return new StreamObserver<>() {
+        private boolean session;
+
         @Override
         public void onNext(Generation.GenerateRequest message) {
-          answer(message.getAdd(), response);
+          if (message.hasOptions()) {
+            session = message.getOptions().getBatchChunks();
+          } else if (message.hasAdd()) {
+            answer(message.getAdd(), new Replies(response, session));
+          }
         }
 
         @Override
         public void onError(Throwable t) {}
 
         @Override
-        public void onCompleted() {}
+        public void onCompleted() {
+          if (session) {
+            response.onCompleted();
+          }
+        }
       };
     }
 
-    private void answer(
-        Types.GenerationRequest request, StreamObserver<Generation.GenerateResponse> response) {
+    private void answer(Types.GenerationRequest request, Replies response) {
       Status error;
       boolean reject;
       Status broken;
@@ -167,9 +178,29 @@ final class FakeReplica implements AutoCloseable {
       return Types.GenerationChunk.newBuilder().setRequestId(id).setStatus(status);
     }
 
-    private void send(
-        StreamObserver<Generation.GenerateResponse> response, Types.GenerationChunk.Builder chunk) {
-      response.onNext(Generation.GenerateResponse.newBuilder().setChunk(chunk).build());
+    private void send(Replies response, Types.GenerationChunk.Builder chunk) {
+      response.onNext(chunk);
+    }
+  }
+
+  /**
+   * The replies to one request: its chunks, alone or batched as a session's; the end of a single
+   * request's call (a session's ends with the client's).
+   */
+  private record Replies(StreamObserver<Generation.GenerateResponse> call, boolean session) {
+    void onNext(Types.GenerationChunk.Builder chunk) {
+      Generation.GenerateResponse.Builder message = Generation.GenerateResponse.newBuilder();
+      call.onNext(session ? message.addChunks(chunk).build() : message.setChunk(chunk).build());
+    }
+
+    void onCompleted() {
+      if (!session) {
+        call.onCompleted();
+      }
+    }
+
+    void onError(Throwable t) {
+      call.onError(t);
     }
   }
 }

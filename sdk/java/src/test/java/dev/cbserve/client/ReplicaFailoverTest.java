@@ -148,4 +148,33 @@ class ReplicaFailoverTest {
       assertEquals("fake", client.modelInfoAsync().get().modelName());
     }
   }
+
+  @Test
+  void withNoReplicaServingASessionReachesOneWhichSaysWhyOrServesIt() throws Exception {
+    Status loading = Status.UNAVAILABLE.withDescription("the model is still loading");
+    try (FakeReplica lone = new FakeReplica();
+        CbserveClient client = client(lone.target())) {
+      lone.serving(false);
+      lone.failNextGenerates(loading);
+      try (GenerateSession session = client.session()) {
+        UnavailableException e =
+            assertThrows(
+                UnavailableException.class, () -> session.generate(Prompt.text("hi"), PARAMS));
+        assertEquals("UNAVAILABLE: the model is still loading", e.getMessage());
+      }
+
+      // A replica that serves before its health says so serves every request the session sent.
+      try (GenerateSession session = client.session()) {
+        List<ChunkIterator> streams = new ArrayList<>();
+        for (int i = 0; i < 3; i++) {
+          streams.add(session.stream(Prompt.text("hi " + i), PARAMS));
+        }
+        for (ChunkIterator stream : streams) {
+          StringBuilder text = new StringBuilder();
+          stream.forEachRemaining(chunk -> text.append(chunk.text() == null ? "" : chunk.text()));
+          assertEquals("ok", text.toString(), "request " + stream.requestId());
+        }
+      }
+    }
+  }
 }
