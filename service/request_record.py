@@ -290,10 +290,13 @@ class RequestRecord:
 def _token_logprob(output: GenerationOutput, index: int) -> types_pb2.TokenLogprob:
     top = output.top_logprobs[index] if index < len(output.top_logprobs) else {}
     ranked = sorted(top.items(), key=lambda item: item[1], reverse=True)
-    return types_pb2.TokenLogprob(
+    entry = types_pb2.TokenLogprob(
         logprob=output.logprobs[index],
         top_logprobs=[types_pb2.TopLogprob(token_id=token, logprob=value) for token, value in ranked],
     )
+    if index < len(output.log_kept_masses):
+        entry.log_kept_mass = output.log_kept_masses[index]
+    return entry
 
 
 def _prompt_logprobs(output: GenerationOutput) -> list[types_pb2.PromptLogprob]:

@@ -276,6 +276,8 @@ def _sampling_settings(
             settings[name] = getattr(params, name)
     if params.logprobs:
         settings["logprobs"] = True
+    if params.return_kept_mass:
+        settings["return_kept_mass"] = True
     if params.logprobs_mode != types_pb2.LOGPROBS_MODE_UNSPECIFIED:
         mode = _LOGPROBS_MODES.get(params.logprobs_mode)
         if mode is None:

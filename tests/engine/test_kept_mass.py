@@ -21,6 +21,7 @@ from engine.request import Request
 from engine.sampling.params import InvalidParameterError, LogprobsMode, SamplingParams, build_sampling_params
 from engine.sampling.sampler import Sampler
 from tests.helpers.models import TEST_DEVICE, VOCAB_SIZE, random_prompt, tiny_model
+from tests.helpers.oracle import reference_kept_mass, reference_kept_masses
 
 TIMEOUT = 60
 CONFIG = dict(page_size=8, num_blocks=256, max_batch_tokens=256)
@@ -30,28 +31,6 @@ TRUNCATIONS = {
     "min_p": dict(min_p=0.3),
     "top_k, top_p and min_p": dict(top_k=12, top_p=0.8, min_p=0.1),
 }
-
-
-def reference_kept_mass(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    min_p: float | None = None,
-) -> float:
-    """The mass of the tokens top-k, then top-p on what top-k kept, then min-p on what both kept, keep of
-    softmax(logits / temperature): the constant the sampler's distribution is renormalised by."""
-    probs, _ = torch.softmax(logits.double() / temperature, dim=-1).sort(descending=True)
-    kept = torch.ones_like(probs, dtype=torch.bool)
-    if top_k:
-        kept[top_k:] = False
-    if top_p is not None:
-        renormalised = probs * kept / (probs * kept).sum()
-        kept &= renormalised.cumsum(0) - renormalised < top_p
-    if min_p:
-        renormalised = probs * kept / (probs * kept).sum()
-        kept &= renormalised >= min_p * renormalised[0]
-    return float(probs[kept].sum())
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], seed: int = 0):
@@ -173,11 +152,7 @@ def test_each_generated_token_carries_the_reference_kept_mass_of_its_logits(name
         output = manager.get_result(request_id, timeout=TIMEOUT)
     assert output.status == RequestStatus.FINISHED, output.error
     assert len(output.log_kept_masses) == len(output.generated_tokens) == len(output.logprobs) == 8
-    with torch.no_grad():
-        sequence = torch.tensor([prompt + output.generated_tokens], device=TEST_DEVICE)
-        logits = model(sequence).logits[0, len(prompt) - 1 : -1].float().cpu()
-    truncation = TRUNCATIONS[name]
-    expected = [math.log(reference_kept_mass(row, 0.5, **truncation)) for row in logits]
+    expected = reference_kept_masses(model, prompt, output.generated_tokens, 0.5, **TRUNCATIONS[name])
     assert output.log_kept_masses == pytest.approx(expected, abs=1e-4), name
     assert max(expected) < -1e-3, f"{name}: every step must truncate something"
 

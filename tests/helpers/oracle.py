@@ -1,8 +1,9 @@
 """The generation oracle: transformers' own `model.generate` (greedy, fp32), and the parity assertion
-that holds the engine's tokens to it."""
+that holds the engine's tokens to it; the renormalising constant of a truncated sampler's distribution."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,3 +49,36 @@ def assert_greedy_parity(
             f"{label}: prompt of {len(prompt)} tokens, {count} new tokens, differs from model.generate\n"
             f"  engine:   {tokens}\n  generate: {expected}"
         )
+
+
+def reference_kept_mass(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> float:
+    """The mass of the tokens top-k, then top-p on what top-k kept, then min-p on what both kept, keep of
+    softmax(logits / temperature): the constant the sampler's distribution is renormalised by."""
+    probs, _ = torch.softmax(logits.double() / temperature, dim=-1).sort(descending=True)
+    kept = torch.ones_like(probs, dtype=torch.bool)
+    if top_k:
+        kept[top_k:] = False
+    if top_p is not None:
+        renormalised = probs * kept / (probs * kept).sum()
+        kept &= renormalised.cumsum(0) - renormalised < top_p
+    if min_p:
+        renormalised = probs * kept / (probs * kept).sum()
+        kept &= renormalised >= min_p * renormalised[0]
+    return float(probs[kept].sum())
+
+
+def reference_kept_masses(
+    model: torch.nn.Module, prompt: list[int], generated: list[int], temperature: float, **truncation: Any
+) -> list[float]:
+    """log `reference_kept_mass` at each generated token's position, from a plain forward of the model
+    over prompt and output."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated], device=device)).logits[0, len(prompt) - 1 : -1]
+    return [math.log(reference_kept_mass(row.float().cpu(), temperature, **truncation)) for row in logits]

@@ -62,6 +62,7 @@ SAMPLING_KWARGS = frozenset(
         "skip_special_tokens",
         "prompt_logprobs",
         "logprobs_mode",
+        "return_kept_mass",
         "n",
         "json_schema",
         "json_object",
@@ -369,6 +370,7 @@ def build_sampling(
     skip_special_tokens: bool | None = None,
     prompt_logprobs: int | None = None,
     logprobs_mode: str | None = None,
+    return_kept_mass: bool | None = None,
     n: int | None = None,
     json_schema: Mapping[str, Any] | str | None = None,
     json_object: bool | None = None,
@@ -397,6 +399,7 @@ def build_sampling(
         "min_p": (min_p, _check_float),
         "skip_special_tokens": (skip_special_tokens, _check_bool),
         "prompt_logprobs": (prompt_logprobs, _check_int),
+        "return_kept_mass": (return_kept_mass, _check_bool),
         "n": (n, _check_int),
     }
     values: dict[str, Any] = {
@@ -552,6 +555,7 @@ def chunk_from_proto(chunk: types_pb2.GenerationChunk) -> Chunk:
             token_id=token_ids[i] if i < len(token_ids) else -1,
             logprob=lp.logprob,
             top=_top_logprobs(lp.top_logprobs),
+            log_kept_mass=lp.log_kept_mass if lp.HasField("log_kept_mass") else None,
         )
         for i, lp in enumerate(chunk.logprobs)
     )
@@ -715,7 +719,11 @@ class CompletionsBuilder:
         sampling = self._sampling
         return [
             sequence.build(
-                logprobs_requested=bool(sampling.get("logprobs") or sampling.get("top_logprobs")),
+                logprobs_requested=bool(
+                    sampling.get("logprobs")
+                    or sampling.get("top_logprobs")
+                    or sampling.get("return_kept_mass")
+                ),
                 timestamps_requested=bool(sampling.get("record_timestamps")),
                 prompt_logprobs_requested=sampling.get("prompt_logprobs") is not None,
             )

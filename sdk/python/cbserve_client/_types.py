@@ -37,11 +37,18 @@ class TopLogprob:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """Log-probability of one generated token, with the top-n alternatives when requested."""
+    """Log-probability of one generated token, with the top-n alternatives when requested.
+
+    ``log_kept_mass`` (with ``return_kept_mass=True``): the natural log of the probability mass top-k,
+    top-p and min-p kept of the distribution they truncated (after penalties, bias and temperature); 0.0
+    when they removed nothing. A ``processed_logprobs`` logprob plus it is the token's logprob before
+    truncation. None when not asked for.
+    """
 
     token_id: int
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    log_kept_mass: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,7 +165,9 @@ class Client(ChannelOwner):
     ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``eos_token_ids``,
     ``ignore_eos``, ``logprobs``, ``top_logprobs``, ``logprobs_mode`` ("raw_logprobs": of the model's
     logits; "processed_logprobs": of the distribution each token was drawn from, after penalties,
-    temperature and top-k/top-p/min-p; unset: the server's default), ``prompt_logprobs``, ``stop``
+    temperature and top-k/top-p/min-p; unset: the server's default), ``return_kept_mass`` (each
+    TokenLogprob also carries ``log_kept_mass``, the log of the mass top-k/top-p/min-p kept; implies
+    ``logprobs``; refused for greedy requests), ``prompt_logprobs``, ``stop``
     (strings that end the output, which stops before the first one), ``stop_token_ids`` (token ids that
     end it, included), ``skip_special_tokens``, ``repetition_penalty``, ``presence_penalty``,
     ``frequency_penalty``, ``min_new_tokens``, ``logit_bias`` ({token id: bias}), at most one

@@ -472,9 +472,14 @@ type SamplingParams struct {
 	// Which distribution logprobs and top_logprobs are taken from (vLLM's logprobs_mode). Prompt
 	// logprobs are always raw. Unset: the server's default (`cbserve serve --logprobs-mode`, raw
 	// unless set).
-	LogprobsMode  LogprobsMode `protobuf:"varint,22,opt,name=logprobs_mode,json=logprobsMode,proto3,enum=cbserve.v1.LogprobsMode" json:"logprobs_mode,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	LogprobsMode LogprobsMode `protobuf:"varint,22,opt,name=logprobs_mode,json=logprobsMode,proto3,enum=cbserve.v1.LogprobsMode" json:"logprobs_mode,omitempty"`
+	// When true, each generated token's TokenLogprob also carries log_kept_mass: the log of the
+	// probability mass top-k, top-p and min-p kept of the distribution they truncated. Implies
+	// logprobs. Needs a request that samples (temperature > 0): a greedy request gets
+	// INVALID_ARGUMENT. Default false.
+	ReturnKeptMass bool `protobuf:"varint,23,opt,name=return_kept_mass,json=returnKeptMass,proto3" json:"return_kept_mass,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *SamplingParams) Reset() {
@@ -659,6 +664,13 @@ func (x *SamplingParams) GetLogprobsMode() LogprobsMode {
 		return x.LogprobsMode
 	}
 	return LogprobsMode_LOGPROBS_MODE_UNSPECIFIED
+}
+
+func (x *SamplingParams) GetReturnKeptMass() bool {
+	if x != nil {
+		return x.ReturnKeptMass
+	}
+	return false
 }
 
 // What a structured output must match. Exactly one is set.
@@ -992,7 +1004,14 @@ type TokenLogprob struct {
 	Logprob float32 `protobuf:"fixed32,1,opt,name=logprob,proto3" json:"logprob,omitempty"`
 	// The SamplingParams.top_logprobs most likely tokens at this step, most likely first (the
 	// generated token may or may not be among them). Empty when top_logprobs was 0 or unset.
-	TopLogprobs   []*TopLogprob `protobuf:"bytes,2,rep,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
+	TopLogprobs []*TopLogprob `protobuf:"bytes,2,rep,name=top_logprobs,json=topLogprobs,proto3" json:"top_logprobs,omitempty"`
+	// With SamplingParams.return_kept_mass: the natural log of the probability mass that top-k, top-p
+	// and min-p kept, under the distribution they act on (after logit bias, penalties,
+	// min_new_tokens, structured-output masks and temperature); 0 when they removed nothing. The
+	// sampler drew the token from that distribution renormalised over the kept tokens, so its
+	// processed logprob (LOGPROBS_MODE_PROCESSED) plus this value is its logprob before truncation.
+	// Unset when not asked for.
+	LogKeptMass   *float32 `protobuf:"fixed32,3,opt,name=log_kept_mass,json=logKeptMass,proto3,oneof" json:"log_kept_mass,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1039,6 +1058,13 @@ func (x *TokenLogprob) GetTopLogprobs() []*TopLogprob {
 		return x.TopLogprobs
 	}
 	return nil
+}
+
+func (x *TokenLogprob) GetLogKeptMass() float32 {
+	if x != nil && x.LogKeptMass != nil {
+		return *x.LogKeptMass
+	}
+	return 0
 }
 
 // Log-probability information for one prompt token.
@@ -1519,7 +1545,7 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\fChatMessages\x123\n" +
 	"\bmessages\x18\x01 \x03(\v2\x17.cbserve.v1.ChatMessageR\bmessages\x127\n" +
 	"\x15add_generation_prompt\x18\x02 \x01(\bH\x00R\x13addGenerationPrompt\x88\x01\x01B\x18\n" +
-	"\x16_add_generation_prompt\"\xb5\t\n" +
+	"\x16_add_generation_prompt\"\xdf\t\n" +
 	"\x0eSamplingParams\x12)\n" +
 	"\x0emax_new_tokens\x18\x01 \x01(\rH\x00R\fmaxNewTokens\x88\x01\x01\x12%\n" +
 	"\vtemperature\x18\x02 \x01(\x02H\x01R\vtemperature\x88\x01\x01\x12\x18\n" +
@@ -1546,7 +1572,8 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x0fprompt_logprobs\x18\x13 \x01(\rH\fR\x0epromptLogprobs\x88\x01\x01\x12I\n" +
 	"\x11structured_output\x18\x14 \x01(\v2\x1c.cbserve.v1.StructuredOutputR\x10structuredOutput\x12\x11\n" +
 	"\x01n\x18\x15 \x01(\rH\rR\x01n\x88\x01\x01\x12=\n" +
-	"\rlogprobs_mode\x18\x16 \x01(\x0e2\x18.cbserve.v1.LogprobsModeR\flogprobsMode\x1a<\n" +
+	"\rlogprobs_mode\x18\x16 \x01(\x0e2\x18.cbserve.v1.LogprobsModeR\flogprobsMode\x12(\n" +
+	"\x10return_kept_mass\x18\x17 \x01(\bR\x0ereturnKeptMass\x1a<\n" +
 	"\x0eLogitBiasEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\rR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x02R\x05value:\x028\x01B\x11\n" +
@@ -1586,10 +1613,12 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\n" +
 	"TopLogprob\x12\x19\n" +
 	"\btoken_id\x18\x01 \x01(\rR\atokenId\x12\x18\n" +
-	"\alogprob\x18\x02 \x01(\x02R\alogprob\"c\n" +
+	"\alogprob\x18\x02 \x01(\x02R\alogprob\"\x9e\x01\n" +
 	"\fTokenLogprob\x12\x18\n" +
 	"\alogprob\x18\x01 \x01(\x02R\alogprob\x129\n" +
-	"\ftop_logprobs\x18\x02 \x03(\v2\x16.cbserve.v1.TopLogprobR\vtopLogprobs\"\x7f\n" +
+	"\ftop_logprobs\x18\x02 \x03(\v2\x16.cbserve.v1.TopLogprobR\vtopLogprobs\x12'\n" +
+	"\rlog_kept_mass\x18\x03 \x01(\x02H\x00R\vlogKeptMass\x88\x01\x01B\x10\n" +
+	"\x0e_log_kept_mass\"\x7f\n" +
 	"\rPromptLogprob\x12\x19\n" +
 	"\btoken_id\x18\x01 \x01(\rR\atokenId\x12\x18\n" +
 	"\alogprob\x18\x02 \x01(\x02R\alogprob\x129\n" +
@@ -1732,6 +1761,7 @@ func file_cbserve_v1_types_proto_init() {
 		(*GenerationRequest_Text)(nil),
 		(*GenerationRequest_Messages)(nil),
 	}
+	file_cbserve_v1_types_proto_msgTypes[7].OneofWrappers = []any{}
 	file_cbserve_v1_types_proto_msgTypes[10].OneofWrappers = []any{}
 	file_cbserve_v1_types_proto_msgTypes[11].OneofWrappers = []any{
 		(*GenerationChunk_StopTokenId)(nil),

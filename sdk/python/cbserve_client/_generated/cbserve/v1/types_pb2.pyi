@@ -295,6 +295,7 @@ class SamplingParams(_message.Message):
     STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
     LOGPROBS_MODE_FIELD_NUMBER: _builtins.int
+    RETURN_KEPT_MASS_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Maximum number of tokens to generate, EOS included. Must be >= 1. Unset: the server default.
     The request also stops when prompt + generated tokens reach the model's max context length.
@@ -366,6 +367,12 @@ class SamplingParams(_message.Message):
     logprobs are always raw. Unset: the server's default (`cbserve serve --logprobs-mode`, raw
     unless set).
     """
+    return_kept_mass: _builtins.bool
+    """When true, each generated token's TokenLogprob also carries log_kept_mass: the log of the
+    probability mass top-k, top-p and min-p kept of the distribution they truncated. Implies
+    logprobs. Needs a request that samples (temperature > 0): a greedy request gets
+    INVALID_ARGUMENT. Default false.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end generation (the id is emitted, then the request finishes with
@@ -428,10 +435,11 @@ class SamplingParams(_message.Message):
         structured_output: Global___StructuredOutput | None = ...,
         n: _builtins.int | None = ...,
         logprobs_mode: Global___LogprobsMode.ValueType = ...,
+        return_kept_mass: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "logprobs_mode", b"logprobs_mode", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_new_tokens", b"_max_new_tokens", "_min_new_tokens", b"_min_new_tokens", "_min_p", b"_min_p", "_n", b"_n", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "eos_token_ids", b"eos_token_ids", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "logprobs_mode", b"logprobs_mode", "max_new_tokens", b"max_new_tokens", "min_new_tokens", b"min_new_tokens", "min_p", b"min_p", "n", b"n", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "return_kept_mass", b"return_kept_mass", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
@@ -629,8 +637,17 @@ class TokenLogprob(_message.Message):
 
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    LOG_KEPT_MASS_FIELD_NUMBER: _builtins.int
     logprob: _builtins.float
     """Log-probability of the generated token."""
+    log_kept_mass: _builtins.float
+    """With SamplingParams.return_kept_mass: the natural log of the probability mass that top-k, top-p
+    and min-p kept, under the distribution they act on (after logit bias, penalties,
+    min_new_tokens, structured-output masks and temperature); 0 when they removed nothing. The
+    sampler drew the token from that distribution renormalised over the kept tokens, so its
+    processed logprob (LOGPROBS_MODE_PROCESSED) plus this value is its logprob before truncation.
+    Unset when not asked for.
+    """
     @_builtins.property
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
         """The SamplingParams.top_logprobs most likely tokens at this step, most likely first (the
@@ -642,12 +659,15 @@ class TokenLogprob(_message.Message):
         *,
         logprob: _builtins.float = ...,
         top_logprobs: _abc.Iterable[Global___TopLogprob] | None = ...,
+        log_kept_mass: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_log_kept_mass", b"_log_kept_mass", "log_kept_mass", b"log_kept_mass"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_log_kept_mass", b"_log_kept_mass", "log_kept_mass", b"log_kept_mass", "logprob", b"logprob", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__log_kept_mass: _TypeAlias = _typing.Literal["log_kept_mass"]  # noqa: Y015
+    _WhichOneofArgType__log_kept_mass: _TypeAlias = _typing.Literal["_log_kept_mass", b"_log_kept_mass"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__log_kept_mass) -> _WhichOneofReturnType__log_kept_mass | None: ...
 
 Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
 
