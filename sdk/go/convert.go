@@ -83,7 +83,7 @@ func chunkFromProto(c *pb.GenerationChunk) *Chunk {
 		WeightVersion: c.GetWeightVersion(),
 	}
 	for i, lp := range c.GetLogprobs() {
-		entry := TokenLogprob{Logprob: lp.GetLogprob()}
+		entry := TokenLogprob{Logprob: lp.GetLogprob(), LogKeptMass: lp.LogKeptMass}
 		if i < len(chunk.TokenIDs) {
 			entry.TokenID = chunk.TokenIDs[i]
 		}

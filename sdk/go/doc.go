@@ -37,7 +37,9 @@
 // drops the prefix cache, and [Admin.WeightsChecksum] returns a digest of the weights served:
 // [CheckWeights] compares every replica's (and a trainer's own, from [ChecksumOf]) in one call.
 // [WithLogprobsMode] asks for the log-probabilities of the distribution tokens are drawn from
-// (after penalties, temperature, top-k, top-p and min-p) rather than of the raw logits.
+// (after penalties, temperature, top-k, top-p and min-p) rather than of the raw logits, and
+// [WithReturnKeptMass] for the log of the mass top-k, top-p and min-p kept, which takes such a
+// log-probability back to the whole vocabulary.
 //
 // Cancelling a call's context cancels the call, and a cancelled Generate or Stream call cancels
 // its request on the server. Every error is an [*Error] with the gRPC status code, matching the

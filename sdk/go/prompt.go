@@ -86,6 +86,7 @@ type requestConfig struct {
 	priority            *int
 	n                   *int
 	logprobsMode        LogprobsMode
+	returnKeptMass      bool
 	// structured holds every structured-output option given, in order: check refuses more than one.
 	structured []structuredOutput
 }
@@ -229,6 +230,14 @@ func WithLogprobsMode(mode LogprobsMode) GenerateOption {
 // picks a random one.
 func WithRequestID(id string) GenerateOption {
 	return GenerateOption{func(c *requestConfig) { c.requestID = id }}
+}
+
+// WithReturnKeptMass returns, with each generated token's log-probability (it implies
+// WithLogprobs), the log of the probability mass top-k, top-p and min-p kept
+// (TokenLogprob.LogKeptMass). The server refuses it for a greedy request (temperature 0 or unset
+// without a sampling default): its token is drawn from no distribution.
+func WithReturnKeptMass() GenerateOption {
+	return GenerateOption{func(c *requestConfig) { c.returnKeptMass = true }}
 }
 
 // WithRecordTimestamps returns the time each token was generated at (Chunk.TokenTimestamps,
@@ -397,6 +406,7 @@ func buildRequest(prompt Prompt, opts []GenerateOption) (*pb.GenerationRequest, 
 	sampling.PromptLogprobs = wireUint32(cfg.promptLogprobs)
 	sampling.N = wireUint32(cfg.n)
 	sampling.LogprobsMode = logprobsModes[cfg.logprobsMode]
+	sampling.ReturnKeptMass = cfg.returnKeptMass
 	if len(cfg.structured) == 1 {
 		sampling.StructuredOutput = cfg.structured[0].proto()
 	}

@@ -58,6 +58,11 @@ type TokenLogprob struct {
 	TokenID uint32
 	Logprob float32
 	Top     []TopLogprob
+	// LogKeptMass, with WithReturnKeptMass: the natural log of the probability mass top-k, top-p
+	// and min-p kept of the distribution they truncated (after logit bias, penalties and
+	// temperature); 0 when they removed nothing. A LogprobsProcessed Logprob plus it is the
+	// token's log-probability before truncation. Nil when not asked for.
+	LogKeptMass *float32
 }
 
 // PromptLogprob is the log-probability of one prompt token given the tokens before it, with the
