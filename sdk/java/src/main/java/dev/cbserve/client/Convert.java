@@ -108,7 +108,10 @@ final class Convert {
     for (int i = 0; i < c.getLogprobsCount(); i++) {
       Types.TokenLogprob lp = c.getLogprobs(i);
       int tokenId = i < tokenIds.length ? tokenIds[i] : -1;
-      logprobs.add(new TokenLogprob(tokenId, lp.getLogprob(), top(lp.getTopLogprobsList())));
+      Optional<Float> logKeptMass =
+          lp.hasLogKeptMass() ? Optional.of(lp.getLogKeptMass()) : Optional.empty();
+      logprobs.add(
+          new TokenLogprob(tokenId, lp.getLogprob(), top(lp.getTopLogprobsList()), logKeptMass));
     }
     List<PromptLogprob> promptLogprobs = new ArrayList<>(c.getPromptLogprobsCount());
     for (Types.PromptLogprob lp : c.getPromptLogprobsList()) {

@@ -51,6 +51,7 @@ public final class SamplingParams {
   private final Boolean skipSpecialTokens;
   private final Integer promptLogprobs;
   private final LogprobsMode logprobsMode;
+  private final boolean returnKeptMass;
   private final Integer n;
   private final Constraint constraint;
   private final String constraintSpec;
@@ -92,6 +93,7 @@ public final class SamplingParams {
     this.skipSpecialTokens = b.skipSpecialTokens;
     this.promptLogprobs = b.promptLogprobs;
     this.logprobsMode = b.logprobsMode;
+    this.returnKeptMass = b.returnKeptMass;
     this.n = b.n;
     this.constraint = b.constraint;
     this.constraintSpec = b.constraintSpec;
@@ -112,9 +114,9 @@ public final class SamplingParams {
     return n;
   }
 
-  /** Whether these parameters ask for logprobs (logprobs, or top logprobs above 0). */
+  /** Whether these parameters ask for logprobs (logprobs, top logprobs above 0, or the kept mass). */
   boolean wantsLogprobs() {
-    return logprobs || (topLogprobs != null && topLogprobs > 0);
+    return logprobs || (topLogprobs != null && topLogprobs > 0) || returnKeptMass;
   }
 
   Types.SamplingParams toProto() {
@@ -172,6 +174,7 @@ public final class SamplingParams {
       p.setN(n);
     }
     p.setLogprobsMode(logprobsMode.wire);
+    p.setReturnKeptMass(returnKeptMass);
     if (constraint != null) {
       Types.StructuredOutput.Builder so = Types.StructuredOutput.newBuilder();
       switch (constraint) {
@@ -281,6 +284,10 @@ public final class SamplingParams {
       s.append(sep).append("logprobsMode=").append(logprobsMode);
       sep = ", ";
     }
+    if (returnKeptMass) {
+      s.append(sep).append("returnKeptMass=true");
+      sep = ", ";
+    }
     if (constraint == Constraint.JSON_OBJECT) {
       s.append(sep).append("jsonObject");
     } else if (constraint != null) {
@@ -319,6 +326,7 @@ public final class SamplingParams {
     private Boolean skipSpecialTokens;
     private Integer promptLogprobs;
     private LogprobsMode logprobsMode = LogprobsMode.SERVER_DEFAULT;
+    private boolean returnKeptMass;
     private Integer n;
     private Constraint constraint;
     private String constraintSpec;
@@ -577,6 +585,18 @@ public final class SamplingParams {
      */
     public Builder logprobsMode(LogprobsMode logprobsMode) {
       this.logprobsMode = Objects.requireNonNull(logprobsMode, "logprobsMode");
+      return this;
+    }
+
+    /**
+     * When true, every generated token's {@link TokenLogprob} also carries {@link
+     * TokenLogprob#logKeptMass() the log of the probability mass} top-k, top-p and min-p kept of
+     * the distribution they truncated; implies logprobs. The server refuses it for a greedy request
+     * (temperature 0, or unset without a sampling default): its token is drawn from no
+     * distribution.
+     */
+    public Builder returnKeptMass(boolean returnKeptMass) {
+      this.returnKeptMass = returnKeptMass;
       return this;
     }
 
