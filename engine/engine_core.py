@@ -23,7 +23,7 @@ from engine.kv.events import KVCacheEvent
 from engine.kv.offload import HostBlockPool
 from engine.parallel import TensorParallelGroup, tensor_parallel_size
 from engine.quantization.model import quantize_model
-from engine.request import FinishReason, Request, RequestStatus
+from engine.request import FIRST_WEIGHT_VERSION, FinishReason, Request, RequestStatus
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
 from engine.runner.batch_invariant import check_linear_invariance, check_table_width
 from engine.runner.cache_plan import CachePlan, plan_cache
@@ -235,8 +235,8 @@ class EngineCore:
         self._in_flight: _StepInFlight | None = None
         self.requests: dict[str, Request] = {}
         self.num_failed_steps = 0
-        # Version of the weights in the model, stamped on every token (the manager bumps it on updates).
-        self.weight_version = 1
+        # Version of the weights in the model, stamped on every token (`begin_weight_version`).
+        self.weight_version = FIRST_WEIGHT_VERSION
         # Structured output's grammars, for the tokenizer's vocabulary (set_tokenizer); None: no tokenizer.
         self.grammars: GrammarCompiler | None = None
         register_paged_attention()
@@ -367,6 +367,19 @@ class EngineCore:
         """Drops the prefix cache (its KV was computed by weights now replaced, or is not wanted); returns
         how many blocks it held. Blocks live requests hold are never shared again."""
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def begin_weight_version(self, weight_version: int) -> None:
+        """New weights are in the model (the caller flushed the step in flight before writing them): tokens
+        from now on carry `weight_version`, the prefix cache drops the old weights' blocks and keys new
+        ones by it, and the requests that asked for it recompute their KV under the new weights."""
+        assert self._in_flight is None, "flush the step in flight before changing the weights"
+        self.weight_version = weight_version
+        self.kv_cache_manager.begin_weight_version(weight_version)
+        num_recomputing = self.scheduler.recompute_after_weight_update()
+        if num_recomputing:
+            logger.info(
+                "%d requests recompute their KV under weight_version %d", num_recomputing, weight_version
+            )
 
     def record_kv_events(self) -> None:
         """From now on, keeps the prefix cache's changes for `take_kv_events` (engine.kv.events)."""

@@ -36,7 +36,7 @@ from engine.loop.listeners import LoopListeners
 from engine.loop.lockstep import generation_loop_for
 from engine.loop.output_router import OutputRouter
 from engine.parallel import DRIVER_RANK, TensorParallelGroup, global_rank, tensor_parallel_size
-from engine.request import GenerationOutput
+from engine.request import GenerationOutput, KVOnWeightUpdate
 from engine.sampling.params import SamplingParams, build_sampling_params
 from engine.stats import ManagerStats
 from engine.system.container_limits import default_num_threads
@@ -256,6 +256,7 @@ class ContinuousBatchingManager:
         eos_token_id: int | list[int] | None = None,
         sampling_params: SamplingParams | None = None,
         priority: int = 0,
+        kv_on_weight_update: KVOnWeightUpdate | str = KVOnWeightUpdate.KEEP,
         **logit_processor_kwargs: Any,
     ) -> str | None:
         """Queues one request and returns its id; None (with a warning) once the manager is stopped.
@@ -264,6 +265,9 @@ class ContinuousBatchingManager:
         `eos_token_id`, temperature, ...; the model's generation config fills the rest), or as one
         `sampling_params` built with `engine.sampling.params.build_sampling_params`, not both.
         `priority` orders requests under `scheduler_type="priority"` (smaller first; ignored otherwise).
+        `kv_on_weight_update` says what a weight update while the request lives does to its KV
+        (`engine.request.KVOnWeightUpdate`): "keep" (the default) goes on from it, "recompute" computes the
+        prompt and the tokens so far again under the new weights.
 
         With `num_return_sequences` (or `n`) > 1, the request samples that many completions of the prompt,
         which is computed once: sequence i has its own id (`engine.request.sequence_request_id`: the
@@ -298,6 +302,7 @@ class ContinuousBatchingManager:
             streaming=streaming,
             record_timestamps=record_timestamps,
             priority=priority,
+            kv_on_weight_update=kv_on_weight_update,
         )
         for sequence in (request, *request.pending_forks):
             engine.init_structured_output(sequence)  # its grammar compiles here (once), or ValueError

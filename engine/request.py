@@ -36,6 +36,21 @@ class FinishReason(StrEnum):
     ERROR = "error"
 
 
+# The weight version of the weights a model is loaded with; each update adds one.
+FIRST_WEIGHT_VERSION = 1
+
+
+class KVOnWeightUpdate(StrEnum):
+    """What becomes of a live request's KV when the weights change under it (an update during a KEEP
+    pause or between steps): KEEP goes on from it, so the tokens before the update were made by the old
+    weights and their KV stays the old weights' (each chunk's `weight_version` says which made it);
+    RECOMPUTE drops it and computes prompt and generated tokens again under the new weights, so every
+    token after the update is exactly what the new weights give that text."""
+
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+
+
 class Grammar(Protocol):
     """What the stop check needs of a request's grammar (`Request.structured_state`; engine.sampling.
     structured_output implements it)."""
@@ -125,6 +140,7 @@ class Request:
         "all_token_ids",
         "arrival_index",
         "block_hashes",
+        "block_hashes_weight_version",
         "created_time",
         "error",
         "finish_reason",
@@ -132,6 +148,7 @@ class Request:
         "fork_source",
         "generator",
         "index",
+        "kv_on_weight_update",
         "log_kept_masses",
         "logprobs",
         "num_cached_tokens",
@@ -166,6 +183,7 @@ class Request:
         record_timestamps: bool = False,
         priority: int = 0,
         index: int = 0,
+        kv_on_weight_update: KVOnWeightUpdate = KVOnWeightUpdate.KEEP,
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -186,7 +204,11 @@ class Request:
         self.status = RequestStatus.PENDING
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+        # The prefix-cache keys of the request's full blocks, a chain under one weight version
+        # (engine.kv.prefix_hash); the KV manager starts it again when the version moves on.
         self.block_hashes: list[bytes] = []
+        self.block_hashes_weight_version = FIRST_WEIGHT_VERSION
+        self.kv_on_weight_update = kv_on_weight_update
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.log_kept_masses: list[float] = []

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from engine.kv.cache_manager import DeviceBlockCopy, KVCacheManager, blocks_for_tokens
 from engine.kv.offload import BlockCopy, HostBlockPool
 from engine.pending_work import NO_SHARE, PendingShare, PendingTotals, PendingWork
-from engine.request import FinishReason, Request, RequestStatus, check_stop
+from engine.request import FinishReason, KVOnWeightUpdate, Request, RequestStatus, check_stop
 
 SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority")
 
@@ -423,12 +423,16 @@ class Scheduler:
         """The step's copies may not have happened (it failed): its offloaded requests will recompute."""
         assert self.host_block_pool is not None or not output.offloads
         for request in output.preempted:
-            if request.offloaded is not None and self.host_block_pool is not None:
-                self.host_block_pool.free_now(request.offloaded.all_host_block_ids)
-                request.num_tokens_to_recompute = max(
-                    request.num_tokens_to_recompute, request.offloaded.num_tokens
-                )
-                request.offloaded = None
+            self._drop_offload(request)
+
+    def _drop_offload(self, request: Request) -> None:
+        """A request parked in host memory will recompute its KV instead of restoring it."""
+        if request.offloaded is not None and self.host_block_pool is not None:
+            self.host_block_pool.free_now(request.offloaded.all_host_block_ids)
+            request.num_tokens_to_recompute = max(
+                request.num_tokens_to_recompute, request.offloaded.num_tokens
+            )
+            request.offloaded = None
 
     def _count_recompute(self, request: Request, num_computed: int, num_new_tokens: int) -> None:
         recomputed = min(num_computed + num_new_tokens, request.num_tokens_to_recompute) - num_computed
@@ -442,6 +446,27 @@ class Scheduler:
         for request in reversed(running):
             self._preempt(request, None)
         return len(running)
+
+    def recompute_after_weight_update(self) -> int:
+        """New weights are in place: the requests that asked for it (KVOnWeightUpdate.RECOMPUTE) give up
+        the KV the old weights made — running ones go back to the head of the queue, parked ones drop
+        their host copy — and compute prompt and tokens so far again under the new weights. The caller
+        has dropped the old weights' prefix cache. Returns how many requests will recompute."""
+        running = [
+            request for request in self.running if request.kv_on_weight_update is KVOnWeightUpdate.RECOMPUTE
+        ]
+        for request in reversed(running):
+            self._preempt(request, None)
+        parked = [
+            request
+            for request in self.waiting
+            if request.offloaded is not None and request.kv_on_weight_update is KVOnWeightUpdate.RECOMPUTE
+        ]
+        for request in parked:
+            self._drop_offload(request)
+        for request in self.waiting:  # the prefix hits their pending work was counted after are gone
+            self._track_queued(request)
+        return len(running) + len(parked)
 
     def _preempt(self, request: Request, output: SchedulerOutput | None) -> None:
         """Frees a running request's blocks and puts it back at the head of the queue.

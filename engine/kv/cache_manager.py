@@ -247,6 +247,12 @@ class KVCacheManager:
         full = self.full_attention_group
         return full.reset_prefix_cache() if full is not None else 0
 
+    def begin_weight_version(self, weight_version: int) -> int:
+        """New weights are in place: the prefix cache drops the old weights' blocks and keys new ones by
+        `weight_version` (engine.kv.prefix_hash); returns how many blocks it held."""
+        full = self.full_attention_group
+        return full.begin_weight_version(weight_version) if full is not None else 0
+
     def reset_prefix_cache_stats(self) -> None:
         """Starts counting prefix-cache lookups from zero (after warmup, whose lookups are no user's)."""
         self.prefix_cache_stats = PrefixCacheStats()

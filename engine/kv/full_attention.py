@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from engine.kv.block_pool import BlockPool, KVBlock
 from engine.kv.prefix_hash import extend_block_hashes
-from engine.request import Request
+from engine.request import FIRST_WEIGHT_VERSION, Request
 
 
 def blocks_for_tokens(num_tokens: int, page_size: int) -> int:
@@ -23,12 +23,16 @@ class FullAttentionManager:
 
     Invariant: `_block_ids[r]` is `[block.block_id for block in block_tables[r]]`, kept as the table
     grows, so a step hands the runner each table's ids without building them again (`block_ids`).
+
+    The prefix cache is keyed by the weight version its KV was computed under (`weight_version`, moved
+    on by `begin_weight_version`): lookups and registrations hash under the current version only.
     """
 
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool) -> None:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
+        self.weight_version = FIRST_WEIGHT_VERSION
         self.block_tables: dict[str, list[KVBlock]] = {}
         self._block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
@@ -51,7 +55,7 @@ class FullAttentionManager:
         """
         if not self.enable_prefix_caching:
             return []
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.page_size)
+        self._extend_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.page_size
         hits: list[KVBlock] = []
         parent_hash: bytes | None = None
@@ -122,6 +126,7 @@ class FullAttentionManager:
                 self._num_registered_blocks.get(source.request_id, 0), num_full
             )
             child.block_hashes = source.block_hashes[:num_full]
+            child.block_hashes_weight_version = source.block_hashes_weight_version
         return copies
 
     def free(self, request_id: str) -> None:
@@ -141,6 +146,21 @@ class FullAttentionManager:
             self._num_registered_blocks[request_id] = len(table)
         return num_cached
 
+    def begin_weight_version(self, weight_version: int) -> int:
+        """New weights are in place: the old weights' prefixes are dropped and the blocks computed from
+        now on are keyed by `weight_version`. Returns how many blocks were cached."""
+        self.weight_version = weight_version
+        return self.reset_prefix_cache()
+
+    def _extend_block_hashes(self, request: Request) -> None:
+        """Brings the request's hash chain up to its tokens, under the current weight version: a chain
+        hashed under another version (a request hashed before an update, readmitted after it) is
+        started again."""
+        if request.block_hashes_weight_version != self.weight_version:
+            request.block_hashes = []
+            request.block_hashes_weight_version = self.weight_version
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.page_size, self.weight_version)
+
     def _num_new_blocks(
         self, request_id: str, num_computed: int, num_new_tokens: int, computed_blocks: Sequence[KVBlock]
     ) -> int:
@@ -158,7 +178,7 @@ class FullAttentionManager:
         start = self._num_registered_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.page_size)
+        self._extend_block_hashes(request)
         for index in range(start, num_full):
             parent_hash = request.block_hashes[index - 1] if index else None
             if index and table[index - 1].block_hash != parent_hash:

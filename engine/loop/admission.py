@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from engine.errors import DuplicateRequestError, QueueFullError
-from engine.request import Request, sequence_request_id
+from engine.request import KVOnWeightUpdate, Request, sequence_request_id
 from engine.sampling.params import SamplingParams, check_token_ids, sequence_seed
 
 if TYPE_CHECKING:
@@ -198,14 +198,18 @@ def build_request(
     streaming: bool,
     record_timestamps: bool,
     priority: Any,
+    kv_on_weight_update: Any = KVOnWeightUpdate.KEEP,
 ) -> Request:
     """The request `add_request`'s arguments describe, its other sequences (n > 1) in `pending_forks`;
-    ValueError naming a malformed id, prompt or priority."""
+    ValueError naming a malformed id, prompt, priority or kv_on_weight_update."""
     if not isinstance(request_id, str) or not request_id:
         raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
     prompt_ids = _prompt_ids(input_ids, vocab_size)
     if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
         raise ValueError(f"priority must be an int in [-2**31, 2**31), got {priority!r}")
+    policies = [policy.value for policy in KVOnWeightUpdate]
+    if kv_on_weight_update not in policies:
+        raise ValueError(f"kv_on_weight_update must be one of {policies}, got {kv_on_weight_update!r}")
     sequences = [
         Request(
             sequence_request_id(request_id, index),
@@ -215,6 +219,7 @@ def build_request(
             record_timestamps=record_timestamps,
             priority=priority,
             index=index,
+            kv_on_weight_update=KVOnWeightUpdate(kv_on_weight_update),
         )
         for index in range(sampling_params.n)
     ]

@@ -33,6 +33,7 @@ from engine.loop.commands import (
     WakeUp,
     WeightUpdate,
 )
+from engine.request import FIRST_WEIGHT_VERSION
 from engine.weights.checksum import WeightsChecksum, model_weights, weights_checksum
 from engine.weights.sleep import SleepLevel, SleepTag, resident_memory
 from engine.weights.tensors import UpdateTargets, apply_weights, stage_weights
@@ -68,7 +69,7 @@ class WeightsAndSleep:
         # tokens are the old weights' and are stamped with their version.
         self._flush_step_in_flight = flush_step_in_flight
         # 1 at start, +1 per update; the label the last update gave it.
-        self.version = 1
+        self.version = FIRST_WEIGHT_VERSION
         self.version_label: str | None = None
         # The trainer's weight-update group this rank joined, and the ranks this engine holds in it.
         self.update_group: WeightsUpdateGroup | None = None
@@ -123,14 +124,13 @@ class WeightsAndSleep:
         return self._new_version(frozenset(item.name for item in staged), update.label)
 
     def _new_version(self, names: frozenset[str], label: str | None) -> int:
-        """After new weights were written: the prefix cache (the old weights' KV) goes, the version goes
-        up, and weights left incomplete by a failed transfer are whole again if `names` covers every
+        """After new weights were written: the version goes up, the prefix cache (the old weights' KV)
+        goes and requests that asked to recompute their KV will (EngineCore.begin_weight_version), and
+        weights left incomplete by a failed transfer are whole again if `names` covers every
         tensor it announced."""
-        engine = self.engine
-        engine.reset_prefix_cache()
         self.version += 1
         self.version_label = label
-        engine.weight_version = self.version
+        self.engine.begin_weight_version(self.version)
         if self.incomplete is not None and self.incomplete.tensor_names <= names:
             self.incomplete = None
             logger.info("the weights are whole again")

@@ -9,8 +9,8 @@ import pytest
 
 from engine.kv.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
 from engine.kv.cache_manager import KVCacheManager
-from engine.kv.prefix_hash import hash_block
-from engine.request import Request
+from engine.kv.prefix_hash import chain_root, hash_block
+from engine.request import FIRST_WEIGHT_VERSION, Request
 from engine.sampling.params import SamplingParams
 
 
@@ -18,9 +18,9 @@ def ids(blocks: list[KVBlock]) -> list[int]:
     return [block.block_id for block in blocks]
 
 
-def cache(pool: BlockPool, block: KVBlock, tokens: tuple[int, ...], parent: int | None = None) -> int:
-    """Registers `block` as holding `tokens` after `parent`; returns its hash."""
-    block_hash = hash_block(parent, tokens)
+def cache(pool: BlockPool, block: KVBlock, tokens: tuple[int, ...], parent: bytes | None = None) -> bytes:
+    """Registers `block` as holding `tokens` after `parent` (None: a first block); returns its hash."""
+    block_hash = hash_block(parent or chain_root(FIRST_WEIGHT_VERSION), tokens)
     pool.cache_block(block, block_hash, parent, tokens)
     return block_hash
 

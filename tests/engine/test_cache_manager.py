@@ -375,3 +375,26 @@ def test_a_hash_collision_in_an_earlier_page_never_serves_a_block_computed_after
     assert ids(hits) == [1], (
         f"z = (1, 2)(5, 5) got hits {ids(hits)}; block 4 is x's page (5, 5), computed after (2, 1)"
     )
+
+
+def test_the_prefix_cache_is_keyed_by_weight_version() -> None:
+    """After new weights, the same prompt is another chain of blocks: a request hashed under the old
+    version (queued before the update) finds nothing of the old weights' KV, even a block the cache
+    still held, and blocks computed under the new version are shared under it."""
+    manager = KVCacheManager(num_blocks=16, page_size=2, enable_prefix_caching=True)
+    prompt = [1, 2, 3, 4, 5]
+    old = make_request("old", prompt)
+    prefill(manager, old)
+    queued = make_request("queued", prompt)
+    assert len(manager.get_computed_blocks(queued)) == 2
+    old_chain = list(queued.block_hashes)
+    full = manager.full_attention_group
+    assert full is not None
+    full.weight_version = 2  # the key alone moves on: the old blocks are still registered
+    assert manager.get_computed_blocks(queued) == [], "a lookup under version 2 hit version 1's KV"
+    assert queued.block_hashes_weight_version == 2 and queued.block_hashes != old_chain
+    manager.free(old)
+    manager.begin_weight_version(3)
+    first = make_request("first", prompt)
+    prefill(manager, first)
+    assert ids(manager.get_computed_blocks(make_request("second", prompt))) == manager.block_ids("first")[:2]

@@ -94,7 +94,7 @@ def test_stored_blocks_carry_their_tokens_and_chain_to_their_parent(manager) -> 
     for parent, child in itertools.pairwise(stored):
         assert child.parent_hash == parent.block_hash
     expected_hashes: list[bytes] = []
-    extend_block_hashes(expected_hashes, prompt, PAGE_SIZE)
+    extend_block_hashes(expected_hashes, prompt, PAGE_SIZE, manager.weight_version)
     assert [event.block_hash for event in stored[:3]] == expected_hashes
 
 

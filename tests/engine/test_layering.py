@@ -52,6 +52,8 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.loop.agreement",
         # Plain records of host-resident blocks, which a request carries while preempted.
         "engine.kv.offload",
+        # The running sums of the work the scheduler holds, which the load record reports.
+        "engine.pending_work",
     },
     {"engine.request"},
     {

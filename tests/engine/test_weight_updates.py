@@ -154,3 +154,54 @@ def test_abort_mode_cancels_in_flight(manager: ContinuousBatchingManager) -> Non
         outputs = list(manager.request_id_iter(running_id))
         assert outputs[-1].status == RequestStatus.CANCELLED
     assert _generate(manager, random_prompt(5, 9), 2).status == RequestStatus.FINISHED
+
+
+def _new_weights_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logprob `model` gives each of `tokens` after `prompt` and the tokens before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+
+
+def test_a_request_that_asks_recomputes_its_kv_under_the_new_weights(
+    manager: ContinuousBatchingManager,
+) -> None:
+    """Two requests with one prompt live through an update under a KEEP pause. The one with
+    kv_on_weight_update="recompute" gives, for each token after the update, the logprob the new weights
+    give it after the whole text so far; the kept one goes on from the old weights' KV, and its logprobs
+    are not the new weights' (the control that shows the option is what makes the difference)."""
+    prompt = random_prompt(20, 11)
+    new_model = seeded_tiny_llama(9)
+    ids = {
+        policy: manager.add_request(
+            prompt,
+            max_new_tokens=60,
+            streaming=True,
+            eos_token_id=[],
+            logprobs=True,
+            kv_on_weight_update=policy,
+        )
+        for policy in ("keep", "recompute")
+    }
+    firsts = {policy: manager.get_result(request_id, timeout=60) for policy, request_id in ids.items()}
+    with manager.pause():
+        manager.update_weights(new_model.state_dict())
+    for policy, request_id in ids.items():
+        outputs = [firsts[policy], *manager.request_id_iter(request_id)]
+        last = outputs[-1]
+        assert last.status == RequestStatus.FINISHED and len(last.generated_tokens) == 60
+        num_old = max(len(output.generated_tokens) for output in outputs if output.weight_version == 1)
+        assert 0 < num_old < 60, (policy, num_old)
+        after = last.generated_tokens[num_old:]
+        expected = _new_weights_logprobs(new_model, prompt + last.generated_tokens[:num_old], after)
+        got = torch.tensor(last.logprobs[num_old:])
+        difference = (got - expected).abs().max().item()
+        if policy == "recompute":
+            assert difference < 1e-4, (policy, got.tolist(), expected.tolist())
+        else:
+            assert difference > 1e-2, (policy, got.tolist(), expected.tolist())
+
+
+def test_a_bad_kv_on_weight_update_is_refused_by_name(manager: ContinuousBatchingManager) -> None:
+    with pytest.raises(ValueError, match=r"kv_on_weight_update must be one of \['keep', 'recompute'\]"):
+        manager.add_request(random_prompt(4, 1), max_new_tokens=2, kv_on_weight_update="drop")
