@@ -222,6 +222,7 @@ class EngineHost:
                 record_timestamps=prepared.record_timestamps,
                 sampling_params=prepared.sampling,
                 priority=prepared.priority,
+                kv_on_weight_update=prepared.kv_on_weight_update,
             )
         except QueueFullError as exc:
             raise RequestRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc

@@ -100,6 +100,15 @@ class PreparedRequest:
     # Whether the text leaves special tokens out (the detokenizer's business, not the engine's).
     skip_special_tokens: bool = True
     priority: int = 0
+    kv_on_weight_update: str = "keep"
+
+
+# GenerationRequest.kv_on_weight_update, as the engine names it (engine.request.KVOnWeightUpdate).
+KV_ON_WEIGHT_UPDATE = {
+    types_pb2.KV_ON_WEIGHT_UPDATE_UNSPECIFIED: "keep",
+    types_pb2.KV_ON_WEIGHT_UPDATE_KEEP: "keep",
+    types_pb2.KV_ON_WEIGHT_UPDATE_RECOMPUTE: "recompute",
+}
 
 
 def prepare(
@@ -121,7 +130,14 @@ def prepare(
         stop_strings=stop_strings,
         skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
         priority=request.priority,
+        kv_on_weight_update=_kv_on_weight_update(request.kv_on_weight_update),
     )
+
+
+def _kv_on_weight_update(value: int) -> str:
+    if value not in KV_ON_WEIGHT_UPDATE:
+        raise invalid(f"kv_on_weight_update must be one of {sorted(KV_ON_WEIGHT_UPDATE)}, got {value}")
+    return KV_ON_WEIGHT_UPDATE[value]
 
 
 def _cbserve_names(settings: Mapping[str, Any]) -> WireNames:

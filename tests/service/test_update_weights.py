@@ -136,3 +136,41 @@ def test_concurrent_updates_are_applied_one_after_the_other(
     served = own_model.state_dict()
     mismatched = [name for name, value in pushed[last].items() if not torch.equal(served[name], value)]
     assert not mismatched, f"served tensors that differ from the last update ({last}): {mismatched}"
+
+
+def test_kv_on_weight_update_through_the_sdk(own_served: RunningServer) -> None:
+    """Two streams of one prompt live through an UpdateWeights. Each chunk says which weights made its
+    tokens; after the update, the stream that asked for kv_on_weight_update="recompute" gets exactly the
+    logprobs the new weights give the text so far, the kept one does not (its KV is the old weights')."""
+    prompt = random_prompt(20, 23)
+    new_model = _other_model(53)
+    with (
+        Client(own_served.target, timeout=60) as client,
+        AdminClient(own_served.admin_target, token=ADMIN_TOKEN, timeout=60) as admin,
+    ):
+        start = admin.status().weight_version
+        streams = {
+            policy: client.stream(
+                prompt, max_new_tokens=60, ignore_eos=True, logprobs=True, kv_on_weight_update=policy
+            )
+            for policy in ("keep", "recompute")
+        }
+        chunks = {policy: [next(iter(stream))] for policy, stream in streams.items()}
+        assert all(chunk[0].weight_version == start for chunk in chunks.values())
+        admin.update_weights(new_model.state_dict())
+        for policy, stream in streams.items():
+            chunks[policy].extend(stream)
+    for policy, received in chunks.items():
+        tokens = [token for chunk in received for token in chunk.token_ids]
+        logprobs = [entry.logprob for chunk in received for entry in chunk.logprobs]
+        num_old = sum(len(chunk.token_ids) for chunk in received if chunk.weight_version == start)
+        assert len(tokens) == 60 and 0 < num_old < 60, (policy, num_old)
+        assert {chunk.weight_version for chunk in received[-1:]} == {start + 1}
+        with torch.no_grad():
+            logits = new_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+        difference = (torch.tensor(logprobs[num_old:]) - expected[num_old:]).abs().max().item()
+        if policy == "recompute":
+            assert difference < 1e-4, (policy, logprobs[num_old:], expected[num_old:].tolist())
+        else:
+            assert difference > 1e-2, (policy, logprobs[num_old:], expected[num_old:].tolist())

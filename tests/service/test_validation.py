@@ -35,6 +35,7 @@ BAD_REQUESTS = {
         ),
         "messages",
     ),
+    "kv_on_weight_update unknown": (_request(kv_on_weight_update=7), "kv_on_weight_update"),
     "max_new_tokens 0": (_sampling(max_new_tokens=0), "max_new_tokens"),
     "max_new_tokens past the context": (_sampling(max_new_tokens=1022), "max_new_tokens"),
     # 3 + 1010 tokens fit the model's 1024 positions but not the test cache's 63 blocks of 16.

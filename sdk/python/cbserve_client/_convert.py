@@ -72,8 +72,15 @@ SAMPLING_KWARGS = frozenset(
         "record_timestamps",
         "add_generation_prompt",
         "priority",
+        "kv_on_weight_update",
     }
 )
+
+#: GenerationRequest.kv_on_weight_update by the name the SDK takes.
+KV_ON_WEIGHT_UPDATE = {
+    "keep": types_pb2.KV_ON_WEIGHT_UPDATE_KEEP,
+    "recompute": types_pb2.KV_ON_WEIGHT_UPDATE_RECOMPUTE,
+}
 
 #: The keywords that set SamplingParams.structured_output, at most one per request (its oneof).
 STRUCTURED_OUTPUT_KWARGS = ("json_schema", "json_object", "regex", "grammar")
@@ -445,6 +452,7 @@ def build_request(
     record_timestamps: bool | None = None,
     add_generation_prompt: bool | None = None,
     priority: int | None = None,
+    kv_on_weight_update: str | None = None,
     **sampling: Any,
 ) -> types_pb2.GenerationRequest:
     """A GenerationRequest from a prompt and the client's sampling keyword arguments.
@@ -454,6 +462,8 @@ def build_request(
     Values outside the server's bounds raise :class:`InvalidArgumentError` here, before any call;
     what depends on the model (vocabulary, context length, tokenizer) is the server's to check.
     ``priority`` orders the request under the server's "priority" scheduler (smaller first).
+    ``kv_on_weight_update`` ("keep", the server's default, or "recompute") says what a weight update
+    while the request lives does to its KV.
     """
     unknown = set(sampling) - SAMPLING_KWARGS
     if unknown:
@@ -471,6 +481,13 @@ def build_request(
             "priority", _check_int("priority", priority), _bounds.MIN_PRIORITY, _bounds.MAX_PRIORITY
         )
         request.priority = priority
+    if kv_on_weight_update is not None:
+        if kv_on_weight_update not in KV_ON_WEIGHT_UPDATE:
+            raise _refuse(
+                "kv_on_weight_update",
+                f" must be one of {sorted(KV_ON_WEIGHT_UPDATE)}, got {kv_on_weight_update!r}",
+            )
+        request.kv_on_weight_update = KV_ON_WEIGHT_UPDATE[kv_on_weight_update]
     if isinstance(prompt, str):
         if add_generation_prompt is not None:
             raise TypeError("add_generation_prompt applies to chat prompts only")

@@ -173,8 +173,9 @@ class Client(ChannelOwner):
     ``frequency_penalty``, ``min_new_tokens``, ``logit_bias`` ({token id: bias}), at most one
     structured-output constraint (``json_schema`` (a dict or its JSON text), ``json_object=True``,
     ``regex`` or ``grammar``), ``request_id``, ``priority`` (smaller first under the server's
-    "priority" scheduler), ``record_timestamps`` and, for chat prompts, ``add_generation_prompt``.
-    Unset arguments take the server's defaults.
+    "priority" scheduler), ``record_timestamps``, ``kv_on_weight_update`` ("keep" or "recompute": what
+    a weight update while the request lives does to its KV) and, for chat prompts,
+    ``add_generation_prompt``. Unset arguments take the server's defaults.
     """
 
     def __init__(

@@ -88,6 +88,62 @@ func (LogprobsMode) EnumDescriptor() ([]byte, []int) {
 	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{0}
 }
 
+// What becomes of a live request's KV when the server's weights change under it (an update during
+// a KEEP pause, or between steps).
+type KvOnWeightUpdate int32
+
+const (
+	// Same as KV_ON_WEIGHT_UPDATE_KEEP.
+	KvOnWeightUpdate_KV_ON_WEIGHT_UPDATE_UNSPECIFIED KvOnWeightUpdate = 0
+	// Go on from the KV the old weights made: the tokens before the update are the old weights', and
+	// each GenerationChunk's weight_version says which weights made its tokens.
+	KvOnWeightUpdate_KV_ON_WEIGHT_UPDATE_KEEP KvOnWeightUpdate = 1
+	// Compute the prompt and the tokens generated so far again under the new weights, so every token
+	// after the update is what the new weights give that text (costs one prefill of it).
+	KvOnWeightUpdate_KV_ON_WEIGHT_UPDATE_RECOMPUTE KvOnWeightUpdate = 2
+)
+
+// Enum value maps for KvOnWeightUpdate.
+var (
+	KvOnWeightUpdate_name = map[int32]string{
+		0: "KV_ON_WEIGHT_UPDATE_UNSPECIFIED",
+		1: "KV_ON_WEIGHT_UPDATE_KEEP",
+		2: "KV_ON_WEIGHT_UPDATE_RECOMPUTE",
+	}
+	KvOnWeightUpdate_value = map[string]int32{
+		"KV_ON_WEIGHT_UPDATE_UNSPECIFIED": 0,
+		"KV_ON_WEIGHT_UPDATE_KEEP":        1,
+		"KV_ON_WEIGHT_UPDATE_RECOMPUTE":   2,
+	}
+)
+
+func (x KvOnWeightUpdate) Enum() *KvOnWeightUpdate {
+	p := new(KvOnWeightUpdate)
+	*p = x
+	return p
+}
+
+func (x KvOnWeightUpdate) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (KvOnWeightUpdate) Descriptor() protoreflect.EnumDescriptor {
+	return file_cbserve_v1_types_proto_enumTypes[1].Descriptor()
+}
+
+func (KvOnWeightUpdate) Type() protoreflect.EnumType {
+	return &file_cbserve_v1_types_proto_enumTypes[1]
+}
+
+func (x KvOnWeightUpdate) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use KvOnWeightUpdate.Descriptor instead.
+func (KvOnWeightUpdate) EnumDescriptor() ([]byte, []int) {
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{1}
+}
+
 // The lifecycle state of a request. A request moves QUEUED -> PREFILLING -> DECODING and ends in
 // exactly one of FINISHED, CANCELLED or FAILED. A request preempted by the scheduler may go back
 // to QUEUED or PREFILLING, but it never loses or repeats tokens already streamed.
@@ -144,11 +200,11 @@ func (x RequestStatus) String() string {
 }
 
 func (RequestStatus) Descriptor() protoreflect.EnumDescriptor {
-	return file_cbserve_v1_types_proto_enumTypes[1].Descriptor()
+	return file_cbserve_v1_types_proto_enumTypes[2].Descriptor()
 }
 
 func (RequestStatus) Type() protoreflect.EnumType {
-	return &file_cbserve_v1_types_proto_enumTypes[1]
+	return &file_cbserve_v1_types_proto_enumTypes[2]
 }
 
 func (x RequestStatus) Number() protoreflect.EnumNumber {
@@ -157,7 +213,7 @@ func (x RequestStatus) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use RequestStatus.Descriptor instead.
 func (RequestStatus) EnumDescriptor() ([]byte, []int) {
-	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{1}
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{2}
 }
 
 // Why a request ended. Set only on the chunk that carries a terminal status.
@@ -212,11 +268,11 @@ func (x FinishReason) String() string {
 }
 
 func (FinishReason) Descriptor() protoreflect.EnumDescriptor {
-	return file_cbserve_v1_types_proto_enumTypes[2].Descriptor()
+	return file_cbserve_v1_types_proto_enumTypes[3].Descriptor()
 }
 
 func (FinishReason) Type() protoreflect.EnumType {
-	return &file_cbserve_v1_types_proto_enumTypes[2]
+	return &file_cbserve_v1_types_proto_enumTypes[3]
 }
 
 func (x FinishReason) Number() protoreflect.EnumNumber {
@@ -225,7 +281,7 @@ func (x FinishReason) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use FinishReason.Descriptor instead.
 func (FinishReason) EnumDescriptor() ([]byte, []int) {
-	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{2}
+	return file_cbserve_v1_types_proto_rawDescGZIP(), []int{3}
 }
 
 // A prompt given as token ids, passed to the model unchanged (no BOS or special tokens are added).
@@ -819,9 +875,11 @@ type GenerationRequest struct {
 	// priority): smaller values are admitted first (ties first-come), and when memory runs out the
 	// running request with the largest value is preempted first. Ignored by other schedulers.
 	// Default 0.
-	Priority      int32 `protobuf:"varint,7,opt,name=priority,proto3" json:"priority,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Priority int32 `protobuf:"varint,7,opt,name=priority,proto3" json:"priority,omitempty"`
+	// What a weight update while the request lives does to its KV (see KvOnWeightUpdate).
+	KvOnWeightUpdate KvOnWeightUpdate `protobuf:"varint,8,opt,name=kv_on_weight_update,json=kvOnWeightUpdate,proto3,enum=cbserve.v1.KvOnWeightUpdate" json:"kv_on_weight_update,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *GenerationRequest) Reset() {
@@ -914,6 +972,13 @@ func (x *GenerationRequest) GetPriority() int32 {
 		return x.Priority
 	}
 	return 0
+}
+
+func (x *GenerationRequest) GetKvOnWeightUpdate() KvOnWeightUpdate {
+	if x != nil {
+		return x.KvOnWeightUpdate
+	}
+	return KvOnWeightUpdate_KV_ON_WEIGHT_UPDATE_UNSPECIFIED
 }
 
 type isGenerationRequest_Prompt interface {
@@ -1599,7 +1664,7 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\x05regex\x18\x03 \x01(\tH\x00R\x05regex\x12\x1a\n" +
 	"\agrammar\x18\x04 \x01(\tH\x00R\agrammarB\f\n" +
 	"\n" +
-	"constraint\"\xc0\x02\n" +
+	"constraint\"\x8d\x03\n" +
 	"\x11GenerationRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x123\n" +
@@ -1608,7 +1673,8 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\bmessages\x18\x04 \x01(\v2\x18.cbserve.v1.ChatMessagesH\x00R\bmessages\x126\n" +
 	"\bsampling\x18\x05 \x01(\v2\x1a.cbserve.v1.SamplingParamsR\bsampling\x12+\n" +
 	"\x11record_timestamps\x18\x06 \x01(\bR\x10recordTimestamps\x12\x1a\n" +
-	"\bpriority\x18\a \x01(\x05R\bpriorityB\b\n" +
+	"\bpriority\x18\a \x01(\x05R\bpriority\x12K\n" +
+	"\x13kv_on_weight_update\x18\b \x01(\x0e2\x1c.cbserve.v1.KvOnWeightUpdateR\x10kvOnWeightUpdateB\b\n" +
 	"\x06prompt\"A\n" +
 	"\n" +
 	"TopLogprob\x12\x19\n" +
@@ -1666,7 +1732,11 @@ const file_cbserve_v1_types_proto_rawDesc = "" +
 	"\fLogprobsMode\x12\x1d\n" +
 	"\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11LOGPROBS_MODE_RAW\x10\x01\x12\x1b\n" +
-	"\x17LOGPROBS_MODE_PROCESSED\x10\x02*\xdc\x01\n" +
+	"\x17LOGPROBS_MODE_PROCESSED\x10\x02*x\n" +
+	"\x10KvOnWeightUpdate\x12#\n" +
+	"\x1fKV_ON_WEIGHT_UPDATE_UNSPECIFIED\x10\x00\x12\x1c\n" +
+	"\x18KV_ON_WEIGHT_UPDATE_KEEP\x10\x01\x12!\n" +
+	"\x1dKV_ON_WEIGHT_UPDATE_RECOMPUTE\x10\x02*\xdc\x01\n" +
 	"\rRequestStatus\x12\x1e\n" +
 	"\x1aREQUEST_STATUS_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15REQUEST_STATUS_QUEUED\x10\x01\x12\x1d\n" +
@@ -1695,52 +1765,54 @@ func file_cbserve_v1_types_proto_rawDescGZIP() []byte {
 	return file_cbserve_v1_types_proto_rawDescData
 }
 
-var file_cbserve_v1_types_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_cbserve_v1_types_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
 var file_cbserve_v1_types_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_cbserve_v1_types_proto_goTypes = []any{
 	(LogprobsMode)(0),             // 0: cbserve.v1.LogprobsMode
-	(RequestStatus)(0),            // 1: cbserve.v1.RequestStatus
-	(FinishReason)(0),             // 2: cbserve.v1.FinishReason
-	(*TokenIds)(nil),              // 3: cbserve.v1.TokenIds
-	(*ChatMessage)(nil),           // 4: cbserve.v1.ChatMessage
-	(*ChatMessages)(nil),          // 5: cbserve.v1.ChatMessages
-	(*SamplingParams)(nil),        // 6: cbserve.v1.SamplingParams
-	(*StructuredOutput)(nil),      // 7: cbserve.v1.StructuredOutput
-	(*GenerationRequest)(nil),     // 8: cbserve.v1.GenerationRequest
-	(*TopLogprob)(nil),            // 9: cbserve.v1.TopLogprob
-	(*TokenLogprob)(nil),          // 10: cbserve.v1.TokenLogprob
-	(*PromptLogprob)(nil),         // 11: cbserve.v1.PromptLogprob
-	(*Usage)(nil),                 // 12: cbserve.v1.Usage
-	(*Timings)(nil),               // 13: cbserve.v1.Timings
-	(*GenerationChunk)(nil),       // 14: cbserve.v1.GenerationChunk
-	nil,                           // 15: cbserve.v1.SamplingParams.LogitBiasEntry
-	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
+	(KvOnWeightUpdate)(0),         // 1: cbserve.v1.KvOnWeightUpdate
+	(RequestStatus)(0),            // 2: cbserve.v1.RequestStatus
+	(FinishReason)(0),             // 3: cbserve.v1.FinishReason
+	(*TokenIds)(nil),              // 4: cbserve.v1.TokenIds
+	(*ChatMessage)(nil),           // 5: cbserve.v1.ChatMessage
+	(*ChatMessages)(nil),          // 6: cbserve.v1.ChatMessages
+	(*SamplingParams)(nil),        // 7: cbserve.v1.SamplingParams
+	(*StructuredOutput)(nil),      // 8: cbserve.v1.StructuredOutput
+	(*GenerationRequest)(nil),     // 9: cbserve.v1.GenerationRequest
+	(*TopLogprob)(nil),            // 10: cbserve.v1.TopLogprob
+	(*TokenLogprob)(nil),          // 11: cbserve.v1.TokenLogprob
+	(*PromptLogprob)(nil),         // 12: cbserve.v1.PromptLogprob
+	(*Usage)(nil),                 // 13: cbserve.v1.Usage
+	(*Timings)(nil),               // 14: cbserve.v1.Timings
+	(*GenerationChunk)(nil),       // 15: cbserve.v1.GenerationChunk
+	nil,                           // 16: cbserve.v1.SamplingParams.LogitBiasEntry
+	(*timestamppb.Timestamp)(nil), // 17: google.protobuf.Timestamp
 }
 var file_cbserve_v1_types_proto_depIdxs = []int32{
-	4,  // 0: cbserve.v1.ChatMessages.messages:type_name -> cbserve.v1.ChatMessage
-	15, // 1: cbserve.v1.SamplingParams.logit_bias:type_name -> cbserve.v1.SamplingParams.LogitBiasEntry
-	7,  // 2: cbserve.v1.SamplingParams.structured_output:type_name -> cbserve.v1.StructuredOutput
+	5,  // 0: cbserve.v1.ChatMessages.messages:type_name -> cbserve.v1.ChatMessage
+	16, // 1: cbserve.v1.SamplingParams.logit_bias:type_name -> cbserve.v1.SamplingParams.LogitBiasEntry
+	8,  // 2: cbserve.v1.SamplingParams.structured_output:type_name -> cbserve.v1.StructuredOutput
 	0,  // 3: cbserve.v1.SamplingParams.logprobs_mode:type_name -> cbserve.v1.LogprobsMode
-	3,  // 4: cbserve.v1.GenerationRequest.token_ids:type_name -> cbserve.v1.TokenIds
-	5,  // 5: cbserve.v1.GenerationRequest.messages:type_name -> cbserve.v1.ChatMessages
-	6,  // 6: cbserve.v1.GenerationRequest.sampling:type_name -> cbserve.v1.SamplingParams
-	9,  // 7: cbserve.v1.TokenLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
-	9,  // 8: cbserve.v1.PromptLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
-	16, // 9: cbserve.v1.Timings.queued_at:type_name -> google.protobuf.Timestamp
-	16, // 10: cbserve.v1.Timings.scheduled_at:type_name -> google.protobuf.Timestamp
-	16, // 11: cbserve.v1.Timings.first_token_at:type_name -> google.protobuf.Timestamp
-	16, // 12: cbserve.v1.Timings.finished_at:type_name -> google.protobuf.Timestamp
-	10, // 13: cbserve.v1.GenerationChunk.logprobs:type_name -> cbserve.v1.TokenLogprob
-	1,  // 14: cbserve.v1.GenerationChunk.status:type_name -> cbserve.v1.RequestStatus
-	2,  // 15: cbserve.v1.GenerationChunk.finish_reason:type_name -> cbserve.v1.FinishReason
-	12, // 16: cbserve.v1.GenerationChunk.usage:type_name -> cbserve.v1.Usage
-	13, // 17: cbserve.v1.GenerationChunk.timings:type_name -> cbserve.v1.Timings
-	11, // 18: cbserve.v1.GenerationChunk.prompt_logprobs:type_name -> cbserve.v1.PromptLogprob
-	19, // [19:19] is the sub-list for method output_type
-	19, // [19:19] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	4,  // 4: cbserve.v1.GenerationRequest.token_ids:type_name -> cbserve.v1.TokenIds
+	6,  // 5: cbserve.v1.GenerationRequest.messages:type_name -> cbserve.v1.ChatMessages
+	7,  // 6: cbserve.v1.GenerationRequest.sampling:type_name -> cbserve.v1.SamplingParams
+	1,  // 7: cbserve.v1.GenerationRequest.kv_on_weight_update:type_name -> cbserve.v1.KvOnWeightUpdate
+	10, // 8: cbserve.v1.TokenLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
+	10, // 9: cbserve.v1.PromptLogprob.top_logprobs:type_name -> cbserve.v1.TopLogprob
+	17, // 10: cbserve.v1.Timings.queued_at:type_name -> google.protobuf.Timestamp
+	17, // 11: cbserve.v1.Timings.scheduled_at:type_name -> google.protobuf.Timestamp
+	17, // 12: cbserve.v1.Timings.first_token_at:type_name -> google.protobuf.Timestamp
+	17, // 13: cbserve.v1.Timings.finished_at:type_name -> google.protobuf.Timestamp
+	11, // 14: cbserve.v1.GenerationChunk.logprobs:type_name -> cbserve.v1.TokenLogprob
+	2,  // 15: cbserve.v1.GenerationChunk.status:type_name -> cbserve.v1.RequestStatus
+	3,  // 16: cbserve.v1.GenerationChunk.finish_reason:type_name -> cbserve.v1.FinishReason
+	13, // 17: cbserve.v1.GenerationChunk.usage:type_name -> cbserve.v1.Usage
+	14, // 18: cbserve.v1.GenerationChunk.timings:type_name -> cbserve.v1.Timings
+	12, // 19: cbserve.v1.GenerationChunk.prompt_logprobs:type_name -> cbserve.v1.PromptLogprob
+	20, // [20:20] is the sub-list for method output_type
+	20, // [20:20] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_cbserve_v1_types_proto_init() }
@@ -1772,7 +1844,7 @@ func file_cbserve_v1_types_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_cbserve_v1_types_proto_rawDesc), len(file_cbserve_v1_types_proto_rawDesc)),
-			NumEnums:      3,
+			NumEnums:      4,
 			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   0,

@@ -63,6 +63,40 @@ sampler needs. Tokens the filters removed have logprob -inf and are left out of 
 """
 Global___LogprobsMode: _TypeAlias = LogprobsMode  # noqa: Y015
 
+class _KvOnWeightUpdate:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KvOnWeightUpdateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvOnWeightUpdate.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KV_ON_WEIGHT_UPDATE_UNSPECIFIED: _KvOnWeightUpdate.ValueType  # 0
+    """Same as KV_ON_WEIGHT_UPDATE_KEEP."""
+    KV_ON_WEIGHT_UPDATE_KEEP: _KvOnWeightUpdate.ValueType  # 1
+    """Go on from the KV the old weights made: the tokens before the update are the old weights', and
+    each GenerationChunk's weight_version says which weights made its tokens.
+    """
+    KV_ON_WEIGHT_UPDATE_RECOMPUTE: _KvOnWeightUpdate.ValueType  # 2
+    """Compute the prompt and the tokens generated so far again under the new weights, so every token
+    after the update is what the new weights give that text (costs one prefill of it).
+    """
+
+class KvOnWeightUpdate(_KvOnWeightUpdate, metaclass=_KvOnWeightUpdateEnumTypeWrapper):
+    """What becomes of a live request's KV when the server's weights change under it (an update during
+    a KEEP pause, or between steps).
+    """
+
+KV_ON_WEIGHT_UPDATE_UNSPECIFIED: KvOnWeightUpdate.ValueType  # 0
+"""Same as KV_ON_WEIGHT_UPDATE_KEEP."""
+KV_ON_WEIGHT_UPDATE_KEEP: KvOnWeightUpdate.ValueType  # 1
+"""Go on from the KV the old weights made: the tokens before the update are the old weights', and
+each GenerationChunk's weight_version says which weights made its tokens.
+"""
+KV_ON_WEIGHT_UPDATE_RECOMPUTE: KvOnWeightUpdate.ValueType  # 2
+"""Compute the prompt and the tokens generated so far again under the new weights, so every token
+after the update is what the new weights give that text (costs one prefill of it).
+"""
+Global___KvOnWeightUpdate: _TypeAlias = KvOnWeightUpdate  # noqa: Y015
+
 class _RequestStatus:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -551,6 +585,7 @@ class GenerationRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     RECORD_TIMESTAMPS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    KV_ON_WEIGHT_UPDATE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id of the request, unique among the server's live requests (ALREADY_EXISTS
     otherwise). Leave empty to let the server generate one; the id is returned by AddRequest and
@@ -570,6 +605,8 @@ class GenerationRequest(_message.Message):
     running request with the largest value is preempted first. Ignored by other schedulers.
     Default 0.
     """
+    kv_on_weight_update: Global___KvOnWeightUpdate.ValueType
+    """What a weight update while the request lives does to its KV (see KvOnWeightUpdate)."""
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
         """Token ids, passed to the model as they are."""
@@ -592,10 +629,11 @@ class GenerationRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         record_timestamps: _builtins.bool = ...,
         priority: _builtins.int = ...,
+        kv_on_weight_update: Global___KvOnWeightUpdate.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "priority", b"priority", "prompt", b"prompt", "record_timestamps", b"record_timestamps", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_on_weight_update", b"kv_on_weight_update", "messages", b"messages", "priority", b"priority", "prompt", b"prompt", "record_timestamps", b"record_timestamps", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["token_ids", "text", "messages"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
