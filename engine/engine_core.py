@@ -33,7 +33,7 @@ from engine.runner.packed_linear import PackedLinears
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import Sampler
 from engine.sampling.structured_output import GrammarCompiler
-from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from engine.system.container_limits import default_num_threads
 from engine.system.thread_budget import ThreadBudget
 from engine.weights.sleep import move_weights, return_freed_memory

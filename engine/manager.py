@@ -106,20 +106,8 @@ class ContinuousBatchingManager:
             # Before the attention switch, which some refused families fail in ways that name no reason.
             check_model_support(self.model.config, type(self.model).__name__)
             self.switch_to_cb_friendly_attn(self.model, self.config.auto_switch_to_flash)
-            group = TensorParallelGroup.for_model(self.model, self.config.cpu_group_timeout)
-            # Built on a thread that ends, like every step: building runs torch ops (zeroing the null
-            # block), and one large enough to go parallel would leave the caller's thread an OpenMP team
-            # for good. With more OpenMP threads than cores, libgomp's workers stop spinning between
-            # parallel regions, and every step waits for them to wake: 1.7x slower on SmolLM2.
-            engine = call_on_steps_thread(
-                lambda: EngineCore(self.model, self.config, group),
-                self.config.num_threads or default_num_threads(torch.get_num_threads()),
-                "cbserve-build",
-            )
+            engine, self._loop = _build_engine(self.model, self.config, self._router, self._listeners)
             engine.set_tokenizer(self._tokenizer)
-            self._loop = generation_loop_for(
-                engine, self._router, self._listeners, self.config.max_queue_size, group
-            )
             self._engine = engine
         return self._engine
 
@@ -500,3 +488,23 @@ class ContinuousBatchingManager:
     def wake_up(self, tags: list[str] | tuple[str, ...] | None = None) -> int:
         """Takes back what sleep freed; returns the sleep level left (0: serving)."""
         return self._weights.wake_up(tags)
+
+
+def _build_engine(
+    model: torch.nn.Module,
+    config: ContinuousBatchingConfig,
+    router: OutputRouter,
+    listeners: LoopListeners,
+) -> tuple[EngineCore, GenerationLoop]:
+    """The engine for `model` (its attention already paged) and the loop that will own it."""
+    group = TensorParallelGroup.for_model(model, config.cpu_group_timeout)
+    # Built on a thread that ends, like every step: building runs torch ops (zeroing the null block), and
+    # one large enough to go parallel would leave the caller's thread an OpenMP team for good. With more
+    # OpenMP threads than cores, libgomp's workers stop spinning between parallel regions, and every step
+    # waits for them to wake: 1.7x slower on SmolLM2.
+    engine = call_on_steps_thread(
+        lambda: EngineCore(model, config, group),
+        config.num_threads or default_num_threads(torch.get_num_threads()),
+        "cbserve-build",
+    )
+    return engine, generation_loop_for(engine, router, listeners, config.max_queue_size, group)

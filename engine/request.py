@@ -133,7 +133,7 @@ class Request:
 
     A request with n > 1 (SamplingParams.n) is n `Request`s, one per sequence: the first computes the
     prompt and holds the others in `pending_forks` until the scheduler forks them from its KV blocks
-    (engine.scheduler); each then samples on its own.
+    (engine.scheduling.scheduler); each then samples on its own.
     """
 
     __slots__ = (
@@ -193,7 +193,7 @@ class Request:
         self.streaming = streaming
         self.record_timestamps = record_timestamps
         self.num_computed_tokens = 0
-        # Tokens sampled by scheduled steps whose results are not back yet (engine.scheduler).
+        # Tokens sampled by scheduled steps whose results are not back yet (engine.scheduling.scheduler).
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0
         self.num_preemptions = 0

@@ -44,8 +44,9 @@ class ManagerStats:
     weights_incomplete: str | None = None
     # Ranks this engine's tensor-parallel ranks hold in a trainer's weight-update group; () when none.
     weights_update_group_ranks: tuple[int, ...] = ()
-    # Token work no step has done yet (engine.pending_work): tokens the queued requests will compute
-    # beyond their prefix-cache hits, and prompt tokens still to compute of the requests with no token yet.
+    # Token work no step has done yet (engine.scheduling.pending_work): tokens the queued requests will
+    # compute beyond their prefix-cache hits, and prompt tokens still to compute of the requests with no
+    # token yet.
     waiting_uncached_tokens: int = 0
     prefill_pending_tokens: int = 0
     # Requests waiting in the queue to run again after a preemption.

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import replace
@@ -215,7 +215,7 @@ class GenerationLoop:
 
             # On a thread that ends, as a step would run: commands copy weights and caches, and a copy
             # large enough to go parallel would leave the caller's thread an OpenMP team, which slows
-            # every later step (`ContinuousBatchingManager._ensure_engine` says how).
+            # every later step (`engine.manager._build_engine` says how).
             call_on_steps_thread(apply_while_stopped, self.engine.num_threads, "cbserve-command")
         return result.result()
 
@@ -447,13 +447,7 @@ class GenerationLoop:
         for request in self.engine.fail_all(error):
             self._finish(request)
         with self._cond:
-            leftovers = [
-                sequence
-                for command in self._inbox
-                if isinstance(command, AddRequest)
-                for sequence in (command.request, *command.request.pending_forks)
-            ]
-            waiting = [future for command in self._inbox for future in caller_futures(command)]
+            leftovers, waiting = _requests_and_futures(self._inbox)
             self._inbox.clear()
         for future in waiting:
             if not future.done():
@@ -515,6 +509,17 @@ class GenerationLoop:
 
     def _check_can_apply_stopped(self) -> None:
         """Raises when commands cannot be applied with the loop stopped."""
+
+
+def _requests_and_futures(commands: Sequence[LoopCommand]) -> tuple[list[Request], list[Future[Any]]]:
+    """The requests `commands` would add, every sequence of each, and the futures their callers wait on."""
+    requests = [
+        sequence
+        for command in commands
+        if isinstance(command, AddRequest)
+        for sequence in (command.request, *command.request.pending_forks)
+    ]
+    return requests, [future for command in commands for future in caller_futures(command)]
 
 
 def split_collective(commands: list[LoopCommand]) -> tuple[list[LoopCommand], list[LoopCommand]]:

@@ -36,7 +36,7 @@ from engine.runner.attention import (
     PagedAttentionMetadata,
 )
 from engine.runner.padding import PackedTokens, Padding, VarlenShape, round_up
-from engine.scheduler import SchedulerOutput
+from engine.scheduling.scheduler import SchedulerOutput
 from engine.system.device_copies import to_device
 
 

@@ -22,7 +22,7 @@ from engine.runner.forward_paths import ForwardPaths
 from engine.runner.inputs import BatchInputs, InputBuilder, PreviousTokens, PromptLogprobSpan
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.sampling.sampler import SampledTokens, Sampler, request_generator
-from engine.scheduler import SchedulerOutput
+from engine.scheduling.scheduler import SchedulerOutput
 from engine.system.device_copies import HostCopies
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,8 @@ As in vLLM, the grammar ends the request through EOS: once it is complete its ma
 EOS ids (the tokenizer's when the request has none) and nothing else, and a matcher that accepted one is
 terminated. Where there is no EOS id at all, the request ends (with FinishReason.EOS) as soon as its
 grammar is complete and allows no further token. With async batching a constrained request waits for its
-previous token before its next step is launched (engine.scheduler), since its mask depends on that token.
+previous token before its next step is launched (engine.scheduling.scheduler), since its mask depends on
+that token.
 
 `min_new_tokens` holds EOS back even where the grammar allows nothing else: such a request fails.
 

@@ -10,7 +10,7 @@ from engine.kv.cache_manager import KVCacheManager
 from engine.loop.admission import AdmissionLedger, Rejection, RejectionReason, admit, build_request
 from engine.request import Request
 from engine.sampling.params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduling.scheduler import Scheduler
 
 
 def make_scheduler(num_blocks: int = 64, page_size: int = 4, max_model_len: int | None = None) -> Scheduler:

@@ -26,7 +26,7 @@ from engine.kv.cache_manager import KVCacheManager, blocks_for_tokens
 from engine.loop.admission import size_rejection
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling.params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 EOS = 3
 # Stands, in the fake KV, for a token the step in flight has not returned yet.

@@ -10,7 +10,7 @@ from engine.kv.offload import HostBlockPool
 from engine.request import FinishReason, Request, RequestStatus
 from engine.runner.kv_cache import HostKVCache, KVCacheShape, PagedKVCache
 from engine.sampling.params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduling.scheduler import Scheduler
 from tests.helpers.models import random_prompt, tiny_model
 from tests.helpers.oracle import reference_greedy
 

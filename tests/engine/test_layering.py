@@ -52,10 +52,12 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.loop.agreement",
         # Plain records of host-resident blocks, which a request carries while preempted.
         "engine.kv.offload",
-        # The running sums of the work the scheduler holds, which the load record reports.
-        "engine.pending_work",
+        "engine.scheduling",
     },
     {"engine.request"},
+    # The queue requests wait in, and the running sums of the work the scheduler holds, which the load
+    # record reports.
+    {"engine.scheduling.waiting_queue", "engine.scheduling.pending_work"},
     {
         "engine.kv",
         "engine.kv.prefix_hash",
@@ -70,7 +72,7 @@ ENGINE_LAYERS: list[set[str]] = [
     {"engine.families"},
     # The one admission decision: what a request must fit (the cache's sizes) and the ledger of live ids.
     {"engine.loop.admission"},
-    {"engine.scheduler"},
+    {"engine.scheduling.scheduler"},
     {"engine.sampling.penalties", "engine.sampling.structured_output", "engine.sampling.sampler"},
     {
         "engine.runner",

@@ -1,5 +1,5 @@
-"""Spec of the scheduler's pending work (engine.pending_work): the token work no step has done yet, as
-gateways read it in the load record (waiting_uncached_tokens, prefill_pending_tokens, retracted).
+"""Spec of the scheduler's pending work (engine.scheduling.pending_work): the token work no step has done
+yet, as gateways read it in the load record (waiting_uncached_tokens, prefill_pending_tokens, retracted).
 
 No model: each step's sampled tokens are fed back by hand, as in test_scheduler.
 """
@@ -7,10 +7,10 @@ No model: each step's sampled tokens are fed back by hand, as in test_scheduler.
 from __future__ import annotations
 
 from engine.kv.cache_manager import KVCacheManager
-from engine.pending_work import PendingTotals
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling.params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduling.pending_work import PendingTotals
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 PAGE_SIZE = 4
 TOKEN = 7

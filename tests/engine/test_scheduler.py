@@ -11,7 +11,7 @@ import pytest
 from engine.kv.cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling.params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 EOS = 99
 TOKEN = 7

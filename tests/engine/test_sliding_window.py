@@ -19,7 +19,7 @@ from engine.loop.admission import RejectionReason, size_rejection
 from engine.request import Request, RequestStatus
 from engine.runner.kv_cache import KVCacheShape
 from engine.sampling.params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduling.scheduler import Scheduler, SchedulerOutput
 from tests.helpers.engine_runs import engine_core
 from tests.helpers.models import random_prompt, tiny_config, tiny_model
 from tests.helpers.oracle import reference_greedy

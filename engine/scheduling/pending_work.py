@@ -3,8 +3,8 @@
 Gateways stretch their wedge bound by the prefill work a replica reports, and score queues by the token
 work waiting in them (service.engine_load). Summing over every queued and running request at each step
 would make the step loop O(all requests); instead the scheduler hands over one request's share whenever
-it changes (queued, scheduled, preempted, finished: `Scheduler._track`), and the sums move by the
-difference, O(1) per change.
+it changes (queued: `queued_share`; scheduled, preempted, finished: `scheduled_share`), and the sums
+move by the difference, O(1) per change.
 
 Each share counts, for a request:
 - `waiting_uncached_tokens`: while it waits in the queue, the tokens it will compute when admitted — its
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.request import Request
+
 
 @dataclass(frozen=True)
 class PendingShare:
@@ -28,6 +30,26 @@ class PendingShare:
 
 
 NO_SHARE = PendingShare()
+
+
+def queued_share(request: Request, num_present_tokens: int) -> PendingShare:
+    """The share of `request` as it joins the queue with its first `num_present_tokens` already in the
+    cache or in host memory (a prefix-cache hit, or its parked KV): it will compute the rest."""
+    num_to_compute = request.num_tokens - num_present_tokens
+    return PendingShare(
+        waiting_uncached_tokens=num_to_compute,
+        prefill_pending_tokens=num_to_compute if request.num_generated_tokens == 0 else 0,
+        preempted_waiting=1 if request.num_preemptions > 0 else 0,
+    )
+
+
+def scheduled_share(request: Request) -> PendingShare:
+    """The share of `request` once scheduled or finished: the prompt it has still to compute while it has
+    produced no token, nothing once it is finished."""
+    prompt_to_compute = request.num_prompt_tokens - request.num_computed_tokens
+    if request.is_finished or request.num_generated_tokens > 0 or prompt_to_compute <= 0:
+        return NO_SHARE
+    return PendingShare(prefill_pending_tokens=prompt_to_compute)
 
 
 @dataclass(frozen=True)

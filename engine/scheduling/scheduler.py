@@ -25,20 +25,15 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
 from dataclasses import dataclass, field, replace
 
 from engine.kv.cache_manager import DeviceBlockCopy, KVCacheManager, blocks_for_tokens
 from engine.kv.offload import BlockCopy, HostBlockPool
-from engine.pending_work import NO_SHARE, PendingShare, PendingTotals, PendingWork
 from engine.request import FinishReason, KVOnWeightUpdate, Request, RequestStatus, check_stop
+from engine.scheduling.pending_work import PendingTotals, PendingWork, queued_share, scheduled_share
+from engine.scheduling.waiting_queue import WaitingQueue, priority_key
 
 SCHEDULING_POLICIES = ("fifo", "prefill_first", "priority")
-
-
-def priority_key(request: Request) -> tuple[int, int]:
-    """The "priority" policy's order: smaller priority first, ties first-come."""
-    return (request.priority, request.arrival_index)
 
 
 @dataclass
@@ -121,13 +116,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         # Preemption offloads to this pool when it has room, and falls back to recompute otherwise.
         self.host_block_pool = host_block_pool
-        # Invariant: `waiting` holds exactly the PENDING requests (never a finished one). Under "fifo" and
-        # "prefill_first", preempted ones (pushed to the head) are ahead of every request never admitted
-        # (appended at the tail); under "priority", all are in `priority_key` order, and so is `running`.
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(by_priority=policy == "priority")
         self._arrivals = itertools.count()
         # While True, only preempted requests are (re)admitted: a WAIT pause lets in-flight work finish.
         self.hold_new_admissions = False
+        # Under "priority", in `priority_key` order, as `waiting` is.
         self.running: list[Request] = []
         # First sequences of n > 1 requests whose other sequences wait to be forked from them.
         self._forking: list[Request] = []
@@ -162,19 +155,12 @@ class Scheduler:
         self._enqueue(request, preempted=False)
 
     def _enqueue(self, request: Request, preempted: bool) -> None:
-        if self.policy == "priority":
-            bisect.insort(self.waiting, request, key=priority_key)
-        elif preempted:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
+        self.waiting.push(request, preempted)
         self._track_queued(request)
 
     def has_preempted_waiting(self) -> bool:
         """Whether a preempted request waits to run again (it is still in flight)."""
-        if self.policy == "priority":
-            return any(request.num_preemptions > 0 for request in self.waiting)
-        return bool(self.waiting) and self.waiting[0].num_preemptions > 0
+        return self.waiting.has_preempted()
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -223,17 +209,9 @@ class Scheduler:
                 self._release_fork(sequence)
 
     def _release_fork(self, sequence: Request) -> None:
-        """A sequence that will not be forked waits as a request of its own: behind the preempted requests
-        at the head of the queue, ahead of every request never admitted (it arrived before them)."""
+        """A sequence that will not be forked waits in the queue as a request of its own."""
         sequence.fork_source = None
-        if self.policy == "priority":
-            self._enqueue(sequence, preempted=False)
-            return
-        position = next(
-            (index for index, request in enumerate(self.waiting) if request.num_preemptions == 0),
-            len(self.waiting),
-        )
-        self.waiting.insert(position, sequence)
+        self.waiting.push_released_fork(sequence)
         self._track_queued(sequence)
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -292,20 +270,9 @@ class Scheduler:
                 return candidate
         return None
 
-    def _next_waiting(self) -> Request | None:
-        """The waiting request to admit next: the head, or while new admissions are held (a WAIT pause)
-        the first preempted one."""
-        if not self.waiting:
-            return None
-        if not self.hold_new_admissions:
-            return self.waiting[0]
-        if self.policy == "priority":
-            return next((request for request in self.waiting if request.num_preemptions > 0), None)
-        return self.waiting[0] if self.waiting[0].num_preemptions > 0 else None
-
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> int:
         while budget > 0:
-            request = self._next_waiting()
+            request = self.waiting.next_to_admit(self.hold_new_admissions)
             if request is None:
                 break
             if len(self.running) >= self.max_requests_per_batch:
@@ -361,29 +328,17 @@ class Scheduler:
         self._track(request)
 
     def _track_queued(self, request: Request) -> None:
-        """`request` has just joined the queue: its share of the pending work is the tokens it will compute
-        when admitted, after the prefix-cache hit it finds now (engine.pending_work)."""
+        """`request` has just joined the queue, finding its parked KV or the prefix-cache hit it finds now."""
         if request.offloaded is not None:
-            num_to_compute = request.num_tokens - request.offloaded.num_tokens
+            num_present_tokens = request.offloaded.num_tokens
         else:
             num_hit_blocks = len(self.kv_cache_manager.get_computed_blocks(request))
-            num_to_compute = request.num_tokens - num_hit_blocks * self.kv_cache_manager.page_size
-        share = PendingShare(
-            waiting_uncached_tokens=num_to_compute,
-            prefill_pending_tokens=num_to_compute if request.num_generated_tokens == 0 else 0,
-            preempted_waiting=1 if request.num_preemptions > 0 else 0,
-        )
-        self.pending_work.set_share(request.request_id, share)
+            num_present_tokens = num_hit_blocks * self.kv_cache_manager.page_size
+        self.pending_work.set_share(request.request_id, queued_share(request, num_present_tokens))
 
     def _track(self, request: Request) -> None:
-        """`request` was scheduled or finished: its share of the pending work is the prompt it has still to
-        compute while it has produced no token, nothing once it is finished."""
-        prompt_to_compute = request.num_prompt_tokens - request.num_computed_tokens
-        if request.is_finished or request.num_generated_tokens > 0 or prompt_to_compute <= 0:
-            share = NO_SHARE
-        else:
-            share = PendingShare(prefill_pending_tokens=prompt_to_compute)
-        self.pending_work.set_share(request.request_id, share)
+        """`request` was scheduled or finished."""
+        self.pending_work.set_share(request.request_id, scheduled_share(request))
 
     def _restore(self, request: Request, output: SchedulerOutput, budget: int) -> bool:
         """Re-admits an offloaded request: its KV comes back from the host instead of being recomputed."""
@@ -545,7 +500,7 @@ class Scheduler:
                 self._forking.remove(source)
         elif request.status == RequestStatus.PENDING:
             # Queued (fresh or preempted): leave the queue now, so it only ever holds live requests and
-            # the loop's per-step checks stay O(1). Cancelling a queued request is O(queue), and rare.
+            # the loop's per-step checks stay O(1).
             self.waiting.remove(request)
         if request.pending_forks:  # its sequences cannot be forked from it any more
             self._forking.remove(request)
