@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from engine.config import ContinuousBatchingConfig
+from engine.errors import UnsupportedModelError
 from engine.families import check_model_support, layer_kind_counts
 from engine.kv.cache_manager import KVCacheManager, KVCacheStats
 from engine.kv.events import KVCacheEvent
@@ -29,6 +30,7 @@ from engine.runner.batch_invariant import check_linear_invariance, check_table_w
 from engine.runner.cache_plan import CachePlan, plan_cache
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.runner.model_runner import LaunchedStep, ModelRunner, StepTimings
+from engine.runner.own_attention.registry import InstalledAdapters, unsupported_combination
 from engine.runner.packed_linear import PackedLinears
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import Sampler
@@ -191,6 +193,9 @@ class EngineCore:
         parallel: TensorParallelGroup | None = None,
     ) -> None:
         check_model_support(model.config, type(model).__name__)
+        combination = unsupported_combination(model, config, tensor_parallel_size(model))
+        if combination is not None:
+            raise UnsupportedModelError(f"cbserve cannot serve {type(model).__name__}: {combination}")
         self.model = model
         self.config = config
         self.device = model_device(model)
@@ -211,6 +216,8 @@ class EngineCore:
         )
         # Filled by the build; empty if it fails first, when release_model has no cache to stop.
         self.kv_caches: list[PagedKVCache] = []
+        # Taken off again by release_model, like the packed linear layers.
+        self.attention_adapters = InstalledAdapters(model)
         try:
             self._build_cache_and_runner(model, config, parallel)
         except BaseException:
@@ -342,11 +349,12 @@ class EngineCore:
         return failed
 
     def release_model(self) -> None:
-        """Gives the model its own linear forwards back and stops the cache's background work (the engine
-        is done with both)."""
+        """Gives the model its own linear and attention forwards back and stops the cache's background work
+        (the engine is done with them)."""
         if self.packed_linears is not None:
             self.packed_linears.restore()
             self.packed_linears = None
+        self.attention_adapters.restore()
         for cache in self.kv_caches:
             cache.close()
 

@@ -37,6 +37,7 @@ SERVED_FAMILIES = frozenset(
         "beam",
         "biogpt",
         "bitnet",
+        "codegen",
         "cohere",
         "cohere2",
         "cohere2_moe",
@@ -46,6 +47,7 @@ SERVED_FAMILIES = frozenset(
         "ernie4_5_moe",
         "exaone4",
         "exaone_moe",
+        "falcon",
         "flex_olmo",
         "gemma",
         "gemma2",
@@ -58,6 +60,7 @@ SERVED_FAMILIES = frozenset(
         "gpt_bigcode",
         "gpt_neox",
         "gpt_oss",
+        "gptj",
         "granite",
         "granitemoe",
         "granitemoeshared",
@@ -137,12 +140,8 @@ LINEAR_ATTENTION = (
 SHORT_CONVOLUTION = "short-convolution layers: the engine holds no per-request convolution state"
 RECURRENT = "recurrent layers (RWKV, xLSTM, RG-LRU): the engine holds no per-request recurrent state"
 OWN_ATTENTION = (
-    "attention computed in the model's own code, not through transformers' attention interface: the paged "
-    "kernels cannot take its place"
-)
-OWN_ROTARY_ATTENTION = (
-    "interleaved or partial rotary embeddings inside attention computed in the model's own code: the paged "
-    "kernels cannot take its place"
+    "attention computed in the model's own code, not through transformers' attention interface, with no "
+    "adapter of the engine's to stand in for it (engine.runner.own_attention)"
 )
 UNVERIFIED_ATTENTION = (
     "an attention variant the paged kernels do not reproduce: its greedy tokens differ from model.generate's"
@@ -180,7 +179,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "bloom": ALIBI,
     "blt": MULTIMODAL,
     "camembert": ENCODER,
-    "codegen": OWN_ROTARY_ATTENTION,
     "cohere_compass_text": UNTESTED,
     "cpmant": UNVERIFIED_ATTENTION,
     "data2vec-text": ENCODER,
@@ -197,7 +195,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "electra": ENCODER,
     "emu3": MULTIMODAL,
     "ernie": ENCODER,
-    "falcon": OWN_ATTENTION,
     "falcon_h1": MAMBA,
     "falcon_mamba": MAMBA,
     "flint": UNVERIFIED_ATTENTION,
@@ -217,7 +214,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "got_ocr2": MULTIMODAL,
     "gpt_neo": OWN_ATTENTION,
     "gpt_neox_japanese": OWN_ATTENTION,
-    "gptj": OWN_ROTARY_ATTENTION,
     "granite_swa": UNVERIFIED_ATTENTION,
     "granitemoe_swa": UNVERIFIED_ATTENTION,
     "granitemoehybrid": MAMBA,
@@ -333,6 +329,14 @@ def exact_length_limit(text_config: Any) -> int | None:
     return None
 
 
+def _variant_reason(text_config: Any) -> str | None:
+    """What a served family's config turns on that the engine lacks, beyond layer kinds: Falcon's ALiBi
+    variant (its rotary variants are served, engine.runner.own_attention.falcon)."""
+    if text_config.model_type == "falcon" and getattr(text_config, "alibi", False):
+        return ALIBI
+    return None
+
+
 def refusal_reason(config: Any) -> str | None:
     """Why the engine refuses a model with this config, or None when it serves it exactly."""
     model_type: str = getattr(config, "model_type", "") or ""
@@ -340,7 +344,8 @@ def refusal_reason(config: Any) -> str | None:
         return REFUSED_FAMILIES[model_type]
     if model_type not in SERVED_FAMILIES:
         return UNVERIFIED_FAMILY
-    return _layer_kind_reason(config.get_text_config())
+    text_config = config.get_text_config()
+    return _variant_reason(text_config) or _layer_kind_reason(text_config)
 
 
 def check_model_support(config: Any, class_name: str) -> None:

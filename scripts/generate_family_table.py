@@ -53,6 +53,17 @@ Tensor parallelism, quantization and CUDA graphs are tested on the Llama family 
 for gpt-oss and Llama 4 they are untested. gpt-oss's experts are not linear layers, so int8/int4
 quantization leaves them in their float weights.
 
+Falcon, GPT-J and CodeGen compute attention in their own code, not through transformers' attention
+interface: the engine stands in for their attention modules with an adapter of its own
+(engine/runner/own_attention/, one module per family), which projects and rotates with the model's own
+weights and rotary code at the engine's positions, then attends through the same paged attention as every
+other family. Such a family is refused at load, with one line naming the family and the combination,
+under tensor parallelism (the adapter splits heads by the whole model's head count), with `batch_invariant`
+(a trainer's forwards would run the model's own attention, not the engine's kernel) and with
+torch.compile (the adapter finds the step's caches through the running step, which a compiled graph cannot
+bind). Quantization and CUDA graphs run the adapter as installed; neither is tested for these families.
+Falcon's ALiBi variant (`alibi=True`) is refused as ALiBi is.
+
 """
 
 
@@ -81,6 +92,14 @@ VARIANTS = [
         "refused at build: chunks need the kernel",
         "bounded like the window (untested on a GPU)",
         "refused with a message",
+    ),
+    (
+        "attention in the model's own code: Falcon's three fused layouts, GPT-J's partial interleaved rotary",
+        "`falcon`, `gptj`, `codegen`",
+        "parity, chunked prefill",
+        "parity",
+        "the same call as every family (untested on a GPU)",
+        "refused at load (`batch_invariant`)",
     ),
 ]
 

@@ -136,6 +136,11 @@ def bind_step_metadata(metadata: PagedAttentionMetadata | None) -> None:
     _running_step.metadata = metadata
 
 
+def bound_step_metadata() -> PagedAttentionMetadata | None:
+    """The metadata of the step running on this thread, or None outside the engine's eager forwards."""
+    return getattr(_running_step, "metadata", None)
+
+
 Kernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float | None, torch.Tensor | None],
     torch.Tensor,
@@ -201,16 +206,19 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     paged_metadata: PagedAttentionMetadata | None = None,
+    layer_index: int | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """query [1, H, T, D], key/value [1, H_kv, T, D] -> output [1, T, H, D].
 
     `sliding_window` needs no handling here: each cache group's masks already apply its window. Attention
-    sinks arrive as `s_aux` [H] (gpt-oss's keyword), one logit per query head.
+    sinks arrive as `s_aux` [H] (gpt-oss's keyword), one logit per query head. `layer_index` is the
+    module's `layer_idx` unless given (engine.runner.own_attention's adapters give it: some families
+    name it otherwise).
     """
     sinks: torch.Tensor | None = kwargs.get("s_aux")  # type: ignore[assignment]
     if paged_metadata is None and not torch.compiler.is_compiling():
-        paged_metadata = getattr(_running_step, "metadata", None)
+        paged_metadata = bound_step_metadata()
     if paged_metadata is None:
         # A plain forward (model.generate, a trainer computing logprobs) while the engine owns the model;
         # under `engine.trainer_exact`, through the engine's kernel in its batch-invariant order.
@@ -234,10 +242,15 @@ def paged_attention(
             softcap=softcap,
             **kwargs,
         )
+    if layer_index is None:
+        layer_index = module.layer_idx  # type: ignore[assignment]
+    assert layer_index is not None
     if paged_metadata.kernel_inputs is not None:
-        return _kernel_attention(module, query, key, value, paged_metadata, scaling, softcap, sinks), None
+        return _kernel_attention(
+            layer_index, query, key, value, paged_metadata, scaling, softcap, sinks
+        ), None
     gathered = _gather_attention if paged_metadata.is_decode_only else _varlen_gather_attention
-    return gathered(kernel, module, query, key, value, paged_metadata, scaling, softcap, sinks), None
+    return gathered(kernel, layer_index, query, key, value, paged_metadata, scaling, softcap, sinks), None
 
 
 def _write_keys_and_values(
@@ -253,7 +266,7 @@ def _write_keys_and_values(
 
 
 def _write_caches(
-    module: torch.nn.Module,
+    layer_index: int,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -262,7 +275,6 @@ def _write_caches(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float]:
     """Writes this step's keys and values; returns the query rows [T, H, D], the layer's caches, its cache
     group and the softmax scale."""
-    layer_index: int = module.layer_idx  # type: ignore[assignment]
     key_cache, value_cache, group = _write_keys_and_values(
         layer_index, key[0].transpose(0, 1), value[0].transpose(0, 1), meta
     )
@@ -271,7 +283,7 @@ def _write_caches(
 
 
 def _kernel_attention(
-    module: torch.nn.Module,
+    layer_index: int,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -288,7 +300,6 @@ def _kernel_attention(
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     rows = query[0].transpose(0, 1)
     keys, values = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    layer_index: int = module.layer_idx  # type: ignore[assignment]
     return write_and_attend(layer_index, rows, keys, values, meta, scale, softcap, sinks)[None]
 
 
@@ -331,7 +342,7 @@ def write_and_attend(
 
 def _gather_attention(
     kernel: Kernel,
-    module: torch.nn.Module,
+    layer_index: int,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -344,7 +355,7 @@ def _gather_attention(
     batch covering every row in order (`output_rows` None), which is the output itself, or, run eagerly,
     batches of similar length (engine.runner.inputs.decode_buckets); a step with prefill chunks has one
     batch per chunk besides its decode rows."""
-    rows, key_cache, value_cache, group, scale = _write_caches(module, query, key, value, meta, scaling)
+    rows, key_cache, value_cache, group, scale = _write_caches(layer_index, query, key, value, meta, scaling)
     if len(meta.batches) == 1 and meta.batches[0].output_rows is None:
         return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap, sinks)[
             None

@@ -89,6 +89,13 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.runner.fused_ops",
         "engine.runner.decoder_layers",
         "engine.runner.decoder_forward",
+        # Attention adapters for families whose attention is the model's own code, installed by the engine.
+        "engine.runner.own_attention",
+        "engine.runner.own_attention.adapter",
+        "engine.runner.own_attention.codegen",
+        "engine.runner.own_attention.falcon",
+        "engine.runner.own_attention.gptj",
+        "engine.runner.own_attention.registry",
         "engine.runner.model_runner",
         "engine.runner.exact_attention",
         "engine.runner.batch_invariant_cuda",

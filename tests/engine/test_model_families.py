@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
+from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig, PretrainedConfig
 
 from engine import ContinuousBatchingConfig, generate_batch
 from engine.errors import UnsupportedModelError
-from engine.families import REFUSED_FAMILIES, SERVED_FAMILIES, UNVERIFIED_FAMILY, refusal_reason
+from engine.families import ALIBI, REFUSED_FAMILIES, SERVED_FAMILIES, UNVERIFIED_FAMILY, refusal_reason
+from engine.runner.own_attention.registry import ADAPTERS
 from tests.helpers.families import (
     LONG_PROMPT,
     causal_lm_families,
@@ -157,3 +158,55 @@ def test_a_served_family_with_a_layer_kind_the_engine_lacks_is_refused_naming_it
     model.config.layer_types = ["full_attention", layer_kind]
     with pytest.raises(UnsupportedModelError, match=lacking):
         generate_batch(model, [[3, 4, 5]], max_new_tokens=1, warmup=False)
+
+
+# Families whose attention module the engine stands in for (engine.runner.own_attention), on the gather
+# path and with prompts split into chunks beside decodes.
+@pytest.mark.parametrize(
+    "config", [dict(max_blocks_per_request=0), dict(max_batch_tokens=16)], ids=["gather", "chunked"]
+)
+@pytest.mark.parametrize("model_type", sorted(ADAPTERS))
+def test_an_adapted_family_gives_model_generates_tokens_on_every_attention_path(model_type, config):
+    model = tiny_family_model(model_type)
+    prompts = [random_prompt(length, seed=length) for length in PROMPT_LENGTHS]
+    expected = [reference_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
+    assert engine_tokens(model, prompts, **config) == expected
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(new_decoder_architecture=True, num_kv_heads=2),
+        dict(multi_query=False, parallel_attn=False),
+    ],
+    ids=["grouped_query", "one_key_per_head"],
+)
+def test_falcons_other_rotary_layouts_give_model_generates_tokens(layout):
+    config = tiny_family_config("falcon")
+    for name, value in layout.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    prompts = [random_prompt(length, seed=length) for length in PROMPT_LENGTHS]
+    assert engine_tokens(model, prompts) == [
+        reference_greedy(model, prompt, NEW_TOKENS) for prompt in prompts
+    ]
+
+
+def test_falcon_with_alibi_is_refused_naming_alibi():
+    config = tiny_family_config("falcon")
+    config.alibi = True
+    assert refusal_reason(config) == ALIBI
+
+
+@pytest.mark.parametrize(
+    ("config", "combination"),
+    [
+        (dict(batch_invariant=True), "with batch_invariant"),
+        (dict(decode_compile_config=CompileConfig()), "with torch.compile"),
+    ],
+    ids=["batch_invariant", "compile"],
+)
+def test_an_adapted_family_is_refused_with_what_its_adapter_cannot_run_with(config, combination):
+    with pytest.raises(UnsupportedModelError, match=f"gptj {combination}"):
+        engine_tokens(tiny_family_model("gptj"), [random_prompt(5, seed=5)], **config)

@@ -1,0 +1,46 @@
+"""What every attention adapter shares: the step an adapter serves, and paged attention over the queries,
+keys and values it computed.
+
+An adapter's `forward` runs only inside the engine's eager forwards (`attention.bound_step_metadata`
+is set); a plain forward of the same model (`model.generate`, a trainer) runs the module's own forward
+(engine.runner.own_attention.registry).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.runner.attention import PagedAttentionMetadata, paged_sdpa_attention
+
+
+def attend(
+    module: torch.nn.Module,
+    metadata: PagedAttentionMetadata,
+    layer_index: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query [1, T, H, D], key/value [1, T, H_kv, D] of the step's packed tokens -> [1, T, H * D]: each
+    token attended to its own request's cached keys (with the layer's cache group's window), after this
+    step's keys and values are written.
+
+    The cache holds as many KV heads as the engine's cache shape says (engine.runner.kv_cache); where the
+    family shares fewer key heads among its query heads (Falcon's multi-query layout), each key head is
+    repeated for the query heads that read it, which attends exactly as sharing it would."""
+    cache_heads = metadata.key_caches[layer_index].shape[1]
+    if key.shape[2] != cache_heads:
+        repeats = cache_heads // key.shape[2]
+        key, value = key.repeat_interleave(repeats, dim=2), value.repeat_interleave(repeats, dim=2)
+    attended, _ = paged_sdpa_attention(
+        module,
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        None,
+        scaling=scale,
+        paged_metadata=metadata,
+        layer_index=layer_index,
+    )
+    return attended.reshape(1, query.shape[1], -1)
