@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import importlib.metadata
 import logging
 import os
@@ -48,6 +49,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 ENGINE_KNOBS = (
     "page_size",
     "num_blocks",
+    "kv_cache_memory",
     "max_batch_tokens",
     "max_requests_per_batch",
     "max_queue_size",
@@ -215,6 +217,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="KV-cache blocks (default: sized from free memory: device memory on a GPU; RAM on the CPU, "
         "at most 4 GiB)",
+    )
+    engine.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        metavar="GIB",
+        help="most GiB the KV cache may take when sized from free memory (default: no cap on a GPU, 4 GiB "
+        "on the CPU; not with --num-blocks)",
     )
     engine.add_argument(
         "--max-batch-tokens",
@@ -504,6 +513,9 @@ async def serve(
 
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop_on, signum)
+    # `kill -USR1 <pid>` writes every thread's Python stack to the log, for a server that seems stuck; it
+    # interrupts nothing (written from the C signal handler, not on the event loop).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     model = args.model or DEFAULT_MODEL_NAME
     serving_since: float | None = None
     try:

@@ -16,7 +16,8 @@ one line per event on the shared stdout, each prefixed with its pid:
 
 Every bucket is packed before its "sending" line, so the line comes just before its bytes go on the
 wire: a test that kills on it kills the trainer while the server receives. With PAUSE_AT ("-" for none)
-naming an event, the trainer stops itself with SIGSTOP right after printing it.
+naming an event, the trainer stops itself with SIGSTOP right after printing it. SIGUSR1 makes a trainer
+write its threads' stacks to stderr.
 
 The host builds models with one torch thread and never opens a gRPC channel: a forked child would
 inherit neither safely.
@@ -24,6 +25,7 @@ inherit neither safely.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import os
 import signal
@@ -115,6 +117,8 @@ def main(admin_target: str, token: str) -> None:
         trainer_model(int(seed))
         child = os.fork()
         if child == 0:
+            # A test that waits on this trainer too long asks it where it is stuck (on stderr).
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
             try:
                 push(admin_target, token, int(seed), int(bucket_bytes), float(timeout_s), pause_at)
             except BaseException as exc:

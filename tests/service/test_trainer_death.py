@@ -131,11 +131,23 @@ class TrainerHost:
         while (got := self.next_event(pid)) != event:
             assert not got.startswith(("failed", "done")), f"trainer {pid} ended before {event!r}: {got}"
 
-    def push(self, seed: int, bucket_bytes: int) -> int:
-        """A trainer's whole push; returns the server's new weight version."""
+    def push(self, seed: int, bucket_bytes: int, server: ServerProcess) -> int:
+        """A trainer's whole push; returns the server's new weight version. A push that stalls fails with
+        where the trainer and the server are stuck: both write their stacks on SIGUSR1."""
         pid = self.start(seed, bucket_bytes)
-        while not (event := self.next_event(pid)).startswith(("done", "failed")):
-            pass
+        events = []
+        try:
+            while not (event := self.next_event(pid)).startswith(("done", "failed")):
+                events.append(event)
+        except AssertionError as stalled:
+            for stuck in (pid, server.process.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stuck, signal.SIGUSR1)
+            time.sleep(1)  # the trainer's stacks go to this test's stderr, the server's to its log
+            raise AssertionError(
+                f"{stalled}: trainer {pid} (seed {seed}) printed {events} and stalled; the server's log:\n"
+                f"{server.log_tail(120)}"
+            ) from None
         assert event.startswith("done "), f"the push of trainer {pid} (seed {seed}) failed: {event}"
         return int(event.rsplit(" ", 1)[1])
 
@@ -219,7 +231,7 @@ def test_a_trainer_killed_at_any_moment_of_a_push_leaves_the_server_usable(
     seed = 100 if bucket_bytes == ONE_BUCKET else 200
     with AdminClient(server.admin_target, token=ADMIN_TOKEN) as admin:
         old_seed = seed
-        old_version = trainers.push(old_seed, bucket_bytes)
+        old_version = trainers.push(old_seed, bucket_bytes, server)
         outcomes = []
         for number, (event, delay_ms) in enumerate(moments, start=1):
             dead_seed = seed + 2 * number - 1
@@ -229,8 +241,9 @@ def test_a_trainer_killed_at_any_moment_of_a_push_leaves_the_server_usable(
             os.kill(pid, signal.SIGKILL)
             outcome = _check_after_death(server, admin, old_seed, old_version, dead_seed)
             outcomes.append(f"{event}+{delay_ms}ms: {outcome}")
+            print("killed at", outcomes[-1], flush=True)  # shown with a failure of the next push
             old_seed = seed + 2 * number
-            old_version = trainers.push(old_seed, bucket_bytes)
+            old_version = trainers.push(old_seed, bucket_bytes, server)
             assert admin.status().weights_incomplete == ""
             wait_until(lambda: probe_health(server.target) == SERVING, timeout=5, what="SERVING after a push")
             _serves_exactly(server.target, old_seed)
@@ -243,7 +256,7 @@ def test_a_trainer_killed_between_pushes_does_not_block_the_next_one(
     pid = trainers.start(300, ONE_BUCKET, pause_at="joined")
     trainers.wait_for(pid, "joined")
     os.kill(pid, signal.SIGKILL)
-    trainers.push(301, ONE_BUCKET)  # joining notices the dead trainer's group and leaves it first
+    trainers.push(301, ONE_BUCKET, server)  # joining notices the dead trainer's group and leaves it first
     _serves_exactly(server.target, 301)
 
 
@@ -252,7 +265,7 @@ def test_a_stopped_trainer_is_given_up_at_the_group_timeout(
 ) -> None:
     group_timeout_s = 3.0
     with AdminClient(server.admin_target, token=ADMIN_TOKEN) as admin:
-        trainers.push(400, MANY_BUCKETS)
+        trainers.push(400, MANY_BUCKETS, server)
         pid = trainers.start(401, MANY_BUCKETS, timeout_s=group_timeout_s, pause_at="sent")
         trainers.wait_for(pid, "sent 1")
         stopped = time.monotonic()
@@ -269,6 +282,6 @@ def test_a_stopped_trainer_is_given_up_at_the_group_timeout(
         assert "within" in status.weights_incomplete, status.weights_incomplete
         assert probe_health(server.target) == NOT_SERVING
         os.kill(pid, signal.SIGKILL)
-        trainers.push(402, MANY_BUCKETS)
+        trainers.push(402, MANY_BUCKETS, server)
         wait_until(lambda: probe_health(server.target) == SERVING, timeout=5, what="SERVING after a push")
         _serves_exactly(server.target, 402)
