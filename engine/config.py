@@ -57,6 +57,11 @@ class ContinuousBatchingConfig:
     allocate vocabulary-sized temporaries (see `resolved_max_memory_percent`); on the CPU, None also caps
     the cache at 4 GiB, since it shares RAM with the rest of the host.
 
+    kv_cache_memory: GiB the auto-sized KV cache may take at most, > 0 (vLLM's kv_cache_memory_bytes, in
+    GiB as `cpu_offload_space` is). It caps the budget `max_memory_percent` gives, and on the CPU takes the
+    place of the 4 GiB default cap: the one knob a shared host needs. Not with `num_blocks`, which sizes the
+    cache itself.
+
     max_requests_per_batch: most requests in one batch; bounds the logits tensor, which grows with the
     vocabulary. None infers it from workload hints, falling back to 1024.
 
@@ -206,6 +211,7 @@ class ContinuousBatchingConfig:
     num_blocks: int | None = None
     max_batch_tokens: int | None = None
     max_memory_percent: float | None = None
+    kv_cache_memory: float | None = None
     max_requests_per_batch: int | None = None
     max_blocks_per_request: int | None = None
     allow_block_sharing: bool = True
@@ -303,6 +309,13 @@ class ContinuousBatchingConfig:
         _check_optional_int("max_batch_tokens", self.max_batch_tokens, minimum=1)
         if self.max_memory_percent is not None:
             _check_fraction("max_memory_percent", self.max_memory_percent, low_inclusive=False)
+        if self.kv_cache_memory is not None:
+            _check_number("kv_cache_memory", self.kv_cache_memory, minimum=0.0, min_inclusive=False)
+            if self.num_blocks is not None:
+                raise ValueError(
+                    f"kv_cache_memory ({self.kv_cache_memory:g} GiB) and num_blocks ({self.num_blocks}) both "
+                    "size the KV cache: set one"
+                )
         _check_optional_int("max_requests_per_batch", self.max_requests_per_batch, minimum=1)
         _check_optional_int("max_blocks_per_request", self.max_blocks_per_request, minimum=0)
         _check_bool("allow_block_sharing", self.allow_block_sharing)

@@ -50,6 +50,16 @@ class CachePlan:
         return any(group.sliding_window is not None for group in self.kv_cache_groups)
 
 
+def _budget_cap_bytes(config: ContinuousBatchingConfig, device: torch.device) -> int | None:
+    """The most bytes the auto-sized cache may take beside `max_memory_percent`'s share of free memory: the
+    user's `kv_cache_memory`, else on the CPU 4 GiB unless the user chose the share (RAM is the host's)."""
+    if config.kv_cache_memory is not None:
+        return int(config.kv_cache_memory * 2**30)
+    if device.type == "cpu" and config.max_memory_percent is None:
+        return DEFAULT_CPU_CACHE_BUDGET_BYTES
+    return None
+
+
 def plan_cache(
     model: torch.nn.Module,
     config: ContinuousBatchingConfig,
@@ -85,11 +95,7 @@ def plan_cache(
         max_tokens_needed=max_requests_per_batch * (max_model_len or 4096),
         max_requests=max_requests_per_batch,
         activation_bytes_per_token=16 * text_config.hidden_size * shape.dtype.itemsize,
-        max_budget_bytes=(
-            DEFAULT_CPU_CACHE_BUDGET_BYTES
-            if device.type == "cpu" and config.max_memory_percent is None
-            else None
-        ),
+        max_budget_bytes=_budget_cap_bytes(config, device),
     )
     # Host blocks are sized for a page of every layer: any group's blocks can use any of them.
     num_host_blocks = resolve_offload_blocks(

@@ -12,6 +12,7 @@ DOCUMENTED_DEFAULTS: dict[str, Any] = {
     "num_blocks": None,
     "max_batch_tokens": None,
     "max_memory_percent": None,
+    "kv_cache_memory": None,
     "max_requests_per_batch": None,
     "max_blocks_per_request": None,
     "allow_block_sharing": True,
@@ -98,6 +99,9 @@ INVALID_VALUES: list[tuple[str, Any]] = [
     ("cpu_offload_space", -1.0),
     ("cpu_offload_space", float("inf")),
     ("cpu_offload_space", "4"),
+    ("kv_cache_memory", 0.0),
+    ("kv_cache_memory", float("inf")),
+    ("kv_cache_memory", "1"),
     ("cpu_offload_space_safety_threshold", 0.0),
     ("cpu_offload_space_safety_threshold", 1.2),
     ("cpu_offload_space_safety_threshold", None),
@@ -206,6 +210,11 @@ def test_block_size_equal_to_explicit_page_size_is_accepted() -> None:
     with pytest.warns(FutureWarning, match="block_size"):
         config = ContinuousBatchingConfig(page_size=128, block_size=128)
     assert config.page_size == 128
+
+
+def test_kv_cache_memory_and_num_blocks_are_refused_together() -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_memory \(2 GiB\) and num_blocks \(64\) both size"):
+        ContinuousBatchingConfig(kv_cache_memory=2.0, num_blocks=64)
 
 
 def test_block_size_conflicting_with_page_size_raises() -> None:

@@ -43,7 +43,7 @@ def test_a_budget_cap_bounds_the_cache_bytes() -> None:
     assert sum(blocks) * block_bytes > GiB // 4 - block_bytes, "the whole capped budget is used"
 
 
-def test_the_cpu_default_caps_the_budget_at_4_gib_and_an_explicit_fraction_lifts_the_cap(
+def test_the_cpu_caps_the_budget_at_4_gib_unless_a_fraction_lifts_it_or_kv_cache_memory_replaces_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caps: list[int | None] = []
@@ -58,7 +58,19 @@ def test_the_cpu_default_caps_the_budget_at_4_gib_and_an_explicit_fraction_lifts
     for config in (
         ContinuousBatchingConfig(page_size=16, max_batch_tokens=256),
         ContinuousBatchingConfig(page_size=16, max_batch_tokens=256, max_memory_percent=0.5),
+        ContinuousBatchingConfig(page_size=16, max_batch_tokens=256, kv_cache_memory=8.0),
     ):
         # Released: an engine gives the shared model its own layers back.
         EngineCore(model, config).release_model()
-    assert caps == [DEFAULT_CPU_CACHE_BUDGET_BYTES, None]
+    assert caps == [DEFAULT_CPU_CACHE_BUDGET_BYTES, None, 8 * GiB]
+
+
+def test_kv_cache_memory_bounds_the_cache_bytes() -> None:
+    model = tiny_model("llama")
+    cache_bytes = []
+    for gib in (1 / 64, 1 / 16):
+        config = ContinuousBatchingConfig(page_size=16, max_batch_tokens=256, kv_cache_memory=gib)
+        plan = cache_plan.plan_cache(model, config, tp_size=1)
+        cache_bytes.append(sum(plan.num_blocks) * plan.shape.bytes_per_token() * config.page_size)
+        assert cache_bytes[-1] <= gib * GiB, f"{cache_bytes[-1]} bytes of KV cache for kv_cache_memory={gib}"
+    assert cache_bytes[0] < cache_bytes[1], cache_bytes

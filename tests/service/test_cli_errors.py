@@ -121,6 +121,8 @@ def test_a_bad_engine_flag_names_the_flag_and_its_bound(tmp_path: Path) -> None:
     result = run_cli("serve", "--model", str(tmp_path), "--page-size", "2")
     assert_short_error(result, "--page-size", ">= 4", "got 2")
     assert result.returncode == 2
+    both = run_cli("serve", "--model", str(tmp_path), "--kv-cache-memory", "1", "--num-blocks", "64")
+    assert_short_error(both, "--kv-cache-memory", "num_blocks (64)", "set one")
 
 
 @pytest.mark.parametrize("flag", ["--port", "--admin-port", "--metrics-port"])

@@ -72,6 +72,13 @@ def test_serve_flags_set_compilation_graphs_the_attention_kernel_async_batching_
         _parser().parse_args(["serve", "--compile-level", "4"])
 
 
+def test_serve_kv_cache_memory_bounds_the_cache_in_gib() -> None:
+    from service.cli import _parser, engine_config
+
+    assert engine_config(_parser().parse_args(["serve", "--kv-cache-memory", "1.5"])).kv_cache_memory == 1.5
+    assert engine_config(_parser().parse_args(["serve"])).kv_cache_memory is None
+
+
 def test_serve_logprobs_mode_sets_the_engines_default() -> None:
     from service.cli import _parser, engine_config
 
