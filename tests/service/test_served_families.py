@@ -22,7 +22,8 @@ NEW_TOKENS = 12
 
 
 # Gemma 2: alternating sliding and full layers, eager attention only; Qwen3-MoE: routed experts.
-@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_moe"])
+# Falcon: attention in the model's own code, which an adapter of the engine's stands in for.
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_moe", "falcon"])
 def test_a_served_family_gives_model_generates_tokens_through_the_server(model_type, tmp_path):
     model = tiny_family_model(model_type)
     model.save_pretrained(tmp_path / "model")
