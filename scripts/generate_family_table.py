@@ -53,7 +53,7 @@ Tensor parallelism, quantization and CUDA graphs are tested on the Llama family 
 for gpt-oss and Llama 4 they are untested. gpt-oss's experts are not linear layers, so int8/int4
 quantization leaves them in their float weights.
 
-Falcon, GPT-J and CodeGen compute attention in their own code, not through transformers' attention
+Falcon, GPT-J, CodeGen and GPT-Neo compute attention in their own code, not through transformers' attention
 interface: the engine stands in for their attention modules with an adapter of its own
 (engine/runner/own_attention/, one module per family), which projects and rotates with the model's own
 weights and rotary code at the engine's positions, then attends through the same paged attention as every
@@ -94,8 +94,9 @@ VARIANTS = [
         "refused with a message",
     ),
     (
-        "attention in the model's own code: Falcon's three fused layouts, GPT-J's partial interleaved rotary",
-        "`falcon`, `gptj`, `codegen`",
+        "attention in the model's own code: Falcon's fused layouts, GPT-J's partial interleaved rotary, "
+        "GPT-Neo's unscaled scores and local windows",
+        "`falcon`, `gptj`, `codegen`, `gpt_neo`",
         "parity, chunked prefill",
         "parity",
         "the same call as every family (untested on a GPU)",

@@ -42,6 +42,18 @@ def attention_chunks(text_config: Any) -> list[int | None]:
     return [chunk if kind == "chunked_attention" else None for kind in kinds]
 
 
+# GPT-Neo's names for its layers (`attention_layers`), whose local layers see the last `window_size` keys.
+GPT_NEO_LAYER_KINDS = {"global": "full_attention", "local": "sliding_attention"}
+
+
+def layer_types_and_window(text_config: Any) -> tuple[list[str] | None, int | None]:
+    """The config's `layer_types` and `sliding_window`, or what GPT-Neo's config says in their place."""
+    if getattr(text_config, "model_type", None) == "gpt_neo":
+        kinds = [GPT_NEO_LAYER_KINDS[kind] for kind in text_config.attention_layers]
+        return kinds, text_config.window_size
+    return getattr(text_config, "layer_types", None), getattr(text_config, "sliding_window", None)
+
+
 def kv_cache_groups(text_config: Any) -> list[KVCacheGroupSpec]:
     """The model's groups, the full-attention group first when there is one.
 
@@ -55,8 +67,7 @@ def kv_cache_groups(text_config: Any) -> list[KVCacheGroupSpec]:
             f"only {' and '.join(CACHED_LAYER_KINDS)} layers"
         )
     num_layers: int = text_config.num_hidden_layers
-    window: int | None = getattr(text_config, "sliding_window", None)
-    layer_types = getattr(text_config, "layer_types", None)
+    layer_types, window = layer_types_and_window(text_config)
     if layer_types:
         sliding = [index for index, kind in enumerate(layer_types) if kind == "sliding_attention"]
     elif window is not None and getattr(text_config, "use_sliding_window", True):

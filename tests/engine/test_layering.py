@@ -94,6 +94,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.runner.own_attention.adapter",
         "engine.runner.own_attention.codegen",
         "engine.runner.own_attention.falcon",
+        "engine.runner.own_attention.gpt_neo",
         "engine.runner.own_attention.gptj",
         "engine.runner.own_attention.registry",
         "engine.runner.model_runner",

@@ -60,6 +60,9 @@ def tiny_family_config(model_type: str) -> PretrainedConfig:
         sizes["attention_chunk_size"] = 16
     if getattr(default, "no_rope_layers", None):  # Llama 4: the second layer without rotary embeddings
         sizes["no_rope_layers"] = [1, 0]
+    if getattr(default, "attention_types", None):  # GPT-Neo: a global layer, then a local (sliding) one
+        sizes["attention_types"] = [[["global", "local"], 1]]
+        sizes["window_size"] = SLIDING_WINDOW
     if getattr(default, "rotary_dim", None):  # GPT-J and CodeGen rotate the first dimensions of each head
         sizes["rotary_dim"] = 8
     sizes.update({name: 32 for name in EXPERT_WIDTHS if hasattr(default, name)})

@@ -19,12 +19,13 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.runner.attention import bound_step_metadata
-from engine.runner.own_attention import codegen, falcon, gptj
+from engine.runner.own_attention import codegen, falcon, gpt_neo, gptj
 
 # One row per family: the module whose `forward` stands in for its attention modules' own.
 ADAPTERS: dict[str, ModuleType] = {
     "codegen": codegen,
     "falcon": falcon,
+    "gpt_neo": gpt_neo,
     "gptj": gptj,
 }
 
