@@ -436,6 +436,10 @@ class ContinuousBatchingManager:
         """The label the last update gave its weights; None at start."""
         return self._weights.weight_version_label
 
+    def label_weights(self, label: str) -> None:
+        """Sets `weight_version_label` of the weights served now, changing nothing else."""
+        self._weights.label_weights(label)
+
     def weights_checksum(self) -> WeightsChecksum:
         """A digest of every tensor of the model and of them all, with the weight version it is of."""
         return self._weights.weights_checksum()

@@ -1,42 +1,36 @@
 """The AdminService: pause (held while the call is open), stop, start, status, weight updates, the
 weights' checksum and prefix-cache resets; the trainer's weight-update group, CUDA IPC, sleep and wake are
-answered by its `WeightSync` (service.admin_weight_sync)."""
+answered by its `WeightSync` (service.admin_weight_sync). What the HTTP control port does too (pause,
+status, prefix-cache reset, the group, sleep and wake) is the shared `AdminOperations`
+(service.admin_operations), which both call."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from contextlib import AbstractContextManager
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from cbserve_client.proto import admin_pb2, admin_pb2_grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from engine import dtype_from_name
-from service.admin_weight_sync import PAUSE_MODES, WeightSync, call_engine, weight_sync_status
-from service.host_slot import HostSlot
-from service.metrics import NO_METRICS, MetricsObserver
+from service.admin_operations import AdminOperations
+from service.admin_weight_sync import PAUSE_MODES, WeightSync, call_engine, engine_errors
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(
-        self, slot: HostSlot, max_pause_lease_s: float, metrics: MetricsObserver = NO_METRICS
-    ) -> None:
-        self.slot = slot
-        self.max_pause_lease_s = max_pause_lease_s
-        self.metrics = metrics
-        self.weight_sync = WeightSync(slot, metrics)
-        # Open Pause calls holding the engine; the engine's own snapshot is stale while its loop is parked.
-        self.pause_holders = 0
+    def __init__(self, operations: AdminOperations) -> None:
+        self.operations = operations
+        self.slot = operations.slot
+        self.metrics = operations.metrics
+        self.weight_sync = WeightSync(operations)
         # The weight version the last Pause message reported (read from the engine when it is sent).
         self.weight_version = 1
 
@@ -44,7 +38,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         self, request: admin_pb2.PauseRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admin_pb2.PauseResponse]:
         host = await self.slot.require(context)
-        lease_s = self.max_pause_lease_s
+        lease_s = self.operations.max_pause_lease_s
         if request.HasField("lease_s"):
             if not request.lease_s > 0:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lease_s must be > 0")
@@ -54,20 +48,13 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pause mode {request.mode}")
             raise AssertionError("context.abort raises")
         self.weight_version = host.weight_version
-        async with _held_pause(host.admin.pause(mode)) as handle:
-            held_since = time.monotonic()
-            self.pause_holders += 1
+        async with self.operations.pause(mode) as handle:
             cancelled = handle.cancelled if handle is not None else 0
-            try:
-                expires_at = time.time() + lease_s
-                yield self._message(True, expires_at, cancelled)
-                # The hold lasts until the lease ends or the call does (client cancel, disconnect):
-                # ending the call cancels this coroutine and the `async with` releases the pause.
-                await asyncio.sleep(lease_s)
-            finally:
-                self.pause_holders -= 1
-                # In the `finally`, so a hold ended by a cancelled or broken call is observed too.
-                self.metrics.observe_pause_held(time.monotonic() - held_since)
+            expires_at = time.time() + lease_s
+            yield self._message(True, expires_at, cancelled)
+            # The hold lasts until the lease ends or the call does (client cancel, disconnect):
+            # ending the call cancels this coroutine and the `async with` releases the pause.
+            await asyncio.sleep(lease_s)
         self.weight_version = host.weight_version
         yield self._message(False, expires_at, cancelled)
 
@@ -76,7 +63,7 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
         stamp.FromNanoseconds(int(expires_at * 1e9))
         return admin_pb2.PauseResponse(
             paused=paused,
-            holders=self.pause_holders,
+            holders=self.operations.pause_holders,
             lease_expires_at=stamp,
             weight_version=self.weight_version,
             cancelled_requests=cancelled,
@@ -106,36 +93,8 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def GetStatus(
         self, request: admin_pb2.GetStatusRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.GetStatusResponse:
-        host = await self.slot.require(context)
-        stats = host.stats()
-        counters = host.counters
-        return admin_pb2.GetStatusResponse(
-            running=host.admin.is_running(),
-            paused=stats.paused,
-            pause_holders=self.pause_holders,
-            queued_requests=stats.num_waiting,
-            active_requests=stats.num_running,
-            kv_blocks_used=stats.num_blocks_used,
-            kv_blocks_total=stats.num_blocks_total,
-            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-            weight_version=host.weight_version,
-            preemptions=stats.preemptions,
-            offloads=stats.offloaded_blocks,
-            restores=stats.restored_blocks,
-            recomputed_tokens=stats.recomputed_tokens,
-            prefix_cache_queries=stats.prefix_cache_queried_tokens,
-            prefix_cache_hits=stats.prefix_cache_hit_tokens,
-            finished_requests=counters.finished_requests,
-            prompt_tokens=counters.prompt_tokens,
-            generated_tokens=counters.generated_tokens,
-            counters={
-                "failed_steps": float(stats.failed_steps),
-                "forked_sequences": float(stats.forked_sequences),
-                **step_phase_counters(stats.step_timings),
-            },
-            prefix_caching_enabled=stats.prefix_caching_enabled,
-            **weight_sync_status(host),
-        )
+        await self.slot.require(context)
+        return self.operations.status()
 
     async def UpdateWeights(
         self,
@@ -169,12 +128,10 @@ class AdminServicer(admin_pb2_grpc.AdminServiceServicer):
     async def ResetPrefixCache(
         self, request: admin_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ResetPrefixCacheResponse:
-        host = await self.slot.require(context)
+        await self.slot.require(context)
         # EngineBusyError (requests in flight, no abort) is a RuntimeError: FAILED_PRECONDITION.
-        reset = await call_engine(context, lambda: host.admin.reset_prefix_cache(abort=request.abort))
-        logger.info(
-            "ResetPrefixCache: %d blocks dropped, %d requests aborted", reset.num_blocks, reset.num_aborted
-        )
+        async with engine_errors(context):
+            reset = await self.operations.reset_prefix_cache(request.abort)
         return admin_pb2.ResetPrefixCacheResponse(
             dropped_blocks=reset.num_blocks, aborted_requests=reset.num_aborted
         )
@@ -327,19 +284,6 @@ async def _read_update(
     return tensors, label
 
 
-def step_phase_counters(step_timings: dict[str, float]) -> dict[str, float]:
-    """The engine's step phases as status counters: `steps`, and `step_seconds.<phase>` for schedule,
-    prepare_inputs, forward, sample and update, since the engine was last built (a Start rebuilds it).
-    Two readings' difference says where a workload's steps went."""
-    counters = {}
-    for name, value in step_timings.items():
-        if name == "num_steps":
-            counters["steps"] = float(value)
-        else:
-            counters[f"step_seconds.{name.removesuffix('_s')}"] = float(value)
-    return counters
-
-
 def _count_tensors(path: Any) -> int:
     from engine import safetensors_files
 
@@ -353,26 +297,3 @@ def _count_tensors(path: Any) -> int:
     except Exception:  # counted after a successful update: the files were readable then
         logger.exception("could not count the tensors of %s", path)
     return count
-
-
-@contextlib.asynccontextmanager
-async def _held_pause(pause: AbstractContextManager[T]) -> AsyncIterator[T]:
-    """Enters the engine's (blocking) pause in a worker thread and always leaves it.
-
-    Waiting for the loop to park blocks, so it runs off the event loop. If this call ends while that
-    wait is still going, the pause is released as soon as it is taken, so no hold outlives its call.
-    """
-    entering = asyncio.get_running_loop().run_in_executor(None, pause.__enter__)
-    try:
-        value = await asyncio.shield(entering)
-    except asyncio.CancelledError:
-        entering.add_done_callback(lambda _: _release(pause))
-        raise
-    try:
-        yield value
-    finally:
-        _release(pause)
-
-
-def _release(pause: AbstractContextManager[Any]) -> None:
-    pause.__exit__(None, None, None)

@@ -1,14 +1,15 @@
 """The AdminService's weight sync and memory RPCs: the trainer's weight-update group, CUDA IPC updates,
-sleep and wake. Each maps onto one call of the engine's admin handle (service.engine_admin) run off the
-event loop; health follows the outcome (asleep, or weights left incomplete, is NOT_SERVING)."""
+sleep and wake, as translations around the shared admin operations (service.admin_operations), whose
+errors end the RPC with their status (`engine_errors`); health follows the outcome (asleep, or weights left
+incomplete, is NOT_SERVING)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 from cbserve_client.proto import admin_pb2
@@ -23,11 +24,8 @@ from engine import (
     WeightTransferError,
     WeightTransferTimeout,
 )
-from service.engine_host import EngineHost
-from service.host_slot import HostSlot
-from service.metrics import MetricsObserver
+from service.admin_operations import AdminOperations, ModelStillLoading, run_engine
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PAUSE_MODES = {
@@ -45,6 +43,8 @@ async def abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
 
 def status_code_of(exc: Exception) -> grpc.StatusCode | None:
     """The status a failed engine call ends with; None for an exception that is a server bug."""
+    if isinstance(exc, ModelStillLoading):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, WeightTransferTimeout):
@@ -56,22 +56,11 @@ def status_code_of(exc: Exception) -> grpc.StatusCode | None:
     return None
 
 
-async def call_engine(context: grpc.aio.ServicerContext, call: Callable[[], T]) -> T:
-    """Runs a blocking engine call in a worker thread; its errors end the RPC with their status."""
-    return await outcome(context, asyncio.get_running_loop().run_in_executor(None, call))
-
-
-async def outcome(context: grpc.aio.ServicerContext, running: asyncio.Future[T]) -> T:
-    """The result of an engine call running in a worker thread, or the RPC ended with its error's status.
-    Shielded: a cancelled RPC does not cancel the call's future (the thread runs on regardless, and a
-    transfer's end is what health waits for)."""
+@contextlib.asynccontextmanager
+async def engine_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Ends the RPC with the status of an engine error raised in the block (service.admin_operations)."""
     try:
-        return await asyncio.shield(running)
-    except asyncio.CancelledError:
-        # The RPC ended first: the call's own end is still taken and logged when it comes, so asyncio
-        # never reports its exception as "never retrieved".
-        running.add_done_callback(_log_late_failure)
-        raise
+        yield
     except Exception as exc:
         code = status_code_of(exc)
         if code is None:
@@ -79,14 +68,11 @@ async def outcome(context: grpc.aio.ServicerContext, running: asyncio.Future[T])
         await abort(context, code, str(exc))
 
 
-def _taken(done: asyncio.Future[Any]) -> BaseException | None:
-    """A finished future's exception, marked as retrieved."""
-    return None if done.cancelled() else done.exception()
-
-
-def _log_late_failure(running: asyncio.Future[Any]) -> None:
-    if not running.cancelled() and running.exception() is not None:
-        logger.info("a call whose RPC had already ended failed: %s", running.exception())
+async def call_engine(context: grpc.aio.ServicerContext, call: Callable[[], T]) -> T:
+    """Runs a blocking engine call in a worker thread; its errors end the RPC with their status."""
+    async with engine_errors(context):
+        return await run_engine(call)
+    raise AssertionError("engine_errors re-raises or aborts")
 
 
 def bucket_plan(request: admin_pb2.UpdateWeightsFromDistributedRequest) -> BucketPlan:
@@ -124,20 +110,19 @@ def ipc_handle(tensor: admin_pb2.CudaIpcTensor) -> CudaIpcHandle:
 
 class WeightSync:
     """The AdminServicer's RPCs for RL trainers, one method each (the servicer's RPC of the same name in
-    snake case calls it)."""
+    snake case calls it), each a translation around the shared `AdminOperations`."""
 
-    def __init__(self, slot: HostSlot, metrics: MetricsObserver) -> None:
-        self.slot = slot
-        self.metrics = metrics
+    def __init__(self, operations: AdminOperations) -> None:
+        self.operations = operations
+        self.slot = operations.slot
+        self.metrics = operations.metrics
 
     async def init_weights_update_group(
         self, request: admin_pb2.InitWeightsUpdateGroupRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.InitWeightsUpdateGroupResponse:
-        host = await self.slot.require(context)
         timeout_s = request.timeout_s if request.HasField("timeout_s") else DEFAULT_GROUP_TIMEOUT_S
-        joined = await call_engine(
-            context,
-            lambda: host.admin.init_weights_update_group(
+        async with engine_errors(context):
+            joined = await self.operations.init_weights_update_group(
                 request.master_address,
                 request.master_port,
                 request.rank_offset,
@@ -145,54 +130,43 @@ class WeightSync:
                 backend=request.backend or "auto",
                 group_name=request.group_name or DEFAULT_GROUP_NAME,
                 timeout_s=timeout_s,
-            ),
-        )
+            )
         return admin_pb2.InitWeightsUpdateGroupResponse(ranks=joined.ranks, backend=joined.backend)
 
     async def update_weights_from_distributed(
         self, request: admin_pb2.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[admin_pb2.UpdateWeightsFromDistributedResponse]:
-        started = time.monotonic()
-        host = await self.slot.require(context)
         plan = bucket_plan(request)
-        await call_engine(context, lambda: host.admin.check_weights_update(plan))
         if request.validate_only:
+            async with engine_errors(context):
+                await self.operations.check_weights_update(plan)
             return
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = loop.create_future()
-        label = request.version_label or None
-
-        def on_ready() -> None:
-            loop.call_soon_threadsafe(_resolve, ready)
-
-        update = loop.run_in_executor(
-            None, lambda: host.admin.update_weights_from_distributed(plan, label, on_ready)
+        ready = asyncio.Event()
+        update = asyncio.ensure_future(
+            self.operations.update_weights_from_distributed(plan, request.version_label or None, ready)
         )
-        # Health follows the outcome when the transfer ends, which may be after this call was cancelled
-        # (its error is then taken here, not left for asyncio to report as never retrieved).
-        update.add_done_callback(_taken)
-        update.add_done_callback(lambda _: host.state_changed())
+        readiness = asyncio.ensure_future(ready.wait())
         try:
-            waits: list[asyncio.Future[Any]] = [update, ready]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if ready.done():
-                message = admin_pb2.WeightTransferReady(
-                    num_buckets=len(plan.buckets), num_bytes=plan.num_bytes
-                )
-                yield admin_pb2.UpdateWeightsFromDistributedResponse(ready=message)
-            version = await outcome(context, update)
+            async with engine_errors(context):
+                await asyncio.wait([update, readiness], return_when=asyncio.FIRST_COMPLETED)
+                if ready.is_set():
+                    message = admin_pb2.WeightTransferReady(
+                        num_buckets=len(plan.buckets), num_bytes=plan.num_bytes
+                    )
+                    yield admin_pb2.UpdateWeightsFromDistributedResponse(ready=message)
+                version = await update
         except asyncio.CancelledError:
-            # The trainer gave up (its call ended): a receive still waiting fails now, not at the timeout.
-            host.admin.abort_weights_transfer()
+            # The trainer gave up (its call ended): the update's own cancellation fails a receive still
+            # waiting for the trainer's bytes.
+            update.cancel()
             raise
         finally:
-            ready.cancel()
-        num_tensors = len(plan.tensor_names)
-        logger.info("UpdateWeightsFromDistributed: weight_version %d, %d tensors", version, num_tensors)
-        self.metrics.observe_weight_update(time.monotonic() - started)
+            readiness.cancel()
         yield admin_pb2.UpdateWeightsFromDistributedResponse(
             done=admin_pb2.UpdateWeightsResponse(
-                weight_version=version, tensors_updated=num_tensors, version_label=request.version_label
+                weight_version=version,
+                tensors_updated=len(plan.tensor_names),
+                version_label=request.version_label,
             )
         )
 
@@ -222,50 +196,21 @@ class WeightSync:
     async def sleep(
         self, request: admin_pb2.SleepRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.SleepResponse:
-        host = await self.slot.require(context)
         mode = PAUSE_MODES.get(request.mode)
         if mode is None:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"mode: unknown pause mode {request.mode}")
-        try:
-            outcome = await call_engine(context, lambda: host.admin.sleep(request.level, mode))
-        finally:
-            host.state_changed()
+        async with engine_errors(context):
+            outcome = await self.operations.sleep(request.level, mode)
         affected = outcome.cancelled_requests if mode == "abort" else outcome.requeued_requests
-        resident = outcome.resident_bytes_released
-        logger.info(
-            "asleep at level %d: %.1f MiB released, of which %s resident",
-            request.level,
-            outcome.released_bytes / 2**20,
-            "unknown" if resident is None else f"{resident / 2**20:.1f} MiB",
-        )
         return admin_pb2.SleepResponse(
             released_bytes=outcome.released_bytes,
             affected_requests=affected,
-            resident_bytes_released=resident,
+            resident_bytes_released=outcome.resident_bytes_released,
         )
 
     async def wake_up(
         self, request: admin_pb2.WakeUpRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.WakeUpResponse:
-        host = await self.slot.require(context)
-        try:
-            level = await call_engine(context, lambda: host.admin.wake_up(request.tags))
-        finally:
-            host.state_changed()
+        async with engine_errors(context):
+            level = await self.operations.wake_up(list(request.tags))
         return admin_pb2.WakeUpResponse(sleep_level=level)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
-def weight_sync_status(host: EngineHost) -> dict[str, Any]:
-    """GetStatus's fields about sleep, the weights' state and the trainer's group."""
-    stats = host.stats()
-    return {
-        "sleep_level": stats.sleep_level,
-        "weights_incomplete": stats.weights_incomplete or "",
-        "weights_update_group_ranks": stats.weights_update_group_ranks,
-        "tensor_parallel_size": host.admin.tensor_parallel_size,
-    }

@@ -25,33 +25,36 @@ def load_admin_token(token_file: str | None) -> str | None:
     return token or None
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every AdminService call whose `authorization` metadata is not `Bearer <token>`.
-
-    With no token configured every admin call is refused: an open admin port would let anyone stop the
-    server or swap its weights. Other services on the port (health, reflection) stay open.
-    """
-
-    def __init__(self, token: str | None) -> None:
-        self._expected = f"Bearer {token}".encode() if token else None
-
-    def _refusal_reason(self, metadata: Any) -> str | None:
-        """Why the call is refused (what to fix, for the caller), or None when its token is right."""
-        if self._expected is None:
-            return (
-                "no admin token is configured on the server, so every admin call is refused: start it with "
-                f"{TOKEN_ENV}=<token> in its environment or --admin-token-file FILE"
-            )
-        for key, value in metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else bytes(value)
-                if hmac.compare_digest(given, self._expected):
-                    return None
-                return f"wrong admin token: it differs from the server's (${TOKEN_ENV} or --admin-token-file)"
+def refusal_reason(token: str | None, authorization: str | bytes | None) -> str | None:
+    """Why a call whose `authorization` value (gRPC metadata or the HTTP header; None when absent) is
+    refused, saying what to fix, or None when it is `Bearer <token>`. With no token configured every call
+    is refused: an open admin port would let anyone stop the server or swap its weights."""
+    if token is None:
+        return (
+            "no admin token is configured on the server, so every admin call is refused: start it with "
+            f"{TOKEN_ENV}=<token> in its environment or --admin-token-file FILE"
+        )
+    if authorization is None:
         return (
             "admin token missing: pass the server's token (the SDKs' token argument; on the wire, "
-            "`authorization: Bearer <token>` metadata)"
+            "`authorization: Bearer <token>` metadata or HTTP header)"
         )
+    given = authorization.encode() if isinstance(authorization, str) else bytes(authorization)
+    if hmac.compare_digest(given, f"Bearer {token}".encode()):
+        return None
+    return f"wrong admin token: it differs from the server's (${TOKEN_ENV} or --admin-token-file)"
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every AdminService call whose `authorization` metadata is not `Bearer <token>`
+    (`refusal_reason`). Other services on the port (health, reflection) stay open."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token
+
+    def _refusal_reason(self, metadata: Any) -> str | None:
+        given = next((value for key, value in metadata or () if key == "authorization"), None)
+        return refusal_reason(self._token, given)
 
     async def intercept_service(
         self,

@@ -202,6 +202,14 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="serve Prometheus metrics at http://HOST:PORT/metrics (default 0: off)",
     )
+    serve.add_argument(
+        "--control-port",
+        type=int,
+        metavar="PORT",
+        help="serve the admin operations as vLLM's HTTP routes (/pause, /update_weights, ...; the admin "
+        "token required, plaintext: not with --tls-cert) at http://HOST:PORT (default: off; "
+        "docs/control-http.md)",
+    )
     engine = serve.add_argument_group(
         "engine", "Defaults are the engine's (engine.ContinuousBatchingConfig), sized for the device."
     )
@@ -437,7 +445,10 @@ def run_serve(args: argparse.Namespace, argv: list[str]) -> int:
         parser.error(str(exc))
     if args.tp < 1:
         parser.error(f"--tp must be >= 1, got {args.tp}")
+    if args.control_port is not None and args.tls_cert:
+        parser.error("--control-port serves plaintext HTTP: it cannot be combined with --tls-cert")
     ports = {"--port": args.port, "--admin-port": args.admin_port, "--metrics-port": args.metrics_port}
+    ports["--control-port"] = args.control_port
     taken = [flag for flag, port in ports.items() if port and list(ports.values()).count(port) > 1]
     if taken:
         parser.error(f"{' and '.join(taken)} name the same port; give each its own")
@@ -499,6 +510,7 @@ async def serve(
         otlp_endpoint=args.otlp_endpoint,
         metrics_port=args.metrics_port,
         reuse_port=args.reuse_port,
+        control_port=args.control_port,
     )
     try:
         server = CbserveServer(options)

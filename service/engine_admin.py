@@ -39,6 +39,15 @@ class EngineAdmin:
         return self._manager.weight_version
 
     @property
+    def weight_version_label(self) -> str | None:
+        """The label the trainer gave the weights served now (an update's, or `label_weights`'s)."""
+        return self._manager.weight_version_label
+
+    def label_weights(self, label: str) -> None:
+        """Names the weights served now without changing them, their version or the prefix cache."""
+        self._manager.label_weights(label)
+
+    @property
     def tensor_parallel_size(self) -> int:
         return tensor_parallel_size(self._model)
 

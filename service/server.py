@@ -1,5 +1,6 @@
 """The two grpc.aio servers around one engine: generation (cbserve's GenerationService, the gateways'
-vllm.grpc.engine.VllmEngine, health, reflection) and admin (AdminService, reflection)."""
+vllm.grpc.engine.VllmEngine, health, reflection) and admin (AdminService, reflection), and the HTTP control
+port (vLLM's admin routes) when asked for one."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from engine import call_on_steps_thread, default_num_threads
+from service.admin_operations import AdminOperations
 from service.admin_servicer import AdminServicer
 from service.auth import BearerTokenInterceptor
+from service.control_routes import ControlRoutes
+from service.control_server import ControlServer
 from service.engine_host import EngineHost
 from service.generation_servicer import GenerationServicer
 from service.host_slot import HostSlot
@@ -56,6 +60,9 @@ class ServerOptions:
     metrics_port: int | None = None
     # Let other servers listen on the same gRPC ports (SO_REUSEPORT; they split the connections).
     reuse_port: bool = False
+    # The admin operations as vLLM's HTTP routes on http://host:control_port (plaintext, the admin token
+    # required); 0 picks a free port; None: no control port.
+    control_port: int | None = None
 
 
 class CbserveServer:
@@ -96,9 +103,12 @@ class CbserveServer:
         vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
             VllmEngineServicer(self.slot, tracer, self.metrics), self.main_server
         )
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(
-            AdminServicer(self.slot, options.max_pause_lease_s, self.metrics), self.admin_server
-        )
+        # One set of admin operations behind both admin front ends: their pauses count together.
+        operations = AdminOperations(self.slot, options.max_pause_lease_s, self.metrics)
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(operations), self.admin_server)
+        self.control_routes = ControlRoutes(operations)
+        self.control_server = ControlServer(self.control_routes.table(), options.admin_token)
+        self.control_port: int | None = None
         served = (GENERATION_SERVICE, VLLM_ENGINE_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(served, self.main_server)
         reflection.enable_server_reflection((ADMIN_SERVICE, reflection.SERVICE_NAME), self.admin_server)
@@ -119,6 +129,8 @@ class CbserveServer:
         await self.admin_server.start()
         if self.options.metrics_port:
             self.metrics_port = self.metrics.serve(self.options.host, self.options.metrics_port)
+        if self.options.control_port is not None:
+            self.control_port = await self.control_server.start(self.options.host, self.options.control_port)
         tls = self.options.tls
         security = "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS"
         logger.info(
@@ -160,6 +172,8 @@ class CbserveServer:
 
     async def shutdown(self) -> None:
         """Graceful: NOT_SERVING, refuse new work, let in-flight requests finish within the grace period."""
+        # A pause taken through the control port would hold the drain up to the grace period: given back.
+        await self.control_routes.close()
         host = self.slot.host
         if host is not None:
             host.begin_drain()
@@ -171,7 +185,9 @@ class CbserveServer:
             await host.stop(hard=True, drain_timeout_s=None)
         await self._set_health(False)
         await asyncio.gather(
-            self.main_server.stop(SERVER_STOP_GRACE_S), self.admin_server.stop(SERVER_STOP_GRACE_S)
+            self.main_server.stop(SERVER_STOP_GRACE_S),
+            self.admin_server.stop(SERVER_STOP_GRACE_S),
+            self.control_server.stop(),
         )
         if host is not None:
             host.destroy()

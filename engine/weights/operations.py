@@ -87,6 +87,15 @@ class WeightsAndMemory:
         loop = self._current_loop()
         return loop.weights.version_label if loop is not None else None
 
+    def label_weights(self, label: str) -> None:
+        """Names the weights served now, as an update's `version` argument would (vLLM's
+        update_weight_version, for a trainer that labels its weights after pushing them): the weights, the
+        version number and the prefix cache stay as they are. Serialised with updates, so a label never
+        lands on the weights of an update still being written."""
+        loop = self._require_driver("label_weights")
+        with self._update_lock:
+            loop.weights.version_label = label
+
     def weights_checksum(self) -> WeightsChecksum:
         """A digest of every tensor of the model's state dict and of them all, computed on the device
         that holds them, between two steps, with the weight version it is of (engine.weights.checksum
