@@ -59,7 +59,8 @@ class RunningServer:
 
     `tls` makes both ports TLS (or mutual TLS); `tracer_provider` receives the request spans (without
     one, the server builds its own, exporting to `otlp_endpoint` if given); `metrics_port` serves the
-    Prometheus endpoint at `metrics_url`.
+    Prometheus endpoint at `metrics_url`; `control_port` (0: a free one) the HTTP control routes at
+    `control_url`.
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class RunningServer:
         tracer_provider: TracerProvider | None = None,
         otlp_endpoint: str | None = None,
         metrics_port: int | None = None,
+        control_port: int | None = None,
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="cbserve-test-server", daemon=True)
@@ -88,6 +90,7 @@ class RunningServer:
             tls=tls,
             otlp_endpoint=otlp_endpoint,
             metrics_port=metrics_port,
+            control_port=control_port,
         )
         self.server: CbserveServer = self.call(self._open(options, tracer_provider))
         self._model = model
@@ -120,6 +123,10 @@ class RunningServer:
     @property
     def admin_target(self) -> str:
         return f"127.0.0.1:{self.server.admin_port}"
+
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.control_port}"
 
     def close(self) -> None:
         try:
