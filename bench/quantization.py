@@ -16,9 +16,13 @@ fp32: the fraction of the chats' greedy tokens equal to fp32's, and the perplexi
 local text (Python's own `pydoc_data` help topics, the first `--perplexity-tokens` tokens), with int8
 inputs as decode computes each token.
 
+`agreement`: the same servings, each chat asked alone (greedy, EOS on), as one user meets the server: the
+answers' tokens and whole answers equal to fp32's, and the first chat's answer as text.
+
 Prints JSON lines, each with the machine's load average at its start and end (the machine is shared):
 
     PYTHONPATH=. python bench/quantization.py --part kernels engine
+    PYTHONPATH=. python bench/quantization.py --part agreement --max-new-tokens 64
 """
 
 from __future__ import annotations
@@ -212,10 +216,10 @@ def _serve(model: Any, prompts: list[list[int]], config: Any, serving: str) -> t
     return time.perf_counter() - start, [list(output.generated_tokens) for output in outputs.values()]
 
 
-def run_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _servings(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The tokenizer, and the model each of `args.servings` serves (quantized once per format)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    load_start = os.getloadavg()[0]
     folder = ensure_default_model()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     models: dict[str, Any] = {}
@@ -230,10 +234,15 @@ def run_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
         quantize_model(model, quantization)
         print(f"{model_name}: quantized in {time.perf_counter() - start:.1f} s", flush=True)
         models[model_name] = model.eval()
-    servings = {name: models[SERVINGS[name][2]] for name in args.servings}
+    return tokenizer, {name: models[SERVINGS[name][2]] for name in args.servings}
+
+
+def run_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
+    load_start = os.getloadavg()[0]
+    tokenizer, servings = _servings(args)
     chats = chat_prompts(tokenizer, args.requests)
-    chat_config = greedy_config(next(iter(models.values())), args.max_new_tokens)
-    single_config = greedy_config(next(iter(models.values())), args.max_new_tokens)
+    chat_config = greedy_config(next(iter(servings.values())), args.max_new_tokens)
+    single_config = greedy_config(next(iter(servings.values())), args.max_new_tokens)
     single_config.eos_token_id = None
     single_config.min_new_tokens = args.max_new_tokens
     for name, model in servings.items():  # warmup
@@ -274,9 +283,43 @@ def run_engine(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
+def run_agreement(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each chat served alone, as a user asking one question meets the server: every decode step has one
+    row, so `quantize_activations` takes effect at every token (in a batch of more than 4 rows it does not).
+    Per serving, the answers' tokens equal to fp32's and the answers equal to fp32's whole."""
+    load_start = os.getloadavg()[0]
+    tokenizer, servings = _servings(args)
+    chats = chat_prompts(tokenizer, args.requests)
+    config = greedy_config(next(iter(servings.values())), args.max_new_tokens)
+    answers = {
+        name: [_serve(model, [chat], config, name)[1][0] for chat in chats]
+        for name, model in servings.items()
+    }
+    reference = answers.get("fp32")
+    return [
+        {
+            "bench": BENCH_NAME,
+            "part": "agreement",
+            "serving": name,
+            "answer_tokens_equal_to_fp32": round(equal_fraction(rows, reference), 4) if reference else None,
+            "answers_equal_to_fp32": sum(row == want for row, want in zip(rows, reference, strict=True))
+            if reference
+            else None,
+            "first_answer": tokenizer.decode(rows[0], skip_special_tokens=True),
+            "requests": args.requests,
+            "max_new_tokens": args.max_new_tokens,
+            "load_avg_1min_start": round(load_start, 2),
+            "load_avg_1min_end": round(os.getloadavg()[0], 2),
+        }
+        for name, rows in answers.items()
+    ]
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", nargs="+", choices=("kernels", "engine"), default=["kernels", "engine"])
+    parser.add_argument(
+        "--part", nargs="+", choices=("kernels", "engine", "agreement"), default=["kernels", "engine"]
+    )
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     parser.add_argument("--kernel-rounds", type=int, default=5)
     parser.add_argument("--servings", nargs="+", choices=list(SERVINGS), default=DEFAULT_SERVINGS)
@@ -291,7 +334,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    for part, runner in (("kernels", run_kernels), ("engine", run_engine)):
+    for part, runner in (("kernels", run_kernels), ("engine", run_engine), ("agreement", run_agreement)):
         if part in args.part:
             for record in runner(args):
                 print(json.dumps(record), flush=True)
