@@ -286,7 +286,7 @@ class TensorChecksum:
 @dataclass(frozen=True, slots=True)
 class WeightsChecksum:
     """A digest of a model's weights: of them all (``digest``), and of each tensor by name when asked for
-    (``tensors``, empty otherwise). ``algorithm`` names how it is computed ("cbserve-wsum-v1");
+    (``tensors``, empty otherwise). ``algorithm`` names how it is computed ("xxh3-128");
     ``weight_version`` is the server's version of the weights it is of (0 for a digest computed by
     :func:`~cbserve_client.weights_checksum`)."""
 
