@@ -25,6 +25,7 @@ from engine.kv.offload import HostBlockPool
 from engine.parallel import TensorParallelGroup, tensor_parallel_size
 from engine.quantization.model import quantize_model
 from engine.request import FIRST_WEIGHT_VERSION, FinishReason, Request, RequestStatus
+from engine.runner import latent_attention
 from engine.runner.attention import CBSERVE_ATTENTION_PREFIX, register_paged_attention
 from engine.runner.batch_invariant import check_linear_invariance, check_table_width
 from engine.runner.cache_plan import CachePlan, plan_cache
@@ -193,6 +194,7 @@ class EngineCore:
         parallel: TensorParallelGroup | None = None,
     ) -> None:
         check_model_support(model.config, type(model).__name__)
+        latent_attention.check_combination(model, config, tensor_parallel_size(model))
         combination = unsupported_combination(model, config, tensor_parallel_size(model))
         if combination is not None:
             raise UnsupportedModelError(f"cbserve cannot serve {type(model).__name__}: {combination}")

@@ -34,6 +34,7 @@ SERVED_FAMILIES = frozenset(
         "apertus",
         "arcee",
         "aria_text",
+        "axk1",
         "beam",
         "biogpt",
         "bitnet",
@@ -43,6 +44,8 @@ SERVED_FAMILIES = frozenset(
         "cohere2_moe",
         "ctrl",
         "cwm",
+        "deepseek_v2",
+        "deepseek_v3",
         "ernie4_5",
         "ernie4_5_moe",
         "exaone4",
@@ -55,6 +58,7 @@ SERVED_FAMILIES = frozenset(
         "glm",
         "glm4",
         "glm4_moe",
+        "glm4_moe_lite",
         "gpt-sw3",
         "gpt2",
         "gpt_bigcode",
@@ -78,7 +82,9 @@ SERVED_FAMILIES = frozenset(
         "laguna",
         "llama",
         "llama4_text",
+        "longcat_flash",
         "mellum",
+        "minicpm3",
         "minimax_m2",
         "minimax_m3_vl_text",
         "ministral",
@@ -107,6 +113,7 @@ SERVED_FAMILIES = frozenset(
         "stablelm",
         "starcoder2",
         "vaultgemma",
+        "youtu",
     }
 )
 
@@ -118,10 +125,6 @@ CHUNKED_ATTENTION = (
     "chunked local attention (tokens attend within their chunk only): the paged kernels do not bound it"
 )
 ALIBI = "ALiBi position biases: the model adds them through its own mask, which the paged kernels do not read"
-LATENT_ATTENTION = (
-    "multi-head latent attention (MLA: keys and values of other widths than the queries): the paged cache "
-    "and kernels hold one width"
-)
 SPARSE_ATTENTION = (
     "sparse attention (a learned top-k selection of keys): the paged kernels attend to every key"
 )
@@ -166,8 +169,7 @@ UNVERIFIED_FAMILY = (
 )
 
 REFUSED_FAMILIES: dict[str, str] = {
-    "axk1": LATENT_ATTENTION,
-    "axk2": LATENT_ATTENTION,
+    "axk2": SPARSE_ATTENTION,
     "bailing_hybrid": LINEAR_ATTENTION,
     "bamba": MAMBA,
     "bart": ENCODER_DECODER,
@@ -184,8 +186,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "cpmant": UNVERIFIED_ATTENTION,
     "data2vec-text": ENCODER,
     "dbrx": UNTESTED,
-    "deepseek_v2": LATENT_ATTENTION,
-    "deepseek_v3": LATENT_ATTENTION,
     "deepseek_v32": SPARSE_ATTENTION,
     "deepseek_v4": SPARSE_ATTENTION,
     "diffllama": DIFFERENTIAL_ATTENTION,
@@ -210,7 +210,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "gemma4_unified_assistant": PER_LAYER_CACHE_SHARING,
     "gemma4_unified_text": PER_LAYER_SHAPES,
     "git": MULTIMODAL,
-    "glm4_moe_lite": LATENT_ATTENTION,
     "glm_moe_dsa": SPARSE_ATTENTION,
     "got_ocr2": MULTIMODAL,
     "gpt_neox_japanese": OWN_ATTENTION,
@@ -227,14 +226,12 @@ REFUSED_FAMILIES: dict[str, str] = {
     "lfm2_moe": SHORT_CONVOLUTION,
     "lfm3": LINEAR_ATTENTION,
     "llama4": MULTIMODAL,
-    "longcat_flash": LATENT_ATTENTION,
     "mamba": MAMBA,
     "mamba2": MAMBA,
     "marian": ENCODER_DECODER,
     "mbart": ENCODER_DECODER,
     "megatron-bert": ENCODER,
     "mimo_v2_flash": PER_LAYER_SHAPES,
-    "minicpm3": LATENT_ATTENTION,
     "minimax": LINEAR_ATTENTION,
     "mllama": MULTIMODAL,
     "moshi": MULTIMODAL,
@@ -274,7 +271,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "xlnet": ENCODER,
     "xlstm": RECURRENT,
     "xmod": ENCODER,
-    "youtu": LATENT_ATTENTION,
     "zamba": MAMBA,
     "zamba2": MAMBA,
     "zaya": UNTESTED,

@@ -53,6 +53,24 @@ Tensor parallelism, quantization and CUDA graphs are tested on the Llama family 
 for gpt-oss and Llama 4 they are untested. gpt-oss's experts are not linear layers, so int8/int4
 quantization leaves them in their float weights.
 
+DeepSeek V2 and V3 and the families built on their multi-head latent attention (`glm4_moe_lite`,
+`minicpm3`, `youtu`, `longcat_flash`, `axk1`) are served over a cache of latents
+(engine/runner/latent_attention.py): per token and layer it holds the normed latent and the rotary key,
+`kv_lora_rank + qk_rope_head_dim` values, one row that every head reads as its keys and its values once its
+query is absorbed into the latent (`W_UK^T q_nope`, from `kv_b_proj`) and its output expanded (`W_UV`). In
+bf16 that is 1,152 bytes a token and layer for DeepSeek V3 (512 + 64 values), against 81,920 for its
+expanded keys and values (128 heads of 192 + 128), 71 times more: 68.6 KiB a token over its 61 layers,
+against 4.8 MiB. The cache plan sizes blocks by those bytes. Weight updates apply at once (the
+up-projections are read from `kv_b_proj` at every call). Such a model is refused at load, with one line
+naming the family and the combination, under tensor parallelism (unverified on sharded heads), with int8,
+int4 or fp8 quantization (the absorption reads `kv_b_proj`'s full-precision weight), and with
+`batch_invariant` or `trainer_exact` (the absorbed products run outside the fixed-order kernels, and a
+trainer's forward expands keys and values where the engine's steps absorb them). torch.compile is tested
+on the CPU; CUDA graphs and the Triton kernel are untested on a GPU, where the kernel folds every query head
+into the tile of the one latent head: at DeepSeek's head counts and the latent's 576 values that tile is
+far larger than for any other family. `axk2` and `deepseek_v32` add a learned top-k selection of keys and
+stay refused.
+
 Falcon, GPT-J, CodeGen and GPT-Neo compute attention in their own code, not through transformers' attention
 interface: the engine stands in for their attention modules with an adapter of its own
 (engine/runner/own_attention/, one module per family), which projects and rotates with the model's own
@@ -83,6 +101,14 @@ VARIANTS = [
         "parity, chunked prefill",
         "parity",
         "against a softmax with a sink column (interpreter)",
+        "refused with a message",
+    ),
+    (
+        "multi-head latent attention: keys and values of other widths than the queries, cached as latents",
+        "`deepseek_v2`, `deepseek_v3`, `glm4_moe_lite`, `minicpm3`, `youtu`, `longcat_flash`, `axk1`",
+        "parity, chunked prefill, preemption, offload, torch.compile",
+        "parity",
+        "the same call, one KV head of the latent's width (untested on a GPU)",
         "refused with a message",
     ),
     (

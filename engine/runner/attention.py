@@ -141,6 +141,12 @@ def bound_step_metadata() -> PagedAttentionMetadata | None:
     return getattr(_running_step, "metadata", None)
 
 
+def is_latent_attention(module: torch.nn.Module) -> bool:
+    """Whether `module` is transformers' multi-head latent attention (DeepSeek V2 and V3, and the families
+    built on it), whose cache holds latents (engine.runner.latent_attention)."""
+    return hasattr(module, "kv_b_proj") and hasattr(module, "expand_kv")
+
+
 Kernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float | None, torch.Tensor | None],
     torch.Tensor,
@@ -245,6 +251,12 @@ def paged_attention(
     if layer_index is None:
         layer_index = module.layer_idx  # type: ignore[assignment]
     assert layer_index is not None
+    if is_latent_attention(module):
+        # Its keys and values are in the cache already, as latents (imported here: that module builds on
+        # this one).
+        from engine.runner.latent_attention import latent_attention
+
+        return latent_attention(kernel, module, layer_index, query, paged_metadata, scaling, softcap), None
     if paged_metadata.kernel_inputs is not None:
         return _kernel_attention(
             layer_index, query, key, value, paged_metadata, scaling, softcap, sinks
@@ -316,13 +328,26 @@ def write_and_attend(
     """One layer's attention on the kernel path: writes the step's keys and values [T, H_kv, D] into the
     layer's caches, then attends the queries [T, H, D] to their requests' keys (with the layer's sink
     logits [H], if it has them); returns [T, H, D]."""
-    key_cache, value_cache, group = _write_keys_and_values(layer_index, keys, values, meta)
+    _write_keys_and_values(layer_index, keys, values, meta)
+    return attend_written(layer_index, queries, meta, scale, softcap, sinks)
+
+
+def attend_written(
+    layer_index: int,
+    queries: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`write_and_attend` once the step's keys and values of the layer are in its caches."""
+    group = meta.layer_groups[layer_index]
     inputs = meta.kernel_inputs
     assert inputs is not None and meta.attention_kernel is not None
     return meta.attention_kernel(
         queries,
-        key_cache,
-        value_cache,
+        meta.key_caches[layer_index],
+        meta.value_caches[layer_index],
         inputs.block_tables[group],
         inputs.query_starts,
         inputs.seq_lens,
@@ -356,15 +381,28 @@ def _gather_attention(
     batches of similar length (engine.runner.inputs.decode_buckets); a step with prefill chunks has one
     batch per chunk besides its decode rows."""
     rows, key_cache, value_cache, group, scale = _write_caches(layer_index, query, key, value, meta, scaling)
+    return gather_written(kernel, rows, key_cache, value_cache, group, meta, scale, softcap, sinks)[None]
+
+
+def gather_written(
+    kernel: Kernel,
+    rows: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    group: int,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gather path once the step's keys and values are in the caches: rows [T, H, D] -> [T, H, D]."""
     if len(meta.batches) == 1 and meta.batches[0].output_rows is None:
-        return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap, sinks)[
-            None
-        ]
+        return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap, sinks)
     output = torch.zeros_like(rows)
     for batch in meta.batches:
         attended = attend(kernel, batch, group, rows, key_cache, value_cache, scale, softcap, sinks)
         output.index_copy_(0, batch.output_rows, attended)  # type: ignore[arg-type]
-    return output[None]
+    return output
 
 
 # On the gather path, steps with prefill chunks run their attention outside any compiled graph: their

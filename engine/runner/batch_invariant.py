@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine.parallel import tensor_parallel_size
 from engine.quantization import kernel as linear_kernel
+from engine.runner.latent_attention import BATCH_INVARIANCE_GAP, latent_cache_width
 from engine.runner.packed_linear import PanelledWeight
 
 logger = logging.getLogger(__name__)
@@ -412,6 +413,12 @@ def trainer_exact(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """
     from engine.runner.exact_attention import exact_forward
 
+    text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
+    if latent_cache_width(text_config) is not None:
+        raise BatchInvariantUnsupported(
+            f"trainer_exact: {text_config.model_type} is not served in batch-invariant mode: "
+            f"{BATCH_INVARIANCE_GAP}"
+        )
     changed = _ExactForward(model)
     try:
         with exact_forward(), batch_invariant_forward(model):

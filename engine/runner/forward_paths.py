@@ -29,6 +29,7 @@ from engine.runner.attention import AttentionBatch, KernelInputs, PagedAttention
 from engine.runner.batch_invariant import BatchInvariantUnsupported, EngineForwards
 from engine.runner.decoder_forward import DecoderForward, unsupported_reason
 from engine.runner.inputs import BatchInputs
+from engine.runner.latent_attention import LatentCacheWriter, latent_cache_width
 from engine.runner.padding import Padding, padded_sizes
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ def model_forward_functions(
 
     # A ready 4-D mask makes transformers skip mask creation; paged attention masks by itself.
     placeholder_mask = torch.zeros(1, 1, 0, 0, device=device)
+    # Multi-head latent attention hands its latents to `past_key_values.update`, which writes them into the
+    # cache (engine.runner.latent_attention); any other model's attention writes in paged attention.
+    writes_latents = latent_cache_width(model.config.get_text_config()) is not None  # type: ignore[operator, union-attr]
 
     def run_model(
         input_ids: torch.Tensor,
@@ -90,6 +94,7 @@ def model_forward_functions(
                     position_ids=position_ids,
                     attention_mask=placeholder_mask,
                     use_cache=False,
+                    past_key_values=LatentCacheWriter(metadata) if writes_latents else None,
                     logits_to_keep=logits_indices,
                     paged_metadata=metadata,
                 )

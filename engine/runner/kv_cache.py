@@ -1,8 +1,9 @@
 """The KV cache tensors and how many blocks fit in memory.
 
 Each cache group (`engine.kv.layer_groups`) has its own `PagedKVCache` holding only its layers. Each
-layer has one key and one value tensor of shape `[num_blocks * page_size, num_kv_heads, head_dim]`;
-a block is `page_size` consecutive rows of every layer's tensors::
+layer has one key and one value tensor of shape `[num_blocks * page_size, num_kv_heads, head_dim]` (a
+multi-head latent attention layer one tensor, of its latents, which attention reads as both:
+engine.runner.latent_attention); a block is `page_size` consecutive rows of every layer's tensors::
 
     layer l keys:  | block 0 (null, zeros) | block 1 | block 2 | ... |
                      <-- page_size rows -->
@@ -29,6 +30,7 @@ import torch
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.full_attention import blocks_for_tokens
 from engine.kv.layer_groups import KVCacheGroupSpec
+from engine.runner.latent_attention import latent_cache_width
 from engine.system.container_limits import read_container_limits
 from engine.system.device_copies import HostCopies, to_device
 from engine.system.untouched_memory import Population, UntouchedHostTensor
@@ -51,10 +53,16 @@ class KVCacheShape:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # Multi-head latent attention: a layer caches one row a token, its latent and rotary key, read as both
+    # keys and values, so the value caches are the key caches.
+    values_are_keys: bool = False
 
     @classmethod
     def from_model_config(cls, config: Any, dtype: torch.dtype, tp_size: int = 1) -> KVCacheShape:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        latent_width = latent_cache_width(text_config)
+        if latent_width is not None:  # one head every query head reads; not sharded (tensor parallelism)
+            return cls(text_config.num_hidden_layers, 1, latent_width, dtype, values_are_keys=True)
         num_heads = text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
         if num_kv_heads % tp_size:
@@ -70,7 +78,8 @@ class KVCacheShape:
 
     def bytes_per_token(self) -> int:
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+        tensors_per_layer = 1 if self.values_are_keys else 2
+        return tensors_per_layer * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -164,6 +173,18 @@ def resolve_cache_sizes(
     return sized, max_batch_tokens
 
 
+def _tensors_per_cache(shape: KVCacheShape) -> int:
+    return shape.num_layers if shape.values_are_keys else 2 * shape.num_layers
+
+
+def _keys_and_values(
+    tensors: list[torch.Tensor], shape: KVCacheShape
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A cache's distinct tensors as its per-layer key and value caches."""
+    key_caches = tensors[: shape.num_layers]
+    return key_caches, key_caches if shape.values_are_keys else tensors[shape.num_layers :]
+
+
 def block_slots(block_ids: list[int], page_size: int, device: torch.device) -> torch.Tensor:
     """The cache rows of `block_ids`, block after block, on `device`."""
     blocks = to_device(block_ids, torch.long, device)  # a plain copy to the device would wait for it
@@ -186,20 +207,18 @@ class PagedKVCache:
         self.populate = populate
         num_slots = num_blocks * page_size
         row_shape = (num_slots, shape.num_kv_heads, shape.head_dim)
+        num_tensors = _tensors_per_cache(shape)
         # On the CPU each tensor owns its pages (see engine.system.untouched_memory); elsewhere the
         # device allocator's storage is shrunk and regrown around sleep.
         self._host_tensors: list[UntouchedHostTensor] = []
         if device.type == "cpu":
-            self._host_tensors = [
-                UntouchedHostTensor(row_shape, shape.dtype) for _ in range(2 * shape.num_layers)
-            ]
-            tensors = [host.tensor for host in self._host_tensors]
+            self._host_tensors = [UntouchedHostTensor(row_shape, shape.dtype) for _ in range(num_tensors)]
+            self.tensors = [host.tensor for host in self._host_tensors]
         else:
-            tensors = [
-                torch.empty(row_shape, dtype=shape.dtype, device=device) for _ in range(2 * shape.num_layers)
+            self.tensors = [
+                torch.empty(row_shape, dtype=shape.dtype, device=device) for _ in range(num_tensors)
             ]
-        self.key_caches = tensors[: shape.num_layers]
-        self.value_caches = tensors[shape.num_layers :]
+        self.key_caches, self.value_caches = _keys_and_values(self.tensors, shape)
         self._population: Population | None = None
         self._start_population()
         self._zero_null_block()
@@ -225,7 +244,7 @@ class PagedKVCache:
 
     def _zero_null_block(self) -> None:
         null_rows = slice(NULL_BLOCK_ID * self.page_size, (NULL_BLOCK_ID + 1) * self.page_size)
-        for cache in (*self.key_caches, *self.value_caches):
+        for cache in self.tensors:
             cache[null_rows].zero_()
 
     def release_storage(self) -> int:
@@ -235,7 +254,7 @@ class PagedKVCache:
             self._stop_population()  # a chunk backed after the drop would hold its memory again
             return sum(host.drop_pages() for host in self._host_tensors)
         released = 0
-        for tensor in (*self.key_caches, *self.value_caches):
+        for tensor in self.tensors:
             storage = tensor.untyped_storage()
             released += storage.nbytes()
             storage.resize_(0)
@@ -245,7 +264,7 @@ class PagedKVCache:
         """Gives the tensors their memory back, its contents undefined but for the null block, which
         padding reads and is zeroed again."""
         if not self._host_tensors:
-            for tensor in (*self.key_caches, *self.value_caches):
+            for tensor in self.tensors:
                 tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
         self._start_population()
         self._zero_null_block()
@@ -256,16 +275,13 @@ class PagedKVCache:
             return
         sources = block_slots(source_block_ids, self.page_size, self.device)
         targets = block_slots(target_block_ids, self.page_size, self.device)
-        for cache in (*self.key_caches, *self.value_caches):
+        for cache in self.tensors:
             cache.index_copy_(0, targets, cache.index_select(0, sources))
 
     def block_bytes(self, block_id: int) -> bytes:
         """The raw bytes of one block across all layers; for round-trip tests of block copies."""
         rows = slice(block_id * self.page_size, (block_id + 1) * self.page_size)
-        parts = [
-            cache[rows].contiguous().cpu().view(torch.uint8).numpy().tobytes()
-            for cache in (*self.key_caches, *self.value_caches)
-        ]
+        parts = [cache[rows].contiguous().cpu().view(torch.uint8).numpy().tobytes() for cache in self.tensors]
         return b"".join(parts)
 
 
@@ -299,12 +315,11 @@ class HostKVCache:
         shape = device_cache.shape
         row_shape = (num_blocks * self.page_size, shape.num_kv_heads, shape.head_dim)
         pin = device_cache.device.type == "cuda"
-        self.key_caches = [
-            torch.empty(row_shape, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)
+        self.tensors = [
+            torch.empty(row_shape, dtype=shape.dtype, pin_memory=pin)
+            for _ in range(_tensors_per_cache(shape))
         ]
-        self.value_caches = [
-            torch.empty(row_shape, dtype=shape.dtype, pin_memory=pin) for _ in range(shape.num_layers)
-        ]
+        self.key_caches, self.value_caches = _keys_and_values(self.tensors, shape)
         self._pending: deque[_PendingOffload] = deque()
 
     def _slot_pairs(
@@ -313,13 +328,7 @@ class HostKVCache:
         """Device slots, host slots, and the (device, host) tensor pairs of every layer's keys and values."""
         device_slots = block_slots(device_block_ids, self.page_size, self.device_cache.device)
         host_slots = block_slots(host_block_ids, self.page_size, torch.device("cpu"))
-        pairs = list(
-            zip(
-                (*self.device_cache.key_caches, *self.device_cache.value_caches),
-                (*self.key_caches, *self.value_caches),
-                strict=True,
-            )
-        )
+        pairs = list(zip(self.device_cache.tensors, self.tensors, strict=True))
         return device_slots, host_slots, pairs
 
     def offload(self, device_block_ids: list[int], host_block_ids: list[int]) -> None:

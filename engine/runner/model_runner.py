@@ -192,6 +192,8 @@ class ModelRunner:
         text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
         num_heads = text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        if kv_caches[0].shape.values_are_keys:  # latent attention: every query head reads the one latent head
+            num_kv_heads = 1
         self.forward_paths = ForwardPaths(model, config, self.device, self._key_caches[0].dtype)
         self.input_builder = InputBuilder(
             self.groups,

@@ -12,13 +12,15 @@ from engine.engine_core import EngineCore
 from engine.kv.layer_groups import kv_cache_groups
 from engine.runner import cache_plan
 from engine.runner.kv_cache import DEFAULT_CPU_CACHE_BUDGET_BYTES, KVCacheShape, resolve_cache_sizes
+from tests.helpers.families import tiny_family_config
 from tests.helpers.models import tiny_config, tiny_model
 
 GiB = 1 << 30
 
 
-def sizes(max_budget_bytes: int | None) -> tuple[list[int], int, int]:
-    config = tiny_config("llama")
+def sizes(max_budget_bytes: int | None, config: Any = None) -> tuple[list[int], int, int]:
+    """The tiny Llama's (or `config`'s) blocks, max_batch_tokens and bytes per block of 16 tokens."""
+    config = config if config is not None else tiny_config("llama")
     shape = KVCacheShape.from_model_config(config, torch.float32)
     groups = kv_cache_groups(config)
     blocks, max_batch_tokens = resolve_cache_sizes(
@@ -41,6 +43,14 @@ def test_a_budget_cap_bounds_the_cache_bytes() -> None:
     blocks, _, block_bytes = sizes(max_budget_bytes=GiB // 4)
     assert sum(blocks) * block_bytes <= GiB // 4
     assert sum(blocks) * block_bytes > GiB // 4 - block_bytes, "the whole capped budget is used"
+
+
+def test_an_mla_cache_fits_blocks_by_its_latent_bytes() -> None:
+    """DeepSeek V3's layers cache one row a token, its latent and rotary key (engine.runner.latent_attention):
+    2 layers of 32 + 8 float32 values."""
+    blocks, _, block_bytes = sizes(GiB // 64, tiny_family_config("deepseek_v3"))
+    assert block_bytes == 2 * (32 + 8) * 4 * 16
+    assert blocks == [GiB // 64 // block_bytes], (blocks, block_bytes)
 
 
 def test_the_cpu_caps_the_budget_at_4_gib_unless_a_fraction_lifts_it_or_kv_cache_memory_replaces_it(

@@ -77,6 +77,8 @@ ENGINE_LAYERS: list[set[str]] = [
     {
         "engine.runner",
         "engine.runner.attention",
+        # Multi-head latent attention over a cache of latents: the cache shape and the forwards read it.
+        "engine.runner.latent_attention",
         "engine.runner.paged_attention_kernel",
         "engine.runner.paged_attention_cpu",
         "engine.runner.padding",

@@ -35,6 +35,18 @@ SPECIAL_TOKENS: dict[str, Any] = dict(
 EXPERT_WIDTHS = ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size")
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_k", "top_k", "moe_topk")
+# Multi-head latent attention (DeepSeek and kin): a latent of 32, query and key heads of 16 + 8 rotary
+# dimensions and value heads of 12, so that keys and values differ in width as at full size. Every head
+# expands from the latent, so there are as many key heads as query heads.
+LATENT_ATTENTION_SIZES: dict[str, Any] = dict(
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    head_dim=8,  # the rotary embedding's width
+    num_key_value_heads=SIZES["num_attention_heads"],
+)
 
 
 def causal_lm_families() -> list[str]:
@@ -65,6 +77,8 @@ def tiny_family_config(model_type: str) -> PretrainedConfig:
         sizes["window_size"] = SLIDING_WINDOW
     if getattr(default, "rotary_dim", None):  # GPT-J and CodeGen rotate the first dimensions of each head
         sizes["rotary_dim"] = 8
+    if getattr(default, "kv_lora_rank", None):
+        sizes.update(_latent_attention_sizes(config_class, default))
     sizes.update({name: 32 for name in EXPERT_WIDTHS if hasattr(default, name)})
     sizes.update({name: 4 for name in EXPERT_COUNTS if getattr(default, name, None)})
     sizes.update(
@@ -75,6 +89,25 @@ def tiny_family_config(model_type: str) -> PretrainedConfig:
         }
     )
     return config_class(**sizes, **SPECIAL_TOKENS)
+
+
+def _latent_attention_sizes(config_class: type, default: PretrainedConfig) -> dict[str, Any]:
+    """An MLA family's sizes: `LATENT_ATTENTION_SIZES`, with its routing shrunk to the 4 experts (one group
+    of them) and, where a layer holds two attention blocks (LongCat-Flash), one layer."""
+    sizes = {name: value for name, value in LATENT_ATTENTION_SIZES.items() if hasattr(default, name)}
+    if hasattr(default, "qk_head_dim"):
+        sizes["qk_head_dim"] = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
+    if getattr(default, "n_group", None):
+        sizes.update(n_group=1, topk_group=1)
+    if hasattr(default, "num_experts_per_tok") and default.num_experts_per_tok is None:
+        sizes["num_experts_per_tok"] = 2
+    if isinstance(getattr(config_class, "num_hidden_layers", None), property):
+        sizes["num_layers"] = SIZES["num_hidden_layers"] // 2
+    widths = ("ffn_hidden_size", "expert_ffn_hidden_size")
+    sizes.update({name: 32 for name in widths if hasattr(default, name)})
+    if getattr(default, "zero_expert_num", None):
+        sizes["zero_expert_num"] = 2
+    return sizes
 
 
 def tiny_family_model(model_type: str) -> torch.nn.Module:

@@ -21,9 +21,10 @@ CALL_TIMEOUT_S = 60.0
 NEW_TOKENS = 12
 
 
-# Gemma 2: alternating sliding and full layers, eager attention only; Qwen3-MoE: routed experts.
-# Falcon: attention in the model's own code, which an adapter of the engine's stands in for.
-@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_moe", "falcon"])
+# Gemma 2: alternating sliding and full layers, eager attention only; Qwen3-MoE: routed experts;
+# DeepSeek V3: multi-head latent attention over a cache of latents; Falcon: attention in the model's own
+# code, which an adapter of the engine's stands in for.
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_moe", "deepseek_v3", "falcon"])
 def test_a_served_family_gives_model_generates_tokens_through_the_server(model_type, tmp_path):
     model = tiny_family_model(model_type)
     model.save_pretrained(tmp_path / "model")
