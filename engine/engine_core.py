@@ -33,6 +33,8 @@ from engine.runner.kv_cache import HostKVCache, PagedKVCache
 from engine.runner.model_runner import LaunchedStep, ModelRunner, StepTimings
 from engine.runner.own_attention.registry import InstalledAdapters, unsupported_combination
 from engine.runner.packed_linear import PackedLinears
+from engine.runner.recurrent import RecurrentForwards, check_recurrent_support
+from engine.runner.recurrent.state_cache import StateCache
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import Sampler
 from engine.sampling.structured_output import GrammarCompiler
@@ -171,11 +173,19 @@ def _kv_cache_manager(plan: CachePlan, config: ContinuousBatchingConfig) -> KVCa
         logger.info(
             "prefix caching is off: the model has sliding-window layers, whose blocks cannot be shared"
         )
+    elif plan.state_group is not None and config.allow_block_sharing:
+        logger.info(
+            "prefix caching is off: the model's %s layers keep a state of the whole prefix, which a cache "
+            "hit would skip computing",
+            plan.state_group.kind,
+        )
+    shares_prefixes = not plan.has_sliding_layers and plan.state_group is None
     return KVCacheManager(
         plan.num_blocks,
         config.page_size,
-        enable_prefix_caching=config.allow_block_sharing and not plan.has_sliding_layers,
+        enable_prefix_caching=config.allow_block_sharing and shares_prefixes,
         sliding_windows=[group.sliding_window for group in plan.kv_cache_groups],
+        num_state_slots=plan.num_state_slots,
     )
 
 
@@ -218,6 +228,7 @@ class EngineCore:
         )
         # Filled by the build; empty if it fails first, when release_model has no cache to stop.
         self.kv_caches: list[PagedKVCache] = []
+        self.recurrent_forwards: RecurrentForwards | None = None
         # Taken off again by release_model, like the packed linear layers.
         self.attention_adapters = InstalledAdapters(model)
         try:
@@ -255,6 +266,7 @@ class EngineCore:
     ) -> None:
         """The cache plan, the caches, their manager, the scheduler and the runner."""
         plan = plan_cache(model, config, tensor_parallel_size(model), parallel)
+        check_recurrent_support(model, plan.state_group, config, tensor_parallel_size(model))
         text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
         logger.info("%s: %s layers", type(model).__name__, layer_kind_counts(text_config))
         if config.batch_invariant:
@@ -265,6 +277,10 @@ class EngineCore:
         self.kv_cache_groups = plan.kv_cache_groups
         self.has_sliding_layers = plan.has_sliding_layers
         self.kv_caches, self.host_kv_caches = _allocate_caches(plan, config, self.device)
+        state_cache = None
+        if plan.state_group is not None:
+            state_cache = StateCache(plan.state_group, plan.num_state_slots, plan.shape.dtype, self.device)
+            self.recurrent_forwards = RecurrentForwards(model, [state_cache])
         self.kv_cache_manager = _kv_cache_manager(plan, config)
         self.scheduler = Scheduler(
             self.kv_cache_manager,
@@ -282,6 +298,7 @@ class EngineCore:
             Sampler(self.device, plan.seed),
             config,
             self.host_kv_caches,
+            state_cache,
         )
 
     @property
@@ -356,6 +373,9 @@ class EngineCore:
         if self.packed_linears is not None:
             self.packed_linears.restore()
             self.packed_linears = None
+        if self.recurrent_forwards is not None:
+            self.recurrent_forwards.restore()
+            self.recurrent_forwards = None
         self.attention_adapters.restore()
         for cache in self.kv_caches:
             cache.close()

@@ -25,7 +25,7 @@ from collections import Counter
 from typing import Any
 
 from engine.errors import UnsupportedModelError
-from engine.kv.layer_groups import CACHED_LAYER_KINDS
+from engine.kv.layer_groups import CACHED_LAYER_KINDS, STATE_LAYER_SPECS
 
 # Verified by the conformance test: greedy parity with model.generate in fp32.
 SERVED_FAMILIES = frozenset(
@@ -80,6 +80,8 @@ SERVED_FAMILIES = frozenset(
         "jais2",
         "kolibri1",
         "laguna",
+        "lfm2",
+        "lfm2_moe",
         "llama",
         "llama4_text",
         "longcat_flash",
@@ -141,7 +143,11 @@ MAMBA = "Mamba (selective state-space) layers: the engine holds no per-request r
 LINEAR_ATTENTION = (
     "linear-attention layers (gated DeltaNet and kin): the engine holds no per-request recurrent state"
 )
-SHORT_CONVOLUTION = "short-convolution layers: the engine holds no per-request convolution state"
+SHORT_CONVOLUTION = (
+    "short-convolution layers of another family than LFM2's: the engine holds their convolution state, "
+    "and computes it, for LFM2's short-convolution modules only"
+)
+RECURRENT_ONLY = "recurrent layers only: the engine's cache needs at least one attention layer"
 RECURRENT = "recurrent layers (RWKV, xLSTM, RG-LRU): the engine holds no per-request recurrent state"
 OWN_ATTENTION = (
     "attention computed in the model's own code, not through transformers' attention interface, with no "
@@ -222,8 +228,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "jamba": MAMBA,
     "jetmoe": OWN_ATTENTION,
     "kimi_linear": LINEAR_ATTENTION,
-    "lfm2": SHORT_CONVOLUTION,
-    "lfm2_moe": SHORT_CONVOLUTION,
     "lfm3": LINEAR_ATTENTION,
     "llama4": MULTIMODAL,
     "mamba": MAMBA,
@@ -298,10 +302,21 @@ def layer_kind_counts(text_config: Any) -> str:
     return ", ".join(f"{count} {kind}" for kind, count in Counter(kinds).items())
 
 
+# The families whose recurrent layers of each kind the engine computes (engine.runner.recurrent), verified
+# by the conformance test as SERVED_FAMILIES are: a layer kind keeps its name across families that compute
+# it differently.
+STATE_LAYER_FAMILIES = {"conv": frozenset({"lfm2", "lfm2_moe"})}
+
+
 def _layer_kind_reason(text_config: Any) -> str | None:
     """What a served family's config turns on that the engine lacks, if anything: a layer kind it keeps no
-    cache for."""
-    for kind in getattr(text_config, "layer_types", None) or ():
+    cache for, or computes for other families only."""
+    kinds = getattr(text_config, "layer_types", None) or ()
+    if kinds and all(kind in STATE_LAYER_SPECS for kind in kinds):
+        return RECURRENT_ONLY
+    for kind in kinds:
+        if kind in STATE_LAYER_SPECS and text_config.model_type in STATE_LAYER_FAMILIES.get(kind, ()):
+            continue
         if kind not in CACHED_LAYER_KINDS:
             return LAYER_KIND_REASONS.get(
                 kind,

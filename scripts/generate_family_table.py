@@ -38,7 +38,8 @@ lacks, for example:
 
 A model type that is in neither list (a newer transformers, remote code) is refused as unverified, and a
 served family whose config names a layer kind the engine keeps no cache for (`layer_types` entries other
-than `full_attention` and `sliding_attention`) is refused naming that kind. At load the engine logs the
+than `full_attention`, `sliding_attention`, `chunked_attention` and LFM2's `conv`) is refused naming that
+kind. At load the engine logs the
 layer kinds it found, such as `Gemma2ForCausalLM: 13 sliding_attention, 13 full_attention layers`.
 
 ## Attention variants and what each is tested with
@@ -81,6 +82,26 @@ under tensor parallelism (the adapter splits heads by the whole model's head cou
 torch.compile (the adapter finds the step's caches through the running step, which a compiled graph cannot
 bind). Quantization and CUDA graphs run the adapter as installed; neither is tested for these families.
 Falcon's ALiBi variant (`alibi=True`) is refused as ALiBi is.
+
+## Recurrent layers
+
+LFM2's short convolutions (`lfm2`, `lfm2_moe`: `layer_types` entries `conv`) keep a state per request
+instead of pages: the last `conv_L_cache - 1` inputs of each channel, in one slot per running request
+(engine/kv/state_slots.py), on the engine's device beside the KV cache and taken from the cache's memory
+budget before its blocks are sized (one slot per request of `max_requests_per_batch`, and a null slot).
+The engine's own forward (engine/runner/recurrent/short_conv.py) replaces each convolution module's: it
+convolves every request's rows of a packed step with that request's state before them, and saves its new
+state, for all requests at once. A request takes its slot when it starts at position 0 and gives it back
+when it finishes or is preempted; a preempted request recomputes from the start (its state cannot be
+rebuilt from pages, and is never offloaded to the host: CPU offload is off for these models, with a log
+line). Prefix caching is off for them too (a cached prefix would skip computing the state), with a log
+line; a forked sequence (n > 1) takes a copy of its first sequence's state. Tested on the CPU with
+`model.generate`'s greedy tokens: chunked prefill, preemption with recompute, async batching, the gather
+path, forked sequences, int8 layers around the convolution, and `batch_invariant` (a request's bits alone
+and batched). Refused at load, with one line naming the family and the combination: tensor parallelism
+(the slots are not sharded with the channels) and `use_cuda_graph` (graphs copy no state slots in).
+torch.compile, `trainer_exact` and GPUs are untested with these layers. Models of recurrent layers only,
+and other families' `conv` layers, are refused.
 
 """
 

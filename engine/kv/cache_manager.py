@@ -1,10 +1,12 @@
 """`KVCacheManager`: the scheduler's view of the KV cache, in blocks and tokens, never tensors.
 
 The cache is split into groups (`engine.kv.layer_groups`): a full-attention group and/or a
-sliding-window group, each with its own pool and block tables. The manager makes them act as one: a
+sliding-window group, each with its own pool and block tables, and for a model with recurrent layers a
+state group (engine.kv.state_slots), one slot per running request. The manager makes them act as one: a
 request's slots are allocated in every group or in none, and freeing a request frees it everywhere.
 Group 0 (the full-attention group when the model has one) is the *primary* group: `block_pool` and
-`block_tables` refer to it, as do the block counts reported in stats.
+`block_tables` refer to it, as do the block counts reported in stats. The state group comes after the
+paged groups, in `block_ids_per_group` too, so paged group indices are the same with or without it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from engine.kv.events import KVCacheEvent
 from engine.kv.full_attention import FullAttentionManager, blocks_for_tokens
 from engine.kv.offload import BlockCopy, HostBlockPool, OffloadedKV
 from engine.kv.sliding_window import SlidingWindowManager
+from engine.kv.state_slots import StateSlotManager
 from engine.request import Request
 
 __all__ = ["DeviceBlockCopy", "KVCacheManager", "KVCacheStats", "PrefixCacheStats", "blocks_for_tokens"]
@@ -63,7 +66,10 @@ class KVCacheManager:
 
     `num_blocks` and `sliding_windows` give one entry per group (None: full attention); a plain int
     with the default windows is a single full-attention group. Prefix caching needs every group to be
-    full attention: a sliding group drops the pages a prefix hit would share.
+    full attention: a sliding group drops the pages a prefix hit would share, and a state group's state
+    summarises the whole prefix, which a hit would skip computing.
+
+    `num_state_slots` (null slot included; 0: none) gives the model's recurrent layers their state group.
     """
 
     def __init__(
@@ -72,12 +78,15 @@ class KVCacheManager:
         page_size: int,
         enable_prefix_caching: bool,
         sliding_windows: Sequence[int | None] = (None,),
+        num_state_slots: int = 0,
     ) -> None:
         blocks_per_group = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
         if len(blocks_per_group) != len(sliding_windows) or not sliding_windows:
             raise ValueError(f"one num_blocks per group: got {blocks_per_group} for {list(sliding_windows)}")
         if enable_prefix_caching and any(window is not None for window in sliding_windows):
             raise ValueError("prefix caching cannot be enabled with sliding-window groups")
+        if enable_prefix_caching and num_state_slots:
+            raise ValueError("prefix caching cannot be enabled with a state group (recurrent layers)")
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.groups: list[GroupManager] = [
@@ -86,6 +95,7 @@ class KVCacheManager:
             else SlidingWindowManager(count, page_size, window)
             for count, window in zip(blocks_per_group, sliding_windows, strict=True)
         ]
+        self.state_group = StateSlotManager(num_state_slots) if num_state_slots else None
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -112,8 +122,14 @@ class KVCacheManager:
         return None if full is None else full.block_pool.num_usable_blocks * self.page_size
 
     @property
+    def all_groups(self) -> list[GroupManager | StateSlotManager]:
+        """The paged groups, then the state group when there is one (the order of `block_ids_per_group`)."""
+        return [*self.groups, self.state_group] if self.state_group is not None else list(self.groups)
+
+    @property
     def free_fraction(self) -> float:
-        """The free share of the fullest group's pool."""
+        """The free share of the fullest paged group's pool (state slots are bounded by the request cap,
+        not by memory the safety margin guards)."""
         return min(
             group.block_pool.num_free_blocks / group.block_pool.num_usable_blocks for group in self.groups
         )
@@ -123,9 +139,9 @@ class KVCacheManager:
         return self.groups[group].block_ids(request_id)
 
     def block_ids_per_group(self, request_id: str) -> tuple[list[int], ...]:
-        """The ids of the request's table in every group, as the groups keep them: no copy is made, so
-        they are current until the request's next allocation or release."""
-        return tuple(group.block_ids(request_id) for group in self.groups)
+        """The ids of the request's table in every group (the state group's `[slot]` last), as the groups
+        keep them: no copy is made, so they are current until the request's next allocation or release."""
+        return tuple(group.block_ids(request_id) for group in self.all_groups)
 
     def resume_block_ids(self, request_id: str, group: int, num_tokens: int) -> list[int]:
         """The blocks of `group` a request with `num_tokens` computed tokens reads again when resumed
@@ -139,7 +155,10 @@ class KVCacheManager:
         """Host blocks for the KV of `request`'s computed tokens, and the copies that fill them (made before
         its device blocks are reused); None, taking nothing, when the pool lacks room. Only the pages each
         group reads again are copied: all of them for full attention, the window of the next query for
-        sliding-window groups."""
+        sliding-window groups. A request with a recurrent state is never offloaded (None): the state has
+        no host copy, so it recomputes."""
+        if self.state_group is not None:
+            return None
         num_tokens = request.num_computed_tokens
         device_blocks = [
             self.resume_block_ids(request.request_id, group, num_tokens) for group in range(len(self.groups))
@@ -205,7 +224,7 @@ class KVCacheManager:
         """
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.page_size
         request_id = request.request_id
-        for group in self.groups:
+        for group in self.all_groups:
             if isinstance(group, FullAttentionManager):
                 fits = group.can_allocate(request_id, num_computed, num_new_tokens, computed_blocks)
             else:
@@ -213,7 +232,7 @@ class KVCacheManager:
             if not fits:
                 return None
         new_blocks: list[list[KVBlock]] = []
-        for group in self.groups:
+        for group in self.all_groups:
             if isinstance(group, FullAttentionManager):
                 new_blocks.append(group.allocate(request, num_computed, num_new_tokens, computed_blocks))
             else:
@@ -223,14 +242,15 @@ class KVCacheManager:
     def fork(self, source: Request, child: Request, num_tokens: int) -> list[DeviceBlockCopy] | None:
         """Gives `child`, which holds no blocks, the KV of `source`'s first `num_tokens` tokens in every
         group (n > 1: a sequence forked from the request's first one). Full-attention pages are shared,
-        the rest copied (engine.kv.full_attention, engine.kv.sliding_window). Returns the device copies
-        to make before the next forward pass, or None — and changes nothing — when a group lacks the
-        free blocks."""
-        for group in self.groups:
+        the rest copied (engine.kv.full_attention, engine.kv.sliding_window), the state slot too
+        (engine.kv.state_slots). Returns the device copies to make before the next forward pass, or None —
+        and changes nothing — when a group lacks the free blocks."""
+        groups = self.all_groups
+        for group in groups:
             if group.num_fork_blocks(num_tokens) > group.block_pool.num_free_blocks:
                 return None
         copies = []
-        for index, group in enumerate(self.groups):
+        for index, group in enumerate(groups):
             pairs = group.fork(source, child, num_tokens)
             if pairs:
                 sources, targets = zip(*pairs, strict=True)
@@ -238,8 +258,8 @@ class KVCacheManager:
         return copies
 
     def free(self, request: Request) -> None:
-        """Releases the request's blocks in every group."""
-        for group in self.groups:
+        """Releases the request's blocks (and state slot) in every group."""
+        for group in self.all_groups:
             group.free(request.request_id)
 
     def reset_prefix_cache(self) -> int:

@@ -15,13 +15,14 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.families import exact_length_limit
-from engine.kv.layer_groups import KVCacheGroupSpec, kv_cache_groups
+from engine.kv.layer_groups import KVCacheGroupSpec, StateGroupSpec, kv_cache_groups, state_group
 from engine.runner.kv_cache import (
     DEFAULT_CPU_CACHE_BUDGET_BYTES,
     KVCacheShape,
     resolve_cache_sizes,
     resolve_offload_blocks,
 )
+from engine.runner.recurrent.state_cache import state_bytes
 
 if TYPE_CHECKING:
     from engine.parallel import TensorParallelGroup
@@ -44,6 +45,10 @@ class CachePlan:
     max_requests_per_batch: int
     max_model_len: int | None
     seed: int | None
+    # The recurrent layers, whose state slots (one per request the batch can hold, and the null slot) are
+    # taken from the memory budget before the blocks are sized.
+    state_group: StateGroupSpec | None = None
+    num_state_slots: int = 0
 
     @property
     def has_sliding_layers(self) -> bool:
@@ -84,6 +89,8 @@ def plan_cache(
     max_requests_per_batch = config.max_requests_per_batch or DEFAULT_MAX_REQUESTS_PER_BATCH
     shape = KVCacheShape.from_model_config(model.config, weights.dtype, tp_size)
     groups = kv_cache_groups(text_config)
+    recurrent = state_group(text_config)
+    num_state_slots = max_requests_per_batch + 1 if recurrent is not None else 0
     num_blocks, max_batch_tokens = resolve_cache_sizes(
         shape,
         groups,
@@ -96,6 +103,7 @@ def plan_cache(
         max_requests=max_requests_per_batch,
         activation_bytes_per_token=16 * text_config.hidden_size * shape.dtype.itemsize,
         max_budget_bytes=_budget_cap_bytes(config, device),
+        reserved_bytes=state_bytes(recurrent, num_state_slots, shape.dtype) if recurrent is not None else 0,
     )
     # Host blocks are sized for a page of every layer: any group's blocks can use any of them.
     num_host_blocks = resolve_offload_blocks(
@@ -103,6 +111,13 @@ def plan_cache(
         config.cpu_offload_space_safety_threshold,
         shape.bytes_per_token() * config.page_size,
     )
+    if recurrent is not None and num_host_blocks:
+        logger.info(
+            "CPU offload is off: the model's %s layers keep a state per request that has no host copy, so a "
+            "preempted request recomputes",
+            recurrent.kind,
+        )
+        num_host_blocks = 0
     if exact_limit is not None:
         max_batch_tokens = min(max_batch_tokens, exact_limit)
     seed = config.seed
@@ -120,4 +135,6 @@ def plan_cache(
         max_requests_per_batch=max_requests_per_batch,
         max_model_len=max_model_len,
         seed=seed,
+        state_group=recurrent,
+        num_state_slots=num_state_slots,
     )

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv.block_pool import NULL_BLOCK_ID
-from engine.kv.layer_groups import KVCacheGroupSpec
+from engine.kv.layer_groups import KVCacheGroupSpec, StateGroupSpec
 from engine.request import Request
 from engine.runner.attention import (
     PREFILL_QUERIES_PER_TILE,
@@ -36,6 +36,12 @@ from engine.runner.attention import (
     PagedAttentionMetadata,
 )
 from engine.runner.padding import PackedTokens, Padding, VarlenShape, round_up
+from engine.runner.recurrent.step_inputs import (
+    StateSegment,
+    StateStepInputs,
+    build_state_inputs,
+    with_state_inputs,
+)
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.system.device_copies import to_device
 
@@ -163,6 +169,7 @@ class InputBuilder:
         split_decode_rows: bool = False,
         fixed_order: bool = False,
         attention_chunks: Sequence[int | None] = (),
+        state_group: StateGroupSpec | None = None,
     ) -> None:
         """With `attention_kernel`, steps whose requests hold at most `max_blocks_per_request` blocks take
         the kernel path (block tables, no gathered keys or masks); other steps gather.
@@ -178,8 +185,12 @@ class InputBuilder:
         `max_blocks_per_request` raises instead of gathering.
 
         `attention_chunks` (per layer: Llama 4's chunked layers' chunk, or None): only the kernels bound a
-        chunk, so every step needs the kernel path too."""
+        chunk, so every step needs the kernel path too.
+
+        `state_group` (a model with recurrent layers): each request's slot is its table in the group after
+        the paged ones, and steps carry the state inputs (engine.runner.recurrent.step_inputs)."""
         self.groups = list(groups)
+        self.state_group = state_group
         self.key_caches = key_caches
         self.value_caches = value_caches
         self.layer_groups = layer_groups
@@ -315,7 +326,7 @@ class InputBuilder:
                 batches.append(self._batch(step.decode, keys_interval, covers_all_rows=step.is_decode_only))
             batches.extend(self._batch([chunk], None, covers_all_rows=False) for chunk in step.prefill)
         num_rows = len(step.tokens.input_ids)
-        return PagedAttentionMetadata(
+        metadata = PagedAttentionMetadata(
             key_caches=self.key_caches,
             value_caches=self.value_caches,
             layer_groups=self.layer_groups,
@@ -330,6 +341,24 @@ class InputBuilder:
             kernel_inputs=kernel_inputs,
             attention_chunks=self.attention_chunks,
         )
+        if self.state_group is None:
+            return metadata
+        return with_state_inputs(metadata, self._state_inputs(step.chunks, num_rows))
+
+    def _state_inputs(self, chunks: list[_Chunk], num_rows: int) -> StateStepInputs:
+        """The step's state slots and convolution indices: a padding row reads and writes the null slot."""
+        assert self.state_group is not None
+        slot_group = len(self.groups)
+        segments = [
+            StateSegment(
+                chunk.row,
+                chunk.end - chunk.start,
+                NULL_BLOCK_ID if chunk.block_ids is None else chunk.block_ids[slot_group][0],
+                chunk.start > 0,
+            )
+            for chunk in chunks
+        ]
+        return build_state_inputs(segments, num_rows, self.state_group.spec.kernel_size, self.device)
 
     def _input_ids(self, step: _PackedStep, previous: PreviousTokens | None) -> torch.Tensor:
         device = self.device

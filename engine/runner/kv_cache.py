@@ -130,6 +130,7 @@ def resolve_cache_sizes(
     max_requests: int,
     activation_bytes_per_token: int,
     max_budget_bytes: int | None = None,
+    reserved_bytes: int = 0,
 ) -> tuple[list[int], int]:
     """(num_blocks of each group, max_batch_tokens), filling in whatever the user left as None.
 
@@ -137,7 +138,8 @@ def resolve_cache_sizes(
     the budget). A user's `num_blocks` goes to the full-attention group whole; a sliding-window group
     gets what `blocks_needed_by_group` says it can use, capped at `num_blocks`. Auto-sized, the
     groups share the rest of the budget in proportion to the bytes they can use, never more. The budget
-    is `max_memory_percent` of the free memory, capped at `max_budget_bytes` when given.
+    is `max_memory_percent` of the free memory, capped at `max_budget_bytes` when given; the blocks get it
+    less `reserved_bytes` (the recurrent layers' state slots).
     """
     budget = int(free_memory_bytes(device) * max_memory_percent)
     if max_budget_bytes is not None:
@@ -159,7 +161,7 @@ def resolve_cache_sizes(
     bytes_per_block = [
         shape.for_layers(len(group.layer_indices)).bytes_per_token() * page_size for group in groups
     ]
-    cache_budget = budget - max_batch_tokens * activation_bytes_per_token
+    cache_budget = budget - max_batch_tokens * activation_bytes_per_token - reserved_bytes
     needed_bytes = sum(need * size for need, size in zip(needed, bytes_per_block, strict=True))
     share = min(1.0, max(0, cache_budget) / needed_bytes)
     sized = [max(2, min(int(need * share), MAX_AUTO_BLOCKS)) for need in needed]

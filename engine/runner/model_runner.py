@@ -21,6 +21,7 @@ from engine.request import Request
 from engine.runner.forward_paths import ForwardPaths
 from engine.runner.inputs import BatchInputs, InputBuilder, PreviousTokens, PromptLogprobSpan
 from engine.runner.kv_cache import HostKVCache, PagedKVCache
+from engine.runner.recurrent.state_cache import StateCache
 from engine.sampling.sampler import SampledTokens, Sampler, request_generator
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.system.device_copies import HostCopies
@@ -154,7 +155,8 @@ class ModelRunner:
     """Runs the model over the paged cache of every cache group.
 
     `kv_caches[g]` holds the layers `groups[g].layer_indices`, and `host_kv_caches[g]` (when CPU
-    offload is on) its host copies.
+    offload is on) its host copies. `state_cache` holds the recurrent layers' states (the cache group
+    after the paged ones), which the engine's recurrent forwards read and write.
     """
 
     def __init__(
@@ -165,10 +167,12 @@ class ModelRunner:
         sampler: Sampler,
         config: ContinuousBatchingConfig,
         host_kv_caches: Sequence[HostKVCache] | None = None,
+        state_cache: StateCache | None = None,
     ) -> None:
         self.model = model
         self.groups = list(groups)
         self.kv_caches = list(kv_caches)
+        self.state_cache = state_cache
         self.sampler = sampler
         self.timings = StepTimings()
         # Padding rows (decode rows, or tokens of steps with prefill chunks) run by padded steps so far:
@@ -180,7 +184,9 @@ class ModelRunner:
         self.host_kv_caches = list(host_kv_caches) if host_kv_caches is not None else None
         self.device = kv_caches[0].device
         self.page_size = kv_caches[0].page_size
-        num_layers = sum(len(group.layer_indices) for group in groups)
+        # Recurrent layers read no KV: their entries keep the first group's caches, never used.
+        num_state_layers = len(state_cache.group.layer_indices) if state_cache is not None else 0
+        num_layers = sum(len(group.layer_indices) for group in groups) + num_state_layers
         self._layer_groups = [0] * num_layers
         self._key_caches: list[torch.Tensor] = [kv_caches[0].key_caches[0]] * num_layers
         self._value_caches: list[torch.Tensor] = [kv_caches[0].value_caches[0]] * num_layers
@@ -209,6 +215,7 @@ class ModelRunner:
             split_decode_rows=self.forward_paths.decode_runs_eagerly,
             fixed_order=config.batch_invariant,
             attention_chunks=attention_chunks(text_config),
+            state_group=state_cache.group if state_cache is not None else None,
         )
 
     def capture_decode_graphs(self, max_rows: int) -> int:
@@ -222,13 +229,17 @@ class ModelRunner:
         """Frees the storage of every group's cache tensors (sleep) and the CUDA graphs that hold their
         addresses; returns the bytes freed. The tensors stay: the per-layer lists see the memory again
         after `restore_kv_cache`."""
-        released = sum(cache.release_storage() for cache in self.kv_caches)
+        released = sum(cache.release_storage() for cache in self._caches())
         self.forward_paths.drop_cuda_graphs()
         return released
 
     def restore_kv_cache(self) -> None:
-        for cache in self.kv_caches:
+        for cache in self._caches():
             cache.restore_storage()
+
+    def _caches(self) -> list[PagedKVCache | StateCache]:
+        """Every cache group's tensors, in group order (the state group's last)."""
+        return [*self.kv_caches, self.state_cache] if self.state_cache is not None else list(self.kv_caches)
 
     def drop_cuda_graphs(self) -> None:
         """Forgets the captured graphs, which hold raw addresses of the weights (moved to host memory)."""
@@ -255,8 +266,9 @@ class ModelRunner:
         """Forked sequences' copies first (their source blocks may be freed by this step's preemptions and
         refilled by its restores), then offloads before restores: a restore may land in a device block an
         offload just freed."""
+        caches = self._caches()
         for fork in scheduler_output.block_copies:
-            self.kv_caches[fork.group].copy_blocks(list(fork.source_block_ids), list(fork.target_block_ids))
+            caches[fork.group].copy_blocks(list(fork.source_block_ids), list(fork.target_block_ids))
         if self.host_kv_caches is None:
             return
         for copy in scheduler_output.offloads:

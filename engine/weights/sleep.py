@@ -10,8 +10,8 @@ On the CPU the weights already live in host memory: level 2 only frees their pac
 (engine.runner.packed_linear), which the layers make again on their first step after waking.
 
 The engine does each level (`EngineCore.release_kv_cache`, `offload_weights` and their inverses); this
-module holds the levels and tags, moving weights between devices, and handing freed memory back to the
-system.
+module holds the levels and tags, shrinking and regrowing tensors' storage, moving weights between
+devices, and handing freed memory back to the system.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import logging
 import sys
+from collections.abc import Sequence
 from enum import IntEnum, StrEnum
 
 import psutil
@@ -90,6 +91,23 @@ def move_weights(model: torch.nn.Module, device: torch.device) -> int:
             moved += local.numel() * local.element_size()
             local.data = local.data.to(device)
     return moved
+
+
+def release_storage(tensors: Sequence[torch.Tensor]) -> int:
+    """Shrinks each tensor's storage to nothing (sleep, level 1); returns the bytes freed. The tensors
+    stay, so whatever holds them sees memory again after `restore_storage`."""
+    released = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        released += storage.nbytes()
+        storage.resize_(0)
+    return released
+
+
+def restore_storage(tensors: Sequence[torch.Tensor]) -> None:
+    """Gives each tensor its storage back, its contents undefined."""
+    for tensor in tensors:
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
 
 
 def return_freed_memory(device: torch.device) -> None:

@@ -67,6 +67,7 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.kv.sliding_window",
         "engine.kv.cache_manager",
         "engine.kv.layer_groups",
+        "engine.kv.state_slots",
     },
     # Which model families the engine serves exactly: checked before any cache is planned.
     {"engine.families"},
@@ -100,6 +101,11 @@ ENGINE_LAYERS: list[set[str]] = [
         "engine.runner.own_attention.gptj",
         "engine.runner.own_attention.registry",
         "engine.runner.model_runner",
+        # Recurrent layers: their engine forwards, state tensors and per-step state inputs.
+        "engine.runner.recurrent",
+        "engine.runner.recurrent.short_conv",
+        "engine.runner.recurrent.state_cache",
+        "engine.runner.recurrent.step_inputs",
         "engine.runner.exact_attention",
         "engine.runner.batch_invariant_cuda",
         # Batch-invariant mode: the runner's forwards enter it, and it serves trainers with the runner's

@@ -79,6 +79,10 @@ def tiny_family_config(model_type: str) -> PretrainedConfig:
         sizes["rotary_dim"] = 8
     if getattr(default, "kv_lora_rank", None):
         sizes.update(_latent_attention_sizes(config_class, default))
+    if hasattr(default, "conv_L_cache"):  # LFM2: short convolutions before and after an attention layer
+        sizes.update(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])
+        if hasattr(default, "num_dense_layers"):  # LFM2-MoE: experts from the second layer on
+            sizes["num_dense_layers"] = 1
     sizes.update({name: 32 for name in EXPERT_WIDTHS if hasattr(default, name)})
     sizes.update({name: 4 for name in EXPERT_COUNTS if getattr(default, name, None)})
     sizes.update(

@@ -22,9 +22,10 @@ NEW_TOKENS = 12
 
 
 # Gemma 2: alternating sliding and full layers, eager attention only; Qwen3-MoE: routed experts;
-# DeepSeek V3: multi-head latent attention over a cache of latents; Falcon: attention in the model's own
-# code, which an adapter of the engine's stands in for.
-@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_moe", "deepseek_v3", "falcon"])
+# DeepSeek V3: multi-head latent attention over a cache of latents; LFM2: short convolutions whose state
+# lives in per-request slots; Falcon: attention in the model's own code, which an adapter of the engine's
+# stands in for.
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_moe", "deepseek_v3", "falcon", "lfm2"])
 def test_a_served_family_gives_model_generates_tokens_through_the_server(model_type, tmp_path):
     model = tiny_family_model(model_type)
     model.save_pretrained(tmp_path / "model")
@@ -48,7 +49,7 @@ def test_a_served_family_gives_model_generates_tokens_through_the_server(model_t
 
 
 def test_a_refused_family_exits_before_serving_with_the_engines_reason(tmp_path):
-    tiny_family_model("lfm2").save_pretrained(tmp_path / "model")
+    tiny_family_model("mamba").save_pretrained(tmp_path / "model")
     server = ServerProcess(tmp_path / "model", tmp_path / "server.log", *ENGINE_FLAGS)
     try:
         status = server.process.wait(timeout=STARTUP_TIMEOUT_S)
@@ -56,7 +57,7 @@ def test_a_refused_family_exits_before_serving_with_the_engines_reason(tmp_path)
         server.close()
     log = server.log_path.read_text(errors="replace")
     assert status != 0, log
-    refusal = [line for line in log.splitlines() if "cannot serve Lfm2ForCausalLM" in line]
+    refusal = [line for line in log.splitlines() if "cannot serve MambaForCausalLM" in line]
     assert len(refusal) == 1, log
-    assert "(model type 'lfm2'): short-convolution layers" in refusal[0], refusal[0]
+    assert "(model type 'mamba'): Mamba (selective state-space) layers" in refusal[0], refusal[0]
     assert "serving" not in log.replace("cannot serve", ""), log
