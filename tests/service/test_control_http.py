@@ -57,6 +57,13 @@ def url(served: RunningServer) -> str:
     return served.control_url
 
 
+def _decoding(client: Client, seed: int) -> str:
+    """A long request, once it has its first token."""
+    request_id = client.submit(random_prompt(20, seed), max_new_tokens=900, ignore_eos=True)
+    next(chunk for chunk in client.results(request_id) if chunk.token_ids)
+    return request_id
+
+
 def _generated(client: Client, request_id: str) -> int:
     chunk = next(iter(client.results(request_id, from_index=10**6)))
     assert chunk.usage is not None
@@ -87,8 +94,7 @@ def test_a_route_called_with_another_method_is_405(url: str) -> None:
 def test_pause_keep_holds_the_requests_in_flight_until_resume(
     url: str, client: Client, admin: AdminClient
 ) -> None:
-    request_id = client.submit(random_prompt(20, 3), max_new_tokens=900, ignore_eos=True)
-    next(chunk for chunk in client.results(request_id) if chunk.token_ids)
+    request_id = _decoding(client, seed=3)
     assert control_call(url, "POST", "/pause?mode=keep") == (200, {"status": "paused"})
     try:
         status = admin.status()
@@ -109,8 +115,7 @@ def test_pause_keep_holds_the_requests_in_flight_until_resume(
 def test_pause_generation_takes_its_mode_from_the_body_as_the_gateways_client_sends_it(
     url: str, client: Client, admin: AdminClient
 ) -> None:
-    request_id = client.submit(random_prompt(20, 4), max_new_tokens=900, ignore_eos=True)
-    next(chunk for chunk in client.results(request_id) if chunk.token_ids)
+    request_id = _decoding(client, seed=4)
     assert control_call(url, "POST", "/pause_generation", {"mode": "keep"}) == (200, {"status": "paused"})
     assert admin.status().paused
     assert admin.status().active_requests + admin.status().queued_requests == 1  # kept, not aborted
@@ -122,8 +127,7 @@ def test_pause_generation_takes_its_mode_from_the_body_as_the_gateways_client_se
 def test_pause_in_its_default_mode_aborts_the_requests_in_flight(
     url: str, client: Client, admin: AdminClient
 ) -> None:
-    request_id = client.submit(random_prompt(20, 5), max_new_tokens=900, ignore_eos=True)
-    next(chunk for chunk in client.results(request_id) if chunk.token_ids)
+    request_id = _decoding(client, seed=5)
     assert control_call(url, "POST", "/pause") == (200, {"status": "paused"})
     try:
         assert admin.status().paused
@@ -186,8 +190,7 @@ def test_reset_prefix_cache_drops_the_cached_prompt(url: str, client: Client, ad
 
 
 def test_reset_prefix_cache_with_a_request_in_flight_is_not_a_success(url: str, client: Client) -> None:
-    request_id = client.submit(random_prompt(20, 7), max_new_tokens=900, ignore_eos=True)
-    next(chunk for chunk in client.results(request_id) if chunk.token_ids)
+    request_id = _decoding(client, seed=7)
     try:
         assert control_call(url, "POST", "/reset_prefix_cache") == (200, {"success": False})
         status, reply = control_call(url, "POST", "/reset_prefix_cache?reset_running_requests=true")
