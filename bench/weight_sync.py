@@ -1,6 +1,8 @@
 """Seconds and GB/s to push a model's weights into a running `cbserve serve`: over the weight-update group
 (one broadcast per bucket, `WeightSyncGroup.push`) and over gRPC (`AdminClient.update_weights`, chunks
-with a sha256 each), in the same run, as an RL trainer pushes after every step.
+with a sha256 each), in the same run, as an RL trainer pushes after every step; and the trainer's whole
+call, `push_and_verify` over the group (the push, then the server's digest against the trainer's own),
+phase by phase.
 
     python -m bench.weight_sync                 # ~125M-parameter llama in fp32 (~0.5 GB), gloo, on the CPU
     python -m bench.weight_sync --ipc           # on a GPU: the server on it, gloo, and CUDA IPC from here
@@ -50,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cbserve_client import AdminClient, Client, WeightSyncGroup
+from cbserve_client import AdminClient, AdminFleet, Client, PushReport, WeightSyncGroup, push_and_verify
 from cbserve_client._buckets import DEFAULT_BUCKET_BYTES
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -176,7 +178,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         try:
             server.wait_serving()
             admin_target = f"127.0.0.1:{server.admin_port}"
-            with AdminClient(admin_target, token=TOKEN, timeout=600) as admin:
+            with (
+                AdminClient(admin_target, token=TOKEN, timeout=600) as admin,
+                AdminFleet([admin_target], TOKEN, timeout=600) as fleet,
+            ):
                 trained = [seeded_model(config, seed, device) for seed in (1, 2)]
                 num_parameters = sum(parameter.numel() for parameter in trained[0].parameters())
                 num_bytes = sum(
@@ -184,6 +189,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 )
                 common = {"parameters": num_parameters, "backend": args.backend, "rounds": args.rounds}
                 times: dict[str, list[float]] = {"grpc": [], "group": [], "cuda_ipc": []}
+                verified: list[PushReport] = []
                 correct = True
                 created = time.perf_counter()
                 with WeightSyncGroup.create(admin, master_address="127.0.0.1", backend=args.backend) as group:
@@ -197,6 +203,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                         model = trained[(round_index + 1) % 2]
                         state = model.state_dict()
                         times["grpc"].append(timed(admin.update_weights, state))
+                        correct = correct and check_served(server.target, model)
+                        model = trained[round_index % 2]
+                        verified.append(push_and_verify(fleet, model.state_dict(), group=group))
                         correct = correct and check_served(server.target, model)
                         if args.ipc:
                             shared = seeded_model(
@@ -213,6 +222,21 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                         correct,
                         group_formed_s=round(formed_s, 3),
                         bucket_mib=args.bucket_mib,
+                        **common,
+                    )
+                )
+                records.append(
+                    record(
+                        "push_and_verify",
+                        [report.total_s for report in verified],
+                        num_bytes,
+                        correct,
+                        **{
+                            f"{phase}_median": round(
+                                statistics.median(getattr(report, phase) for report in verified), 3
+                            )
+                            for phase in ("push_s", "trainer_checksum_s", "servers_checksum_s")
+                        },
                         **common,
                     )
                 )

@@ -1,8 +1,9 @@
 """What RL frameworks call, through the Python SDK against live in-process servers: logprobs of the
 sampled distribution (logprobs_mode, per request and as the server's default), the prefix-cache reset
 after a weight sync (refused with requests in flight unless they are aborted), the weights' checksum
-(the server's equals the trainer's own, and a fleet compares every replica in one call), and what Sleep
-reports of memory actually held."""
+(the server's equals the trainer's own, and a fleet compares every replica in one call), `push_and_verify`
+(a push proved by the replicas' digests, with each phase timed), and what Sleep reports of memory actually
+held."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from cbserve_client import (
     FailedPreconditionError,
     InvalidArgumentError,
     WeightsMismatchError,
+    push_and_verify,
     weights_checksum,
 )
 from cbserve_client.proto import generation_pb2, generation_pb2_grpc, types_pb2
@@ -238,6 +240,30 @@ def test_check_weights_passes_on_equal_replicas_and_names_the_one_that_differs(
         finally:
             admin.update_weights({CHANGED: fresh_tiny_model("llama").state_dict()[CHANGED]})
     assert fleet.check_weights(expected=expected).digest == expected.digest
+
+
+def test_push_and_verify_pushes_to_every_replica_and_proves_it_with_their_digests(fleet: AdminFleet) -> None:
+    trained = seeded_tiny_llama(12).state_dict()
+    before = [status.weight_version for status in fleet.status()]
+    try:
+        report = push_and_verify(fleet, trained, version="step-12")
+        assert report.weight_versions == {
+            target: version + 1 for target, version in zip(fleet.targets, before, strict=True)
+        }
+        assert report.checksum.digest == weights_checksum(trained).digest
+        assert [checksum.digest for checksum in fleet.weights_checksum()] == [report.checksum.digest] * 2
+        phases = (report.push_s, report.trainer_checksum_s, report.servers_checksum_s)
+        assert all(seconds > 0 for seconds in phases) and report.total_s >= report.push_s, report
+
+        # A bfloat16 trainer pushing to float32 servers matches only once it says the servers' dtype.
+        bf16 = {name: tensor.to(torch.bfloat16) for name, tensor in trained.items()}
+        with pytest.raises(WeightsMismatchError) as mismatch:
+            push_and_verify(fleet, bf16)
+        assert mismatch.value.reference == "expected" and len(mismatch.value.differing) == 2
+        proved = push_and_verify(fleet, bf16, dtype=torch.float32)
+        assert proved.checksum.digest == weights_checksum(bf16, dtype=torch.float32).digest
+    finally:  # the other tests need the replicas' first weights
+        fleet.update_weights(fresh_tiny_model("llama").state_dict())
 
 
 # ------------------------------------------------------------------ sleep

@@ -1,14 +1,16 @@
 """Batch-invariant mode online: a server started with `batch_invariant=True` (`cbserve serve
 --batch-invariant`) gives a needle prompt the same tokens and logprobs, bit for bit, when one caller sends
-it alone and when sixteen callers send their prompts at the same time over gRPC (issue 33)."""
+it alone and when sixteen callers send their prompts at the same time over gRPC (issue 33), and the SDK's
+`check_logprobs` recomputes those logprobs on the server bit for bit."""
 
 from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
-from cbserve_client import Client, Completion
+from cbserve_client import Client, Completion, check_logprobs
 
 from tests.helpers.models import random_prompt, tiny_model
 from tests.helpers.servers import RunningServer, engine_config_for_tests
@@ -38,6 +40,19 @@ def test_needle_has_the_same_bits_alone_and_among_concurrent_callers() -> None:
             prompts[position] = NEEDLE
         with ThreadPoolExecutor(CALLERS) as pool:
             completions = list(pool.map(lambda prompt: _generate(running.target, prompt), prompts))
+        rollouts = [
+            (prompt, completion.token_ids, [entry.logprob for entry in completion.logprobs or ()])
+            for prompt, completion in zip(prompts[:4], completions[:4], strict=True)
+        ]
+        with Client(running.target, timeout=120) as client:
+            check = check_logprobs(client, rollouts)
+            assert check.max_abs_difference == 0.0, (
+                f"recomputed logprobs differ from the sampled ones by {check.differences}:\n"
+                f"  sampled:    {[rollout[2] for rollout in rollouts]}\n  recomputed: {check.server_logprobs}"
+            )
+            prompt, tokens, logprobs = rollouts[0]
+            off = check_logprobs(client, [(prompt, tokens, [logprobs[0] + 0.25, *logprobs[1:]])])
+            assert off.max_abs_difference == pytest.approx(0.25), "a trainer off by 0.25 is reported so"
     finally:
         running.close()
     assert alone.logprobs is not None

@@ -15,6 +15,8 @@ from cbserve_client import (
     InvalidArgumentError,
     UnavailableError,
     WeightSyncGroup,
+    push_and_verify,
+    weights_checksum,
 )
 
 from tests.helpers.models import random_prompt, seeded_tiny_llama
@@ -101,5 +103,12 @@ def test_one_broadcast_updates_two_replicas(model_dir: Path, tmp_path: Path) -> 
                 trained = seeded_tiny_llama(11)
                 updates = group.push(trained.state_dict(), version="step-1")
                 assert [update.weight_version for update in updates] == [2, 2]
+                # The trainer's one call: the broadcast, then every replica's digest against its own.
+                report = push_and_verify(
+                    fleet, seeded_tiny_llama(12).state_dict(), version="step-2", group=group
+                )
+                assert report.weight_versions == dict.fromkeys(targets, 3)
+                assert report.checksum.digest == weights_checksum(seeded_tiny_llama(12).state_dict()).digest
+                updates = group.push(trained.state_dict(), version="step-3")
             for replica in replicas:
                 _assert_serves(replica.target, trained)

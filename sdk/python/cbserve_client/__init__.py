@@ -65,6 +65,7 @@ from cbserve_client.errors import (
 )
 from cbserve_client.fleet import AdminFleet, replica_targets
 from cbserve_client.session import GenerateSession, SessionStream
+from cbserve_client.trainer import LogprobsCheck, PushReport, check_logprobs, push_and_verify
 from cbserve_client.weight_sync import WeightSyncGroup
 
 __version__ = "0.1.0"
@@ -91,6 +92,7 @@ __all__ = [
     "GenerateSession",
     "InternalError",
     "InvalidArgumentError",
+    "LogprobsCheck",
     "ModelInfo",
     "NotFoundError",
     "OutOfRangeError",
@@ -100,6 +102,7 @@ __all__ = [
     "PrefixCacheReset",
     "Prompt",
     "PromptLogprob",
+    "PushReport",
     "ResourceExhaustedError",
     "SessionStream",
     "SleepResult",
@@ -122,7 +125,9 @@ __all__ = [
     "WeightsUpdate",
     "WeightsUpdateGroupInfo",
     "__version__",
+    "check_logprobs",
     "plan_buckets",
+    "push_and_verify",
     "replica_targets",
     "weights_checksum",
 ]
