@@ -183,8 +183,9 @@ def size_rejection(request: Request, limits: AdmissionLimits) -> Rejection | Non
             RejectionReason.PAST_MAX_MODEL_LEN,
             "max_new_tokens",
             limits.max_model_len,
-            f"request {request.request_id!r} needs {max_tokens} positions ({tokens}) but the model "
-            f"supports at most {limits.max_model_len} (max_position_embeddings)",
+            f"request {request.request_id!r} needs {max_tokens} positions ({tokens}) but the engine serves "
+            f"this model at most {limits.max_model_len} (max_model_len: its max_position_embeddings, or the "
+            "shorter length the engine computes it exactly up to, as logged at load)",
         )
     return None
 

@@ -110,8 +110,9 @@ def test_llama4_position_scaled_queries_bound_requests_below_floor_scale():
     config.floor_scale = 32
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with pytest.raises(ValueError, match="at most 31"):
+    with pytest.raises(ValueError, match="at most 31") as refused:
         engine_tokens(model, [random_prompt(25, seed=25)])  # 25 + 10 new tokens
+    assert "the shorter length the engine computes it exactly up to" in str(refused.value)
     prompts = [random_prompt(length, seed=length) for length in (5, 21)]
     assert engine_tokens(model, prompts) == [
         reference_greedy(model, prompt, NEW_TOKENS) for prompt in prompts
