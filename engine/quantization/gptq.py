@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from engine.quantization.formats import GROUP_SIZE, QuantizationError, QuantizedWeight
-from engine.quantization.linear import QuantizedLinear
+from engine.quantization.linear import QuantizedLinear, is_linear_map
 from engine.quantization.model import replace_module
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def load_quantized_checkpoint(
     tensors = _checkpoint_tensors(folder)
     loaded = []
     for module_name, module in list(model.named_modules()):
-        if type(module) is torch.nn.Linear and f"{module_name}.qweight" in tensors:
+        if is_linear_map(module) and f"{module_name}.qweight" in tensors:
             weight = weight_from_checkpoint(
                 module_name, tensors, quantization, module.out_features, module.in_features
             )

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 
 from engine.quantization import kernel
 from engine.quantization.formats import FP8_FORMATS, QuantizedWeight
 from engine.quantization.fp8 import fp8_linear
 from engine.quantization.int4_tiles import Int4Tiles, int4_tiles_linear
+
+# Subclasses of `nn.Linear` whose forward computes exactly the layer's linear map, `input @ weight.T +
+# bias`, so that the engine quantizes and packs them as it does plain layers. Named one by one, by
+# qualified class name: a subclass's forward may compute anything besides (Llama 4's and Phimoe's routers
+# take a top-k of theirs), so none is taken on trust.
+LINEAR_MAP_SUBCLASSES = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
+def is_linear_map(module: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
+    """Whether `module` is a plain `nn.Linear` or one of `LINEAR_MAP_SUBCLASSES` (the class itself, not a
+    further subclass of it, whose forward may differ)."""
+    module_class = type(module)
+    if module_class is torch.nn.Linear:
+        return True
+    return f"{module_class.__module__}.{module_class.__qualname__}" in LINEAR_MAP_SUBCLASSES
 
 
 class QuantizedLinear(torch.nn.Module):

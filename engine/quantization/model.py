@@ -1,10 +1,13 @@
 """Quantizing a model's linear layers where the engine prepares the model, and weight updates into them.
 
-`quantize_model` replaces each plain `nn.Linear` with a `QuantizedLinear` in the model object itself: the
-full-precision weight is dropped (that is the memory quantization saves), so the model stays quantized
+`quantize_model` replaces each plain `nn.Linear` (and each subclass whose forward is exactly its linear
+map, engine.quantization.linear.LINEAR_MAP_SUBCLASSES: Falcon's) with a `QuantizedLinear` in the model
+object itself; any other linear layer stays full precision, logged by name. The full-precision weight is
+dropped (that is the memory quantization saves), so the model stays quantized
 after the engine that asked for it stops. Layers that are already quantized (loaded from GGUF blocks by
 engine.quantization.gguf_blocks) are kept as they are, and the engine's packing
-(engine.runner.packed_linear) only takes plain `nn.Linear`, so it packs whatever stays full precision.
+(engine.runner.packed_linear) only takes the linear layers quantizing takes, so it packs whatever stays
+full precision.
 
 A tied output layer (lm_head sharing the input embedding's weight) is quantized too: the embedding keeps
 its full-precision table, which a lookup reads one row of per token, while the output layer reads all of
@@ -26,7 +29,7 @@ from engine.quantization.formats import FP8_FORMATS, QuantizationError, quantize
 from engine.quantization.fp8 import fp8_unavailable_reason
 from engine.quantization.int4_tiles import Int4Tiles, int4_tiles_unavailable_reason
 from engine.quantization.int4_tiles import unfit_reason as int4_tiles_unfit_reason
-from engine.quantization.linear import QuantizedLinear
+from engine.quantization.linear import QuantizedLinear, is_linear_map
 from engine.quantization.sharding import ShardedQuantizedLinear, shard_style
 from engine.system.native_library import KernelUnavailable
 
@@ -36,6 +39,23 @@ logger = logging.getLogger(__name__)
 def quantized_layers(model: torch.nn.Module) -> dict[str, QuantizedLinear]:
     """The model's quantized layers by module name."""
     return {name: module for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+
+
+# transformers' GPT-2-style projection: a linear map with its weight stored [in_features, out_features].
+TRANSPOSED_LINEAR_CLASS = "transformers.pytorch_utils.Conv1D"
+
+
+def _unquantizable_linears(model: torch.nn.Module) -> dict[str, str]:
+    """The model's linear layers the engine does not quantize, by name, each with its class: subclasses of
+    `nn.Linear` whose forward may compute more than the linear map, and transposed projections."""
+    found = {}
+    for name, module in model.named_modules():
+        module_class = type(module)
+        qualified = f"{module_class.__module__}.{module_class.__qualname__}"
+        subclass = isinstance(module, torch.nn.Linear) and not is_linear_map(module)
+        if subclass or qualified == TRANSPOSED_LINEAR_CLASS:
+            found[name] = module_class.__name__
+    return found
 
 
 def _check_quantizable(model: torch.nn.Module, weight_format: str) -> None:
@@ -111,7 +131,16 @@ def quantize_model(model: torch.nn.Module, weight_format: str, quantize_activati
             layer.quantize_activations = quantize_activations
         return 0
     _check_quantizable(model, weight_format)
-    linears = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    linears = [(name, module) for name, module in model.named_modules() if is_linear_map(module)]
+    unquantizable = _unquantizable_linears(model)
+    if unquantizable:
+        logger.warning(
+            "%d linear layers stay full precision under %s: the engine quantizes nn.Linear and the "
+            "subclasses whose forward it knows to be the linear map only (%s)",
+            len(unquantizable),
+            weight_format,
+            ", ".join(f"{name} ({class_name})" for name, class_name in unquantizable.items()),
+        )
     unfit = {
         name: reason
         for name, module in linears

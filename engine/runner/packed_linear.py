@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.quantization import kernel
+from engine.quantization.linear import is_linear_map
 from engine.system.untouched_memory import UntouchedHostTensor
 
 logger = logging.getLogger(__name__)
@@ -150,16 +151,17 @@ def panelled_weight(module: torch.nn.Module) -> PanelledWeight | None:
 
 
 def packable_linears(model: torch.nn.Module, min_elements: int | None = None) -> list[torch.nn.Linear]:
-    """The model's linear layers worth packing: plain `nn.Linear` (not a subclass such as a LoRA or
-    quantized layer) with a dense CPU weight of at least `min_elements` (default
-    `MIN_PACKED_WEIGHT_ELEMENTS`) in fp32 or bf16, and no `forward` of their own already set on the
-    instance (as accelerate's hooks and another engine on the same model do)."""
+    """The model's linear layers worth packing: plain `nn.Linear` and the subclasses whose forward is
+    exactly the linear map (engine.quantization.linear.is_linear_map; not a LoRA layer) with a dense CPU
+    weight of at least `min_elements` (default `MIN_PACKED_WEIGHT_ELEMENTS`) in fp32 or bf16, and no
+    `forward` of their own already set on the instance (as accelerate's hooks and another engine on the
+    same model do)."""
     if min_elements is None:
         min_elements = MIN_PACKED_WEIGHT_ELEMENTS
     return [
         module
         for module in model.modules()
-        if type(module) is torch.nn.Linear
+        if is_linear_map(module)
         and "forward" not in module.__dict__
         and type(module.weight.data) is torch.Tensor
         and module.weight.device.type == "cpu"

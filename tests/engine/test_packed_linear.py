@@ -316,3 +316,27 @@ def test_an_engine_that_fails_to_build_leaves_the_model_as_it_was(monkeypatch: p
     with pytest.raises(MemoryError, match="no room for the cache"):
         engine_core.EngineCore(model, ContinuousBatchingConfig(page_size=8, num_blocks=16))
     assert _packed_layers(model) == 0
+
+
+def test_falcons_linear_subclass_is_packed_and_a_subclass_of_unknown_forward_is_not() -> None:
+    """FalconLinear's forward is exactly its linear map, so it runs on packed weights; a subclass whose
+    forward may compute more keeps it."""
+    from tests.helpers.families import tiny_family_model
+
+    class Router(torch.nn.Linear):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return super().forward(hidden_states).topk(2).values
+
+    model = tiny_family_model("falcon")
+    falcon_linears = [module for module in model.modules() if type(module).__name__ == "FalconLinear"]
+    router = Router(8, 4)
+    packed = PackedLinears(torch.nn.ModuleList([model, router]))
+    try:
+        assert falcon_linears and all("forward" in module.__dict__ for module in falcon_linears)
+        assert "forward" not in router.__dict__
+        inputs = torch.randn(3, model.config.hidden_size)
+        layer = falcon_linears[0]
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(inputs), F.linear(inputs, layer.weight, layer.bias))
+    finally:
+        packed.restore()

@@ -19,6 +19,7 @@ from engine.quantization.formats import GROUP_SIZE, QuantizationError, quantize
 from engine.quantization.linear import QuantizedLinear
 from engine.quantization.model import quantize_model, quantized_layers
 from tests.helpers.engine_runs import dequantized_copy, generate_greedy, run_greedy
+from tests.helpers.families import tiny_family_model
 from tests.helpers.models import random_prompt, tiny_config
 from tests.helpers.oracle import assert_greedy_parity
 from tests.helpers.update_group import Trainer, bucket_plan, join_group, push
@@ -157,6 +158,33 @@ def test_a_quantized_engine_matches_generate_on_the_dequantized_weights(family, 
     assert len(layers) == 7 * model.config.num_hidden_layers + 1
     assert {layer.weight_format for layer in layers.values()} == {weight_format}
     assert_greedy_parity(_dequantized_copy(model, family), PROMPTS, NEW_TOKENS, generated, weight_format)
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_falcons_linear_subclass_is_quantized_and_matches_generate_on_the_dequantized_weights(weight_format):
+    """FalconLinear subclasses nn.Linear with a forward that is exactly its linear map: it is quantized
+    like a plain layer, not left in full precision."""
+    model = tiny_family_model("falcon")
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=64, quantization=weight_format, **EXACT)
+    generated, _ = generate_greedy(model, config, PROMPTS, NEW_TOKENS)
+    layers = quantized_layers(model)
+    # Every linear layer: 4 a decoder layer (fused projection, dense, the MLP's two), and the output layer.
+    assert len(layers) == 4 * model.config.num_hidden_layers + 1, sorted(layers)
+    assert not [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    blank = tiny_family_model("falcon")
+    assert_greedy_parity(dequantized_copy(model, blank), PROMPTS, NEW_TOKENS, generated, weight_format)
+
+
+def test_a_linear_subclass_whose_forward_is_not_known_stays_full_precision_named_in_the_log(caplog):
+    class Router(torch.nn.Linear):
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return super().forward(hidden_states).topk(2).values
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), Router(64, 8))
+    with caplog.at_level("WARNING", logger="engine.quantization.model"):
+        assert quantize_model(model, "int8") == 1
+    assert isinstance(model[0], QuantizedLinear) and type(model[1]) is Router
+    assert "1 linear layers stay full precision under int8" in caplog.text and "1 (Router)" in caplog.text
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)
