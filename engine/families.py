@@ -340,6 +340,19 @@ def exact_length_limit(text_config: Any) -> int | None:
     return None
 
 
+def num_key_value_heads(text_config: Any) -> int:
+    """The key (and value) heads each attention layer of this config computes, which is what the cache holds
+    per token: `num_key_value_heads` where the config has one, else the family's own fields. Falcon has
+    none: its new decoder architecture (40B and later) has `num_kv_heads` groups, its multi-query layout
+    (7B) one head every query head reads, its oldest layout one key head per query head."""
+    num_heads: int = text_config.num_attention_heads
+    if text_config.model_type == "falcon":
+        if text_config.new_decoder_architecture:
+            return int(text_config.num_kv_heads)
+        return 1 if text_config.multi_query else num_heads
+    return getattr(text_config, "num_key_value_heads", None) or num_heads
+
+
 def _variant_reason(text_config: Any) -> str | None:
     """What a served family's config turns on that the engine lacks, beyond layer kinds: Falcon's ALiBi
     variant (its rotary variants are served, engine.runner.own_attention.falcon)."""

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine.families import num_key_value_heads
 from engine.kv.block_pool import NULL_BLOCK_ID
 from engine.kv.full_attention import blocks_for_tokens
 from engine.kv.layer_groups import KVCacheGroupSpec
@@ -64,7 +65,7 @@ class KVCacheShape:
         if latent_width is not None:  # one head every query head reads; not sharded (tensor parallelism)
             return cls(text_config.num_hidden_layers, 1, latent_width, dtype, values_are_keys=True)
         num_heads = text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        num_kv_heads = num_key_value_heads(text_config)
         if num_kv_heads % tp_size:
             raise ValueError(
                 f"tensor-parallel size {tp_size} must divide the model's num_key_value_heads ({num_kv_heads})"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.config import ContinuousBatchingConfig
+from engine.families import num_key_value_heads
 from engine.kv.layer_groups import KVCacheGroupSpec, attention_chunks
 from engine.request import Request
 from engine.runner.forward_paths import ForwardPaths
@@ -197,7 +198,7 @@ class ModelRunner:
                 self._value_caches[layer] = cache.value_caches[local_index]
         text_config = model.config.get_text_config()  # type: ignore[operator, union-attr]
         num_heads = text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        num_kv_heads = num_key_value_heads(text_config)
         if kv_caches[0].shape.values_are_keys:  # latent attention: every query head reads the one latent head
             num_kv_heads = 1
         self.forward_paths = ForwardPaths(model, config, self.device, self._key_caches[0].dtype)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig, 
 from engine import ContinuousBatchingConfig, generate_batch
 from engine.errors import UnsupportedModelError
 from engine.families import ALIBI, REFUSED_FAMILIES, SERVED_FAMILIES, UNVERIFIED_FAMILY, refusal_reason
+from engine.runner.kv_cache import KVCacheShape
 from engine.runner.own_attention.registry import ADAPTERS
 from tests.helpers.families import (
     LONG_PROMPT,
@@ -192,6 +193,25 @@ def test_falcons_other_rotary_layouts_give_model_generates_tokens(layout):
     assert engine_tokens(model, prompts) == [
         reference_greedy(model, prompt, NEW_TOKENS) for prompt in prompts
     ]
+
+
+@pytest.mark.parametrize(
+    ("layout", "kv_heads"),
+    [
+        (dict(), 1),
+        (dict(new_decoder_architecture=True, num_kv_heads=2), 2),
+        (dict(multi_query=False, parallel_attn=False), 4),
+    ],
+    ids=["multi_query", "grouped_query", "one_key_per_head"],
+)
+def test_falcons_cache_holds_the_key_heads_its_layout_computes(layout, kv_heads):
+    """FalconConfig has no num_key_value_heads: the cache reads each layout's own fields, so a
+    multi-query Falcon caches one head, not one per query head."""
+    config = tiny_family_config("falcon")
+    for name, value in layout.items():
+        setattr(config, name, value)
+    shape = KVCacheShape.from_model_config(config, torch.float32)
+    assert (shape.num_kv_heads, shape.head_dim) == (kv_heads, 16), shape
 
 
 def test_falcon_with_alibi_is_refused_naming_alibi():

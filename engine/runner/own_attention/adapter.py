@@ -26,13 +26,8 @@ def attend(
     token attended to its own request's cached keys (with the layer's cache group's window), after this
     step's keys and values are written.
 
-    The cache holds as many KV heads as the engine's cache shape says (engine.runner.kv_cache); where the
-    family shares fewer key heads among its query heads (Falcon's multi-query layout), each key head is
-    repeated for the query heads that read it, which attends exactly as sharing it would."""
-    cache_heads = metadata.key_caches[layer_index].shape[1]
-    if key.shape[2] != cache_heads:
-        repeats = cache_heads // key.shape[2]
-        key, value = key.repeat_interleave(repeats, dim=2), value.repeat_interleave(repeats, dim=2)
+    key and value carry each KV head once, as many as the cache holds (engine.families.num_key_value_heads):
+    the query heads that share one read it through the kernels' grouped-query folding."""
     attended, _ = paged_sdpa_attention(
         module,
         query.transpose(1, 2),
