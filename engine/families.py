@@ -15,7 +15,7 @@ name, never on trust:
 - a model type in neither (a newer transformers, remote code) is refused as unverified.
 
 Within a served family, a config may still turn on what the engine lacks (`layer_types` naming another
-layer kind, Falcon's ALiBi): `refusal_reason` checks those too. docs/model-families.md is generated from
+layer kind): `refusal_reason` checks those too. docs/model-families.md is generated from
 these tables (scripts/generate_family_table.py).
 """
 
@@ -38,6 +38,7 @@ SERVED_FAMILIES = frozenset(
         "beam",
         "biogpt",
         "bitnet",
+        "bloom",
         "codegen",
         "cohere",
         "cohere2",
@@ -94,6 +95,7 @@ SERVED_FAMILIES = frozenset(
         "mistral",
         "mixtral",
         "modernbert-decoder",
+        "mpt",
         "nanochat",
         "nemotron",
         "olmo",
@@ -126,7 +128,6 @@ ATTENTION_SINKS = (
 CHUNKED_ATTENTION = (
     "chunked local attention (tokens attend within their chunk only): the paged kernels do not bound it"
 )
-ALIBI = "ALiBi position biases: the model adds them through its own mask, which the paged kernels do not read"
 SPARSE_ATTENTION = (
     "sparse attention (a learned top-k selection of keys): the paged kernels attend to every key"
 )
@@ -185,7 +186,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "bigbird_pegasus": ENCODER_DECODER,
     "blenderbot": ENCODER_DECODER,
     "blenderbot-small": ENCODER_DECODER,
-    "bloom": ALIBI,
     "blt": MULTIMODAL,
     "camembert": ENCODER,
     "cohere_compass_text": UNTESTED,
@@ -240,7 +240,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "mllama": MULTIMODAL,
     "moshi": MULTIMODAL,
     "moss_transcribe_diarize": MULTIMODAL,
-    "mpt": ALIBI,
     "musicgen": MULTIMODAL,
     "musicgen_melody": MULTIMODAL,
     "mvp": ENCODER_DECODER,
@@ -353,14 +352,6 @@ def num_key_value_heads(text_config: Any) -> int:
     return getattr(text_config, "num_key_value_heads", None) or num_heads
 
 
-def _variant_reason(text_config: Any) -> str | None:
-    """What a served family's config turns on that the engine lacks, beyond layer kinds: Falcon's ALiBi
-    variant (its rotary variants are served, engine.runner.own_attention.falcon)."""
-    if text_config.model_type == "falcon" and getattr(text_config, "alibi", False):
-        return ALIBI
-    return None
-
-
 def refusal_reason(config: Any) -> str | None:
     """Why the engine refuses a model with this config, or None when it serves it exactly."""
     model_type: str = getattr(config, "model_type", "") or ""
@@ -369,7 +360,7 @@ def refusal_reason(config: Any) -> str | None:
     if model_type not in SERVED_FAMILIES:
         return UNVERIFIED_FAMILY
     text_config = config.get_text_config()
-    return _variant_reason(text_config) or _layer_kind_reason(text_config)
+    return _layer_kind_reason(text_config)
 
 
 def check_model_support(config: Any, class_name: str) -> None:

@@ -72,16 +72,23 @@ into the tile of the one latent head: at DeepSeek's head counts and the latent's
 far larger than for any other family. `axk2` and `deepseek_v32` add a learned top-k selection of keys and
 stay refused.
 
-Falcon, GPT-J, CodeGen and GPT-Neo compute attention in their own code, not through transformers' attention
-interface: the engine stands in for their attention modules with an adapter of its own
-(engine/runner/own_attention/, one module per family), which projects and rotates with the model's own
+Falcon, GPT-J, CodeGen, GPT-Neo, Bloom and MPT compute attention in their own code, not through
+transformers' attention interface: the engine stands in for their attention modules with an adapter of its
+own (engine/runner/own_attention/, one module per family), which projects and rotates with the model's own
 weights and rotary code at the engine's positions, then attends through the same paged attention as every
 other family. Such a family is refused at load, with one line naming the family and the combination,
 under tensor parallelism (the adapter splits heads by the whole model's head count), with `batch_invariant`
 (a trainer's forwards would run the model's own attention, not the engine's kernel) and with
 torch.compile (the adapter finds the step's caches through the running step, which a compiled graph cannot
-bind). Quantization and CUDA graphs run the adapter as installed; neither is tested for these families.
-Falcon's ALiBi variant (`alibi=True`) is refused as ALiBi is.
+bind). Quantization and CUDA graphs run the adapter as installed; int8 and int4 are tested for Falcon, CUDA
+graphs for none of these families.
+
+Bloom, MPT and Falcon's ALiBi variant (`alibi=True`) add ALiBi's per-head slope times the key's position to
+each score; every attention path adds it (the CPU kernel, the Triton kernel, the gathered softmax), as slope
+times the key's distance behind the query, which the softmax reads the same. Falcon also rounds each slope
+times position product to bf16, which the engine reproduces where it is exact (2, 4 or 8 heads, positions
+below 256) and otherwise computes exactly, within 2^-9 of Falcon's. transformers' MPT builds its slopes
+with `alibi_bias_max` 8 whatever its config says, and so does the engine.
 
 ## Recurrent layers
 

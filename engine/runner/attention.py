@@ -218,11 +218,14 @@ def paged_attention(
     """query [1, H, T, D], key/value [1, H_kv, T, D] -> output [1, T, H, D].
 
     `sliding_window` needs no handling here: each cache group's masks already apply its window. Attention
-    sinks arrive as `s_aux` [H] (gpt-oss's keyword), one logit per query head. `layer_index` is the
+    sinks arrive as `s_aux` [H] (gpt-oss's keyword), one logit per query head; ALiBi slopes as
+    `alibi_slopes` [H] (engine.runner.own_attention's adapters for Bloom, MPT and Falcon's ALiBi variant),
+    one per query head. `layer_index` is the
     module's `layer_idx` unless given (engine.runner.own_attention's adapters give it: some families
     name it otherwise).
     """
     sinks: torch.Tensor | None = kwargs.get("s_aux")  # type: ignore[assignment]
+    alibi_slopes: torch.Tensor | None = kwargs.get("alibi_slopes")  # type: ignore[assignment]
     if paged_metadata is None and not torch.compiler.is_compiling():
         paged_metadata = bound_step_metadata()
     if paged_metadata is None:
@@ -259,10 +262,12 @@ def paged_attention(
         return latent_attention(kernel, module, layer_index, query, paged_metadata, scaling, softcap), None
     if paged_metadata.kernel_inputs is not None:
         return _kernel_attention(
-            layer_index, query, key, value, paged_metadata, scaling, softcap, sinks
+            layer_index, query, key, value, paged_metadata, scaling, softcap, sinks, alibi_slopes
         ), None
     gathered = _gather_attention if paged_metadata.is_decode_only else _varlen_gather_attention
-    return gathered(kernel, layer_index, query, key, value, paged_metadata, scaling, softcap, sinks), None
+    return gathered(
+        kernel, layer_index, query, key, value, paged_metadata, scaling, softcap, sinks, alibi_slopes
+    ), None
 
 
 def _write_keys_and_values(
@@ -303,6 +308,7 @@ def _kernel_attention(
     scaling: float | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel path: one launch for the whole step, keys read in place.
 
@@ -312,7 +318,7 @@ def _kernel_attention(
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     rows = query[0].transpose(0, 1)
     keys, values = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    return write_and_attend(layer_index, rows, keys, values, meta, scale, softcap, sinks)[None]
+    return write_and_attend(layer_index, rows, keys, values, meta, scale, softcap, sinks, alibi_slopes)[None]
 
 
 def write_and_attend(
@@ -324,12 +330,13 @@ def write_and_attend(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer's attention on the kernel path: writes the step's keys and values [T, H_kv, D] into the
     layer's caches, then attends the queries [T, H, D] to their requests' keys (with the layer's sink
-    logits [H], if it has them); returns [T, H, D]."""
+    logits [H] and ALiBi slopes [H], if it has them); returns [T, H, D]."""
     _write_keys_and_values(layer_index, keys, values, meta)
-    return attend_written(layer_index, queries, meta, scale, softcap, sinks)
+    return attend_written(layer_index, queries, meta, scale, softcap, sinks, alibi_slopes)
 
 
 def attend_written(
@@ -339,6 +346,7 @@ def attend_written(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`write_and_attend` once the step's keys and values of the layer are in its caches."""
     group = meta.layer_groups[layer_index]
@@ -362,6 +370,7 @@ def attend_written(
         inputs.fixed_order,
         sinks,
         meta.attention_chunk(layer_index),
+        alibi_slopes,
     )
 
 
@@ -375,13 +384,16 @@ def _gather_attention(
     scaling: float | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gather path: every batch of the step, each filling the rows it names. A decode-only step has one
     batch covering every row in order (`output_rows` None), which is the output itself, or, run eagerly,
     batches of similar length (engine.runner.inputs.decode_buckets); a step with prefill chunks has one
     batch per chunk besides its decode rows."""
     rows, key_cache, value_cache, group, scale = _write_caches(layer_index, query, key, value, meta, scaling)
-    return gather_written(kernel, rows, key_cache, value_cache, group, meta, scale, softcap, sinks)[None]
+    return gather_written(
+        kernel, rows, key_cache, value_cache, group, meta, scale, softcap, sinks, alibi_slopes
+    )[None]
 
 
 def gather_written(
@@ -394,13 +406,18 @@ def gather_written(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The gather path once the step's keys and values are in the caches: rows [T, H, D] -> [T, H, D]."""
     if len(meta.batches) == 1 and meta.batches[0].output_rows is None:
-        return attend(kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap, sinks)
+        return attend(
+            kernel, meta.batches[0], group, rows, key_cache, value_cache, scale, softcap, sinks, alibi_slopes
+        )
     output = torch.zeros_like(rows)
     for batch in meta.batches:
-        attended = attend(kernel, batch, group, rows, key_cache, value_cache, scale, softcap, sinks)
+        attended = attend(
+            kernel, batch, group, rows, key_cache, value_cache, scale, softcap, sinks, alibi_slopes
+        )
         output.index_copy_(0, batch.output_rows, attended)  # type: ignore[arg-type]
     return output
 
@@ -421,9 +438,14 @@ def attend(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rows [T, H, D] -> [N, H, D]: the batch's real queries attended over their own keys (with the
-    layer's sink logits [H], if it has them)."""
+    layer's sink logits [H] and ALiBi slopes [H], if it has them).
+
+    ALiBi's bias is slope * key column: a request's columns are its consecutive key positions from its
+    first, so the bias differs from the model's slope * key position by a constant per row, which the
+    softmax does not see."""
     num_requests, num_queries = batch.query_rows.shape
     num_heads, head_dim = rows.shape[1], rows.shape[2]
     num_kv_heads = key_cache.shape[1]
@@ -449,9 +471,12 @@ def attend(
         .expand(-1, -1, num_queries)
         .reshape(1, num_kv_heads, -1, 1)
     )
-    attended = kernel(
-        grouped, keys, values, batch.masks[group], scale, softcap, row_sinks
-    )  # [S, H_kv, G*Q, D]
+    mask = batch.masks[group]
+    if alibi_slopes is not None:
+        row_slopes = alibi_slopes.view(num_kv_heads, group_size, 1).expand(-1, -1, num_queries)
+        columns = torch.arange(key_slots.shape[1], device=mask.device, dtype=mask.dtype)
+        mask = mask + row_slopes.reshape(1, num_kv_heads, -1, 1).to(mask.dtype) * columns
+    attended = kernel(grouped, keys, values, mask, scale, softcap, row_sinks)  # [S, H_kv, G*Q, D]
     result = (
         attended.view(num_requests, num_kv_heads, group_size, num_queries, head_dim)
         .permute(0, 3, 1, 2, 4)

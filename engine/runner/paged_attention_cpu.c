@@ -25,7 +25,11 @@
    not on the tile it shares: every tile transposes its keys (scores then come from one loop whatever the
    tile's size, where a decode tile would otherwise take dot products), and chunks of keys start at
    multiples of KEYS_PER_CHUNK (with a sliding window they would start at the tile's first key). Without
-   it, a query's scores and softmax sums round differently in a decode tile than in a prefill tile. */
+   it, a query's scores and softmax sums round differently in a decode tile than in a prefill tile.
+
+   With ALiBi slopes (Bloom, MPT, Falcon's ALiBi variant), each score gets its head's slope times the key's
+   distance behind the query, slope * (key position - query position): the model adds slope * key
+   position, which differs by a constant per row, and a softmax does not see such a constant. */
 
 #include <math.h>
 #include <stdint.h>
@@ -135,6 +139,7 @@ typedef struct {
     int64_t attention_chunk; /* keys a query sees start at its chunk's first position (Llama 4) */
     int fixed_order;
     const float *sinks; /* [num_heads] or NULL: a learned logit per query head in every softmax (gpt-oss) */
+    const float *alibi_slopes; /* [num_heads] or NULL: ALiBi's slope per query head */
 } Step;
 
 /* Writes the chunk's keys of every KV head into scratch->transposed_keys, position innermost; positions
@@ -260,6 +265,11 @@ static void attend_chunk(const Step *step, Scratch *scratch, int64_t num_rows, i
         if (step->softcap > 0.0f)
             for (int64_t key = begin; key < end; key++)
                 scores[key] = step->softcap * tanhf(scores[key] / step->softcap);
+        if (step->alibi_slopes != NULL) {
+            const float slope = step->alibi_slopes[row % num_heads];
+            const int64_t distance = chunk - scratch->positions[row]; /* of the chunk's first key */
+            for (int64_t key = begin; key < end; key++) scores[key] += slope * (float)(distance + key);
+        }
         /* Its own loop, so the maximum is taken a vector at a time rather than one key after another. */
         float chunk_max = -INFINITY;
 #pragma omp simd reduction(max : chunk_max)
@@ -477,12 +487,12 @@ int paged_attention(int dtype, const void *queries, int64_t stride_query_row, in
                     int64_t stride_output_head, int64_t num_kv_heads, int64_t group_size, int64_t head_dim,
                     int64_t queries_per_tile, int64_t page_size, float scale, float softcap,
                     int64_t sliding_window, int64_t attention_chunk, int fixed_order, const float *sinks,
-                    int num_threads) {
+                    const float *alibi_slopes, int num_threads) {
     const Step step = {dtype, queries, stride_query_row, stride_query_head, key_cache, value_cache,
                        stride_cache_slot, stride_cache_head, block_table, stride_table_row, query_starts,
                        seq_lens, tile_requests, tile_offsets, output, stride_output_row, stride_output_head,
                        num_kv_heads, group_size, head_dim, queries_per_tile, page_size, scale, softcap,
-                       sliding_window, attention_chunk, fixed_order, sinks};
+                       sliding_window, attention_chunk, fixed_order, sinks, alibi_slopes};
     const int64_t max_rows = queries_per_tile * num_kv_heads * group_size;
     /* Parts per tile: enough that every thread has work, when the tiles alone do not give it and their
        requests are long enough to pay for it. */

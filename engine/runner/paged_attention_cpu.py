@@ -60,7 +60,7 @@ _ARGUMENT_TYPES: list[Any] = [
     _pointer, _int64, _int64,  # output, row and head strides
     _int64, _int64, _int64, _int64, _int64,  # kv heads, group size, head dim, queries per tile, page size
     ctypes.c_float, ctypes.c_float, _int64, _int64,  # scale, softcap (<= 0: none), sliding window, chunk
-    ctypes.c_int, _pointer, ctypes.c_int,  # fixed order, sinks (NULL: none), threads
+    ctypes.c_int, _pointer, _pointer, ctypes.c_int,  # fixed order, sinks, ALiBi slopes (NULL: none), threads
 ]  # fmt: skip
 # Stands for "no sliding window": larger than any position.
 NO_WINDOW = 1 << 62
@@ -113,6 +113,7 @@ def attend_in_place(
     fixed_order: bool = False,
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """queries [T, H, D] -> [T, H, D]; the contract of `paged_attention_kernel.paged_attention`.
 
@@ -128,6 +129,7 @@ def attend_in_place(
     queries, output = kernel_queries_and_output(queries, has_unowned_rows)
     # Read as float32 whatever the model's dtype; held here until the call returns.
     sink_logits = sinks.float().contiguous() if sinks is not None else None
+    slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
     status = library.paged_attention(
         DTYPE_CODES[queries.dtype],
         queries.data_ptr(),
@@ -158,6 +160,7 @@ def attend_in_place(
         attention_chunk if attention_chunk is not None else NO_WINDOW,
         int(fixed_order),
         sink_logits.data_ptr() if sink_logits is not None else None,
+        slopes.data_ptr() if slopes is not None else None,
         torch.get_num_threads(),
     )
     if status != 0:

@@ -50,6 +50,7 @@ def _paged_attention_kernel(
     tile_offsets_ptr,  # [P] index of the tile's first query among its request's queries
     output_ptr,  # [T, H, D]
     sinks_ptr,  # [H] float32 logit per query head added to every softmax (read when USE_SINKS)
+    alibi_ptr,  # [H] float32 ALiBi slope per query head (read when USE_ALIBI)
     scale,
     softcap,
     sliding_window,
@@ -70,6 +71,7 @@ def _paged_attention_kernel(
     BLOCK_KEYS: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
     USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -102,6 +104,8 @@ def _paged_attention_kernel(
         other=0.0,
     )
     query_positions = context_len + queries
+    if USE_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=row_valid, other=0.0)
 
     # Keys this tile reads: from the window (or chunk) start of its first query to its last query's position.
     first_query_position = context_len + query_offset
@@ -134,6 +138,9 @@ def _paged_attention_kernel(
         if USE_SOFTCAP:
             # tanh(x) = 1 - 2 / (exp(2x) + 1), finite for every x.
             scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+        if USE_ALIBI:
+            distances = (positions[None, :] - query_positions[:, None]).to(tl.float32)
+            scores += slopes[:, None] * distances
         allowed = (
             key_valid[None, :]
             & (positions[None, :] <= query_positions[:, None])
@@ -190,6 +197,7 @@ def paged_attention(
     fixed_order: bool = False,
     sinks: torch.Tensor | None = None,
     attention_chunk: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """queries [T, H, D] -> [T, H, D].
 
@@ -197,8 +205,8 @@ def paged_attention(
     positions, and finds its keys through block_table[r]. Each query attends causally (and within
     `sliding_window`) to its request's keys; `sinks` [H] (gpt-oss) adds one logit per query head to every
     softmax, a score with no value; with `attention_chunk` (Llama 4), a query sees only its own chunk's
-    keys. With `has_unowned_rows` (a padded step), rows no request owns are zero; otherwise every row is
-    written and the output is not cleared first.
+    keys; `alibi_slopes` [H] (ALiBi) add slope * (key position - query position) to each score. With
+    `has_unowned_rows` (a padded step), rows no request owns are zero; otherwise every row is written.
 
     `fixed_order` (batch-invariant mode) asks that each query's output have the same bits whatever tile
     serves it. A row's dots, maxima and sums here depend only on the tile's shape (its keys start at
@@ -210,12 +218,10 @@ def paged_attention(
             f"fixed_order needs tiles of {PREFILL_QUERIES_PER_TILE} queries in every step, "
             f"got {queries_per_tile}"
         )
-    num_heads, head_dim = queries.shape[1], queries.shape[2]
-    num_kv_heads = key_cache.shape[1]
+    num_heads, head_dim, num_kv_heads = queries.shape[1], queries.shape[2], key_cache.shape[1]
     group_size = num_heads // num_kv_heads
     queries, output = kernel_queries_and_output(queries, has_unowned_rows)
-    block_group = triton.next_power_of_2(group_size)
-    block_dim = triton.next_power_of_2(head_dim)
+    block_group, block_dim = triton.next_power_of_2(group_size), triton.next_power_of_2(head_dim)
     use_dot = queries_per_tile * block_group >= MIN_DOT_SIZE and block_dim >= MIN_DOT_SIZE
     _paged_attention_kernel[(tile_requests.shape[0], num_kv_heads)](
         queries,
@@ -227,7 +233,7 @@ def paged_attention(
         tile_requests,
         tile_offsets,
         output,
-        sinks.float().contiguous() if sinks is not None else output,
+        *(output if bias is None else bias.float().contiguous() for bias in (sinks, alibi_slopes)),
         scale,
         softcap if softcap is not None else 1.0,
         sliding_window if sliding_window is not None else NO_WINDOW,
@@ -248,6 +254,7 @@ def paged_attention(
         BLOCK_KEYS=KEYS_PER_TILE,
         USE_SOFTCAP=softcap is not None,
         USE_SINKS=sinks is not None,
+        USE_ALIBI=alibi_slopes is not None,
         USE_DOT=use_dot,
         DOT_PRECISION="ieee" if queries.dtype == torch.float32 else "tf32",
     )

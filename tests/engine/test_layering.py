@@ -95,10 +95,13 @@ ENGINE_LAYERS: list[set[str]] = [
         # Attention adapters for families whose attention is the model's own code, installed by the engine.
         "engine.runner.own_attention",
         "engine.runner.own_attention.adapter",
+        "engine.runner.own_attention.alibi",
+        "engine.runner.own_attention.bloom",
         "engine.runner.own_attention.codegen",
         "engine.runner.own_attention.falcon",
         "engine.runner.own_attention.gpt_neo",
         "engine.runner.own_attention.gptj",
+        "engine.runner.own_attention.mpt",
         "engine.runner.own_attention.registry",
         "engine.runner.model_runner",
         # Recurrent layers: their engine forwards, state tensors and per-step state inputs.

@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig, 
 
 from engine import ContinuousBatchingConfig, generate_batch
 from engine.errors import UnsupportedModelError
-from engine.families import ALIBI, REFUSED_FAMILIES, SERVED_FAMILIES, UNVERIFIED_FAMILY, refusal_reason
+from engine.families import REFUSED_FAMILIES, SERVED_FAMILIES, UNVERIFIED_FAMILY, refusal_reason
 from engine.runner.kv_cache import KVCacheShape
+from engine.runner.own_attention.alibi import geometric_slopes, mpt_slopes
 from engine.runner.own_attention.registry import ADAPTERS
 from tests.helpers.families import (
     LONG_PROMPT,
@@ -214,10 +215,54 @@ def test_falcons_cache_holds_the_key_heads_its_layout_computes(layout, kv_heads)
     assert (shape.num_kv_heads, shape.head_dim) == (kv_heads, 16), shape
 
 
-def test_falcon_with_alibi_is_refused_naming_alibi():
-    config = tiny_family_config("falcon")
-    config.alibi = True
-    assert refusal_reason(config) == ALIBI
+# ALiBi families (engine.runner.own_attention.alibi) beside the conformance test's default configs: Falcon's
+# ALiBi variant in each of its fused layouts, and Bloom with 6 heads, past the largest power of two.
+ALIBI_CONFIGS = {
+    "falcon_multi_query": ("falcon", dict(alibi=True)),
+    "falcon_grouped_query": ("falcon", dict(alibi=True, new_decoder_architecture=True, num_kv_heads=2)),
+    "falcon_one_key_per_head": ("falcon", dict(alibi=True, multi_query=False, parallel_attn=False)),
+    "bloom_six_heads": ("bloom", dict(n_head=6, hidden_size=96)),
+}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [dict(), dict(max_blocks_per_request=0), dict(max_batch_tokens=16)],
+    ids=["kernel", "gather", "chunked"],
+)
+@pytest.mark.parametrize("variant", sorted(ALIBI_CONFIGS))
+def test_alibi_configs_give_model_generates_tokens_alone_and_batched(variant, config):
+    model_type, fields = ALIBI_CONFIGS[variant]
+    model_config = tiny_family_config(model_type)
+    for name, value in fields.items():
+        setattr(model_config, name, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).eval()
+    prompts = [random_prompt(length, seed=length) for length in PROMPT_LENGTHS]
+    expected = [reference_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
+    for label, batch, wanted in (("alone", prompts[-1:], expected[-1:]), ("batched", prompts, expected)):
+        for prompt, tokens, reference in zip(
+            batch, engine_tokens(model, batch, **config), wanted, strict=True
+        ):
+            assert tokens == reference, (
+                f"{variant} {label}, prompt of {len(prompt)} tokens, differs from model.generate\n"
+                f"  engine:   {tokens}\n  generate: {reference}"
+            )
+
+
+@pytest.mark.parametrize("num_heads", range(1, 72))
+def test_alibi_slopes_have_the_bits_of_the_models_own_bias(num_heads):
+    """Bloom's slope * position at position 1, Falcon's (its bf16 slopes), MPT's relative to the last key."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor as bloom_alibi
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor as falcon_alibi
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    cpu = torch.device("cpu")
+    two_tokens = torch.ones(1, 2, dtype=torch.long)
+    slopes = geometric_slopes(num_heads, cpu)
+    assert torch.equal(slopes, bloom_alibi(two_tokens, num_heads, torch.float32)[:, 0, 1])
+    assert torch.equal(slopes.bfloat16().float(), falcon_alibi(two_tokens, num_heads, torch.float32)[:, 0, 1])
+    assert torch.equal(mpt_slopes(num_heads, 8, cpu), -build_mpt_alibi_tensor(num_heads, 2)[:, 0, 0])
 
 
 @pytest.mark.parametrize(

@@ -56,9 +56,11 @@ def _reference(
     window,
     sinks=None,
     chunk=None,
+    alibi_slopes=None,
 ):
     """Per request, query and head: gather the keys the query may see by position, softmax in fp32 (with
-    the head's sink as one more score whose value is zero, as gpt-oss's eager attention computes it)."""
+    the head's sink as one more score whose value is zero, as gpt-oss's eager attention computes it, and
+    ALiBi's bias as Bloom adds it, slope * key position)."""
     num_heads = queries.shape[1]
     group = num_heads // key_cache.shape[1]
     output = torch.zeros_like(queries)
@@ -77,6 +79,8 @@ def _reference(
                 scores = keys[:, head // group] @ queries[row, head].float() * scale
                 if softcap is not None:
                     scores = torch.tanh(scores / softcap) * softcap
+                if alibi_slopes is not None:
+                    scores = scores + alibi_slopes[head].float() * positions.float()
                 if sinks is not None:
                     probabilities = torch.softmax(torch.cat([scores, sinks[head : head + 1].float()]), 0)[:-1]
                 else:
@@ -141,7 +145,7 @@ def test_the_cpu_kernel_splitting_a_lone_tiles_keys_matches_a_gathered_softmax(
 
 def _check_against_a_gathered_softmax(
     kernel_module, step, num_heads, num_kv_heads, head_dim, page_size, softcap, window, monkeypatch,
-    device=TEST_DEVICE, with_sinks=False, chunk=None,
+    device=TEST_DEVICE, with_sinks=False, chunk=None, alibi_slopes=None,
 ) -> None:  # fmt: skip
     generator = torch.Generator().manual_seed(num_heads * 1000 + head_dim + page_size)
     shape, queries_per_tile, threads = STEPS[step]
@@ -176,9 +180,9 @@ def _check_against_a_gathered_softmax(
     sinks = (torch.rand(num_heads, generator=generator) * 4 - 1).to(device) if with_sinks else None
     output = kernel_module.paged_attention(
         *device_tensors, *tiles, queries_per_tile, page_size, scale, softcap, window, has_unowned_rows=True,
-        sinks=sinks, attention_chunk=chunk,
+        sinks=sinks, attention_chunk=chunk, alibi_slopes=alibi_slopes,
     )  # fmt: skip
-    expected = _reference(*device_tensors, page_size, scale, softcap, window, sinks, chunk)
+    expected = _reference(*device_tensors, page_size, scale, softcap, window, sinks, chunk, alibi_slopes)
     torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)
 
 
@@ -201,6 +205,40 @@ def test_kernel_with_chunked_attention_matches_a_softmax_over_each_querys_chunk(
     """Llama 4's chunked layers: a query sees its own chunk's keys only, chunks shorter and longer than a
     tile or a page."""
     _check_against_a_gathered_softmax(kernel_module, step, 8, 2, 16, 8, None, None, monkeypatch, chunk=chunk)
+
+
+# Bloom's slopes for 8 heads (2^-1 .. 2^-8) and for 6, not a power of two (4 from 2^-2, 2 between them).
+ALIBI_SLOPES = {
+    8: torch.tensor([2.0**-power for power in range(1, 9)]),
+    6: torch.tensor([2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]),
+}
+
+
+@pytest.mark.parametrize("step", ["mixed", "decode"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(8, 2, 16), (6, 6, 24)], ids=["grouped", "six_heads"]
+)
+def test_kernel_with_alibi_matches_a_softmax_with_the_models_position_bias(
+    kernel_module, step, num_heads, num_kv_heads, head_dim, monkeypatch
+):
+    """Bloom, MPT, Falcon's ALiBi: the kernel adds slope * (key - query position), the softmax of which is
+    the model's with slope * key position, over contexts long enough (150 keys) that the bias decides
+    which keys count."""
+    _check_against_a_gathered_softmax(
+        kernel_module, step, num_heads, num_kv_heads, head_dim, 8, None, None, monkeypatch,
+        alibi_slopes=ALIBI_SLOPES[num_heads].to(TEST_DEVICE),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("step", ["one_decode", "one_prefill"])
+def test_the_cpu_kernel_with_alibi_splitting_a_tiles_keys_matches_a_gathered_softmax(step, monkeypatch):
+    """Each part of a split tile adds the bias of its own keys' positions."""
+    from engine.runner import paged_attention_cpu
+
+    _check_against_a_gathered_softmax(
+        paged_attention_cpu, step, 8, 2, 16, 8, None, None, monkeypatch, device=torch.device("cpu"),
+        alibi_slopes=ALIBI_SLOPES[8],
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("step", ["one_decode", "one_prefill"])

@@ -21,10 +21,12 @@ def attend(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [1, T, H, D], key/value [1, T, H_kv, D] of the step's packed tokens -> [1, T, H * D]: each
     token attended to its own request's cached keys (with the layer's cache group's window), after this
-    step's keys and values are written.
+    step's keys and values are written, with ALiBi's bias when `alibi_slopes` [H] are given
+    (engine.runner.own_attention.alibi).
 
     key and value carry each KV head once, as many as the cache holds (engine.families.num_key_value_heads):
     the query heads that share one read it through the kernels' grouped-query folding."""
@@ -37,5 +39,6 @@ def attend(
         scaling=scale,
         paged_metadata=metadata,
         layer_index=layer_index,
+        alibi_slopes=alibi_slopes,
     )
     return attended.reshape(1, query.shape[1], -1)

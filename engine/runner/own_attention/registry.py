@@ -19,14 +19,17 @@ import torch
 
 from engine.config import ContinuousBatchingConfig
 from engine.runner.attention import bound_step_metadata
-from engine.runner.own_attention import codegen, falcon, gpt_neo, gptj
+from engine.runner.own_attention import bloom, codegen, falcon, gpt_neo, gptj, mpt
 
-# One row per family: the module whose `forward` stands in for its attention modules' own.
+# One row per family: the module whose `forward` stands in for its attention modules' own, and whose
+# `install_model_hooks`, where it has one, adapts what the model builds around attention for the steps.
 ADAPTERS: dict[str, ModuleType] = {
+    "bloom": bloom,
     "codegen": codegen,
     "falcon": falcon,
     "gpt_neo": gpt_neo,
     "gptj": gptj,
+    "mpt": mpt,
 }
 
 
@@ -81,6 +84,7 @@ class InstalledAdapters:
     def __init__(self, model: torch.nn.Module) -> None:
         family = adapted_family(model)
         self._modules: list[torch.nn.Module] = []
+        self._restore_model_hooks: Callable[[], None] | None = None
         if family is None:
             return
         adapter = ADAPTERS[family]
@@ -93,9 +97,15 @@ class InstalledAdapters:
                 f"{type(model).__name__} has no module of class {', '.join(adapter.ATTENTION_CLASSES)} "
                 "for its attention adapter to stand in for"
             )
+        install_model_hooks = getattr(adapter, "install_model_hooks", None)
+        if install_model_hooks is not None:
+            self._restore_model_hooks = install_model_hooks(model)
 
     def restore(self) -> None:
         """Gives every adapted module its own forward back (idempotent)."""
         for module in self._modules:
             del module.forward
         self._modules = []
+        if self._restore_model_hooks is not None:
+            self._restore_model_hooks()
+            self._restore_model_hooks = None
