@@ -59,6 +59,13 @@ def test_every_causal_lm_family_is_either_served_or_refused_by_name():
     assert not both, f"families both served and refused: {both}"
 
 
+def test_the_readme_counts_the_families_these_tables_serve():
+    readme = (ROOT / "README.md").read_text()
+    served, installed = len(SERVED_FAMILIES), len(SERVED_FAMILIES) + len(REFUSED_FAMILIES)
+    claim = f"{served} of the {installed} model types of transformers"
+    assert claim in readme, f"README.md should say {claim!r}: it counts another number"
+
+
 def test_the_documented_family_table_is_the_one_these_tables_give():
     check = subprocess.run(
         [sys.executable, "scripts/generate_family_table.py", "--check"],
