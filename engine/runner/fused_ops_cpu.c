@@ -121,8 +121,8 @@ typedef int (*AttentionKernel)(int dtype, const void *queries, int64_t query_row
                                int64_t output_row_stride, int64_t output_head_stride, int64_t num_kv_heads,
                                int64_t group_size, int64_t head_dim, int64_t queries_per_tile, int64_t page_size,
                                float scale, float softcap, int64_t sliding_window, int64_t attention_chunk,
-                               int fixed_order, const float *sinks, int threads);
-/* The Llama family's layers attend without chunks (a chunk longer than any position) or sinks. */
+                               int fixed_order, const float *sinks, const float *alibi_slopes, int threads);
+/* The Llama family's layers attend without chunks (a chunk longer than any position), sinks or ALiBi. */
 #define NO_ATTENTION_CHUNK INT64_MAX
 
 /* One linear layer as the linear kernel reads it: its format code, weight (packed bytes, or the float32
@@ -244,7 +244,7 @@ int decoder_layers(const Decoder *decoder, const Layer *layers, const StepInputs
                                     step->num_tiles, attended, query_width, head_dim, decoder->kv_heads,
                                     decoder->heads / decoder->kv_heads, head_dim, step->queries_per_tile,
                                     step->page_size, (float)layer->scale, 0.0f, step->sliding_windows[group],
-                                    NO_ATTENTION_CHUNK, 0, NULL, threads);
+                                    NO_ATTENTION_CHUNK, 0, NULL, NULL, threads);
         if (status != 0) {
             status = 1;
             break;
