@@ -324,6 +324,28 @@ def _layer_kind_reason(text_config: Any) -> str | None:
     return None
 
 
+# Falcon's ALiBi variant rounds each slope * key position to bf16 (engine.runner.own_attention.falcon): the
+# engine's bias equals it while the slopes are powers of two (1, 2, 4 or 8 heads) and positions stay below
+# 256 (8 significant bits); with other head counts it differs by up to 2^-9, which can change tokens.
+FALCON_ALIBI_EXACT_HEADS = (1, 2, 4, 8)
+FALCON_ALIBI_EXACT_POSITIONS = 256
+
+
+def _is_falcon_alibi(text_config: Any) -> bool:
+    return text_config.model_type == "falcon" and bool(getattr(text_config, "alibi", False))
+
+
+def _falcon_alibi_reason(text_config: Any) -> str | None:
+    num_heads = text_config.num_attention_heads
+    if not _is_falcon_alibi(text_config) or num_heads in FALCON_ALIBI_EXACT_HEADS:
+        return None
+    exact = ", ".join(str(count) for count in FALCON_ALIBI_EXACT_HEADS)
+    return (
+        f"Falcon's ALiBi variant with {num_heads} heads: the model rounds each slope x key position to "
+        f"bfloat16, which the engine's per-head slopes reproduce only with {exact} heads"
+    )
+
+
 def exact_length_limit(text_config: Any) -> int | None:
     """The longest sequence (and step) the engine computes exactly for this config, when it is shorter
     than the model's own limit; None otherwise.
@@ -332,7 +354,11 @@ def exact_length_limit(text_config: Any) -> int | None:
     floor_scale)) * attn_scale + 1, with the position taken from the token's index in the forward's input,
     not from position_ids. The engine packs many requests' tokens into one input, so that index is not the
     token's position; the scale is 1 for both while every position and every step's token count stays
-    below floor_scale - 1 (8191 tokens for Llama 4 Scout and Maverick)."""
+    below floor_scale - 1 (8191 tokens for Llama 4 Scout and Maverick).
+
+    Falcon's ALiBi variant, where served (`FALCON_ALIBI_EXACT_HEADS`), is exact below 256 positions."""
+    if _is_falcon_alibi(text_config):
+        return FALCON_ALIBI_EXACT_POSITIONS
     rope_layers = getattr(text_config, "no_rope_layers", None) or ()
     if getattr(text_config, "attn_temperature_tuning", False) and not all(rope_layers):
         return int(text_config.floor_scale) - 1
@@ -360,7 +386,7 @@ def refusal_reason(config: Any) -> str | None:
     if model_type not in SERVED_FAMILIES:
         return UNVERIFIED_FAMILY
     text_config = config.get_text_config()
-    return _layer_kind_reason(text_config)
+    return _layer_kind_reason(text_config) or _falcon_alibi_reason(text_config)
 
 
 def check_model_support(config: Any, class_name: str) -> None:

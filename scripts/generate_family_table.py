@@ -86,8 +86,10 @@ graphs for none of these families.
 Bloom, MPT and Falcon's ALiBi variant (`alibi=True`) add ALiBi's per-head slope times the key's position to
 each score; every attention path adds it (the CPU kernel, the Triton kernel, the gathered softmax), as slope
 times the key's distance behind the query, which the softmax reads the same. Falcon also rounds each slope
-times position product to bf16, which the engine reproduces where it is exact (2, 4 or 8 heads, positions
-below 256) and otherwise computes exactly, within 2^-9 of Falcon's. transformers' MPT builds its slopes
+times position product to bf16, which the engine reproduces only where that product is exact: with 1, 2, 4
+or 8 heads (slopes that are powers of two), requests bounded to 256 positions; a Falcon ALiBi model with
+other head counts (Falcon-RW's 32 and 64) is refused at load, since its bias would differ by up to 2^-9 and
+could change tokens. transformers' MPT builds its slopes
 with `alibi_bias_max` 8 whatever its config says, and so does the engine.
 
 ## Recurrent layers

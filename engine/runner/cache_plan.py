@@ -81,8 +81,8 @@ def plan_cache(
     exact_limit = exact_length_limit(text_config)
     if exact_limit is not None and (max_model_len is None or exact_limit < max_model_len):
         logger.info(
-            "requests and steps are bounded to %d tokens, the longest the engine computes this model's "
-            "position-scaled queries exactly for (engine.families.exact_length_limit)",
+            "requests and steps are bounded to %d tokens, the longest the engine computes this model exactly "
+            "for (engine.families.exact_length_limit)",
             exact_limit,
         )
         max_model_len = exact_limit

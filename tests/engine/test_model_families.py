@@ -257,6 +257,26 @@ def test_alibi_configs_give_model_generates_tokens_alone_and_batched(variant, co
             )
 
 
+def test_falcon_alibi_is_served_only_where_its_bf16_bias_is_reproduced():
+    """Falcon rounds each slope x key position to bf16: exact for power-of-two slopes below 256 positions,
+    so 4 heads are served bounded there, and 32 heads (Falcon-RW-1B's) are refused."""
+    config = tiny_family_config("falcon")
+    config.alibi = True
+    assert config.num_attention_heads == 4 and refusal_reason(config) is None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with pytest.raises(ValueError, match="at most 256") as refused:
+        engine_tokens(model, [random_prompt(250, seed=250)])  # 250 + 10 new tokens
+    assert "max_new_tokens" in str(refused.value)
+    config.num_attention_heads, config.hidden_size = 32, 256
+    reason = refusal_reason(config)
+    assert reason is not None and "ALiBi variant with 32 heads" in reason and "1, 2, 4, 8 heads" in reason
+    with torch.device("meta"):
+        wide = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError, match="ALiBi variant with 32 heads"):
+        engine_tokens(wide, [random_prompt(5, seed=5)])
+
+
 @pytest.mark.parametrize("num_heads", range(1, 72))
 def test_alibi_slopes_have_the_bits_of_the_models_own_bias(num_heads):
     """Bloom's slope * position at position 1, Falcon's (its bf16 slopes), MPT's relative to the last key."""
