@@ -59,8 +59,16 @@ def trainer_model(seed: int) -> torch.nn.Module:
     return model.eval()
 
 
+def print_line(text: str) -> None:
+    """One line on the shared stdout in one write: a line of fewer than PIPE_BUF bytes then reaches the pipe
+    whole or not at all. print() under PYTHONUNBUFFERED writes the text and its newline apart, so a trainer
+    killed between the two left half a line, the next trainer's "PID started" was appended to it, and the
+    test read the dead trainer's pid from the joined line and waited for it forever."""
+    os.write(sys.stdout.fileno(), (text.replace("\n", " ") + "\n").encode())
+
+
 def say(event: str, pause_at: str) -> None:
-    print(f"{os.getpid()} {event}", flush=True)
+    print_line(f"{os.getpid()} {event}")
     if event.split(" ")[0] == pause_at:
         os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -111,7 +119,7 @@ def main(admin_target: str, token: str) -> None:
     torch.set_num_threads(1)  # no OpenMP team in the host: a forked child could not use it
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # trainers that end are reaped at once
     trainer_model(0)
-    print("host ready", flush=True)
+    print_line("host ready")
     for line in sys.stdin:
         _, seed, bucket_bytes, timeout_s, pause_at = line.split()
         trainer_model(int(seed))
@@ -122,7 +130,7 @@ def main(admin_target: str, token: str) -> None:
             try:
                 push(admin_target, token, int(seed), int(bucket_bytes), float(timeout_s), pause_at)
             except BaseException as exc:
-                print(f"{os.getpid()} failed {type(exc).__name__}: {exc}".replace("\n", " "), flush=True)
+                print_line(f"{os.getpid()} failed {type(exc).__name__}: {exc}")
                 os._exit(1)
             os._exit(0)
 

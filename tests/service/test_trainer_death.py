@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -114,9 +115,9 @@ class TrainerHost:
         self.process.stdin.write(f"push {seed} {bucket_bytes} {timeout_s} {pause_at}\n")
         self.process.stdin.flush()
         line = self.next_line()
-        while not line.endswith(" started"):  # what a killed trainer printed before it died
+        while not (started := re.fullmatch(r"(\d+) started", line)):  # what a killed trainer printed before
             line = self.next_line()
-        pid = int(line.split(" ", 1)[0])
+        pid = int(started.group(1))
         self.trainers.append(pid)
         return pid
 
